@@ -1,0 +1,48 @@
+# FindNCCL
+# --------
+# NCCL ships no CMake package. This module finds its header and library in, in order:
+# NCCL_ROOT / $ENV{NCCL_ROOT}, the CUDA toolkit (where the development machines keep it,
+# library in <cuda>/lib), and the system prefixes (Debian/Ubuntu libnccl-dev).
+#
+# Defines NCCL_FOUND, NCCL_INCLUDE_DIR, NCCL_LIBRARY, NCCL_VERSION and the imported
+# target NCCL::NCCL.
+set(_nccl_hints ${NCCL_ROOT} $ENV{NCCL_ROOT})
+if(CUDAToolkit_LIBRARY_ROOT)
+  list(APPEND _nccl_hints ${CUDAToolkit_LIBRARY_ROOT})
+endif()
+if(CUDAToolkit_INCLUDE_DIRS)
+  foreach(_dir ${CUDAToolkit_INCLUDE_DIRS})
+    get_filename_component(_parent ${_dir} DIRECTORY)
+    list(APPEND _nccl_hints ${_parent})
+  endforeach()
+endif()
+list(APPEND _nccl_hints /usr/local/cuda)
+
+find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} PATH_SUFFIXES include)
+find_library(NCCL_LIBRARY NAMES nccl HINTS ${_nccl_hints}
+             PATH_SUFFIXES lib lib64 lib/x86_64-linux-gnu targets/x86_64-linux/lib)
+
+if(NCCL_INCLUDE_DIR AND EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")
+  file(STRINGS "${NCCL_INCLUDE_DIR}/nccl.h" _nccl_major REGEX "^#define NCCL_MAJOR +[0-9]+")
+  file(STRINGS "${NCCL_INCLUDE_DIR}/nccl.h" _nccl_minor REGEX "^#define NCCL_MINOR +[0-9]+")
+  file(STRINGS "${NCCL_INCLUDE_DIR}/nccl.h" _nccl_patch REGEX "^#define NCCL_PATCH +[0-9]+")
+  string(REGEX MATCH "[0-9]+" _nccl_major "${_nccl_major}")
+  string(REGEX MATCH "[0-9]+" _nccl_minor "${_nccl_minor}")
+  string(REGEX MATCH "[0-9]+" _nccl_patch "${_nccl_patch}")
+  if(_nccl_major)
+    set(NCCL_VERSION "${_nccl_major}.${_nccl_minor}.${_nccl_patch}")
+  endif()
+endif()
+
+include(FindPackageHandleStandardArgs)
+find_package_handle_standard_args(NCCL
+  REQUIRED_VARS NCCL_LIBRARY NCCL_INCLUDE_DIR
+  VERSION_VAR NCCL_VERSION)
+
+if(NCCL_FOUND AND NOT TARGET NCCL::NCCL)
+  add_library(NCCL::NCCL UNKNOWN IMPORTED)
+  set_target_properties(NCCL::NCCL PROPERTIES
+    IMPORTED_LOCATION "${NCCL_LIBRARY}"
+    INTERFACE_INCLUDE_DIRECTORIES "${NCCL_INCLUDE_DIR}")
+endif()
+mark_as_advanced(NCCL_INCLUDE_DIR NCCL_LIBRARY)

@@ -1,0 +1,50 @@
+# kvstream_add_library(<folder>
+#     SOURCES <files...> [CUDA_SOURCES <files...>]
+#     DEPS <public targets...> [PRIVATE_DEPS <targets...>])
+#
+# Declares the library of one top-level folder: target kvstream_<folder>, alias
+# kvstream::<folder>, public headers in <folder>/include/kvstream/<folder>/, installed
+# and exported under the kvstream:: namespace. CUDA sources are added only when
+# KVSTREAM_HAVE_CUDA is on.
+include(GNUInstallDirs)
+
+set(KVSTREAM_WARNINGS -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wno-unused-parameter)
+
+function(kvstream_set_warnings target)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${KVSTREAM_WARNINGS}>)
+  if(KVSTREAM_WERROR)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror>
+                                             $<$<COMPILE_LANGUAGE:CUDA>:--Werror=all-warnings>)
+  endif()
+endfunction()
+
+function(kvstream_add_library folder)
+  cmake_parse_arguments(ARG "" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  set(target kvstream_${folder})
+  set(sources ${ARG_SOURCES})
+  if(KVSTREAM_HAVE_CUDA)
+    list(APPEND sources ${ARG_CUDA_SOURCES})
+  endif()
+  add_library(${target} ${sources})
+  add_library(kvstream::${folder} ALIAS ${target})
+  set_target_properties(${target} PROPERTIES
+    EXPORT_NAME ${folder}
+    OUTPUT_NAME kvstream_${folder}
+    CXX_VISIBILITY_PRESET hidden
+    VISIBILITY_INLINES_HIDDEN ON)
+  if(KVSTREAM_HAVE_CUDA)
+    set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
+  endif()
+  target_include_directories(${target} PUBLIC
+    $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>
+    PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
+  target_compile_features(${target} PUBLIC cxx_std_17)
+  target_link_libraries(${target} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  kvstream_set_warnings(${target})
+  install(TARGETS ${target} EXPORT kvstreamTargets
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+endfunction()
