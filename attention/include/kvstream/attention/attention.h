@@ -108,6 +108,8 @@ class Attention {
   // The resolved cache dtype (after "auto" and the quant config).
   KvCacheDType kv_cache_dtype() const { return kv_cache_dtype_; }
   bool shares_kv() const { return options_.kv_sharing_target_layer_name.has_value(); }
+  // The layer whose cache this layer reads: itself, or the end of its KV-sharing chain.
+  const std::string& kv_cache_owner() const { return kv_cache_owner_; }
   // Set by models that write the cache themselves before calling Forward with the key.
   void set_kv_cache_update_bypass(bool bypass) { kv_cache_update_bypass_ = bypass; }
   bool kv_cache_update_bypass() const { return kv_cache_update_bypass_; }
@@ -119,6 +121,7 @@ class Attention {
   AttentionOptions options_;
   KvCacheSpec spec_;
   KvCacheDType kv_cache_dtype_ = KvCacheDType::kAuto;
+  std::string kv_cache_owner_;
   bool kv_cache_update_bypass_ = false;
   std::unique_ptr<AttentionBackend> backend_;
   LayerRegistry* registry_ = nullptr;

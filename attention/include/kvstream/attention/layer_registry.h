@@ -5,7 +5,7 @@
 //   LayerRegistry registry;
 //   ASSIGN_OR_RETURN(auto attn, Attention::Create(options, &registry));  // registers itself
 //   RETURN_IF_ERROR(registry.BindKvCache("model.layers.0.self_attn.attn", cache.get()));
-//   registry.SetForwardContext({.metadata = &metadata});
+//   registry.SetForwardContext({&metadata});
 //   RETURN_IF_ERROR(attn->Forward(q, k, v, out));
 //
 // Layer names drive everything else (routing, transfer tags, metrics), so a duplicate name

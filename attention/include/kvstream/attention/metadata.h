@@ -10,8 +10,8 @@
 // <= its own).
 //
 //   ASSIGN_OR_RETURN(AttentionMetadata md, BuildAttentionMetadata(
-//       {{.context_len = 0, .query_len = 7, .block_ids = {3}},
-//        {.context_len = 40, .query_len = 1, .block_ids = {0, 5, 9}}}, /*block_size=*/16));
+//       {{/*context_len=*/0, /*query_len=*/7, /*block_ids=*/{3}},
+//        {/*context_len=*/40, /*query_len=*/1, /*block_ids=*/{0, 5, 9}}}, /*block_size=*/16));
 #ifndef KVSTREAM_ATTENTION_METADATA_H_
 #define KVSTREAM_ATTENTION_METADATA_H_
 

@@ -2,8 +2,7 @@
 // plus the fp8 scales. Kernels and transports see it through KvCacheView, a plain struct of
 // pointers and strides (KvCacheSpec and CacheStrides in kv_cache_spec.h).
 //
-//   ASSIGN_OR_RETURN(auto cache, KvCache::Create({.spec = spec, .layout = KvLayout::kHND,
-//                                                 .num_blocks = 1024}));
+//   ASSIGN_OR_RETURN(auto cache, KvCache::Create({spec, KvLayout::kHND, /*num_blocks=*/1024}));
 //   RETURN_IF_ERROR(cache->SetScales({0.02f}, {0.03f}));   // fp8, per tensor
 //
 // Borrowed caches keep whatever strides the engine's tensors have; nothing assumes a layout.

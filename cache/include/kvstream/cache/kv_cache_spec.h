@@ -11,8 +11,9 @@
 // strides (an engine's tensors) work too.
 //
 //   ASSIGN_OR_RETURN(KvCacheDType d, ParseKvCacheDType("fp8"));     // -> kFp8E4M3
-//   KvCacheSpec spec{.block_size = 16, .num_kv_heads = 8, .head_size = 128,
-//                    .head_size_v = 128, .dtype = ResolveKvCacheDType(d, DType::kBFloat16)};
+//   KvCacheSpec spec;
+//   spec.num_kv_heads = 8; spec.head_size = spec.head_size_v = 128;
+//   spec.dtype = ResolveKvCacheDType(d, DType::kBFloat16);   // block_size defaults to 16
 //   RETURN_IF_ERROR(spec.Validate());
 #ifndef KVSTREAM_CACHE_KV_CACHE_SPEC_H_
 #define KVSTREAM_CACHE_KV_CACHE_SPEC_H_

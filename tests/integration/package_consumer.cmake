@@ -1,0 +1,20 @@
+# Installs kvstream from KVSTREAM_BUILD_DIR into WORK_DIR/prefix, then builds and runs the
+# consumer project in CONSUMER_SOURCE_DIR against it. Prints "consumer: ok" on success.
+file(REMOVE_RECURSE ${WORK_DIR})
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${ARGN}\n${out}\n${err}")
+  endif()
+  set(last_output "${out}" PARENT_SCOPE)
+endfunction()
+run(${CMAKE_COMMAND} --install ${KVSTREAM_BUILD_DIR} --prefix ${WORK_DIR}/prefix)
+run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
+    -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release)
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+run(${WORK_DIR}/build/consumer)
+message("${last_output}")
+if(NOT last_output MATCHES "attention ok")
+  message(FATAL_ERROR "the consumer did not report success")
+endif()
+message("consumer: ok")
