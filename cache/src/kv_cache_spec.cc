@@ -80,6 +80,12 @@ absl::string_view KvLayoutName(KvLayout layout) {
 }
 
 absl::Status KvCacheSpec::Validate() const {
+  if (head_size_v == 0 && head_size > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV cache spec has head_size_v=0; set it (to head_size when K and V heads "
+                     "have the same size): ",
+                     DebugString()));
+  }
   if (block_size <= 0 || num_kv_heads <= 0 || head_size <= 0 || head_size_v <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("KV cache spec needs positive block_size, num_kv_heads, head_size and "

@@ -40,7 +40,18 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
-  return strides_ == ContiguousStrides(shape_);
+  // As torch: a size-1 dimension may carry any stride (Reshape() gives such dimensions
+  // stride 1, engines give them anything), and a view with no elements is contiguous.
+  if (strides_.size() != shape_.size()) return false;
+  for (int64_t d : shape_) {
+    if (d == 0) return true;
+  }
+  int64_t expected = 1;
+  for (size_t i = shape_.size(); i-- > 0;) {
+    if (shape_[i] != 1 && strides_[i] != expected) return false;
+    expected *= shape_[i];
+  }
+  return true;
 }
 
 std::string TensorView::DebugString() const {

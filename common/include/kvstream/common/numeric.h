@@ -137,6 +137,7 @@ inline float DTypeMaxFinite(DType dtype) {
     case DType::kFloat8E4M3: return 448.0f;
     case DType::kFloat8E5M2: return 57344.0f;
     case DType::kFloat16: return 65504.0f;
+    case DType::kBFloat16: return 3.3895313892515355e38f;  // 0x7f7f: 8 mantissa bits, not 24
     default: return 3.4028234663852886e38f;
   }
 }
