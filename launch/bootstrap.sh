@@ -12,7 +12,8 @@
 set -eu
 
 PACKAGES="build-essential cmake ninja-build pkg-config git ca-certificates
-libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libcli11-dev"
+libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libcli11-dev
+libucx-dev ucx-utils libssl-dev libxxhash-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin"
 
 if [ "${1:-}" = "--list" ]; then
   echo $PACKAGES

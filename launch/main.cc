@@ -1,10 +1,47 @@
-// The kvstream command. Subcommands: demo (for now the CPU attention example).
-// Only launch/ reads argv.
+// The kvstream command. Subcommands: demo (for now the CPU attention example) and worker
+// (a prefill or decode worker). Only launch/ reads argv and the environment.
+#include <cstdlib>
 #include <iostream>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
 #include "attention_example.h"
+#include "worker.h"
+
+namespace {
+
+// Under mpirun, the rank picks the role: 0 prefills, 1 decodes.
+bool RoleFromMpiRank(std::string& role) {
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  if (rank == nullptr) rank = std::getenv("PMIX_RANK");
+  if (rank == nullptr) return false;
+  role = std::string(rank) == "0" ? "prefill" : "decode";
+  return true;
+}
+
+void AddModelFlags(CLI::App* cmd, kvstream::ToyModelConfig& m) {
+  cmd->add_option("--layers", m.num_layers, "Attention layers of the model")
+      ->capture_default_str()->check(CLI::Range(1, 256));
+  cmd->add_option("--heads", m.num_heads, "Query heads")->capture_default_str()->check(CLI::Range(1, 256));
+  cmd->add_option("--kv-heads", m.num_kv_heads, "KV heads (divides --heads)")
+      ->capture_default_str()->check(CLI::Range(1, 256));
+  cmd->add_option("--head-size", m.head_size, "Elements per head")
+      ->capture_default_str()->check(CLI::Range(1, 512));
+  cmd->add_option("--vocab", m.vocab_size, "Vocabulary size")->capture_default_str()->check(CLI::Range(2, 1 << 20));
+  cmd->add_option("--intermediate", m.intermediate_size, "MLP width")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--block-size", m.block_size, "Tokens per KV-cache block")
+      ->capture_default_str()->check(CLI::Range(1, 4096));
+  cmd->add_option("--kv-cache-dtype", m.kv_cache_dtype,
+                  "auto, bfloat16, float16, float32, fp8, fp8_e4m3 or fp8_e5m2")->capture_default_str();
+  cmd->add_option("--layout", m.layout, "KV-cache layout: NHD or HND")->capture_default_str();
+  cmd->add_option("--seed", m.seed, "Seed of the weights and prompts")->capture_default_str();
+  cmd->add_option("--backend", m.backend, "Attention backend: cpu or cpu_reference")
+      ->capture_default_str();
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"kvstream: layer-wise KV streaming for disaggregated LLM serving"};
@@ -40,7 +77,57 @@ int main(int argc, char** argv) {
                        "Largest |fast - reference| accepted on outputs")
       ->capture_default_str();
 
+  kvstream::WorkerOptions worker;
+  bool worker_mpi = false;
+  CLI::App* worker_cmd = app.add_subcommand(
+      "worker",
+      "Run a prefill or a decode worker. The decode worker hands its requests to the prefill "
+      "worker named by --kv-transfer-config (kv_ip, kv_port), decodes them as their KV "
+      "streams in layer by layer, then checks its outputs bit for bit against a colocated "
+      "run. Exit status: 0 ok, 1 error, 2 outputs differ, 3 a request failed, 4 blocks leaked");
+  worker_cmd->add_option("--role", worker.role, "prefill or decode");
+  worker_cmd->add_flag("--mpi", worker_mpi,
+                       "Take the role from the mpirun rank (0 = prefill, 1 = decode)");
+  worker_cmd->add_option("--kv-transfer-config", worker.kv_transfer_config,
+                         "vLLM's kv_transfer_config JSON (kvstream settings under "
+                         "kv_connector_extra_config)");
+  AddModelFlags(worker_cmd, worker.model);
+  worker_cmd->add_option("--num-blocks", worker.num_blocks, "KV-cache blocks per layer")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  worker_cmd->add_option("--prompts", worker.prompt_lengths, "Prompt lengths of the requests")
+      ->delimiter(',')->capture_default_str();
+  worker_cmd->add_option("--decode-steps", worker.decode_steps, "Tokens generated per request")
+      ->capture_default_str()->check(CLI::Range(1, 100000));
+  worker_cmd->add_option("--serve", worker.serve,
+                         "Prefill: exit after serving this many requests (0: when idle)")
+      ->capture_default_str();
+  worker_cmd->add_option("--idle-timeout", worker.idle_timeout_s,
+                         "Prefill: seconds without work before exiting")->capture_default_str();
+  worker_cmd->add_option("--connect-timeout", worker.connect_timeout_s,
+                         "Decode: seconds to wait for the prefill worker")->capture_default_str();
+  worker_cmd->add_option("--crash-after-layer", worker.crash_after_layer,
+                         "Fault injection for tests: SIGKILL this worker after this layer's "
+                         "transfer hook ran in a step with remote traffic")->capture_default_str();
+  worker_cmd->add_flag("!--no-check", worker.check_colocated,
+                       "Decode: skip the comparison with a colocated run");
+  worker_cmd->add_option("--json", worker.json_path, "Decode: write a JSON report to this file");
+  worker_cmd->add_option("--address-file", worker.address_file,
+                         "Rendezvous file: the prefill worker writes its control address "
+                         "(host:port) there, the decode worker reads it (overrides kv_ip, "
+                         "kv_port; lets the prefill worker use kv_port 0)");
+
   CLI11_PARSE(app, argc, argv);
+
+  if (worker_cmd->parsed()) {
+    if (worker_mpi && !RoleFromMpiRank(worker.role)) {
+      std::cerr << "kvstream worker: --mpi given but no mpirun rank in the environment\n";
+      return 1;
+    }
+    if (worker_mpi && worker.serve == 0 && worker.role == "prefill") {
+      worker.serve = static_cast<int>(worker.prompt_lengths.size());
+    }
+    return kvstream::RunWorker(worker, std::cout, std::cerr);
+  }
 
   if (demo_cmd->parsed()) {
     absl::Status s = kvstream::RunAttentionExample(demo, std::cout);

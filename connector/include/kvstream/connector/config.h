@@ -1,0 +1,62 @@
+// Connector configuration, read from vLLM's `kv_transfer_config` JSON:
+//
+//   {"kv_connector": "LayerwiseConnector", "kv_role": "kv_consumer", "kv_rank": 1,
+//    "kv_parallel_size": 2, "kv_ip": "127.0.0.1", "kv_port": 14579,
+//    "engine_id": "decode-0", "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
+//    "kv_connector_extra_config": {"transport": "ucx", "ucx_tls": "shm", "load_timeout_ms": 5000}}
+//
+// Every key of vLLM's KVTransferConfig is accepted; kvstream's own settings live under
+// kv_connector_extra_config (KvstreamSettings below). An unknown key, a value of the wrong
+// type or out of range is an InvalidArgument naming the key and the value.
+#ifndef KVSTREAM_CONNECTOR_CONFIG_H_
+#define KVSTREAM_CONNECTOR_CONFIG_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvstream {
+
+enum class KvRole { kProducer, kConsumer, kBoth };
+absl::string_view KvRoleName(KvRole role);  // "kv_producer", "kv_consumer", "kv_both"
+
+enum class LoadFailurePolicy { kRecompute, kFail };
+absl::string_view LoadFailurePolicyName(LoadFailurePolicy policy);  // "recompute", "fail"
+
+// kvstream's settings (kv_connector_extra_config).
+struct KvstreamSettings {
+  std::string transport = "ucx";  // "ucx" or "loopback"
+  std::string ucx_tls = "shm";    // UcxTransportOptions::tls
+  std::string ucx_net_devices;    // UcxTransportOptions::net_devices
+  int64_t load_timeout_ms = 10000;       // consumer: a layer must arrive within this
+  int64_t send_timeout_ms = 10000;       // producer: a request's sends must finish within this
+  int64_t handshake_timeout_ms = 5000;
+  bool verify_checksum = true;           // per-layer checksum checked by the consumer
+  std::string secret;                    // shared secret for the control channel; empty = none
+};
+
+struct KvTransferConfig {
+  std::string kv_connector;              // connector name for the factory
+  std::string engine_id;                 // default: generated
+  std::string kv_buffer_device = "cpu";  // "cpu" or "cuda"
+  double kv_buffer_size = 1e9;
+  KvRole kv_role = KvRole::kBoth;
+  int32_t kv_rank = 0;
+  int32_t kv_parallel_size = 1;
+  std::string kv_ip = "127.0.0.1";       // producer: listen address; consumer: the producer's
+  int32_t kv_port = 14579;               // control port (0 = any free port, producer only)
+  std::string kv_connector_module_path;  // accepted for compatibility; unused by C++
+  LoadFailurePolicy kv_load_failure_policy = LoadFailurePolicy::kRecompute;
+  KvstreamSettings kvstream;
+};
+
+// Parses the JSON text. InvalidArgument for malformed JSON (with the parser's position),
+// unknown keys (named), wrong types and bad values (named, with the value).
+absl::StatusOr<KvTransferConfig> ParseKvTransferConfig(absl::string_view json);
+
+}  // namespace kvstream
+
+#endif  // KVSTREAM_CONNECTOR_CONFIG_H_

@@ -1,0 +1,194 @@
+// Parsing of vLLM's kv_transfer_config JSON into KvTransferConfig.
+#include "kvstream/connector/config.h"
+
+#include <random>
+#include <set>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace {
+
+using nlohmann::json;
+
+absl::Status KeyError(absl::string_view key, const json& value, absl::string_view expected) {
+  return absl::InvalidArgumentError(absl::StrCat("kv_transfer_config: ", key, " = ",
+                                                 value.dump(), " is not ", expected));
+}
+
+absl::Status GetString(const json& j, absl::string_view key, std::string& out) {
+  if (!j.is_string()) return KeyError(key, j, "a string");
+  out = j.get<std::string>();
+  return absl::OkStatus();
+}
+
+absl::Status GetInt(const json& j, absl::string_view key, int64_t lo, int64_t hi, int64_t& out) {
+  if (!j.is_number_integer()) return KeyError(key, j, "an integer");
+  const int64_t v = j.get<int64_t>();
+  if (v < lo || v > hi) return KeyError(key, j, absl::StrCat("in [", lo, ", ", hi, "]"));
+  out = v;
+  return absl::OkStatus();
+}
+
+absl::Status GetInt32(const json& j, absl::string_view key, int64_t lo, int64_t hi, int32_t& out) {
+  int64_t v = 0;
+  RETURN_IF_ERROR(GetInt(j, key, lo, hi, v));
+  out = static_cast<int32_t>(v);
+  return absl::OkStatus();
+}
+
+absl::Status GetBool(const json& j, absl::string_view key, bool& out) {
+  if (!j.is_boolean()) return KeyError(key, j, "true or false");
+  out = j.get<bool>();
+  return absl::OkStatus();
+}
+
+absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
+  if (!extra.is_object()) return KeyError("kv_connector_extra_config", extra, "an object");
+  for (auto it = extra.begin(); it != extra.end(); ++it) {
+    const std::string key = absl::StrCat("kv_connector_extra_config.", it.key());
+    const json& v = it.value();
+    if (it.key() == "transport") {
+      RETURN_IF_ERROR(GetString(v, key, s.transport));
+      if (s.transport != "ucx" && s.transport != "loopback") {
+        return KeyError(key, v, "\"ucx\" or \"loopback\"");
+      }
+    } else if (it.key() == "ucx_tls") {
+      RETURN_IF_ERROR(GetString(v, key, s.ucx_tls));
+      if (s.ucx_tls.empty()) return KeyError(key, v, "a non-empty UCX_TLS value");
+    } else if (it.key() == "ucx_net_devices") {
+      RETURN_IF_ERROR(GetString(v, key, s.ucx_net_devices));
+    } else if (it.key() == "load_timeout_ms") {
+      RETURN_IF_ERROR(GetInt(v, key, 1, 3600000, s.load_timeout_ms));
+    } else if (it.key() == "send_timeout_ms") {
+      RETURN_IF_ERROR(GetInt(v, key, 1, 3600000, s.send_timeout_ms));
+    } else if (it.key() == "handshake_timeout_ms") {
+      RETURN_IF_ERROR(GetInt(v, key, 1, 3600000, s.handshake_timeout_ms));
+    } else if (it.key() == "verify_checksum") {
+      RETURN_IF_ERROR(GetBool(v, key, s.verify_checksum));
+    } else if (it.key() == "secret") {
+      RETURN_IF_ERROR(GetString(v, key, s.secret));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_transfer_config: unknown key ", key,
+          " (known: transport, ucx_tls, ucx_net_devices, load_timeout_ms, send_timeout_ms, "
+          "handshake_timeout_ms, verify_checksum, secret)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string RandomEngineId() {
+  std::random_device rd;
+  return absl::StrCat("engine-", absl::Hex(rd()), absl::Hex(rd()));
+}
+
+}  // namespace
+
+absl::string_view KvRoleName(KvRole role) {
+  switch (role) {
+    case KvRole::kProducer: return "kv_producer";
+    case KvRole::kConsumer: return "kv_consumer";
+    case KvRole::kBoth: return "kv_both";
+  }
+  return "unknown";
+}
+
+absl::string_view LoadFailurePolicyName(LoadFailurePolicy policy) {
+  return policy == LoadFailurePolicy::kFail ? "fail" : "recompute";
+}
+
+absl::StatusOr<KvTransferConfig> ParseKvTransferConfig(absl::string_view text) {
+  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    // Re-parse with exceptions off is silent about the position; ask the SAX parser.
+    try {
+      json again = json::parse(text.begin(), text.end());
+      (void)again;
+    } catch (const json::parse_error& e) {
+      return absl::InvalidArgumentError(absl::StrCat("kv_transfer_config: malformed JSON: ", e.what()));
+    }
+    return absl::InvalidArgumentError("kv_transfer_config: malformed JSON");
+  }
+  if (!j.is_object()) return KeyError("kv_transfer_config", j, "a JSON object");
+
+  KvTransferConfig c;
+  bool has_engine_id = false;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& key = it.key();
+    const json& v = it.value();
+    if (v.is_null()) continue;  // vLLM writes unset optionals as null
+    if (key == "kv_connector") {
+      RETURN_IF_ERROR(GetString(v, key, c.kv_connector));
+    } else if (key == "engine_id") {
+      RETURN_IF_ERROR(GetString(v, key, c.engine_id));
+      if (c.engine_id.empty() || c.engine_id.size() > 200) {
+        return KeyError(key, v, "a non-empty id of at most 200 characters");
+      }
+      has_engine_id = true;
+    } else if (key == "kv_buffer_device") {
+      RETURN_IF_ERROR(GetString(v, key, c.kv_buffer_device));
+      if (c.kv_buffer_device != "cpu" && c.kv_buffer_device != "cuda") {
+        return KeyError(key, v, "\"cpu\" or \"cuda\"");
+      }
+    } else if (key == "kv_buffer_size") {
+      if (!v.is_number() || !(v.get<double>() > 0)) return KeyError(key, v, "a positive number");
+      c.kv_buffer_size = v.get<double>();
+    } else if (key == "kv_role") {
+      std::string role;
+      RETURN_IF_ERROR(GetString(v, key, role));
+      if (role == "kv_producer") {
+        c.kv_role = KvRole::kProducer;
+      } else if (role == "kv_consumer") {
+        c.kv_role = KvRole::kConsumer;
+      } else if (role == "kv_both") {
+        c.kv_role = KvRole::kBoth;
+      } else {
+        return KeyError(key, v, "\"kv_producer\", \"kv_consumer\" or \"kv_both\"");
+      }
+    } else if (key == "kv_rank") {
+      RETURN_IF_ERROR(GetInt32(v, key, 0, 1 << 20, c.kv_rank));
+    } else if (key == "kv_parallel_size") {
+      RETURN_IF_ERROR(GetInt32(v, key, 1, 1 << 20, c.kv_parallel_size));
+    } else if (key == "kv_ip") {
+      RETURN_IF_ERROR(GetString(v, key, c.kv_ip));
+      if (c.kv_ip.empty()) return KeyError(key, v, "a host address");
+    } else if (key == "kv_port") {
+      RETURN_IF_ERROR(GetInt32(v, key, 0, 65535, c.kv_port));
+    } else if (key == "kv_connector_module_path") {
+      RETURN_IF_ERROR(GetString(v, key, c.kv_connector_module_path));
+    } else if (key == "kv_load_failure_policy") {
+      std::string p;
+      RETURN_IF_ERROR(GetString(v, key, p));
+      if (p == "recompute") {
+        c.kv_load_failure_policy = LoadFailurePolicy::kRecompute;
+      } else if (p == "fail") {
+        c.kv_load_failure_policy = LoadFailurePolicy::kFail;
+      } else {
+        return KeyError(key, v, "\"recompute\" or \"fail\"");
+      }
+    } else if (key == "kv_connector_extra_config") {
+      RETURN_IF_ERROR(ParseExtra(v, c.kvstream));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_transfer_config: unknown key ", key,
+          " (known: kv_connector, engine_id, kv_buffer_device, kv_buffer_size, kv_role, "
+          "kv_rank, kv_parallel_size, kv_ip, kv_port, kv_connector_module_path, "
+          "kv_load_failure_policy, kv_connector_extra_config)"));
+    }
+  }
+  if (c.kv_rank >= c.kv_parallel_size) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_transfer_config: kv_rank ", c.kv_rank,
+                                                   " must be below kv_parallel_size ",
+                                                   c.kv_parallel_size));
+  }
+  if (!has_engine_id) c.engine_id = RandomEngineId();
+  return c;
+}
+
+}  // namespace kvstream

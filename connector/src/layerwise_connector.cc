@@ -1,0 +1,1191 @@
+// LayerwiseConnector (layerwise_connector.h): push-mode, layer-by-layer KV streaming.
+#include "kvstream/connector/layerwise_connector.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <xxhash.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "kvstream/common/logging.h"
+#include "kvstream/common/status_macros.h"
+#include "kvstream/connector/block_copy_plan.h"
+#include "kvstream/connector/layer_name.h"
+#include "kvstream/transfer/control_channel.h"
+#include "kvstream/transfer/wire.h"
+
+namespace kvstream {
+namespace {
+
+// ---- Layer notifications: "KVN1" | u16 id_len | id | u32 layer | u64 bytes | u8 has_sum |
+// u64 checksum, little-endian. Decoded strictly; an undecodable one is logged and dropped.
+
+constexpr char kNoticeMagic[4] = {'K', 'V', 'N', '1'};
+
+struct LayerNotice {
+  std::string request_id;
+  uint32_t layer = 0;
+  uint64_t bytes = 0;
+  bool has_checksum = false;
+  uint64_t checksum = 0;
+};
+
+void PutLe(std::string& out, uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetLe(const char* p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+
+std::string EncodeNotice(const LayerNotice& n) {
+  std::string out(kNoticeMagic, 4);
+  PutLe(out, n.request_id.size(), 2);
+  out += n.request_id;
+  PutLe(out, n.layer, 4);
+  PutLe(out, n.bytes, 8);
+  PutLe(out, n.has_checksum ? 1 : 0, 1);
+  PutLe(out, n.checksum, 8);
+  return out;
+}
+
+absl::StatusOr<LayerNotice> DecodeNotice(absl::string_view in) {
+  if (in.size() < 6 || std::memcmp(in.data(), kNoticeMagic, 4) != 0) {
+    return absl::InvalidArgumentError("layer notification: bad magic or truncated");
+  }
+  const size_t id_len = GetLe(in.data() + 4, 2);
+  if (id_len > kMaxIdBytes || in.size() != 6 + id_len + 4 + 8 + 1 + 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer notification: size ", in.size(), " does not match id length ", id_len));
+  }
+  LayerNotice n;
+  const char* p = in.data() + 6;
+  n.request_id.assign(p, id_len);
+  p += id_len;
+  n.layer = static_cast<uint32_t>(GetLe(p, 4));
+  n.bytes = GetLe(p + 4, 8);
+  const uint64_t flag = GetLe(p + 12, 1);
+  if (flag > 1) return absl::InvalidArgumentError("layer notification: bad checksum flag");
+  n.has_checksum = flag == 1;
+  n.checksum = GetLe(p + 13, 8);
+  return n;
+}
+
+absl::Status StatusFromCode(int32_t code, absl::string_view message) {
+  if (code <= 0 || code > 16) return absl::UnknownError(message);
+  return absl::Status(static_cast<absl::StatusCode>(code), message);
+}
+
+// One registered layer (only layers that own their cache; sharing layers are not sent).
+struct LayerEntry {
+  std::string name;
+  int32_t index = 0;
+  KvCache* cache = nullptr;
+  std::unique_ptr<MemoryRegistration> k_reg;
+  std::unique_ptr<MemoryRegistration> v_reg;
+};
+
+// Producer side: one connected consumer.
+struct ConsumerLink {
+  std::string engine_id;
+  PeerId peer = 0;
+  int64_t remote_num_blocks = 0;
+  // By layer index: the consumer's K and V regions.
+  std::map<int32_t, std::pair<std::unique_ptr<RemoteMemory>, std::unique_ptr<RemoteMemory>>>
+      regions;
+  std::atomic<bool> alive{true};
+};
+
+// Consumer side: one producer we hand requests to.
+struct ProducerLink {
+  std::unique_ptr<ControlConnection> conn;
+  std::string address;
+  std::atomic<bool> alive{true};
+};
+
+// Consumer-side state of a request whose KV comes from a producer.
+struct RecvRequest {
+  std::string id;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> blocks;
+  int32_t num_tokens = 0;
+  std::string producer;  // address key of the ProducerLink
+  std::vector<uint8_t> arrived;
+  int arrived_count = 0;
+  bool handed_off = false;
+  bool failed = false;
+  absl::Status error;
+  bool error_reported = false;
+  bool producer_stopped = false;  // no write can land any more
+  absl::Time abort_deadline = absl::InfiniteFuture();
+  bool engine_finished = false;
+};
+
+// Producer-side state of a request handed over by a consumer.
+struct SendRequest {
+  std::string id;
+  std::shared_ptr<ConsumerLink> link;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> dest_blocks;
+  int32_t num_tokens = 0;
+  std::vector<int32_t> local_blocks;
+  bool save_scheduled = false;
+  std::set<int32_t> layers_posted;
+  std::vector<TransferId> pending;
+  bool failed = false;
+  std::string stop_reason;
+  bool stop_notified = false;
+  absl::Time deadline = absl::InfiniteFuture();
+  bool engine_finished = false;
+};
+
+class LayerwiseConnectorImpl final : public KvConnector {
+ public:
+  LayerwiseConnectorImpl(KvTransferConfig config, std::unique_ptr<Transport> transport)
+      : config_(std::move(config)), transport_(std::move(transport)) {}
+  ~LayerwiseConnectorImpl() override { Shutdown(); }
+
+  absl::Status Start() {
+    if (is_producer()) {
+      ASSIGN_OR_RETURN(listener_, ControlListener::Listen(config_.kv_ip,
+                                                          static_cast<uint16_t>(config_.kv_port)));
+      accept_thread_ = std::thread([this] { AcceptLoop(); });
+    }
+    progress_thread_ = std::thread([this] { ProgressLoop(); });
+    return absl::OkStatus();
+  }
+
+  KvRole role() const override { return config_.kv_role; }
+  const KvTransferConfig& config() const override { return config_; }
+  std::string control_address() const override {
+    return listener_ ? absl::StrCat(config_.kv_ip, ":", listener_->port()) : std::string();
+  }
+
+  // ---- scheduler side ----
+
+  absl::StatusOr<MatchedTokens> GetNumNewMatchedTokens(const KvRequest& request,
+                                                       int32_t num_computed_tokens) override {
+    MatchedTokens m;
+    if (!is_consumer() || !request.remote_prefill) return m;
+    // All prompt tokens but the last come from the producer; the consumer computes the last
+    // one itself to produce the first token.
+    const int32_t remote = static_cast<int32_t>(request.prompt_token_ids.size()) - 1;
+    m.num_tokens = std::max(0, remote - num_computed_tokens);
+    m.load_async = false;
+    return m;
+  }
+
+  absl::Status UpdateStateAfterAlloc(const KvRequest& request, absl::Span<const int32_t> block_ids,
+                                     int32_t num_external_tokens) override {
+    absl::MutexLock lock(&mu_);
+    if (is_consumer() && request.remote_prefill && num_external_tokens > 0) {
+      const int64_t need = (num_external_tokens + block_size_ - 1) / std::max(1, block_size_);
+      if (static_cast<int64_t>(block_ids.size()) < need) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "request ", request.request_id, ": ", block_ids.size(), " blocks for ",
+            num_external_tokens, " remote tokens of block size ", block_size_));
+      }
+      if (recv_.count(request.request_id) != 0) {
+        return absl::AlreadyExistsError(
+            absl::StrCat("request ", request.request_id, " is already loading"));
+      }
+      RecvRequest r;
+      r.id = request.request_id;
+      r.prompt = request.prompt_token_ids;
+      r.blocks.assign(block_ids.begin(), block_ids.end());
+      r.num_tokens = num_external_tokens;
+      r.producer = absl::StrCat(request.remote_prefill->host, ":", request.remote_prefill->port);
+      r.arrived.assign(layer_slots_, 0);
+      recv_.emplace(r.id, std::move(r));
+      pending_loads_.push_back(KvConnectorMetadata::Load{
+          request.request_id, request.prompt_token_ids,
+          std::vector<int32_t>(block_ids.begin(), block_ids.end()), num_external_tokens,
+          *request.remote_prefill});
+      return absl::OkStatus();
+    }
+    auto it = send_.find(request.request_id);
+    if (it != send_.end()) {
+      SendRequest& s = it->second;
+      const int64_t need = (s.num_tokens + block_size_ - 1) / std::max(1, block_size_);
+      if (static_cast<int64_t>(block_ids.size()) < need) {
+        return absl::InvalidArgumentError(absl::StrCat("request ", s.id, ": ", block_ids.size(),
+                                                       " local blocks for ", s.num_tokens,
+                                                       " tokens to send"));
+      }
+      s.local_blocks.assign(block_ids.begin(), block_ids.end());
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<KvConnectorMetadata> BuildConnectorMeta(
+      absl::Span<const ScheduledRequest> scheduled) override {
+    absl::MutexLock lock(&mu_);
+    KvConnectorMetadata meta;
+    meta.loads = std::move(pending_loads_);
+    pending_loads_.clear();
+    for (const ScheduledRequest& sr : scheduled) {
+      auto r = recv_.find(sr.request_id);
+      if (r != recv_.end() && r->second.arrived_count < layer_count_ && !r->second.failed) {
+        meta.waits.push_back(sr.request_id);
+      }
+      auto s = send_.find(sr.request_id);
+      if (s != send_.end() && !s->second.save_scheduled && !s->second.failed &&
+          !s->second.local_blocks.empty() &&
+          sr.num_computed_tokens + sr.num_scheduled_tokens >= s->second.num_tokens) {
+        s->second.save_scheduled = true;
+        s->second.deadline = absl::Now() + absl::Milliseconds(config_.kvstream.send_timeout_ms);
+        meta.saves.push_back({s->second.id, s->second.local_blocks, s->second.num_tokens});
+      }
+    }
+    return meta;
+  }
+
+  absl::StatusOr<bool> RequestFinished(const std::string& request_id) override {
+    std::vector<std::pair<std::shared_ptr<ProducerLink>, AbortMsg>> aborts;
+    bool delay = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto s = send_.find(request_id);
+      if (s != send_.end()) {
+        if (SendDone(s->second)) {
+          send_.erase(s);
+        } else {
+          s->second.engine_finished = true;
+          delay = true;
+        }
+      }
+      auto r = recv_.find(request_id);
+      if (r != recv_.end()) {
+        RecvRequest& rr = r->second;
+        if (rr.arrived_count == layer_count_ || rr.producer_stopped || !rr.handed_off) {
+          recv_.erase(r);
+        } else {
+          rr.engine_finished = true;
+          if (!rr.failed) FailRecv(rr, absl::CancelledError("the request finished before its KV arrived"));
+          QueueAbort(rr, aborts);
+          delay = true;
+        }
+      }
+    }
+    SendAborts(aborts);
+    return delay;
+  }
+
+  std::vector<KvRequest> TakeIncomingRequests() override {
+    absl::MutexLock lock(&mu_);
+    std::vector<KvRequest> out = std::move(incoming_);
+    incoming_.clear();
+    return out;
+  }
+
+  // ---- worker side ----
+
+  absl::Status RegisterKvCaches(const std::map<std::string, KvCache*>& caches) override {
+    absl::MutexLock lock(&mu_);
+    if (!layers_.empty()) return absl::FailedPreconditionError("KV caches already registered");
+    if (caches.empty()) return absl::InvalidArgumentError("no KV caches to register");
+    std::string description;
+    uint64_t hash = XXH3_64bits_withSeed("kvstream-layerwise", 18, kLayerwiseProtocolVersion);
+    const KvCacheSpec* first = nullptr;
+    int32_t max_index = -1;
+    std::set<int32_t> seen;
+    for (const auto& [name, cache] : caches) {
+      if (cache == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("null KV cache for layer '", name, "'"));
+      }
+      ASSIGN_OR_RETURN(int32_t index, ParseLayerIndex(name));
+      if (!seen.insert(index).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("two layers map to index ", index, " (second: '", name, "')"));
+      }
+      const KvCacheSpec& spec = cache->spec();
+      if (first == nullptr) {
+        first = &spec;
+      } else if (spec != *first || cache->num_blocks() != layers_[0].cache->num_blocks()) {
+        return absl::InvalidArgumentError(absl::StrCat("layer '", name, "' has cache ",
+                                                       spec.DebugString(), ", layer '",
+                                                       layers_[0].name, "' has ",
+                                                       first->DebugString()));
+      }
+      if (cache->view().memory != MemoryKind::kHost) {
+        return absl::UnimplementedError(absl::StrCat("layer '", name, "': only host caches for now"));
+      }
+      LayerEntry e;
+      e.name = name;
+      e.index = index;
+      e.cache = cache;
+      layers_.push_back(std::move(e));
+      max_index = std::max(max_index, index);
+    }
+    std::sort(layers_.begin(), layers_.end(),
+              [](const LayerEntry& a, const LayerEntry& b) { return a.index < b.index; });
+    const KvCacheView v = layers_[0].cache->view();
+    block_size_ = v.spec.block_size;
+    num_blocks_ = v.num_blocks;
+    layer_count_ = static_cast<int>(layers_.size());
+    layer_slots_ = max_index + 1;
+    description = absl::StrCat(
+        "protocol ", kLayerwiseProtocolVersion, ", ", v.spec.DebugString(), ", K strides ",
+        v.k_strides.block, "/", v.k_strides.token, "/", v.k_strides.head, "/", v.k_strides.dim,
+        ", V strides ", v.v_strides.block, "/", v.v_strides.token, "/", v.v_strides.head, "/",
+        v.v_strides.dim, ", ", layer_count_, " layers (max index ", max_index, ")");
+    hash = XXH3_64bits_withSeed(description.data(), description.size(), hash);
+    compat_hash_ = hash;
+    compat_description_ = description;
+    for (LayerEntry& e : layers_) {
+      const KvCacheView cv = e.cache->view();
+      const size_t es = DTypeSize(cv.spec.dtype);
+      const uint64_t kb = TensorExtentBytes(cv.k_strides, cv.num_blocks, cv.spec.block_size,
+                                            cv.spec.num_kv_heads, cv.spec.head_size, es);
+      const uint64_t vb = TensorExtentBytes(cv.v_strides, cv.num_blocks, cv.spec.block_size,
+                                            cv.spec.num_kv_heads, cv.spec.head_size_v, es);
+      ASSIGN_OR_RETURN(e.k_reg, transport_->RegisterMemory(cv.k, kb, cv.memory));
+      ASSIGN_OR_RETURN(e.v_reg, transport_->RegisterMemory(cv.v, vb, cv.memory));
+      layer_by_name_[e.name] = static_cast<int>(&e - layers_.data());
+      layer_by_index_[e.index] = static_cast<int>(&e - layers_.data());
+    }
+    registered_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status BindConnectorMetadata(const KvConnectorMetadata& metadata) override {
+    absl::MutexLock lock(&mu_);
+    meta_ = metadata;
+    step_error_ = absl::OkStatus();
+    return absl::OkStatus();
+  }
+
+  absl::Status StartLoadKv() override {
+    std::vector<KvConnectorMetadata::Load> loads;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!registered_) return absl::FailedPreconditionError("StartLoadKv before RegisterKvCaches");
+      loads = meta_.loads;
+    }
+    for (const KvConnectorMetadata::Load& load : loads) {
+      absl::Status s = HandOff(load);
+      if (!s.ok()) {
+        absl::MutexLock lock(&mu_);
+        auto it = recv_.find(load.request_id);
+        if (it != recv_.end()) {
+          FailRecv(it->second, s);
+          it->second.producer_stopped = true;  // nothing was handed over: nothing can land
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status BeforeAttention(absl::string_view layer_name) override {
+    absl::MutexLock lock(&mu_);
+    if (meta_.waits.empty()) return absl::OkStatus();
+    auto li = layer_by_name_.find(std::string(layer_name));
+    if (li == layer_by_name_.end()) return absl::OkStatus();  // a layer that shares KV
+    const int32_t index = layers_[li->second].index;
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(config_.kvstream.load_timeout_ms);
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const std::string& id : meta_.waits) {
+        auto r = recv_.find(id);
+        if (r == recv_.end() || r->second.failed) continue;
+        if (!r->second.arrived[index]) return false;
+      }
+      return true;
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+    if (ready()) return absl::OkStatus();
+    std::vector<std::pair<std::shared_ptr<ProducerLink>, AbortMsg>> aborts;
+    for (const std::string& id : meta_.waits) {
+      auto r = recv_.find(id);
+      if (r == recv_.end() || r->second.failed || r->second.arrived[index]) continue;
+      FailRecv(r->second,
+               absl::DeadlineExceededError(absl::StrCat(
+                   "layer '", layer_name, "' of request ", id, " did not arrive within ",
+                   config_.kvstream.load_timeout_ms, " ms")));
+      QueueAbort(r->second, aborts);
+    }
+    mu_.Unlock();
+    SendAborts(aborts);
+    mu_.Lock();
+    // The failed requests are load errors; the layer runs for the rest of the batch.
+    return absl::OkStatus();
+  }
+
+  absl::Status AfterAttention(absl::string_view layer_name, const KvCache& kv_cache,
+                              const AttentionMetadata& metadata) override {
+    struct Job {
+      std::string id;
+      std::shared_ptr<ConsumerLink> link;
+      std::vector<int32_t> local_blocks, dest_blocks;
+      int32_t num_tokens;
+    };
+    std::vector<Job> jobs;
+    const LayerEntry* layer = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      if (meta_.saves.empty()) return absl::OkStatus();
+      auto li = layer_by_name_.find(std::string(layer_name));
+      if (li == layer_by_name_.end()) return absl::OkStatus();  // shares another layer's KV
+      layer = &layers_[li->second];
+      if (&kv_cache != layer->cache) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer '", layer_name, "': the cache passed is not the one registered for it"));
+      }
+      for (const KvConnectorMetadata::Save& save : meta_.saves) {
+        auto s = send_.find(save.request_id);
+        if (s == send_.end() || s->second.failed || !s->second.link->alive) continue;
+        if (!s->second.layers_posted.insert(layer->index).second) continue;
+        jobs.push_back({s->second.id, s->second.link, save.block_ids, s->second.dest_blocks,
+                        save.num_tokens});
+      }
+    }
+    const KvCacheView cv = kv_cache.view();
+    const size_t es = DTypeSize(cv.spec.dtype);
+    for (Job& job : jobs) {
+      absl::Status status = PostLayer(*layer, cv, es, job.id, *job.link, job.local_blocks,
+                                      job.dest_blocks, job.num_tokens);
+      if (!status.ok()) {
+        absl::MutexLock lock(&mu_);
+        auto s = send_.find(job.id);
+        if (s != send_.end()) FailSend(s->second, status);
+        if (step_error_.ok()) step_error_ = status;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status WaitForSave() override {
+    absl::MutexLock lock(&mu_);
+    return step_error_;
+  }
+
+  void ClearConnectorMetadata() override {
+    absl::MutexLock lock(&mu_);
+    meta_ = KvConnectorMetadata();
+  }
+
+  absl::StatusOr<FinishedRequests> GetFinished() override {
+    absl::MutexLock lock(&mu_);
+    FinishedRequests f;
+    for (auto it = send_.begin(); it != send_.end();) {
+      if (it->second.engine_finished && SendDone(it->second)) {
+        f.finished_sending.insert(it->first);
+        it = send_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = recv_.begin(); it != recv_.end();) {
+      RecvRequest& r = it->second;
+      const bool complete = r.arrived_count == layer_count_ && !r.failed;
+      const bool failed_safe = r.failed && r.producer_stopped;
+      if (complete || failed_safe) {
+        f.finished_recving.insert(it->first);
+        if (r.engine_finished || failed_safe) {
+          if (r.failed && !r.error_reported) {
+            ++it;  // keep until its error has been taken
+            continue;
+          }
+          it = recv_.erase(it);
+          continue;
+        }
+        if (complete) {
+          it = recv_.erase(it);
+          continue;
+        }
+      }
+      ++it;
+    }
+    return f;
+  }
+
+  std::set<int32_t> GetBlockIdsWithLoadErrors() override {
+    absl::MutexLock lock(&mu_);
+    std::set<int32_t> ids;
+    for (const auto& [id, r] : recv_) {
+      if (r.failed) ids.insert(r.blocks.begin(), r.blocks.end());
+    }
+    return ids;
+  }
+
+  std::vector<LoadError> TakeLoadErrors() override {
+    absl::MutexLock lock(&mu_);
+    std::vector<LoadError> out;
+    for (auto& [id, r] : recv_) {
+      if (r.failed && !r.error_reported) {
+        r.error_reported = true;
+        out.push_back({id, r.blocks, r.error});
+      }
+    }
+    return out;
+  }
+
+ private:
+  bool is_producer() const { return config_.kv_role != KvRole::kConsumer; }
+  bool is_consumer() const { return config_.kv_role != KvRole::kProducer; }
+
+  HelloMsg LocalHello() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    HelloMsg h;
+    h.engine_id = config_.engine_id;
+    h.protocol_version = kLayerwiseProtocolVersion;
+    h.compat_hash = compat_hash_;
+    h.compat_description = compat_description_;
+    h.transport = std::string(transport_->name());
+    auto info = transport_->LocalInfo();
+    if (info.ok()) h.transport_info = *info;
+    for (const LayerEntry& e : layers_) {
+      h.regions.push_back({e.index, 0, e.k_reg->descriptor()});
+      h.regions.push_back({e.index, 1, e.v_reg->descriptor()});
+    }
+    return h;
+  }
+
+  absl::Status CheckPeer(const HelloMsg& peer) {
+    if (peer.protocol_version != kLayerwiseProtocolVersion) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "peer ", peer.engine_id, " speaks protocol ", peer.protocol_version, ", we speak ",
+          kLayerwiseProtocolVersion));
+    }
+    if (peer.compat_hash != compat_hash_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "KV cache compatibility mismatch with peer ", peer.engine_id, ": ours is [",
+          compat_description_, "], theirs is [", peer.compat_description, "]"));
+    }
+    if (peer.transport != transport_->name()) {
+      return absl::FailedPreconditionError(absl::StrCat("peer ", peer.engine_id, " uses transport ",
+                                                        peer.transport, ", we use ",
+                                                        transport_->name()));
+    }
+    return absl::OkStatus();
+  }
+
+  // ---- consumer: hand-off ----
+
+  absl::StatusOr<std::shared_ptr<ProducerLink>> ProducerFor(const RemotePrefill& remote) {
+    const std::string key = absl::StrCat(remote.host, ":", remote.port);
+    HandshakeOptions hs;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = producers_.find(key);
+      if (it != producers_.end() && it->second->alive) return it->second;
+      hs.local = LocalHello();
+    }
+    const absl::Time deadline =
+        absl::Now() + absl::Milliseconds(config_.kvstream.handshake_timeout_ms);
+    ASSIGN_OR_RETURN(auto conn, ConnectControl(remote.host, static_cast<uint16_t>(remote.port),
+                                               deadline));
+    hs.secret = config_.kvstream.secret;
+    hs.deadline = deadline;
+    hs.check = [this](const HelloMsg& peer) { return CheckPeer(peer); };
+    auto peer = HandshakeAsClient(*conn, hs);
+    if (!peer.ok()) {
+      return absl::Status(peer.status().code(), absl::StrCat("handshake with producer ", key,
+                                                             ": ", peer.status().message()));
+    }
+    auto link = std::make_shared<ProducerLink>();
+    link->conn = std::move(conn);
+    link->address = key;
+    {
+      absl::MutexLock lock(&mu_);
+      producers_[key] = link;
+    }
+    absl::MutexLock lock(&threads_mu_);
+    readers_.emplace_back([this, link] { ProducerReaderLoop(link); });
+    return link;
+  }
+
+  absl::Status HandOff(const KvConnectorMetadata::Load& load) {
+    ASSIGN_OR_RETURN(std::shared_ptr<ProducerLink> link, ProducerFor(load.remote));
+    RequestMsg m;
+    m.request_id = load.request_id;
+    m.prompt_token_ids = load.prompt_token_ids;
+    m.dest_block_ids = load.block_ids;
+    m.num_tokens = static_cast<uint32_t>(load.num_tokens);
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = recv_.find(load.request_id);
+      if (it == recv_.end()) return absl::OkStatus();  // finished meanwhile
+      it->second.handed_off = true;
+      it->second.producer = link->address;
+    }
+    absl::Status s = link->conn->Send(m, absl::Now() + absl::Seconds(5));
+    if (!s.ok()) {
+      absl::MutexLock lock(&mu_);
+      auto it = recv_.find(load.request_id);
+      if (it != recv_.end()) it->second.handed_off = false;
+      return absl::UnavailableError(absl::StrCat("sending request ", load.request_id,
+                                                 " to producer ", link->address, ": ",
+                                                 s.message()));
+    }
+    return absl::OkStatus();
+  }
+
+  void ProducerReaderLoop(std::shared_ptr<ProducerLink> link) {
+    while (!stopping_) {
+      auto msg = link->conn->Receive(absl::Now() + absl::Milliseconds(100));
+      if (!msg.ok()) {
+        if (absl::IsDeadlineExceeded(msg.status()) && !link->conn->closed()) continue;
+        LinkLost(*link, msg.status());
+        return;
+      }
+      absl::MutexLock lock(&mu_);
+      if (auto* ack = std::get_if<RequestAckMsg>(&*msg)) {
+        if (ack->status_code != 0) {
+          auto it = recv_.find(ack->request_id);
+          if (it != recv_.end()) {
+            FailRecv(it->second, StatusFromCode(ack->status_code,
+                                                absl::StrCat("producer ", link->address,
+                                                             " rejected request ",
+                                                             ack->request_id, ": ", ack->message)));
+            it->second.producer_stopped = true;
+          }
+        }
+      } else if (auto* abort = std::get_if<AbortMsg>(&*msg)) {
+        auto it = recv_.find(abort->request_id);
+        if (it != recv_.end()) {
+          if (!it->second.failed) {
+            FailRecv(it->second, absl::AbortedError(absl::StrCat(
+                                     "producer ", link->address, " stopped sending request ",
+                                     abort->request_id, ": ", abort->reason)));
+          }
+          it->second.producer_stopped = true;
+        }
+      } else {
+        Log(LogLevel::kWarning, absl::StrCat("producer ", link->address, " sent an unexpected ",
+                                             MessageTypeName(TypeOf(*msg)), " message"));
+      }
+    }
+  }
+
+  void LinkLost(ProducerLink& link, const absl::Status& why) {
+    link.alive = false;
+    link.conn->Close();
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, r] : recv_) {
+      if (r.producer != link.address || !r.handed_off) continue;
+      if (r.arrived_count < layer_count_ && !r.failed) {
+        FailRecv(r, absl::UnavailableError(absl::StrCat("lost producer ", link.address, ": ",
+                                                        why.message())));
+      }
+      r.producer_stopped = true;
+    }
+  }
+
+  void FailRecv(RecvRequest& r, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (r.failed) return;
+    r.failed = true;
+    r.error = std::move(status);
+    r.abort_deadline = absl::Now() + absl::Milliseconds(config_.kvstream.send_timeout_ms);
+    Log(LogLevel::kWarning, absl::StrCat("load error: ", r.error.ToString()));
+  }
+
+  void QueueAbort(RecvRequest& r, std::vector<std::pair<std::shared_ptr<ProducerLink>, AbortMsg>>& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (r.producer_stopped || !r.handed_off) {
+      r.producer_stopped = true;
+      return;
+    }
+    auto it = producers_.find(r.producer);
+    if (it == producers_.end() || !it->second->alive) {
+      r.producer_stopped = true;
+      return;
+    }
+    out.push_back({it->second, AbortMsg{r.id, r.error.ToString()}});
+  }
+
+  void SendAborts(const std::vector<std::pair<std::shared_ptr<ProducerLink>, AbortMsg>>& aborts) {
+    for (const auto& [link, msg] : aborts) {
+      absl::Status s = link->conn->Send(msg, absl::Now() + absl::Seconds(1));
+      if (!s.ok()) LinkLost(*link, s);
+    }
+  }
+
+  // ---- producer: control ----
+
+  void AcceptLoop() {
+    while (!stopping_) {
+      auto conn = listener_->Accept(absl::Now() + absl::Milliseconds(100));
+      if (!conn.ok()) continue;
+      std::shared_ptr<ControlConnection> shared(std::move(*conn));
+      absl::MutexLock lock(&threads_mu_);
+      readers_.emplace_back([this, shared] { ConsumerLoop(shared); });
+    }
+  }
+
+  void ConsumerLoop(std::shared_ptr<ControlConnection> shared) {
+    auto link = std::make_shared<ConsumerLink>();
+    HandshakeOptions hs;
+    {
+      absl::MutexLock lock(&mu_);
+      hs.local = LocalHello();
+    }
+    hs.secret = config_.kvstream.secret;
+    hs.deadline = absl::Now() + absl::Milliseconds(config_.kvstream.handshake_timeout_ms);
+    hs.check = [this, &link](const HelloMsg& peer) -> absl::Status {
+      RETURN_IF_ERROR(CheckPeer(peer));
+      return ImportConsumer(peer, *link);
+    };
+    ControlConnection& conn = *shared;
+    auto peer = HandshakeAsServer(conn, hs);
+    if (!peer.ok()) {
+      Log(LogLevel::kWarning, absl::StrCat("rejected consumer ", conn.peer_address(), ": ",
+                                           peer.status().ToString()));
+      conn.Close();
+      return;
+    }
+    link->engine_id = peer->engine_id;
+    {
+      absl::MutexLock lock(&mu_);
+      link_conns_[link.get()] = shared;
+    }
+    while (!stopping_) {
+      auto msg = conn.Receive(absl::Now() + absl::Milliseconds(100));
+      if (!msg.ok()) {
+        if (absl::IsDeadlineExceeded(msg.status()) && !conn.closed()) continue;
+        ConsumerLost(link, msg.status());
+        conn.Close();
+        return;
+      }
+      if (auto* req = std::get_if<RequestMsg>(&*msg)) {
+        absl::Status s = AcceptRequest(*req, link);
+        RequestAckMsg ack;
+        ack.request_id = req->request_id;
+        ack.status_code = static_cast<int32_t>(s.code());
+        ack.message = std::string(s.message());
+        absl::Status sent = conn.Send(ack, absl::Now() + absl::Seconds(1));
+        if (!sent.ok()) {
+          ConsumerLost(link, sent);
+          conn.Close();
+          return;
+        }
+      } else if (auto* abort = std::get_if<AbortMsg>(&*msg)) {
+        absl::MutexLock lock(&mu_);
+        auto it = send_.find(abort->request_id);
+        if (it != send_.end() && it->second.link == link) {
+          FailSend(it->second, absl::CancelledError(absl::StrCat(
+                                   "consumer aborted request ", abort->request_id, ": ",
+                                   abort->reason)));
+        }
+      } else {
+        Log(LogLevel::kWarning, absl::StrCat("consumer ", link->engine_id, " sent an unexpected ",
+                                             MessageTypeName(TypeOf(*msg)), " message"));
+      }
+    }
+  }
+
+  absl::Status ImportConsumer(const HelloMsg& peer, ConsumerLink& link) {
+    ASSIGN_OR_RETURN(link.peer, transport_->Connect(peer.transport_info));
+    std::set<std::pair<int32_t, int>> seen;
+    absl::MutexLock lock(&mu_);
+    for (const RegionDescriptor& r : peer.regions) {
+      if (layer_by_index_.count(r.layer) == 0 || r.tensor > 1 || !seen.insert({r.layer, r.tensor}).second) {
+        return absl::InvalidArgumentError(absl::StrCat("consumer ", peer.engine_id,
+                                                       " sent an unexpected region for layer ",
+                                                       r.layer, " tensor ", int(r.tensor)));
+      }
+      ASSIGN_OR_RETURN(auto remote, transport_->ImportRemote(link.peer, r.descriptor));
+      auto& slot = link.regions[r.layer];
+      (r.tensor == 0 ? slot.first : slot.second) = std::move(remote);
+    }
+    if (link.regions.size() != layers_.size() || seen.size() != 2 * layers_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("consumer ", peer.engine_id, " registered ",
+                                                     seen.size(), " regions, expected ",
+                                                     2 * layers_.size()));
+    }
+    // Same layout (the compatibility hash says so): the K region's size gives its blocks.
+    const KvCacheView cv = layers_[0].cache->view();
+    const size_t es = DTypeSize(cv.spec.dtype);
+    const uint64_t block_bytes = static_cast<uint64_t>(cv.k_strides.block) * es;
+    link.remote_num_blocks =
+        block_bytes == 0 ? 0 : static_cast<int64_t>(link.regions.begin()->second.first->length() / block_bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status AcceptRequest(const RequestMsg& req, const std::shared_ptr<ConsumerLink>& link) {
+    if (req.request_id.empty()) return absl::InvalidArgumentError("empty request id");
+    if (req.num_tokens == 0 || req.num_tokens > req.prompt_token_ids.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("request ", req.request_id, " asks for ",
+                                                     req.num_tokens, " tokens of a ",
+                                                     req.prompt_token_ids.size(),
+                                                     "-token prompt"));
+    }
+    absl::MutexLock lock(&mu_);
+    const int64_t need = (static_cast<int64_t>(req.num_tokens) + block_size_ - 1) / block_size_;
+    if (static_cast<int64_t>(req.dest_block_ids.size()) < need) {
+      return absl::InvalidArgumentError(absl::StrCat("request ", req.request_id, ": ",
+                                                     req.dest_block_ids.size(),
+                                                     " destination blocks for ", req.num_tokens,
+                                                     " tokens of block size ", block_size_));
+    }
+    for (int64_t i = 0; i < need; ++i) {
+      const int32_t b = req.dest_block_ids[i];
+      if (b < 0 || b >= link->remote_num_blocks) {
+        return absl::OutOfRangeError(absl::StrCat("request ", req.request_id,
+                                                  ": destination block ", b, " outside [0, ",
+                                                  link->remote_num_blocks, ")"));
+      }
+    }
+    if (send_.count(req.request_id) != 0) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", req.request_id, " already handed over"));
+    }
+    SendRequest s;
+    s.id = req.request_id;
+    s.link = link;
+    s.prompt = req.prompt_token_ids;
+    s.dest_blocks = req.dest_block_ids;
+    s.num_tokens = static_cast<int32_t>(req.num_tokens);
+    send_.emplace(s.id, std::move(s));
+    KvRequest incoming;
+    incoming.request_id = req.request_id;
+    incoming.prompt_token_ids = req.prompt_token_ids;
+    incoming_.push_back(std::move(incoming));
+    return absl::OkStatus();
+  }
+
+  void ConsumerLost(const std::shared_ptr<ConsumerLink>& link, const absl::Status& why) {
+    link->alive = false;
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, s] : send_) {
+      if (s.link == link) {
+        FailSend(s, absl::UnavailableError(absl::StrCat("lost consumer ", link->engine_id, ": ",
+                                                        why.message())));
+      }
+    }
+    link_conns_.erase(link.get());
+  }
+
+  // Stops a request's sends; CheckSends tells the consumer once its transfers have ended.
+  void FailSend(SendRequest& s, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (s.failed) return;
+    s.failed = true;
+    s.stop_reason = why.ToString();
+    Log(LogLevel::kWarning, absl::StrCat("send of request ", s.id, " failed: ", s.stop_reason));
+    for (TransferId t : s.pending) (void)transport_->Cancel(t);
+  }
+
+  bool SendDone(const SendRequest& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!s.pending.empty()) return false;
+    if (s.failed || !s.save_scheduled) return true;
+    return static_cast<int>(s.layers_posted.size()) == layer_count_;
+  }
+
+  // Posts one layer of one request: K runs, then V runs with the notification.
+  absl::Status PostLayer(const LayerEntry& layer, const KvCacheView& cv, size_t es,
+                         const std::string& id, ConsumerLink& link,
+                         const std::vector<int32_t>& local_blocks,
+                         const std::vector<int32_t>& dest_blocks, int32_t num_tokens) {
+    auto region = link.regions.find(layer.index);
+    if (region == link.regions.end()) {
+      return absl::InternalError(absl::StrCat("no consumer region for layer ", layer.index));
+    }
+    ASSIGN_OR_RETURN(std::vector<ByteRun> k_runs,
+                     PlanBlockCopy(cv.k_strides, cv.spec.block_size, cv.spec.num_kv_heads,
+                                   cv.spec.head_size, es, local_blocks, dest_blocks, num_tokens));
+    ASSIGN_OR_RETURN(std::vector<ByteRun> v_runs,
+                     PlanBlockCopy(cv.v_strides, cv.spec.block_size, cv.spec.num_kv_heads,
+                                   cv.spec.head_size_v, es, local_blocks, dest_blocks,
+                                   num_tokens));
+    LayerNotice notice;
+    notice.request_id = id;
+    notice.layer = static_cast<uint32_t>(layer.index);
+    XXH3_state_t* state = nullptr;
+    if (config_.kvstream.verify_checksum) {
+      state = XXH3_createState();
+      XXH3_64bits_reset(state);
+    }
+    auto to_segments = [&](const std::vector<ByteRun>& runs, const void* base) {
+      std::vector<Segment> segs;
+      segs.reserve(runs.size());
+      for (const ByteRun& r : runs) {
+        segs.push_back({r.src_offset, r.dst_offset, r.length});
+        notice.bytes += r.length;
+        if (state != nullptr) {
+          XXH3_64bits_update(state, static_cast<const char*>(base) + r.src_offset, r.length);
+        }
+      }
+      return segs;
+    };
+    std::vector<Segment> k_segs = to_segments(k_runs, cv.k);
+    std::vector<Segment> v_segs = to_segments(v_runs, cv.v);
+    if (state != nullptr) {
+      notice.has_checksum = true;
+      notice.checksum = XXH3_64bits_digest(state);
+      XXH3_freeState(state);
+    }
+    ASSIGN_OR_RETURN(TransferId k_id, transport_->PostWrite(link.peer, *layer.k_reg,
+                                                            *region->second.first, k_segs, ""));
+    TrackTransfer(id, k_id);
+    ASSIGN_OR_RETURN(TransferId v_id,
+                     transport_->PostWrite(link.peer, *layer.v_reg, *region->second.second,
+                                           v_segs, EncodeNotice(notice)));
+    TrackTransfer(id, v_id);
+    return absl::OkStatus();
+  }
+
+  void TrackTransfer(const std::string& id, TransferId t) {
+    absl::MutexLock lock(&mu_);
+    auto s = send_.find(id);
+    if (s == send_.end() || s->second.failed) {
+      (void)transport_->Cancel(t);
+      orphans_.push_back(t);
+      return;
+    }
+    s->second.pending.push_back(t);
+  }
+
+  // ---- progress ----
+
+  void ProgressLoop() {
+    while (!stopping_) {
+      absl::Status s = transport_->Progress();
+      if (!s.ok()) Log(LogLevel::kWarning, absl::StrCat("transport progress: ", s.ToString()));
+      bool busy = false;
+      for (Notification& n : transport_->PollNotifications()) {
+        busy = true;
+        HandleNotice(n);
+      }
+      CheckSends();
+      CheckRecvDeadlines();
+      if (!busy) absl::SleepFor(absl::Microseconds(outstanding_.load() ? 20 : 1000));
+    }
+  }
+
+  void HandleNotice(const Notification& n) {
+    auto notice = DecodeNotice(n.payload);
+    if (!notice.ok()) {
+      Log(LogLevel::kWarning, absl::StrCat("dropping a notification from peer ", n.peer, ": ",
+                                           notice.status().message()));
+      return;
+    }
+    std::vector<int32_t> blocks;
+    int32_t num_tokens = 0;
+    const LayerEntry* layer = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      auto r = recv_.find(notice->request_id);
+      auto li = layer_by_index_.find(static_cast<int32_t>(notice->layer));
+      if (r == recv_.end() || li == layer_by_index_.end() || r->second.failed ||
+          r->second.arrived[notice->layer]) {
+        return;  // late (aborted) or duplicate; nothing to do
+      }
+      blocks = r->second.blocks;
+      num_tokens = r->second.num_tokens;
+      layer = &layers_[li->second];
+    }
+    absl::Status verdict = VerifyLayer(*layer, blocks, num_tokens, *notice);
+    absl::MutexLock lock(&mu_);
+    auto r = recv_.find(notice->request_id);
+    if (r == recv_.end() || r->second.failed) return;
+    if (!verdict.ok()) {
+      FailRecv(r->second, verdict);
+      return;
+    }
+    r->second.arrived[notice->layer] = 1;
+    ++r->second.arrived_count;
+    if (r->second.arrived_count == layer_count_) r->second.producer_stopped = true;
+  }
+
+  absl::Status VerifyLayer(const LayerEntry& layer, const std::vector<int32_t>& blocks,
+                           int32_t num_tokens, const LayerNotice& notice) {
+    const KvCacheView cv = layer.cache->view();
+    const size_t es = DTypeSize(cv.spec.dtype);
+    ASSIGN_OR_RETURN(std::vector<ByteRun> k_runs,
+                     PlanBlockCopy(cv.k_strides, cv.spec.block_size, cv.spec.num_kv_heads,
+                                   cv.spec.head_size, es, blocks, blocks, num_tokens));
+    ASSIGN_OR_RETURN(std::vector<ByteRun> v_runs,
+                     PlanBlockCopy(cv.v_strides, cv.spec.block_size, cv.spec.num_kv_heads,
+                                   cv.spec.head_size_v, es, blocks, blocks, num_tokens));
+    uint64_t bytes = 0;
+    for (const ByteRun& r : k_runs) bytes += r.length;
+    for (const ByteRun& r : v_runs) bytes += r.length;
+    if (bytes != notice.bytes) {
+      return absl::DataLossError(absl::StrCat("request ", notice.request_id, " layer ",
+                                              notice.layer, ": producer sent ", notice.bytes,
+                                              " bytes, expected ", bytes));
+    }
+    if (!config_.kvstream.verify_checksum || !notice.has_checksum) return absl::OkStatus();
+    XXH3_state_t* state = XXH3_createState();
+    XXH3_64bits_reset(state);
+    for (const ByteRun& r : k_runs) {
+      XXH3_64bits_update(state, static_cast<const char*>(cv.k) + r.dst_offset, r.length);
+    }
+    for (const ByteRun& r : v_runs) {
+      XXH3_64bits_update(state, static_cast<const char*>(cv.v) + r.dst_offset, r.length);
+    }
+    const uint64_t sum = XXH3_64bits_digest(state);
+    XXH3_freeState(state);
+    if (sum != notice.checksum) {
+      return absl::DataLossError(absl::StrCat("request ", notice.request_id, " layer ",
+                                              notice.layer, ": checksum mismatch (got ",
+                                              absl::Hex(sum), ", producer sent ",
+                                              absl::Hex(notice.checksum), ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Completes, fails and times out producer transfers; notes whether work remains.
+  void CheckSends() {
+    std::vector<std::pair<std::shared_ptr<ConsumerLink>, AbortMsg>> notify;
+    bool outstanding = false;
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time now = absl::Now();
+      for (auto& [id, s] : send_) {
+        for (auto it = s.pending.begin(); it != s.pending.end();) {
+          auto state = transport_->Test(*it);
+          if (state.ok() && *state == TransferState::kInProgress) {
+            ++it;
+            continue;
+          }
+          if (!state.ok() && !s.failed) {
+            s.failed = true;
+            s.stop_reason = state.status().ToString();
+            for (TransferId t : s.pending) {
+              if (t != *it) (void)transport_->Cancel(t);
+            }
+          }
+          transport_->Release(*it);
+          it = s.pending.erase(it);
+        }
+        if (!s.failed && s.save_scheduled && now > s.deadline && !SendDone(s)) {
+          s.failed = true;
+          s.stop_reason = absl::StrCat("sends did not finish within ",
+                                       config_.kvstream.send_timeout_ms, " ms");
+          for (TransferId t : s.pending) (void)transport_->Cancel(t);
+        }
+        // A failed request whose transfers all ended: tell the consumer once.
+        if (s.failed && s.pending.empty() && !s.stop_notified) {
+          s.stop_notified = true;
+          if (s.link->alive) notify.push_back({s.link, AbortMsg{id, s.stop_reason}});
+        }
+        if (!s.pending.empty() || (s.save_scheduled && !SendDone(s))) outstanding = true;
+      }
+      for (auto it = orphans_.begin(); it != orphans_.end();) {
+        auto state = transport_->Test(*it);
+        if (state.ok() && *state == TransferState::kInProgress) {
+          ++it;
+          outstanding = true;
+        } else {
+          transport_->Release(*it);
+          it = orphans_.erase(it);
+        }
+      }
+      for (const auto& [id, r] : recv_) {
+        if (r.handed_off && !r.producer_stopped) outstanding = true;
+      }
+      outstanding_ = outstanding;
+    }
+    for (const auto& [link, msg] : notify) {
+      std::shared_ptr<ControlConnection> conn;
+      {
+        absl::MutexLock lock(&mu_);
+        auto c = link_conns_.find(link.get());
+        if (c != link_conns_.end()) conn = c->second;
+      }
+      if (conn) (void)conn->Send(msg, absl::Now() + absl::Seconds(1));
+    }
+  }
+
+  // Consumer: a failed request whose producer never confirmed it stopped. After the send
+  // deadline the link is closed, so the producer stops every request of ours.
+  void CheckRecvDeadlines() {
+    std::vector<std::shared_ptr<ProducerLink>> close;
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time now = absl::Now();
+      for (auto& [id, r] : recv_) {
+        if (r.failed && !r.producer_stopped && now > r.abort_deadline) {
+          auto it = producers_.find(r.producer);
+          if (it != producers_.end()) close.push_back(it->second);
+          r.producer_stopped = true;
+        }
+      }
+    }
+    for (auto& link : close) {
+      Log(LogLevel::kWarning, absl::StrCat("producer ", link->address,
+                                           " did not confirm an abort; closing the link"));
+      LinkLost(*link, absl::DeadlineExceededError("abort not confirmed"));
+    }
+  }
+
+  void Shutdown() {
+    stopping_ = true;
+    if (progress_thread_.joinable()) progress_thread_.join();
+    if (accept_thread_.joinable()) accept_thread_.join();
+    std::vector<std::thread> readers;
+    {
+      absl::MutexLock lock(&threads_mu_);
+      readers = std::move(readers_);
+    }
+    for (std::thread& t : readers) t.join();
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, s] : send_) {
+      for (TransferId t : s.pending) transport_->Release(t);
+    }
+    for (TransferId t : orphans_) transport_->Release(t);
+    send_.clear();
+    recv_.clear();
+    producers_.clear();
+    link_conns_.clear();
+    for (LayerEntry& e : layers_) {
+      e.k_reg.reset();
+      e.v_reg.reset();
+    }
+  }
+
+  const KvTransferConfig config_;
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<ControlListener> listener_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> outstanding_{false};
+  std::thread progress_thread_;
+  std::thread accept_thread_;
+  absl::Mutex threads_mu_;
+  std::vector<std::thread> readers_ ABSL_GUARDED_BY(threads_mu_);
+
+  absl::Mutex mu_;
+  bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<LayerEntry> layers_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> layer_by_name_ ABSL_GUARDED_BY(mu_);
+  std::map<int32_t, int> layer_by_index_ ABSL_GUARDED_BY(mu_);
+  int block_size_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t num_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  int layer_count_ ABSL_GUARDED_BY(mu_) = 0;
+  int layer_slots_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t compat_hash_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string compat_description_ ABSL_GUARDED_BY(mu_);
+  KvConnectorMetadata meta_ ABSL_GUARDED_BY(mu_);
+  absl::Status step_error_ ABSL_GUARDED_BY(mu_);
+  std::vector<KvConnectorMetadata::Load> pending_loads_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, RecvRequest> recv_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, SendRequest> send_ ABSL_GUARDED_BY(mu_);
+  std::vector<TransferId> orphans_ ABSL_GUARDED_BY(mu_);
+  std::vector<KvRequest> incoming_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<ProducerLink>> producers_ ABSL_GUARDED_BY(mu_);
+  std::map<const ConsumerLink*, std::shared_ptr<ControlConnection>> link_conns_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvConnector>> CreateLayerwiseConnector(
+    const KvTransferConfig& config, std::unique_ptr<Transport> transport) {
+  if (transport == nullptr) return absl::InvalidArgumentError("LayerwiseConnector: null transport");
+  auto c = std::make_unique<LayerwiseConnectorImpl>(config, std::move(transport));
+  RETURN_IF_ERROR(c->Start());
+  return c;
+}
+
+}  // namespace kvstream

@@ -1,0 +1,236 @@
+// The serving engine of engine.h.
+#include "engine.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvstream/attention/metadata.h"
+#include "kvstream/common/logging.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+KvRequest AsKvRequest(const RequestSpec& spec) {
+  KvRequest r;
+  r.request_id = spec.id;
+  r.prompt_token_ids = spec.prompt;
+  r.remote_prefill = spec.remote;
+  return r;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  std::unique_ptr<Engine> e(new Engine());
+  e->options_ = options;
+  ASSIGN_OR_RETURN(e->model_, ToyModel::Create(options.model, options.num_blocks, &e->registry_));
+  ASSIGN_OR_RETURN(e->pool_, BlockPool::Create(static_cast<int32_t>(options.num_blocks)));
+  if (options.connector != nullptr) {
+    std::map<std::string, KvCache*> caches;
+    for (int l = 0; l < options.model.num_layers; ++l) {
+      caches[options.model.LayerName(l)] = e->model_->caches()[l].get();
+    }
+    RETURN_IF_ERROR(options.connector->RegisterKvCaches(caches));
+    e->registry_.SetTransferHook(options.hook != nullptr ? options.hook : options.connector);
+  }
+  return e;
+}
+
+absl::Status Engine::AddRequest(RequestSpec spec) {
+  if (spec.prompt.empty() || spec.max_new_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("request ", spec.id,
+                                                   ": empty prompt or max_new_tokens < 1"));
+  }
+  for (int32_t t : spec.prompt) {
+    if (t < 0 || t >= options_.model.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", spec.id, ": token ", t, " outside the vocabulary"));
+    }
+  }
+  const int64_t blocks =
+      CeilDiv(static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens, options_.model.block_size);
+  if (blocks > pool_->num_blocks()) {
+    return absl::ResourceExhaustedError(absl::StrCat("request ", spec.id, " needs ", blocks,
+                                                     " blocks; the cache has ",
+                                                     pool_->num_blocks()));
+  }
+  auto r = std::make_unique<Request>();
+  r->spec = std::move(spec);
+  r->arrival = absl::Now();
+  r->result.id = r->spec.id;
+  r->result.prompt_tokens = static_cast<int>(r->spec.prompt.size());
+  waiting_.push_back(std::move(r));
+  return absl::OkStatus();
+}
+
+bool Engine::HasWork() const {
+  return !waiting_.empty() || !running_.empty() || !held_blocks_.empty();
+}
+
+std::vector<RequestResult> Engine::TakeFinished() { return std::move(finished_); }
+
+absl::Status Engine::PollConnector() {
+  KvConnector* c = options_.connector;
+  if (c == nullptr) return absl::OkStatus();
+  for (KvRequest& in : c->TakeIncomingRequests()) {
+    auto r = std::make_unique<Request>();
+    r->spec.id = in.request_id;
+    r->spec.prompt = std::move(in.prompt_token_ids);
+    r->spec.max_new_tokens = 1;
+    r->arrival = absl::Now();
+    r->from_consumer = true;
+    r->result.id = r->spec.id;
+    r->result.prompt_tokens = static_cast<int>(r->spec.prompt.size());
+    waiting_.push_back(std::move(r));
+  }
+  ASSIGN_OR_RETURN(FinishedRequests f, c->GetFinished());
+  for (const std::set<std::string>* ids : {&f.finished_sending, &f.finished_recving}) {
+    for (const std::string& id : *ids) {
+      auto it = held_blocks_.find(id);
+      if (it == held_blocks_.end()) continue;
+      RETURN_IF_ERROR(pool_->Free(it->second));
+      held_blocks_.erase(it);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Admit() {
+  KvConnector* c = options_.connector;
+  while (!waiting_.empty()) {
+    Request& r = *waiting_.front();
+    const int64_t need = CeilDiv(static_cast<int64_t>(r.spec.prompt.size()) + r.spec.max_new_tokens,
+                                 options_.model.block_size);
+    if (need > pool_->num_free()) break;  // wait for blocks to come back
+    ASSIGN_OR_RETURN(r.blocks, pool_->Allocate(static_cast<int32_t>(need)));
+    int32_t matched = 0;
+    if (c != nullptr && !r.detached) {
+      const KvRequest kr = AsKvRequest(r.spec);
+      ASSIGN_OR_RETURN(MatchedTokens m, c->GetNumNewMatchedTokens(kr, 0));
+      matched = m.num_tokens;
+      RETURN_IF_ERROR(c->UpdateStateAfterAlloc(kr, r.blocks, matched));
+    }
+    r.computed = matched;
+    r.result.remote_tokens = matched;
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+  return absl::OkStatus();
+}
+
+void Engine::FinishRequest(std::unique_ptr<Request> r, absl::Status status) {
+  r->result.status = std::move(status);
+  bool delay = false;
+  if (options_.connector != nullptr && !r->detached) {
+    auto d = options_.connector->RequestFinished(r->spec.id);
+    delay = d.ok() && *d;
+  }
+  if (delay) {
+    held_blocks_[r->spec.id] = std::move(r->blocks);
+  } else if (!r->blocks.empty()) {
+    absl::Status s = pool_->Free(r->blocks);
+    if (!s.ok()) Log(LogLevel::kError, absl::StrCat("freeing blocks: ", s.ToString()));
+  }
+  if (r->from_consumer) {
+    ++served_;
+  } else {
+    finished_.push_back(std::move(r->result));
+  }
+}
+
+absl::StatusOr<bool> Engine::Step() {
+  RETURN_IF_ERROR(PollConnector());
+  RETURN_IF_ERROR(Admit());
+  if (running_.empty()) return false;
+
+  // One row per new token: the rest of each prompt, or the last generated token.
+  std::vector<SequenceSchedule> schedule;
+  std::vector<ScheduledRequest> scheduled;
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> last_rows;
+  for (const auto& r : running_) {
+    const int32_t prompt = static_cast<int32_t>(r->spec.prompt.size());
+    const bool prefill = r->computed < prompt;
+    const int32_t n = prefill ? prompt - r->computed : 1;
+    if (prefill) {
+      tokens.insert(tokens.end(), r->spec.prompt.begin() + r->computed, r->spec.prompt.end());
+    } else {
+      tokens.push_back(r->generated.back());
+    }
+    schedule.push_back({r->computed, n, r->blocks});
+    scheduled.push_back({r->spec.id, r->computed, n});
+    last_rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
+  }
+  ASSIGN_OR_RETURN(AttentionMetadata md,
+                   BuildAttentionMetadata(schedule, options_.model.block_size));
+  registry_.SetForwardContext({&md});
+  KvConnector* c = options_.connector;
+  if (c != nullptr) {
+    ASSIGN_OR_RETURN(KvConnectorMetadata meta, c->BuildConnectorMeta(scheduled));
+    RETURN_IF_ERROR(c->BindConnectorMetadata(meta));
+    RETURN_IF_ERROR(c->StartLoadKv());
+  }
+  auto logits = model_->Forward(tokens, last_rows);
+  registry_.SetForwardContext({});
+  if (c != nullptr) {
+    absl::Status s = c->WaitForSave();
+    if (!s.ok()) Log(LogLevel::kWarning, absl::StrCat("saving KV: ", s.ToString()));
+    c->ClearConnectorMetadata();
+  }
+  if (!logits.ok()) return logits.status();
+  ++steps_;
+
+  // Requests whose remote KV failed to load: their output of this step is garbage.
+  std::map<std::string, absl::Status> load_errors;
+  if (c != nullptr) {
+    for (LoadError& e : c->TakeLoadErrors()) load_errors[e.request_id] = e.status;
+  }
+  const int vocab = options_.model.vocab_size;
+  std::vector<std::unique_ptr<Request>> still_running;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    std::unique_ptr<Request>& r = running_[i];
+    auto err = load_errors.find(r->spec.id);
+    if (err != load_errors.end()) {
+      // The blocks may still receive writes until the connector says the producer stopped.
+      held_blocks_[r->spec.id] = std::move(r->blocks);
+      r->blocks.clear();
+      if (options_.failure_policy == LoadFailurePolicy::kFail) {
+        r->result.status = err->second;
+        finished_.push_back(std::move(r->result));
+        continue;
+      }
+      Log(LogLevel::kWarning, absl::StrCat("request ", r->spec.id, ": ", err->second.ToString(),
+                                           "; recomputing its prompt locally"));
+      r->spec.remote.reset();
+      r->detached = true;
+      r->computed = 0;
+      r->result.remote_tokens = 0;
+      r->result.recomputed = true;
+      waiting_.push_front(std::move(r));
+      continue;
+    }
+    const float* row = logits->data() + i * static_cast<size_t>(vocab);
+    const int32_t token = Argmax(absl::MakeConstSpan(row, vocab));
+    r->computed += schedule[i].query_len;
+    r->generated.push_back(token);
+    r->result.output_tokens.push_back(token);
+    r->result.logits.insert(r->result.logits.end(), row, row + vocab);
+    if (r->generated.size() == 1) {
+      r->result.ttft_ms = absl::ToDoubleMilliseconds(absl::Now() - r->arrival);
+    }
+    if (static_cast<int>(r->generated.size()) >= r->spec.max_new_tokens) {
+      FinishRequest(std::move(r), absl::OkStatus());
+    } else {
+      still_running.push_back(std::move(r));
+    }
+  }
+  running_ = std::move(still_running);
+  return true;
+}
+
+}  // namespace kvstream

@@ -1,0 +1,112 @@
+// A minimal serving engine over ToyModel, for kvstream's workers and demo: a FIFO scheduler
+// with whole-request block allocation, prefill and decode in one batch per step, greedy
+// sampling, and the KvConnector's scheduler and worker calls in the places vLLM makes them.
+//
+//   producer (prefill worker): requests arrive through the connector, are prefilled and
+//     streamed layer by layer; blocks are freed once the connector reports the sends done.
+//   consumer (decode worker): requests with a RemotePrefill get all prompt tokens but the
+//     last from the producer and decode from there; load errors are handled by the policy
+//     (recompute: prefill locally; fail: the request ends with the error).
+//   colocated: no connector.
+#ifndef KVSTREAM_LAUNCH_ENGINE_H_
+#define KVSTREAM_LAUNCH_ENGINE_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvstream/attention/layer_registry.h"
+#include "kvstream/cache/block_pool.h"
+#include "kvstream/connector/kv_connector.h"
+#include "toy_model.h"
+
+namespace kvstream {
+
+struct EngineOptions {
+  ToyModelConfig model;
+  int64_t num_blocks = 1024;
+  KvConnector* connector = nullptr;  // not owned; null = colocated
+  TransferHook* hook = nullptr;      // not owned; default: the connector
+  LoadFailurePolicy failure_policy = LoadFailurePolicy::kRecompute;
+};
+
+struct RequestSpec {
+  std::string id;
+  std::vector<int32_t> prompt;
+  int max_new_tokens = 1;
+  std::optional<RemotePrefill> remote;  // consumer: where the prompt is prefilled
+};
+
+struct RequestResult {
+  std::string id;
+  int prompt_tokens = 0;
+  std::vector<int32_t> output_tokens;
+  std::vector<float> logits;  // of every generated token, concatenated
+  absl::Status status;
+  double ttft_ms = 0;
+  int64_t remote_tokens = 0;  // prompt tokens whose KV came from a producer
+  bool recomputed = false;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
+
+  // Queues a request. InvalidArgument for an empty prompt or tokens outside the vocabulary,
+  // ResourceExhausted when it could never fit the cache.
+  absl::Status AddRequest(RequestSpec spec);
+
+  // Runs one step (admission, forward, sampling, connector bookkeeping). Returns false when
+  // there was nothing to run.
+  absl::StatusOr<bool> Step();
+
+  // Requests queued, running, or whose blocks the connector still holds.
+  bool HasWork() const;
+  std::vector<RequestResult> TakeFinished();
+
+  int32_t num_free_blocks() const { return pool_->num_free(); }
+  int32_t num_blocks() const { return pool_->num_blocks(); }
+  const ToyModel& model() const { return *model_; }
+  int64_t steps() const { return steps_; }
+  // Producer: requests from consumers whose prefill finished.
+  int64_t served() const { return served_; }
+
+ private:
+  struct Request {
+    RequestSpec spec;
+    std::vector<int32_t> blocks;
+    int32_t computed = 0;       // tokens whose KV is in the cache (or arriving)
+    std::vector<int32_t> generated;
+    RequestResult result;
+    absl::Time arrival;
+    bool from_consumer = false;  // producer: handed over by a consumer
+    bool detached = false;       // its remote load failed: the connector is done with it
+  };
+
+  Engine() = default;
+  absl::Status Admit();
+  void FinishRequest(std::unique_ptr<Request> r, absl::Status status);
+  absl::Status PollConnector();
+
+  EngineOptions options_;
+  LayerRegistry registry_;
+  std::unique_ptr<ToyModel> model_;
+  std::unique_ptr<BlockPool> pool_;
+  std::deque<std::unique_ptr<Request>> waiting_;
+  std::vector<std::unique_ptr<Request>> running_;
+  std::map<std::string, std::vector<int32_t>> held_blocks_;  // freed when the connector says
+  std::vector<RequestResult> finished_;
+  int64_t steps_ = 0;
+  int64_t served_ = 0;
+};
+
+}  // namespace kvstream
+
+#endif  // KVSTREAM_LAUNCH_ENGINE_H_

@@ -1,0 +1,89 @@
+#!/bin/bash
+# Starts a prefill and a decode worker as two real processes (or under mpirun) and checks
+# what the scenario expects. Usage: run_workers.sh KVSTREAM_BINARY SCENARIO
+#   shm | tcp          1P1D over UCX shared memory / TCP on loopback, outputs bit-identical
+#   mpirun             the same under mpirun -np 2 (rank 0 prefill, rank 1 decode)
+#   mismatch           different block sizes: rejected at handshake, requests fail clearly
+#   kill-producer      the prefill worker dies mid-stream: load errors, recompute, correct
+#                      output, no block leaked on the decode worker
+#   kill-consumer      the decode worker dies mid-stream: the prefill worker frees its blocks
+set -u
+bin=$1
+scenario=$2
+work=$(mktemp -d)
+trap 'kill $ppid 2>/dev/null; rm -rf "$work"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+model="--layers=4 --heads=4 --kv-heads=2 --head-size=16 --block-size=16 --num-blocks=128"
+prompts="--prompts=37,120,9,64 --decode-steps=6"
+tls=shm; extra=""
+[ "$scenario" = tcp ] && { tls=tcp; extra=', "ucx_net_devices": "lo"'; }
+policy=recompute
+cfg() {  # cfg ROLE [extra json]
+  echo "{\"kv_connector\": \"LayerwiseConnector\", \"kv_port\": 0, \"engine_id\": \"$1\", \"kv_load_failure_policy\": \"$policy\", \"kv_connector_extra_config\": {\"ucx_tls\": \"$tls\", \"load_timeout_ms\": 5000, \"send_timeout_ms\": 3000$extra ${2:-}}}"
+}
+addr="$work/address"
+ppid=""
+
+start_prefill() {  # start_prefill [flags...]
+  "$bin" worker --role=prefill --kv-transfer-config="$(cfg prefill)" $model $prompts \
+      --address-file="$addr" --idle-timeout=60 "$@" >"$work/prefill.out" 2>&1 &
+  ppid=$!
+}
+run_decode() {  # run_decode [flags...]; sets drc
+  "$bin" worker --role=decode --kv-transfer-config="$(cfg decode)" $model $prompts \
+      --address-file="$addr" "$@" >"$work/decode.out" 2>&1
+  drc=$?
+}
+show() { echo "--- prefill"; cat "$work/prefill.out"; echo "--- decode"; cat "$work/decode.out" 2>/dev/null; }
+fail() { show; echo "FAIL: $*"; exit 1; }
+
+case "$scenario" in
+  shm|tcp)
+    start_prefill --serve=4
+    run_decode --json="$work/report.json"
+    wait $ppid; prc=$?
+    [ $drc -eq 0 ] || fail "decode worker exited $drc"
+    [ $prc -eq 0 ] || fail "prefill worker exited $prc"
+    grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
+    grep -q '"tokens_match": true' "$work/report.json" || fail "report says tokens differ"
+    grep -q "served 4 requests" "$work/prefill.out" || fail "prefill did not serve 4 requests"
+    ;;
+  mpirun)
+    mpirun -np 2 --oversubscribe --bind-to none "$bin" worker --mpi \
+        --kv-transfer-config="$(cfg mpi)" $model $prompts --address-file="$addr" \
+        >"$work/decode.out" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || fail "mpirun exited $rc"
+    grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
+    grep -q "served 4 requests" "$work/decode.out" || fail "prefill rank did not serve 4 requests"
+    ;;
+  mismatch)
+    policy=fail
+    start_prefill --idle-timeout=5
+    model="${model/--block-size=16/--block-size=32}"
+    run_decode
+    [ $drc -eq 3 ] || fail "decode worker exited $drc, expected 3 (requests failed)"
+    grep -q "compatibility mismatch" "$work/decode.out" || fail "no compatibility error"
+    ;;
+  kill-producer)
+    start_prefill --crash-after-layer=1
+    run_decode --json="$work/report.json"
+    wait $ppid; prc=$?
+    [ $prc -eq 137 ] || fail "prefill worker should have been killed (exit $prc)"
+    [ $drc -eq 0 ] || fail "decode worker exited $drc"
+    grep -q "recomputed after a load error" "$work/decode.out" || fail "nothing was recomputed"
+    grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "outputs differ"
+    grep -q '"blocks_leaked": false' "$work/report.json" || fail "blocks leaked"
+    ;;
+  kill-consumer)
+    start_prefill --serve=4 --idle-timeout=20
+    run_decode --crash-after-layer=1
+    [ $drc -eq 137 ] || fail "decode worker should have been killed (exit $drc)"
+    wait $ppid; prc=$?
+    [ $prc -eq 0 ] || fail "prefill worker exited $prc (4 = blocks leaked)"
+    grep -q "blocks free" "$work/prefill.out" || fail "no block report"
+    ;;
+  *) echo "unknown scenario $scenario"; exit 2 ;;
+esac
+show
+echo "PASS: $scenario"

@@ -1,0 +1,16 @@
+# Prefill and decode workers as real processes (and under mpirun).
+foreach(scenario shm tcp mismatch kill-producer kill-consumer)
+  add_test(NAME worker_${scenario}
+    COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> ${scenario})
+  set_tests_properties(worker_${scenario} PROPERTIES LABELS integration TIMEOUT 300
+    PASS_REGULAR_EXPRESSION "PASS: ${scenario}")
+endforeach()
+find_program(MPIRUN mpirun)
+if(MPIRUN)
+  add_test(NAME worker_mpirun
+    COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> mpirun)
+  set_tests_properties(worker_mpirun PROPERTIES LABELS "integration;mpi" TIMEOUT 300
+    PASS_REGULAR_EXPRESSION "PASS: mpirun")
+else()
+  message(STATUS "kvstream: mpirun not found; the mpirun worker test is not registered")
+endif()

@@ -1,0 +1,5 @@
+# Unit tests: connector (config, layer names, block copy plans, LayerwiseConnector over the
+# loopback transport with a real TCP control channel).
+kvstream_add_gtest(connector_config_test LABELS unit SOURCES connector_config_test.cc DEPS kvstream::connector)
+kvstream_add_gtest(block_copy_plan_test LABELS unit SOURCES block_copy_plan_test.cc DEPS kvstream::connector)
+kvstream_add_gtest(layerwise_connector_test LABELS unit SOURCES layerwise_connector_test.cc DEPS kvstream::connector)

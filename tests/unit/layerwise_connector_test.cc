@@ -1,0 +1,457 @@
+// Tests of LayerwiseConnector: a producer and a consumer in one process, joined by the
+// loopback transport (data) and a real TCP control channel on 127.0.0.1.
+#include "kvstream/connector/layerwise_connector.h"
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvstream/cache/kv_cache.h"
+#include "kvstream/connector/block_copy_plan.h"
+#include "kvstream/connector/factory.h"
+#include "kvstream/transfer/loopback_transport.h"
+
+namespace kvstream {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kLayers = 3;
+
+std::string LayerName(int i) { return absl::StrCat("model.layers.", i, ".self_attn.attn"); }
+
+// Flips one byte of the source before a write is posted (after the connector computed its
+// checksum), to check that the consumer notices.
+class CorruptingTransport : public Transport {
+ public:
+  explicit CorruptingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
+  absl::string_view name() const override { return inner_->name(); }
+  TransportCapabilities capabilities() const override { return inner_->capabilities(); }
+  absl::StatusOr<std::string> LocalInfo() override { return inner_->LocalInfo(); }
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* base, size_t length,
+                                                                      MemoryKind kind) override {
+    return inner_->RegisterMemory(base, length, kind);
+  }
+  absl::StatusOr<PeerId> Connect(absl::string_view info) override { return inner_->Connect(info); }
+  absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(PeerId p, absl::string_view d) override {
+    return inner_->ImportRemote(p, d);
+  }
+  absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
+                                       const RemoteMemory& remote,
+                                       absl::Span<const Segment> segments,
+                                       absl::string_view notification) override {
+    if (!segments.empty() && !notification.empty()) {
+      static_cast<uint8_t*>(local.base())[segments[0].local_offset] ^= 0x5a;
+    }
+    return inner_->PostWrite(peer, local, remote, segments, notification);
+  }
+  absl::StatusOr<TransferId> PostNotification(PeerId p, absl::string_view n) override {
+    return inner_->PostNotification(p, n);
+  }
+  absl::StatusOr<TransferState> Test(TransferId id) override { return inner_->Test(id); }
+  absl::Status Cancel(TransferId id) override { return inner_->Cancel(id); }
+  void Release(TransferId id) override { inner_->Release(id); }
+  absl::Status Progress() override { return inner_->Progress(); }
+  std::vector<Notification> PollNotifications() override { return inner_->PollNotifications(); }
+  absl::Status Disconnect(PeerId p) override { return inner_->Disconnect(p); }
+  absl::Status PeerStatus(PeerId p) override { return inner_->PeerStatus(p); }
+  void SetPeerErrorCallback(PeerErrorCallback cb) override { inner_->SetPeerErrorCallback(std::move(cb)); }
+
+ private:
+  std::unique_ptr<Transport> inner_;
+};
+
+struct NodeOptions {
+  KvRole role = KvRole::kConsumer;
+  int block_size = 4;
+  KvLayout layout = KvLayout::kNHD;
+  std::string secret;
+  int64_t load_timeout_ms = 5000;
+  int64_t send_timeout_ms = 5000;
+  bool corrupt = false;
+};
+
+// One worker: a connector and its layers' caches.
+struct Node {
+  std::unique_ptr<KvConnector> connector;
+  std::vector<std::unique_ptr<KvCache>> caches;
+};
+
+std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
+                               const NodeOptions& o) {
+  auto node = std::make_unique<Node>();
+  KvTransferConfig c;
+  c.kv_connector = "LayerwiseConnector";
+  c.engine_id = name;
+  c.kv_role = o.role;
+  c.kv_port = 0;
+  c.kvstream.transport = "loopback";
+  c.kvstream.secret = o.secret;
+  c.kvstream.load_timeout_ms = o.load_timeout_ms;
+  c.kvstream.send_timeout_ms = o.send_timeout_ms;
+  c.kvstream.handshake_timeout_ms = 2000;
+  auto transport = fabric.CreateTransport(name);
+  EXPECT_TRUE(transport.ok()) << transport.status();
+  std::unique_ptr<Transport> t = std::move(transport).value();
+  if (o.corrupt) t = std::make_unique<CorruptingTransport>(std::move(t));
+  auto connector = CreateKvConnector(c, std::move(t));
+  EXPECT_TRUE(connector.ok()) << connector.status();
+  node->connector = std::move(connector).value();
+  KvCacheSpec spec;
+  spec.block_size = o.block_size;
+  spec.num_kv_heads = 2;
+  spec.head_size = 8;
+  spec.head_size_v = 4;
+  spec.dtype = DType::kBFloat16;
+  std::map<std::string, KvCache*> by_name;
+  for (int l = 0; l < kLayers; ++l) {
+    auto cache = KvCache::Create({spec, o.layout, 16});
+    EXPECT_TRUE(cache.ok());
+    by_name[LayerName(l)] = cache->get();
+    node->caches.push_back(std::move(cache).value());
+  }
+  EXPECT_TRUE(node->connector->RegisterKvCaches(by_name).ok());
+  return node;
+}
+
+void FillRandom(KvCache& cache, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const KvCacheView v = cache.view();
+  const size_t kb = v.num_blocks * v.spec.KBytesPerBlock();
+  const size_t vb = v.num_blocks * v.spec.VBytesPerBlock();
+  for (size_t i = 0; i < kb; ++i) static_cast<uint8_t*>(v.k)[i] = static_cast<uint8_t>(rng());
+  for (size_t i = 0; i < vb; ++i) static_cast<uint8_t*>(v.v)[i] = static_cast<uint8_t>(rng());
+}
+
+// Whether `tokens` tokens of the request match between the two caches.
+bool TokensEqual(const KvCache& src, const std::vector<int32_t>& sb, const KvCache& dst,
+                 const std::vector<int32_t>& db, int tokens) {
+  const KvCacheView s = src.view(), d = dst.view();
+  const size_t es = DTypeSize(s.spec.dtype);
+  for (int t = 0; t < tokens; ++t) {
+    const int b = t / s.spec.block_size, o = t % s.spec.block_size;
+    for (int h = 0; h < s.spec.num_kv_heads; ++h) {
+      if (std::memcmp(static_cast<char*>(s.k) + s.k_strides.Offset(sb[b], o, h, 0) * es,
+                      static_cast<char*>(d.k) + d.k_strides.Offset(db[b], o, h, 0) * es,
+                      s.spec.head_size * es) != 0 ||
+          std::memcmp(static_cast<char*>(s.v) + s.v_strides.Offset(sb[b], o, h, 0) * es,
+                      static_cast<char*>(d.v) + d.v_strides.Offset(db[b], o, h, 0) * es,
+                      s.spec.head_size_v * es) != 0) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+bool TokenIsZero(const KvCache& cache, int32_t block, int offset) {
+  const KvCacheView v = cache.view();
+  const size_t es = DTypeSize(v.spec.dtype);
+  for (int h = 0; h < v.spec.num_kv_heads; ++h) {
+    const char* p = static_cast<char*>(v.k) + v.k_strides.Offset(block, offset, h, 0) * es;
+    for (size_t i = 0; i < v.spec.head_size * es; ++i) {
+      if (p[i] != 0) return false;
+    }
+  }
+  return true;
+}
+
+class LayerwiseConnectorTest : public ::testing::TestWithParam<KvLayout> {
+ protected:
+  void Start(NodeOptions producer, NodeOptions consumer) {
+    producer.role = KvRole::kProducer;
+    consumer.role = KvRole::kConsumer;
+    producer.layout = consumer.layout = GetParam();
+    p_ = MakeNode(fabric_, "p", producer);
+    d_ = MakeNode(fabric_, "d", consumer);
+    for (int l = 0; l < kLayers; ++l) FillRandom(*p_->caches[l], 100 + l);
+    const std::string addr = p_->connector->control_address();
+    const size_t colon = addr.rfind(':');
+    remote_.host = addr.substr(0, colon);
+    remote_.port = std::stoi(addr.substr(colon + 1));
+  }
+
+  // Consumer side: a request of `prompt_len` tokens into `blocks`, handed to the producer.
+  KvRequest ConsumerAdmit(const std::string& id, int prompt_len, const std::vector<int32_t>& blocks) {
+    KvRequest r;
+    r.request_id = id;
+    for (int i = 0; i < prompt_len; ++i) r.prompt_token_ids.push_back(1000 + i);
+    r.remote_prefill = remote_;
+    auto m = d_->connector->GetNumNewMatchedTokens(r, 0);
+    EXPECT_TRUE(m.ok());
+    EXPECT_EQ(m->num_tokens, prompt_len - 1);
+    EXPECT_TRUE(d_->connector->UpdateStateAfterAlloc(r, blocks, m->num_tokens).ok());
+    return r;
+  }
+
+  KvConnectorMetadata ConsumerStep(const std::vector<ScheduledRequest>& scheduled) {
+    auto meta = d_->connector->BuildConnectorMeta(scheduled);
+    EXPECT_TRUE(meta.ok());
+    EXPECT_TRUE(d_->connector->BindConnectorMetadata(*meta).ok());
+    EXPECT_TRUE(d_->connector->StartLoadKv().ok());
+    return *meta;
+  }
+
+  // Producer side: waits for `n` requests to arrive.
+  std::vector<KvRequest> ProducerTake(size_t n) {
+    std::vector<KvRequest> got;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (got.size() < n && absl::Now() < deadline) {
+      for (KvRequest& r : p_->connector->TakeIncomingRequests()) got.push_back(std::move(r));
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return got;
+  }
+
+  // Producer: allocate, schedule the whole prompt, run `layers` layers' hooks.
+  void ProducerPrefill(const KvRequest& r, const std::vector<int32_t>& blocks, int layers) {
+    ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(r, blocks, 0).ok());
+    const int n = static_cast<int>(r.prompt_token_ids.size());
+    auto meta = p_->connector->BuildConnectorMeta({{r.request_id, 0, n}});
+    ASSERT_TRUE(meta.ok());
+    ASSERT_EQ(meta->saves.size(), 1u);
+    ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
+    AttentionMetadata unused;
+    for (int l = 0; l < layers; ++l) {
+      ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused).ok());
+    }
+    EXPECT_TRUE(p_->connector->WaitForSave().ok());
+    p_->connector->ClearConnectorMetadata();
+  }
+
+  FinishedRequests PollFinished(KvConnector& c, const std::string& id, bool sending) {
+    FinishedRequests all;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      auto f = c.GetFinished();
+      EXPECT_TRUE(f.ok());
+      all.finished_sending.insert(f->finished_sending.begin(), f->finished_sending.end());
+      all.finished_recving.insert(f->finished_recving.begin(), f->finished_recving.end());
+      if ((sending ? all.finished_sending : all.finished_recving).count(id)) break;
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    return all;
+  }
+
+  LoopbackFabric fabric_;
+  std::unique_ptr<Node> p_;
+  std::unique_ptr<Node> d_;
+  RemotePrefill remote_;
+};
+
+TEST_P(LayerwiseConnectorTest, StreamsEveryLayerIntoScatteredBlocks) {
+  Start({}, {});
+  const std::vector<int32_t> d_blocks = {9, 2, 14};   // 11 remote tokens of block size 4
+  const std::vector<int32_t> p_blocks = {5, 6, 0};
+  KvRequest r = ConsumerAdmit("req-1", 12, d_blocks);
+  KvConnectorMetadata dm = ConsumerStep({{"req-1", 0, 12}});
+  ASSERT_EQ(dm.loads.size(), 1u);
+  ASSERT_EQ(dm.waits.size(), 1u);
+
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  EXPECT_EQ(incoming[0].request_id, "req-1");
+  EXPECT_EQ(incoming[0].prompt_token_ids, r.prompt_token_ids);
+  ProducerPrefill(incoming[0], p_blocks, kLayers);
+
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l)).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p_blocks, *d_->caches[l], d_blocks, 11)) << l;
+    // The last prompt token is the consumer's own: its slot is not written.
+    EXPECT_TRUE(TokenIsZero(*d_->caches[l], 14, 3)) << l;
+  }
+  d_->connector->ClearConnectorMetadata();
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_TRUE(d_->connector->GetBlockIdsWithLoadErrors().empty());
+  FinishedRequests df = PollFinished(*d_->connector, "req-1", false);
+  EXPECT_TRUE(df.finished_recving.count("req-1"));
+
+  auto delay = p_->connector->RequestFinished("req-1");
+  ASSERT_TRUE(delay.ok());
+  if (*delay) {
+    FinishedRequests pf = PollFinished(*p_->connector, "req-1", true);
+    EXPECT_TRUE(pf.finished_sending.count("req-1"));
+  }
+}
+
+TEST_P(LayerwiseConnectorTest, SeveralRequestsInFlight) {
+  Start({}, {});
+  const std::vector<std::vector<int32_t>> d_blocks = {{0, 1}, {7}, {3, 12, 13, 4}};
+  const std::vector<std::vector<int32_t>> p_blocks = {{10, 11}, {2}, {6, 5, 4, 3}};
+  const int lens[] = {6, 3, 16};
+  std::vector<ScheduledRequest> sched;
+  for (int i = 0; i < 3; ++i) {
+    ConsumerAdmit(absl::StrCat("r", i), lens[i], d_blocks[i]);
+    sched.push_back({absl::StrCat("r", i), 0, lens[i]});
+  }
+  KvConnectorMetadata dm = ConsumerStep(sched);
+  EXPECT_EQ(dm.waits.size(), 3u);
+  auto incoming = ProducerTake(3);
+  ASSERT_EQ(incoming.size(), 3u);
+  std::map<std::string, int> index = {{"r0", 0}, {"r1", 1}, {"r2", 2}};
+  std::vector<ScheduledRequest> psched;
+  for (const KvRequest& r : incoming) {
+    ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(r, p_blocks[index[r.request_id]], 0).ok());
+    psched.push_back({r.request_id, 0, static_cast<int32_t>(r.prompt_token_ids.size())});
+  }
+  auto meta = p_->connector->BuildConnectorMeta(psched);
+  ASSERT_EQ(meta->saves.size(), 3u);
+  ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
+  AttentionMetadata unused;
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused).ok());
+  }
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l)).ok());
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(TokensEqual(*p_->caches[l], p_blocks[i], *d_->caches[l], d_blocks[i], lens[i] - 1));
+    }
+  }
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+}
+
+TEST_P(LayerwiseConnectorTest, LayerThatNeverArrivesIsALoadErrorAtTheDeadline) {
+  NodeOptions consumer;
+  consumer.load_timeout_ms = 200;
+  Start({}, consumer);
+  ConsumerAdmit("slow", 9, {1, 2, 3});
+  ConsumerStep({{"slow", 0, 9}});
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], {4, 5, 6}, 0).ok());
+  // The producer never runs the prefill. The consumer's wait returns at its deadline and the
+  // request becomes a load error; the layer still runs for the rest of the batch.
+  EXPECT_TRUE(d_->connector->BeforeAttention(LayerName(0)).ok());
+  auto errors = d_->connector->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].request_id, "slow");
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(errors[0].block_ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(d_->connector->GetBlockIdsWithLoadErrors(), (std::set<int32_t>{1, 2, 3}));
+  // Later layers do not wait again for a failed request.
+  EXPECT_TRUE(d_->connector->BeforeAttention(LayerName(1)).ok());
+  // The consumer aborted; the producer stops and confirms, so both sides can free blocks.
+  EXPECT_TRUE(PollFinished(*d_->connector, "slow", false).finished_recving.count("slow"));
+  auto delay = p_->connector->RequestFinished("slow");
+  ASSERT_TRUE(delay.ok());
+  if (*delay) {
+    EXPECT_TRUE(PollFinished(*p_->connector, "slow", true).finished_sending.count("slow"));
+  }
+}
+
+TEST_P(LayerwiseConnectorTest, LostProducerFailsTheRequestFast) {
+  Start({}, {});
+  ConsumerAdmit("orphan", 9, {1, 2, 3});
+  ConsumerStep({{"orphan", 0, 9}});
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], {4, 5, 6}, 0).ok());
+  auto meta = p_->connector->BuildConnectorMeta({{"orphan", 0, 9}});
+  ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
+  AttentionMetadata unused;
+  ASSERT_TRUE(p_->connector->AfterAttention(LayerName(0), *p_->caches[0], unused).ok());
+  ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(0)).ok());
+  p_.reset();  // the producer goes away mid-stream (its control connection closes)
+  ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(1)).ok());
+  auto errors = d_->connector->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(PollFinished(*d_->connector, "orphan", false).finished_recving.count("orphan"));
+}
+
+TEST_P(LayerwiseConnectorTest, ChecksumMismatchIsDataLoss) {
+  NodeOptions producer;
+  producer.corrupt = true;
+  Start(producer, {});
+  ConsumerAdmit("bad", 5, {7, 8});
+  ConsumerStep({{"bad", 0, 5}});
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  ProducerPrefill(incoming[0], {1, 2}, kLayers);
+  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l)).ok());
+  auto errors = d_->connector->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("checksum"));
+}
+
+TEST_P(LayerwiseConnectorTest, CompatibilityMismatchRejectedAtHandshake) {
+  NodeOptions consumer;
+  consumer.block_size = 8;  // the producer uses 4
+  Start({}, consumer);
+  ConsumerAdmit("x", 9, {1, 2});
+  ConsumerStep({{"x", 0, 9}});
+  auto errors = d_->connector->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("compatibility"));
+  EXPECT_TRUE(ProducerTake(0).empty());
+  EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+}
+
+TEST_P(LayerwiseConnectorTest, WrongSecretRejected) {
+  NodeOptions producer, consumer;
+  producer.secret = "right";
+  consumer.secret = "wrong";
+  Start(producer, consumer);
+  ConsumerAdmit("x", 5, {1, 2});
+  ConsumerStep({{"x", 0, 5}});
+  auto errors = d_->connector->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST_P(LayerwiseConnectorTest, DestinationBlocksOutsideTheCacheRejected) {
+  Start({}, {});
+  ConsumerAdmit("oob", 5, {999, 1});
+  ConsumerStep({{"oob", 0, 5}});
+  // The producer rejects the hand-off; the consumer learns it asynchronously.
+  std::vector<LoadError> errors;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (errors.empty() && absl::Now() < deadline) {
+    errors = d_->connector->TakeLoadErrors();
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("999"));
+  EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, LayerwiseConnectorTest,
+                         ::testing::Values(KvLayout::kNHD, KvLayout::kHND),
+                         [](const ::testing::TestParamInfo<KvLayout>& param_info) {
+                           return std::string(KvLayoutName(param_info.param));
+                         });
+
+TEST(LayerwiseConnectorConfigTest, BadLayerNamesAndFactoryErrors) {
+  LoopbackFabric fabric;
+  KvTransferConfig c;
+  c.kv_connector = "NixlConnector";
+  EXPECT_EQ(CreateKvConnector(c, fabric.CreateTransport("a").value()).status().code(),
+            absl::StatusCode::kNotFound);
+  c.kv_connector = "LayerwiseConnector";
+  c.kv_role = KvRole::kConsumer;
+  auto connector = CreateKvConnector(c, fabric.CreateTransport("b").value());
+  ASSERT_TRUE(connector.ok());
+  KvCacheSpec spec;
+  spec.num_kv_heads = 1;
+  spec.head_size = spec.head_size_v = 4;
+  auto cache = KvCache::Create({spec, KvLayout::kNHD, 4});
+  auto s = (*connector)->RegisterKvCaches({{"model.attn", cache->get()}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("model.attn"));
+  s = (*connector)->RegisterKvCaches({{"a.1.x", cache->get()}, {"b.1.y", cache->get()}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvstream
