@@ -1,0 +1,388 @@
+// Encoding and strict decoding of control-channel frames (the format is written in wire.h).
+//
+// The encoder enforces the same bounds as the decoder, so that whatever we send, our peer
+// accepts; and the decoder accepts exactly the encoder's image, so that every accepted frame
+// re-encodes to the same bytes (the mutation test relies on that).
+#include "kvstream/transfer/wire.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "kvstream/common/status_macros.h"
+#include "wire_io.h"
+
+namespace kvstream {
+namespace {
+
+using internal::WireReader;
+using internal::WireWriter;
+
+constexpr size_t kNonceBytes = 32;    // challenge nonces
+constexpr size_t kAuthTagBytes = 32;  // HMAC-SHA256
+// absl::StatusCode spans kOk (0) .. kUnauthenticated (16).
+constexpr int32_t kMaxStatusCode = static_cast<int32_t>(absl::StatusCode::kUnauthenticated);
+// Smallest encoding of one list element, for the count-versus-remaining-bytes check.
+constexpr size_t kMinRegionBytes = 4 + 1 + 4;  // layer, tensor, descriptor length
+constexpr size_t kInt32Bytes = 4;
+
+// ---- Value checks shared by encoder and decoder ----
+
+absl::Status CheckStatusCode(absl::string_view field, int32_t code) {
+  if (code < 0 || code > kMaxStatusCode) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " ", code, " is not a status code (0..", kMaxStatusCode, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckOptionalFixed(absl::string_view field, const std::string& bytes, size_t size) {
+  if (!bytes.empty() && bytes.size() != size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " is ", bytes.size(), " bytes; must be 0 or ", size));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNonNegative(absl::string_view field, int32_t value) {
+  if (value < 0) return absl::InvalidArgumentError(absl::StrCat(field, " ", value, " is negative"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckRegion(const RegionDescriptor& region) {
+  RETURN_IF_ERROR(CheckNonNegative("Hello.regions.layer", region.layer));
+  if (region.tensor > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Hello.regions.tensor ", region.tensor, " is neither 0 (K) nor 1 (V)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckIndexList(absl::string_view field, const std::vector<int32_t>& values) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (values[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", i, "] ", values[i], " is negative"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRequest(const RequestMsg& m) {
+  RETURN_IF_ERROR(CheckIndexList("Request.prompt_token_ids", m.prompt_token_ids));
+  RETURN_IF_ERROR(CheckIndexList("Request.dest_block_ids", m.dest_block_ids));
+  if (m.num_tokens > m.prompt_token_ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("Request.num_tokens ", m.num_tokens,
+                                                   " exceeds the prompt's ",
+                                                   m.prompt_token_ids.size(), " tokens"));
+  }
+  return absl::OkStatus();
+}
+
+// ---- Encoders ----
+
+absl::Status EncodeList(absl::string_view field, size_t count, WireWriter& w) {
+  if (count > kMaxListEntries) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " has ", count, " entries, more than the limit of ", kMaxListEntries));
+  }
+  w.U32(static_cast<uint32_t>(count));
+  return absl::OkStatus();
+}
+
+absl::Status Encode(const ChallengeMsg& m, WireWriter& w) {
+  if (m.nonce.size() != kNonceBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Challenge.nonce is ", m.nonce.size(), " bytes; must be ", kNonceBytes));
+  }
+  return w.Bytes("Challenge.nonce", m.nonce, kNonceBytes);
+}
+
+absl::Status Encode(const HelloMsg& m, WireWriter& w) {
+  RETURN_IF_ERROR(w.Bytes("Hello.engine_id", m.engine_id, kMaxIdBytes));
+  w.U32(m.protocol_version);
+  w.U64(m.compat_hash);
+  RETURN_IF_ERROR(w.Bytes("Hello.compat_description", m.compat_description, kMaxMessageBytes));
+  RETURN_IF_ERROR(w.Bytes("Hello.transport", m.transport, kMaxIdBytes));
+  RETURN_IF_ERROR(w.Bytes("Hello.transport_info", m.transport_info, kMaxBlobBytes));
+  RETURN_IF_ERROR(EncodeList("Hello.regions", m.regions.size(), w));
+  for (const RegionDescriptor& region : m.regions) {
+    RETURN_IF_ERROR(CheckRegion(region));
+    w.I32(region.layer);
+    w.U8(region.tensor);
+    RETURN_IF_ERROR(w.Bytes("Hello.regions.descriptor", region.descriptor, kMaxBlobBytes));
+  }
+  RETURN_IF_ERROR(CheckOptionalFixed("Hello.nonce", m.nonce, kNonceBytes));
+  RETURN_IF_ERROR(w.Bytes("Hello.nonce", m.nonce, kNonceBytes));
+  RETURN_IF_ERROR(CheckOptionalFixed("Hello.auth_tag", m.auth_tag, kAuthTagBytes));
+  return w.Bytes("Hello.auth_tag", m.auth_tag, kAuthTagBytes);
+}
+
+absl::Status Encode(const HelloAckMsg& m, WireWriter& w) {
+  RETURN_IF_ERROR(Encode(m.hello, w));
+  RETURN_IF_ERROR(CheckStatusCode("HelloAck.status_code", m.status_code));
+  w.I32(m.status_code);
+  return w.Bytes("HelloAck.message", m.message, kMaxMessageBytes);
+}
+
+absl::Status Encode(const RequestMsg& m, WireWriter& w) {
+  RETURN_IF_ERROR(CheckRequest(m));
+  RETURN_IF_ERROR(w.Bytes("Request.request_id", m.request_id, kMaxIdBytes));
+  RETURN_IF_ERROR(EncodeList("Request.prompt_token_ids", m.prompt_token_ids.size(), w));
+  for (int32_t token : m.prompt_token_ids) w.I32(token);
+  RETURN_IF_ERROR(EncodeList("Request.dest_block_ids", m.dest_block_ids.size(), w));
+  for (int32_t block : m.dest_block_ids) w.I32(block);
+  w.U32(m.num_tokens);
+  return absl::OkStatus();
+}
+
+absl::Status Encode(const RequestAckMsg& m, WireWriter& w) {
+  RETURN_IF_ERROR(w.Bytes("RequestAck.request_id", m.request_id, kMaxIdBytes));
+  RETURN_IF_ERROR(CheckStatusCode("RequestAck.status_code", m.status_code));
+  w.I32(m.status_code);
+  return w.Bytes("RequestAck.message", m.message, kMaxMessageBytes);
+}
+
+absl::Status Encode(const AbortMsg& m, WireWriter& w) {
+  RETURN_IF_ERROR(w.Bytes("Abort.request_id", m.request_id, kMaxIdBytes));
+  return w.Bytes("Abort.reason", m.reason, kMaxMessageBytes);
+}
+
+absl::Status Encode(const ErrorMsg& m, WireWriter& w) {
+  RETURN_IF_ERROR(CheckStatusCode("Error.status_code", m.status_code));
+  w.I32(m.status_code);
+  return w.Bytes("Error.message", m.message, kMaxMessageBytes);
+}
+
+// ---- Decoders ----
+
+absl::Status DecodeInt32List(absl::string_view field, WireReader& r, std::vector<int32_t>* out) {
+  uint32_t count = 0;
+  RETURN_IF_ERROR(r.Count(field, kMaxListEntries, kInt32Bytes, &count));
+  out->reserve(count);  // bounded by the bytes actually present
+  for (uint32_t i = 0; i < count; ++i) {
+    int32_t v = 0;
+    RETURN_IF_ERROR(r.I32(field, &v));
+    out->push_back(v);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Decode(WireReader& r, ChallengeMsg* m) {
+  RETURN_IF_ERROR(r.Bytes("Challenge.nonce", kNonceBytes, &m->nonce));
+  if (m->nonce.size() != kNonceBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Challenge.nonce is ", m->nonce.size(), " bytes; must be ", kNonceBytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Decode(WireReader& r, HelloMsg* m) {
+  RETURN_IF_ERROR(r.Bytes("Hello.engine_id", kMaxIdBytes, &m->engine_id));
+  RETURN_IF_ERROR(r.U32("Hello.protocol_version", &m->protocol_version));
+  RETURN_IF_ERROR(r.U64("Hello.compat_hash", &m->compat_hash));
+  RETURN_IF_ERROR(r.Bytes("Hello.compat_description", kMaxMessageBytes, &m->compat_description));
+  RETURN_IF_ERROR(r.Bytes("Hello.transport", kMaxIdBytes, &m->transport));
+  RETURN_IF_ERROR(r.Bytes("Hello.transport_info", kMaxBlobBytes, &m->transport_info));
+  uint32_t count = 0;
+  RETURN_IF_ERROR(r.Count("Hello.regions", kMaxListEntries, kMinRegionBytes, &count));
+  m->regions.reserve(count);  // bounded by the bytes actually present
+  for (uint32_t i = 0; i < count; ++i) {
+    RegionDescriptor region;
+    RETURN_IF_ERROR(r.I32("Hello.regions.layer", &region.layer));
+    RETURN_IF_ERROR(r.U8("Hello.regions.tensor", &region.tensor));
+    RETURN_IF_ERROR(r.Bytes("Hello.regions.descriptor", kMaxBlobBytes, &region.descriptor));
+    RETURN_IF_ERROR(CheckRegion(region));
+    m->regions.push_back(std::move(region));
+  }
+  RETURN_IF_ERROR(r.Bytes("Hello.nonce", kNonceBytes, &m->nonce));
+  RETURN_IF_ERROR(CheckOptionalFixed("Hello.nonce", m->nonce, kNonceBytes));
+  RETURN_IF_ERROR(r.Bytes("Hello.auth_tag", kAuthTagBytes, &m->auth_tag));
+  return CheckOptionalFixed("Hello.auth_tag", m->auth_tag, kAuthTagBytes);
+}
+
+absl::Status Decode(WireReader& r, HelloAckMsg* m) {
+  RETURN_IF_ERROR(Decode(r, &m->hello));
+  RETURN_IF_ERROR(r.I32("HelloAck.status_code", &m->status_code));
+  RETURN_IF_ERROR(CheckStatusCode("HelloAck.status_code", m->status_code));
+  return r.Bytes("HelloAck.message", kMaxMessageBytes, &m->message);
+}
+
+absl::Status Decode(WireReader& r, RequestMsg* m) {
+  RETURN_IF_ERROR(r.Bytes("Request.request_id", kMaxIdBytes, &m->request_id));
+  RETURN_IF_ERROR(DecodeInt32List("Request.prompt_token_ids", r, &m->prompt_token_ids));
+  RETURN_IF_ERROR(DecodeInt32List("Request.dest_block_ids", r, &m->dest_block_ids));
+  RETURN_IF_ERROR(r.U32("Request.num_tokens", &m->num_tokens));
+  return CheckRequest(*m);
+}
+
+absl::Status Decode(WireReader& r, RequestAckMsg* m) {
+  RETURN_IF_ERROR(r.Bytes("RequestAck.request_id", kMaxIdBytes, &m->request_id));
+  RETURN_IF_ERROR(r.I32("RequestAck.status_code", &m->status_code));
+  RETURN_IF_ERROR(CheckStatusCode("RequestAck.status_code", m->status_code));
+  return r.Bytes("RequestAck.message", kMaxMessageBytes, &m->message);
+}
+
+absl::Status Decode(WireReader& r, AbortMsg* m) {
+  RETURN_IF_ERROR(r.Bytes("Abort.request_id", kMaxIdBytes, &m->request_id));
+  return r.Bytes("Abort.reason", kMaxMessageBytes, &m->reason);
+}
+
+absl::Status Decode(WireReader& r, ErrorMsg* m) {
+  RETURN_IF_ERROR(r.I32("Error.status_code", &m->status_code));
+  RETURN_IF_ERROR(CheckStatusCode("Error.status_code", m->status_code));
+  return r.Bytes("Error.message", kMaxMessageBytes, &m->message);
+}
+
+template <typename Msg>
+absl::StatusOr<ControlMessage> DecodeAs(MessageType type, absl::string_view payload) {
+  WireReader reader(payload);
+  Msg message;
+  RETURN_IF_ERROR(Decode(reader, &message));
+  RETURN_IF_ERROR(reader.ExpectEnd(MessageTypeName(type)));
+  return ControlMessage(std::move(message));
+}
+
+bool IsKnownType(uint16_t type) {
+  return type >= static_cast<uint16_t>(MessageType::kChallenge) &&
+         type <= static_cast<uint16_t>(MessageType::kError);
+}
+
+}  // namespace
+
+MessageType TypeOf(const ControlMessage& message) {
+  // The variant's alternatives are declared in MessageType order, starting at 1.
+  static_assert(std::is_same_v<std::variant_alternative_t<0, ControlMessage>, ChallengeMsg>);
+  static_assert(std::is_same_v<std::variant_alternative_t<6, ControlMessage>, ErrorMsg>);
+  return static_cast<MessageType>(message.index() + 1);
+}
+
+absl::string_view MessageTypeName(MessageType type) {
+  switch (type) {
+    case MessageType::kChallenge:
+      return "Challenge";
+    case MessageType::kHello:
+      return "Hello";
+    case MessageType::kHelloAck:
+      return "HelloAck";
+    case MessageType::kRequest:
+      return "Request";
+    case MessageType::kRequestAck:
+      return "RequestAck";
+    case MessageType::kAbort:
+      return "Abort";
+    case MessageType::kError:
+      return "Error";
+  }
+  return "Unknown";
+}
+
+absl::StatusOr<std::string> EncodeFrame(const ControlMessage& message) {
+  std::string frame;
+  WireWriter writer(&frame);
+  writer.U32(kWireMagic);
+  writer.U16(kWireVersion);
+  writer.U16(static_cast<uint16_t>(TypeOf(message)));
+  writer.U32(0);  // payload_len, patched below once known
+  RETURN_IF_ERROR(std::visit([&writer](const auto& m) { return Encode(m, writer); }, message));
+  const size_t payload_len = frame.size() - kFrameHeaderBytes;
+  if (payload_len > kMaxPayloadBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(MessageTypeName(TypeOf(message)), " payload is ",
+                                                   payload_len, " bytes, more than the limit of ",
+                                                   kMaxPayloadBytes));
+  }
+  for (int i = 0; i < 4; ++i) {
+    frame[8 + i] = static_cast<char>((payload_len >> (8 * i)) & 0xff);
+  }
+  return frame;
+}
+
+absl::StatusOr<FrameHeader> DecodeFrameHeader(absl::string_view header_bytes) {
+  if (header_bytes.size() != kFrameHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("frame header is ", header_bytes.size(),
+                                                   " bytes; must be ", kFrameHeaderBytes));
+  }
+  WireReader reader(header_bytes);
+  uint32_t magic = 0;
+  uint16_t version = 0;
+  uint16_t type = 0;
+  uint32_t payload_len = 0;
+  RETURN_IF_ERROR(reader.U32("magic", &magic));
+  RETURN_IF_ERROR(reader.U16("version", &version));
+  RETURN_IF_ERROR(reader.U16("type", &type));
+  RETURN_IF_ERROR(reader.U32("payload_len", &payload_len));
+  if (magic != kWireMagic) {
+    return absl::InvalidArgumentError(absl::StrCat("bad frame magic 0x", absl::Hex(magic),
+                                                   " (expected 0x", absl::Hex(kWireMagic), ")"));
+  }
+  if (version != kWireVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("unsupported wire version ", version,
+                                                   " (this side speaks ", kWireVersion, ")"));
+  }
+  if (!IsKnownType(type)) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown message type ", type));
+  }
+  if (payload_len > kMaxPayloadBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("payload_len ", payload_len, " exceeds the limit of ", kMaxPayloadBytes));
+  }
+  FrameHeader header;
+  header.type = static_cast<MessageType>(type);
+  header.payload_len = payload_len;
+  return header;
+}
+
+absl::StatusOr<ControlMessage> DecodePayload(MessageType type, absl::string_view payload) {
+  if (payload.size() > kMaxPayloadBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "payload of ", payload.size(), " bytes exceeds the limit of ", kMaxPayloadBytes));
+  }
+  switch (type) {
+    case MessageType::kChallenge:
+      return DecodeAs<ChallengeMsg>(type, payload);
+    case MessageType::kHello:
+      return DecodeAs<HelloMsg>(type, payload);
+    case MessageType::kHelloAck:
+      return DecodeAs<HelloAckMsg>(type, payload);
+    case MessageType::kRequest:
+      return DecodeAs<RequestMsg>(type, payload);
+    case MessageType::kRequestAck:
+      return DecodeAs<RequestAckMsg>(type, payload);
+    case MessageType::kAbort:
+      return DecodeAs<AbortMsg>(type, payload);
+    case MessageType::kError:
+      return DecodeAs<ErrorMsg>(type, payload);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown message type ", static_cast<uint16_t>(type)));
+}
+
+absl::StatusOr<ControlMessage> DecodeFrame(absl::string_view frame) {
+  if (frame.size() < kFrameHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("truncated frame header: ", frame.size(), " of ",
+                                                   kFrameHeaderBytes, " bytes"));
+  }
+  ASSIGN_OR_RETURN(FrameHeader header, DecodeFrameHeader(frame.substr(0, kFrameHeaderBytes)));
+  const absl::string_view payload = frame.substr(kFrameHeaderBytes);
+  if (payload.size() < header.payload_len) {
+    return absl::InvalidArgumentError(absl::StrCat("truncated ", MessageTypeName(header.type),
+                                                   " frame: payload has ", payload.size(), " of ",
+                                                   header.payload_len, " bytes"));
+  }
+  if (payload.size() > header.payload_len) {
+    return absl::InvalidArgumentError(absl::StrCat(payload.size() - header.payload_len,
+                                                   " trailing bytes after the ",
+                                                   MessageTypeName(header.type), " frame"));
+  }
+  return DecodePayload(header.type, payload);
+}
+
+}  // namespace kvstream
