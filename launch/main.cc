@@ -46,6 +46,8 @@ void AddModelFlags(CLI::App* cmd, kvstream::ToyModelConfig& m) {
 int main(int argc, char** argv) {
   CLI::App app{"kvstream: layer-wise KV streaming for disaggregated LLM serving"};
   app.require_subcommand(1);
+  // A flag given twice takes its last value, so scripts can override defaults they pass.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
 
   kvstream::AttentionExampleOptions demo;

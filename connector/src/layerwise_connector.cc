@@ -741,8 +741,9 @@ class LayerwiseConnectorImpl final : public KvConnector {
     ControlConnection& conn = *shared;
     auto peer = HandshakeAsServer(conn, hs);
     if (!peer.ok()) {
-      Log(LogLevel::kWarning, absl::StrCat("rejected consumer ", conn.peer_address(), ": ",
-                                           peer.status().ToString()));
+      // A peer that closes before saying hello is a liveness probe, not an attack.
+      Log(absl::IsUnavailable(peer.status()) ? LogLevel::kInfo : LogLevel::kWarning,
+          absl::StrCat("rejected consumer ", conn.peer_address(), ": ", peer.status().ToString()));
       conn.Close();
       return;
     }

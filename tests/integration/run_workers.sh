@@ -13,13 +13,14 @@ scenario=$2
 work=$(mktemp -d)
 trap 'kill $ppid 2>/dev/null; rm -rf "$work"' EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-model="--layers=4 --heads=4 --kv-heads=2 --head-size=16 --block-size=16 --num-blocks=128"
+model="--layers=4 --heads=4 --kv-heads=2 --head-size=16 --block-size=16 --num-blocks=128 ${KVSTREAM_TEST_BACKEND:+--backend=$KVSTREAM_TEST_BACKEND}"
 prompts="--prompts=37,120,9,64 --decode-steps=6"
 tls=shm; extra=""
 [ "$scenario" = tcp ] && { tls=tcp; extra=', "ucx_net_devices": "lo"'; }
 policy=recompute
+port=0
 cfg() {  # cfg ROLE [extra json]
-  echo "{\"kv_connector\": \"LayerwiseConnector\", \"kv_port\": 0, \"engine_id\": \"$1\", \"kv_load_failure_policy\": \"$policy\", \"kv_connector_extra_config\": {\"ucx_tls\": \"$tls\", \"load_timeout_ms\": 5000, \"send_timeout_ms\": 3000$extra ${2:-}}}"
+  echo "{\"kv_connector\": \"LayerwiseConnector\", \"kv_port\": $port, \"engine_id\": \"$1\", \"kv_load_failure_policy\": \"$policy\", \"kv_connector_extra_config\": {\"ucx_tls\": \"$tls\", \"load_timeout_ms\": 5000, \"send_timeout_ms\": 3000$extra ${2:-}}}"
 }
 addr="$work/address"
 ppid=""
@@ -34,13 +35,26 @@ run_decode() {  # run_decode [flags...]; sets drc
       --address-file="$addr" "$@" >"$work/decode.out" 2>&1
   drc=$?
 }
+# The tcp scenario passes the address explicitly instead: the port the prefill worker
+# printed goes into the decode worker's kv_transfer_config.
+run_decode_explicit() {
+  for _ in $(seq 1 300); do
+    grep -q "listening on" "$work/prefill.out" 2>/dev/null && break; sleep 0.1
+  done
+  port=$(sed -n 's/.*listening on .*:\([0-9]*\)$/\1/p' "$work/prefill.out" | head -1)
+  [ -n "$port" ] || fail "the prefill worker printed no address"
+  "$bin" worker --role=decode --kv-transfer-config="$(cfg decode)" $model $prompts \
+      "$@" >"$work/decode.out" 2>&1
+  drc=$?
+}
 show() { echo "--- prefill"; cat "$work/prefill.out"; echo "--- decode"; cat "$work/decode.out" 2>/dev/null; }
 fail() { show; echo "FAIL: $*"; exit 1; }
 
 case "$scenario" in
   shm|tcp)
     start_prefill --serve=4
-    run_decode --json="$work/report.json"
+    if [ "$scenario" = tcp ]; then run_decode_explicit --json="$work/report.json"
+    else run_decode --json="$work/report.json"; fi
     wait $ppid; prc=$?
     [ $drc -eq 0 ] || fail "decode worker exited $drc"
     [ $prc -eq 0 ] || fail "prefill worker exited $prc"

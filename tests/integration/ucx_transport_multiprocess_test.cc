@@ -1,0 +1,277 @@
+// Multi-process tests of the UCX transport, over shared memory and over TCP on loopback:
+// a real second process (tests/integration/ucx_transport_peer_main.cc, forked and exec'd)
+// exchanges its worker info and memory descriptor with this one over a pipe. Checks that
+// scattered writes land byte for byte before their notification in both directions, and that
+// a peer killed with SIGKILL mid-stream makes every outstanding transfer fail (before a
+// generous deadline: no hang) with an error naming the peer.
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvstream/transfer/transport.h"
+#include "kvstream/transfer/ucx_transport.h"
+#include "tests/integration/ucx_transport_peer.h"
+
+#ifndef KVSTREAM_UCX_PEER_BINARY
+#error "KVSTREAM_UCX_PEER_BINARY must name the peer program"
+#endif
+
+namespace kvstream {
+namespace test {
+namespace {
+
+using ::testing::HasSubstr;
+
+absl::Time Deadline() { return absl::Now() + absl::Seconds(60); }
+
+class UcxMultiProcessTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    UcxTransportOptions options;
+    options.tls = GetParam();
+    if (options.tls == "tcp") options.net_devices = "lo";
+    auto transport = CreateUcxTransport(options);
+    ASSERT_TRUE(transport.ok()) << transport.status();
+    transport_ = std::move(transport).value();
+  }
+
+  void TearDown() override {
+    remote_.reset();
+    reg_.reset();
+    child_.reset();
+    transport_.reset();
+  }
+
+  void Spawn(std::vector<std::string> args) {
+    args.insert(args.begin(), {KVSTREAM_UCX_PEER_BINARY, "--tls=" + GetParam()});
+    auto child = ChildProcess::Spawn(args);
+    ASSERT_TRUE(child.ok()) << child.status();
+    child_ = std::move(child).value();
+  }
+
+  // Reads "<tag> <hex>" from the child.
+  std::string ReadHex(absl::string_view tag) {
+    auto line = child_->reader().ReadLine(Deadline());
+    EXPECT_TRUE(line.ok()) << line.status();
+    if (!line.ok()) return "";
+    absl::string_view rest = *line;
+    EXPECT_TRUE(absl::ConsumePrefix(&rest, tag) && absl::ConsumePrefix(&rest, " ")) << *line;
+    return absl::HexStringToBytes(rest);
+  }
+
+  // Reads the receiver's INFO/DESC/READY, connects and imports its region.
+  void ConnectToReceiver() {
+    const std::string info = ReadHex("INFO");
+    const std::string descriptor = ReadHex("DESC");
+    auto ready = child_->reader().ReadLine(Deadline());
+    ASSERT_TRUE(ready.ok()) << ready.status();
+    ASSERT_EQ(*ready, "READY");
+    auto peer = transport_->Connect(info);
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    peer_ = *peer;
+    auto remote = transport_->ImportRemote(peer_, descriptor);
+    ASSERT_TRUE(remote.ok()) << remote.status();
+    remote_ = std::move(remote).value();
+  }
+
+  void RegisterLocal(std::vector<char>& buffer) {
+    auto reg = transport_->RegisterMemory(buffer.data(), buffer.size(), MemoryKind::kHost);
+    ASSERT_TRUE(reg.ok()) << reg.status();
+    reg_ = std::move(reg).value();
+  }
+
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<ChildProcess> child_;
+  std::unique_ptr<MemoryRegistration> reg_;
+  std::unique_ptr<RemoteMemory> remote_;
+  PeerId peer_ = 0;
+};
+
+// Four "layers", each a scattered set of blocks in its own area, posted back to back with a
+// "dump" notification each. The receiver copies out its whole buffer the moment it sees a
+// notification, so every byte of that layer and the ones before must already be in place.
+TEST_P(UcxMultiProcessTest, ScatteredLayersLandBeforeTheirNotifications) {
+  constexpr size_t kBlock = 16 << 10;
+  constexpr size_t kPoolBlocks = 48;   // per layer area
+  constexpr size_t kBlocksPerLayer = 32;
+  constexpr int kLayers = 4;
+  constexpr size_t kLayerBytes = kBlock * kPoolBlocks;
+  constexpr size_t kBytes = kLayerBytes * kLayers;
+  Spawn({"--role=receiver", absl::StrCat("--bytes=", kBytes)});
+  ASSERT_NO_FATAL_FAILURE(ConnectToReceiver());
+  std::vector<char> src(kBytes);
+  FillPattern(src.data(), src.size(), 99);
+  ASSERT_NO_FATAL_FAILURE(RegisterLocal(src));
+
+  std::vector<char> expected(kBytes, 0);
+  std::vector<TransferId> ids;
+  for (int layer = 0; layer < kLayers; ++layer) {
+    std::vector<Segment> segments =
+        ScatteredSegments(kBlocksPerLayer, kBlock, kPoolBlocks, 1000 + layer);
+    for (Segment& s : segments) {
+      s.local_offset += layer * kLayerBytes;
+      s.remote_offset += layer * kLayerBytes;
+      std::memcpy(expected.data() + s.remote_offset, src.data() + s.local_offset, s.length);
+    }
+    auto id = transport_->PostWrite(peer_, *reg_, *remote_, segments, absl::StrCat("dump ", layer));
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+
+  std::vector<char> snapshot(kBytes);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    const absl::Time deadline = Deadline();
+    while (!child_->reader().Readable()) {
+      ASSERT_TRUE(transport_->Progress().ok());
+      ASSERT_LT(absl::Now(), deadline) << "no notification for layer " << layer;
+    }
+    auto line = child_->reader().ReadLine(Deadline());
+    ASSERT_TRUE(line.ok()) << line.status();
+    ASSERT_EQ(*line, absl::StrCat("DUMP dump ", layer, " ", kBytes));
+    ASSERT_TRUE(child_->reader().ReadExactly(snapshot.data(), kBytes, Deadline()).ok());
+    // Every byte of this layer's area and the earlier ones, including the untouched zeros.
+    const size_t checked = (layer + 1) * kLayerBytes;
+    size_t mismatches = 0;
+    for (size_t i = 0; i < checked; ++i) mismatches += snapshot[i] != expected[i];
+    EXPECT_EQ(mismatches, 0u) << "layer " << layer << " notified before its data landed";
+  }
+  // The last snapshot is the whole region: later layers' areas must match too.
+  EXPECT_TRUE(snapshot == expected);
+  for (TransferId id : ids) {
+    auto state = WaitForTransfer(*transport_, id, Deadline());
+    ASSERT_TRUE(state.ok()) << state.status();
+    EXPECT_EQ(*state, TransferState::kDone);
+    transport_->Release(id);
+  }
+  auto bye = transport_->PostNotification(peer_, "exit");
+  ASSERT_TRUE(bye.ok());
+  auto line = child_->reader().ReadLine(Deadline());
+  ASSERT_TRUE(line.ok()) << line.status();
+  EXPECT_EQ(*line, "BYE");
+  auto exit_code = child_->Wait(Deadline());
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0);
+}
+
+// The other direction: the child writes scattered blocks into this process's memory; at the
+// moment its notification is polled here, every byte must be in place.
+TEST_P(UcxMultiProcessTest, ChildWritesAndNotifiesAfterItsData) {
+  constexpr size_t kBlock = 8 << 10;
+  constexpr size_t kPoolBlocks = 256;
+  constexpr size_t kCount = 200;
+  constexpr size_t kBytes = kBlock * kPoolBlocks;
+  constexpr uint32_t kSeed = 4242;
+  std::vector<char> dst(kBytes, 0);
+  ASSERT_NO_FATAL_FAILURE(RegisterLocal(dst));
+  Spawn({"--role=writer", absl::StrCat("--bytes=", kBytes), absl::StrCat("--block=", kBlock),
+         absl::StrCat("--count=", kCount), absl::StrCat("--seed=", kSeed)});
+  ASSERT_TRUE(WriteLine(child_->to_child(),
+                        "INFO " + absl::BytesToHexString(*transport_->LocalInfo()))
+                  .ok());
+  ASSERT_TRUE(WriteLine(child_->to_child(), "DESC " + absl::BytesToHexString(reg_->descriptor()))
+                  .ok());
+
+  std::vector<char> src(kBytes);
+  FillPattern(src.data(), src.size(), kSeed);
+  std::vector<char> expected(kBytes, 0);
+  for (const Segment& s : ScatteredSegments(kCount, kBlock, kPoolBlocks, kSeed)) {
+    std::memcpy(expected.data() + s.remote_offset, src.data() + s.local_offset, s.length);
+  }
+  std::vector<Notification> notes;
+  const absl::Time deadline = Deadline();
+  while (notes.empty()) {
+    ASSERT_TRUE(transport_->Progress().ok());
+    notes = transport_->PollNotifications();
+    ASSERT_LT(absl::Now(), deadline) << "no notification from the writer";
+  }
+  // Compared before anything else can run in this process.
+  const bool all_bytes_match = dst == expected;
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0].payload, "written");
+  EXPECT_TRUE(all_bytes_match) << "the notification arrived before (all of) its data";
+  EXPECT_TRUE(transport_->PeerStatus(notes[0].peer).ok());
+
+  // The writer reports its own view of the transfer.
+  std::string done;
+  while (!child_->reader().Readable()) ASSERT_TRUE(transport_->Progress().ok());
+  auto line = child_->reader().ReadLine(Deadline());
+  ASSERT_TRUE(line.ok()) << line.status();
+  EXPECT_EQ(*line, "DONE OK");
+  ASSERT_TRUE(WriteLine(child_->to_child(), "exit").ok());
+  auto exit_code = child_->Wait(Deadline());
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0);
+}
+
+// The receiver stops progressing, so transfers to it pile up in flight; then it is killed.
+// Every transfer still in flight must fail with an error naming the peer, the peer's status
+// must turn to that error, the callback must report it once, and later posts must fail.
+TEST_P(UcxMultiProcessTest, PeerKilledMidStreamFailsOutstandingTransfers) {
+  constexpr size_t kBlock = 64 << 10;
+  constexpr size_t kPoolBlocks = 64;
+  constexpr size_t kBytes = kBlock * kPoolBlocks;
+  Spawn({"--role=receiver", "--stall", absl::StrCat("--bytes=", kBytes)});
+  ASSERT_NO_FATAL_FAILURE(ConnectToReceiver());
+  std::vector<char> src(kBytes, 7);
+  ASSERT_NO_FATAL_FAILURE(RegisterLocal(src));
+  std::vector<std::pair<PeerId, absl::Status>> reported;
+  transport_->SetPeerErrorCallback(
+      [&](PeerId peer, const absl::Status& error) { reported.emplace_back(peer, error); });
+
+  std::vector<TransferId> ids;
+  for (int i = 0; i < 64; ++i) {
+    auto id = transport_->PostWrite(peer_, *reg_, *remote_,
+                                    ScatteredSegments(8, kBlock, kPoolBlocks, i), "layer");
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+    ASSERT_TRUE(transport_->Progress().ok());
+  }
+  std::vector<TransferId> in_flight;
+  for (TransferId id : ids) {
+    auto state = transport_->Test(id);
+    ASSERT_TRUE(state.ok()) << state.status();
+    if (*state == TransferState::kInProgress) in_flight.push_back(id);
+  }
+  ASSERT_FALSE(in_flight.empty()) << "nothing in flight: the test would prove nothing";
+
+  child_->Kill();
+  for (TransferId id : in_flight) {
+    auto state = WaitForTransfer(*transport_, id, Deadline());
+    ASSERT_FALSE(state.ok()) << "transfer " << id << " completed to a dead peer";
+    EXPECT_NE(state.status().code(), absl::StatusCode::kDeadlineExceeded)
+        << "the peer's death was not detected: " << state.status();
+    EXPECT_THAT(state.status().message(), HasSubstr(absl::StrCat("peer ", peer_)));
+  }
+  absl::Status peer_status = transport_->PeerStatus(peer_);
+  EXPECT_FALSE(peer_status.ok());
+  EXPECT_THAT(peer_status.message(), HasSubstr(absl::StrCat("peer ", peer_)));
+  ASSERT_TRUE(transport_->Progress().ok());
+  ASSERT_EQ(reported.size(), 1u);
+  EXPECT_EQ(reported[0].first, peer_);
+  auto later = transport_->PostWrite(peer_, *reg_, *remote_,
+                                     ScatteredSegments(1, kBlock, kPoolBlocks, 1), "late");
+  EXPECT_EQ(later.status().code(), absl::StatusCode::kFailedPrecondition) << later.status();
+  // Disconnecting a failed peer force-closes its endpoint and forgets it.
+  EXPECT_TRUE(transport_->Disconnect(peer_).ok());
+  for (int i = 0; i < 100; ++i) ASSERT_TRUE(transport_->Progress().ok());
+  EXPECT_EQ(transport_->PeerStatus(peer_).code(), absl::StatusCode::kNotFound);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tls, UcxMultiProcessTest, ::testing::Values("shm", "tcp"),
+                         [](const ::testing::TestParamInfo<std::string>& param) {
+                           return param.param;
+                         });
+
+}  // namespace
+}  // namespace test
+}  // namespace kvstream

@@ -1,0 +1,172 @@
+// The peer process of the multi-process UCX transport test (ucx_transport_multiprocess_test).
+//
+//   kvstream_ucx_transport_peer --role=receiver --tls=shm --bytes=N [--stall]
+//     Registers N zeroed bytes and writes "INFO <hex worker info>", "DESC <hex descriptor>",
+//     "READY" to fd 3. Then progresses and, for each notification: "dump..." -> writes
+//     "DUMP <payload> <N>" and the N bytes of its buffer as they are at that moment; "exit"
+//     -> writes "BYE" and exits 0; anything else -> "NOTE <payload>". With --stall it never
+//     progresses after READY (a peer that stops reading, to be killed by the test).
+//
+//   kvstream_ucx_transport_peer --role=writer --tls=shm --bytes=N --block=B --count=C --seed=S
+//     Reads "INFO <hex>" and "DESC <hex>" lines from stdin, fills N bytes with the seed's
+//     pattern, writes C scattered blocks of B bytes into the described region with the
+//     notification "written", writes "DONE <status>" to fd 3, then progresses until stdin
+//     says "exit" or closes.
+//
+// Exits non-zero with a message on stderr on any error. Lives only as long as its parent.
+#include <poll.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "kvstream/transfer/transport.h"
+#include "kvstream/transfer/ucx_transport.h"
+#include "tests/integration/ucx_transport_peer.h"
+
+namespace kvstream {
+namespace test {
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "ucx_transport_peer: %s\n", message.c_str());
+  return 1;
+}
+
+std::map<std::string, std::string> ParseFlags(int argc, char** argv) {
+  std::map<std::string, std::string> flags;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (!absl::ConsumePrefix(&arg, "--")) continue;
+    size_t eq = arg.find('=');
+    if (eq == absl::string_view::npos) {
+      flags[std::string(arg)] = "true";
+    } else {
+      flags[std::string(arg.substr(0, eq))] = std::string(arg.substr(eq + 1));
+    }
+  }
+  return flags;
+}
+
+uint64_t Number(const std::map<std::string, std::string>& flags, const std::string& name) {
+  auto it = flags.find(name);
+  uint64_t value = 0;
+  if (it == flags.end() || !absl::SimpleAtoi(it->second, &value)) {
+    std::fprintf(stderr, "ucx_transport_peer: missing or bad --%s\n", name.c_str());
+    std::exit(2);
+  }
+  return value;
+}
+
+// True when stdin was closed: the parent is gone or done.
+bool StdinClosedOrSays(const std::string& word) {
+  pollfd p{0, POLLIN, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  char buffer[256];
+  ssize_t n = ::read(0, buffer, sizeof(buffer));
+  if (n <= 0) return true;
+  return absl::StrContains(absl::string_view(buffer, static_cast<size_t>(n)), word);
+}
+
+int RunReceiver(Transport& transport, size_t bytes, bool stall) {
+  std::vector<char> buffer(bytes, 0);
+  auto reg = transport.RegisterMemory(buffer.data(), buffer.size(), MemoryKind::kHost);
+  if (!reg.ok()) return Fail(reg.status().ToString());
+  auto info = transport.LocalInfo();
+  if (!info.ok()) return Fail(info.status().ToString());
+  if (!WriteLine(kPeerOutFd, "INFO " + absl::BytesToHexString(*info)).ok() ||
+      !WriteLine(kPeerOutFd, "DESC " + absl::BytesToHexString((*reg)->descriptor())).ok() ||
+      !WriteLine(kPeerOutFd, "READY").ok()) {
+    return Fail("cannot write to the parent");
+  }
+  if (stall) {
+    while (true) ::pause();  // killed by the test
+  }
+  while (true) {
+    absl::Status progress = transport.Progress();
+    if (!progress.ok()) return Fail(progress.ToString());
+    for (const Notification& n : transport.PollNotifications()) {
+      if (n.payload == "exit") {
+        (void)WriteLine(kPeerOutFd, "BYE");
+        return 0;
+      }
+      if (absl::StartsWith(n.payload, "dump")) {
+        absl::Status s = WriteLine(kPeerOutFd, absl::StrCat("DUMP ", n.payload, " ", bytes));
+        if (s.ok()) s = WriteAll(kPeerOutFd, buffer.data(), buffer.size());
+        if (!s.ok()) return Fail(s.ToString());
+      } else if (!WriteLine(kPeerOutFd, "NOTE " + n.payload).ok()) {
+        return Fail("cannot write to the parent");
+      }
+    }
+    if (StdinClosedOrSays("exit")) return 0;
+  }
+}
+
+absl::StatusOr<std::string> ReadHexLine(PipeReader& in, absl::string_view tag) {
+  auto line = in.ReadLine(absl::Now() + absl::Seconds(60));
+  if (!line.ok()) return line.status();
+  absl::string_view rest = *line;
+  if (!absl::ConsumePrefix(&rest, tag) || !absl::ConsumePrefix(&rest, " ")) {
+    return absl::InvalidArgumentError(absl::StrCat("expected ", tag, ", got '", *line, "'"));
+  }
+  return absl::HexStringToBytes(rest);
+}
+
+int RunWriter(Transport& transport, size_t bytes, size_t block, size_t count, uint32_t seed) {
+  PipeReader in(0);
+  auto info = ReadHexLine(in, "INFO");
+  if (!info.ok()) return Fail(info.status().ToString());
+  auto descriptor = ReadHexLine(in, "DESC");
+  if (!descriptor.ok()) return Fail(descriptor.status().ToString());
+  std::vector<char> buffer(bytes);
+  FillPattern(buffer.data(), buffer.size(), seed);
+  auto reg = transport.RegisterMemory(buffer.data(), buffer.size(), MemoryKind::kHost);
+  if (!reg.ok()) return Fail(reg.status().ToString());
+  auto peer = transport.Connect(*info);
+  if (!peer.ok()) return Fail(peer.status().ToString());
+  auto remote = transport.ImportRemote(*peer, *descriptor);
+  if (!remote.ok()) return Fail(remote.status().ToString());
+  std::vector<Segment> segments = ScatteredSegments(count, block, bytes / block, seed);
+  auto id = transport.PostWrite(*peer, **reg, **remote, segments, "written");
+  absl::Status result = id.status();
+  if (id.ok()) result = WaitForTransfer(transport, *id, absl::Now() + absl::Seconds(60)).status();
+  if (!WriteLine(kPeerOutFd, "DONE " + result.ToString()).ok()) {
+    return Fail("cannot write to the parent");
+  }
+  // Keep progressing: the parent may still need this side (e.g. to finish closing).
+  while (!StdinClosedOrSays("exit")) {
+    absl::Status progress = transport.Progress();
+    if (!progress.ok()) return Fail(progress.ToString());
+  }
+  return result.ok() ? 0 : 1;
+}
+
+int Main(int argc, char** argv) {
+  std::map<std::string, std::string> flags = ParseFlags(argc, argv);
+  UcxTransportOptions options;
+  options.tls = flags.count("tls") ? flags["tls"] : "shm";
+  if (options.tls == "tcp") options.net_devices = "lo";
+  auto transport = CreateUcxTransport(options);
+  if (!transport.ok()) return Fail(transport.status().ToString());
+  const size_t bytes = Number(flags, "bytes");
+  if (flags["role"] == "receiver") return RunReceiver(**transport, bytes, flags.count("stall"));
+  if (flags["role"] == "writer") {
+    return RunWriter(**transport, bytes, Number(flags, "block"), Number(flags, "count"),
+                     static_cast<uint32_t>(Number(flags, "seed")));
+  }
+  return Fail("--role must be receiver or writer");
+}
+
+}  // namespace
+}  // namespace test
+}  // namespace kvstream
+
+int main(int argc, char** argv) { return kvstream::test::Main(argc, argv); }
