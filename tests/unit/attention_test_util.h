@@ -1,0 +1,322 @@
+// Test fixtures for the CPU attention kernels: a paged cache with any of several stride
+// layouts, a mixed batch with shuffled block ids, queries and an output buffer, all built
+// from one AttnCase description.
+//
+// Every byte that a kernel must not read (block padding, unused blocks, query padding) is
+// filled with a NaN pattern, so reading it shows up as NaN in the output; every output
+// byte that a kernel must not write is a sentinel that the tests check afterwards.
+#ifndef KVSTREAM_TESTS_UNIT_ATTENTION_TEST_UTIL_H_
+#define KVSTREAM_TESTS_UNIT_ATTENTION_TEST_UTIL_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kvstream/attention/backend.h"
+#include "kvstream/cache/kv_cache.h"
+#include "kvstream/cache/kv_cache_spec.h"
+#include "kvstream/common/dtype.h"
+#include "kvstream/common/numeric.h"
+
+namespace kvstream {
+namespace testing_util {
+
+// Physical orders of a cache tensor. kPadded has odd gaps between heads, tokens and
+// blocks (an engine's tensor with padding); kDimStrided keeps the head dimension strided
+// ([block][head][dim][token]), which no dense layout does.
+enum class TestLayout { kNHD, kHND, kPadded, kDimStrided };
+
+inline const char* TestLayoutName(TestLayout layout) {
+  switch (layout) {
+    case TestLayout::kNHD: return "NHD";
+    case TestLayout::kHND: return "HND";
+    case TestLayout::kPadded: return "Padded";
+    case TestLayout::kDimStrided: return "DimStrided";
+  }
+  return "?";
+}
+
+inline CacheStrides MakeTestStrides(TestLayout layout, int block_size, int heads, int dim) {
+  CacheStrides s;
+  switch (layout) {
+    case TestLayout::kNHD:
+      s.dim = 1;
+      s.head = dim;
+      s.token = int64_t{heads} * dim;
+      s.block = int64_t{block_size} * s.token;
+      break;
+    case TestLayout::kHND:
+      s.dim = 1;
+      s.token = dim;
+      s.head = int64_t{block_size} * dim;
+      s.block = int64_t{heads} * s.head;
+      break;
+    case TestLayout::kPadded:
+      s.dim = 1;
+      s.head = dim + 3;
+      s.token = int64_t{heads} * s.head + 5;
+      s.block = int64_t{block_size} * s.token + 7;
+      break;
+    case TestLayout::kDimStrided:
+      s.token = 1;
+      s.dim = block_size;
+      s.head = int64_t{dim} * block_size;
+      s.block = int64_t{heads} * s.head;
+      break;
+  }
+  return s;
+}
+
+struct SeqSpec {
+  int context_len = 0;  // cached keys before this step's tokens
+  int query_len = 1;
+};
+
+// One attention call to build. Defaults: a small GQA problem in float32.
+struct AttnCase {
+  int block_size = 16;
+  int num_kv_heads = 2;
+  int group = 4;  // query heads per KV head
+  int head_size = 64;
+  int head_size_v = 64;
+  DType q_dtype = DType::kFloat32;
+  DType out_dtype = DType::kFloat32;
+  DType cache_dtype = DType::kFloat32;
+  KvQuantMode quant = KvQuantMode::kNone;
+  TestLayout layout = TestLayout::kNHD;
+  bool causal = true;
+  int sliding_window = 0;
+  float soft_cap = 0;
+  bool alibi = false;
+  float scale = 0;  // 0: 1 / sqrt(head_size)
+  // Prefill, chunked prefill and decode together by default.
+  std::vector<SeqSpec> seqs = {{0, 7}, {26, 7}, {99, 1}, {0, 1}, {32, 1}};
+  int pad_tokens = 2;  // query rows after the last sequence; must stay untouched
+  uint32_t seed = 1;
+};
+
+// Owns every buffer of one call. params() points into it.
+class AttnProblem {
+ public:
+  explicit AttnProblem(const AttnCase& c) : c_(c), rng_(c.seed) {
+    num_heads_ = c.num_kv_heads * c.group;
+    spec_.block_size = c.block_size;
+    spec_.num_kv_heads = c.num_kv_heads;
+    spec_.head_size = c.head_size;
+    spec_.head_size_v = c.head_size_v;
+    spec_.dtype = c.cache_dtype;
+    spec_.quant_mode = IsFp8(c.cache_dtype) ? c.quant : KvQuantMode::kNone;
+
+    // Batch layout and block ids: every block of every sequence, shuffled over a cache
+    // with spare blocks, so that neither order nor contiguity can be relied on.
+    int64_t total_blocks = 0;
+    int max_blocks = 1;
+    query_start_loc_.push_back(0);
+    for (const SeqSpec& s : c.seqs) {
+      const int seq_len = s.context_len + s.query_len;
+      const int blocks = (seq_len + c.block_size - 1) / c.block_size;
+      total_blocks += blocks;
+      max_blocks = std::max(max_blocks, blocks);
+      seq_lens_.push_back(seq_len);
+      query_start_loc_.push_back(query_start_loc_.back() + s.query_len);
+      max_query_len_ = std::max(max_query_len_, s.query_len);
+      max_seq_len_ = std::max(max_seq_len_, seq_len);
+    }
+    num_blocks_ = total_blocks + 3;
+    std::vector<int32_t> ids(static_cast<size_t>(num_blocks_));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng_);
+    block_table_stride_ = max_blocks + 1;  // a spare column holding garbage
+    block_table_.assign(c.seqs.size() * static_cast<size_t>(block_table_stride_), -1);
+    size_t next = 0;
+    for (size_t s = 0; s < c.seqs.size(); ++s) {
+      const int blocks = (seq_lens_[s] + c.block_size - 1) / c.block_size;
+      for (int b = 0; b < blocks; ++b) {
+        block_table_[s * static_cast<size_t>(block_table_stride_) + static_cast<size_t>(b)] =
+            ids[next++];
+      }
+    }
+    num_tokens_ = query_start_loc_.back() + c.pad_tokens;
+
+    // Cache tensors, NaN everywhere first.
+    k_strides_ = MakeTestStrides(c.layout, c.block_size, c.num_kv_heads, c.head_size);
+    v_strides_ = MakeTestStrides(c.layout, c.block_size, c.num_kv_heads, c.head_size_v);
+    k_.assign(TensorBytes(k_strides_, c.head_size), 0xff);
+    v_.assign(TensorBytes(v_strides_, c.head_size_v), 0xff);
+    if (IsFp8(c.cache_dtype)) {
+      const int n = c.quant == KvQuantMode::kPerHead ? c.num_kv_heads : 1;
+      for (int i = 0; i < n; ++i) {
+        // Distinct per head, and small enough that values near 1 use fp8's range.
+        k_scale_.push_back(0.004f * static_cast<float>(i + 1) + 0.001f);
+        v_scale_.push_back(0.003f * static_cast<float>(i + 2));
+      }
+    }
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    for (size_t s = 0; s < c.seqs.size(); ++s) {
+      for (int j = 0; j < seq_lens_[s]; ++j) {
+        for (int g = 0; g < c.num_kv_heads; ++g) {
+          for (int d = 0; d < c.head_size; ++d) SetCache(false, s, j, g, d, uni(rng_));
+          for (int d = 0; d < c.head_size_v; ++d) SetCache(true, s, j, g, d, uni(rng_));
+        }
+      }
+    }
+
+    // Queries with a padded token stride; the padding is NaN too.
+    q_token_stride_ = int64_t{num_heads_} * c.head_size + 3;
+    q_.assign(static_cast<size_t>(num_tokens_ * q_token_stride_) * DTypeSize(c.q_dtype), 0xff);
+    for (int64_t t = 0; t < query_start_loc_.back(); ++t) {
+      for (int h = 0; h < num_heads_; ++h) {
+        for (int d = 0; d < c.head_size; ++d) SetQuery(t, h, d, uni(rng_));
+      }
+    }
+    o_token_stride_ = int64_t{num_heads_} * c.head_size_v + 5;
+
+    for (int h = 0; h < num_heads_; ++h) {
+      alibi_.push_back(std::pow(2.0f, -8.0f * static_cast<float>(h + 1) / num_heads_));
+    }
+  }
+
+  // Writes the dequantised value x of element (position j of sequence s, KV head g, d).
+  void SetCache(bool is_value, size_t s, int j, int g, int d, float x) {
+    const CacheStrides& st = is_value ? v_strides_ : k_strides_;
+    const int32_t block =
+        block_table_[s * static_cast<size_t>(block_table_stride_) +
+                     static_cast<size_t>(j / c_.block_size)];
+    const int64_t offset = st.Offset(block, j % c_.block_size, g, d);
+    float stored = x;
+    if (IsFp8(c_.cache_dtype)) {
+      const std::vector<float>& scales = is_value ? v_scale_ : k_scale_;
+      stored = x / scales[scales.size() == 1 ? 0 : static_cast<size_t>(g)];
+    }
+    StoreFromFloat(is_value ? v_.data() : k_.data(), c_.cache_dtype, offset, stored);
+  }
+
+  void SetQuery(int64_t row, int h, int d, float x) {
+    StoreFromFloat(q_.data(), c_.q_dtype, row * q_token_stride_ + int64_t{h} * c_.head_size + d,
+                   x);
+  }
+
+  // An output buffer filled with the sentinel byte.
+  std::vector<uint8_t> NewOut() const {
+    return std::vector<uint8_t>(
+        static_cast<size_t>(num_tokens_ * o_token_stride_) * DTypeSize(c_.out_dtype), kSentinel);
+  }
+
+  PagedAttentionParams params(std::vector<uint8_t>& out) {
+    PagedAttentionParams p;
+    p.q = q_.data();
+    p.q_dtype = c_.q_dtype;
+    p.q_token_stride = q_token_stride_;
+    p.q_head_stride = c_.head_size;
+    p.out = out.data();
+    p.out_dtype = c_.out_dtype;
+    p.o_token_stride = o_token_stride_;
+    p.o_head_stride = c_.head_size_v;
+    p.num_tokens = num_tokens_;
+    p.cache.k = k_.data();
+    p.cache.v = v_.data();
+    p.cache.k_strides = k_strides_;
+    p.cache.v_strides = v_strides_;
+    p.cache.num_blocks = num_blocks_;
+    p.cache.spec = spec_;
+    if (IsFp8(c_.cache_dtype)) {
+      p.cache.k_scale = k_scale_.data();
+      p.cache.v_scale = v_scale_.data();
+      p.cache.num_scales = static_cast<int>(k_scale_.size());
+    }
+    p.query_start_loc = query_start_loc_.data();
+    p.seq_lens = seq_lens_.data();
+    p.block_table = block_table_.data();
+    p.block_table_stride = block_table_stride_;
+    p.num_seqs = static_cast<int32_t>(seq_lens_.size());
+    p.max_query_len = max_query_len_;
+    p.max_seq_len = max_seq_len_;
+    p.num_heads = num_heads_;
+    p.scale = c_.scale > 0 ? c_.scale : 1.0f / std::sqrt(static_cast<float>(c_.head_size));
+    p.causal = c_.causal;
+    p.sliding_window = c_.sliding_window;
+    p.logits_soft_cap = c_.soft_cap;
+    p.alibi_slopes = c_.alibi ? alibi_.data() : nullptr;
+    return p;
+  }
+
+  // Output element (query row, head, d) as float.
+  float Out(const std::vector<uint8_t>& out, int64_t row, int h, int d) const {
+    return LoadAsFloat(out.data(), c_.out_dtype,
+                       row * o_token_stride_ + int64_t{h} * c_.head_size_v + d);
+  }
+  // Whether the kernel may write element `index` of the output buffer.
+  bool Writable(int64_t index) const {
+    const int64_t row = index / o_token_stride_;
+    const int64_t col = index % o_token_stride_;
+    return row >= query_start_loc_.front() && row < query_start_loc_.back() &&
+           col < int64_t{num_heads_} * c_.head_size_v;
+  }
+  // Count of output bytes outside the writable region that no longer hold the sentinel.
+  int64_t CountStrayWrites(const std::vector<uint8_t>& out) const {
+    const int64_t elem = static_cast<int64_t>(DTypeSize(c_.out_dtype));
+    int64_t stray = 0;
+    for (int64_t i = 0; i < static_cast<int64_t>(out.size()); ++i) {
+      if (!Writable(i / elem) && out[static_cast<size_t>(i)] != kSentinel) ++stray;
+    }
+    return stray;
+  }
+
+  const AttnCase& config() const { return c_; }
+  int num_heads() const { return num_heads_; }
+  int32_t query_start(size_t s) const { return query_start_loc_[s]; }
+  int32_t seq_len(size_t s) const { return seq_lens_[s]; }
+  std::vector<int32_t>& block_table() { return block_table_; }
+  std::vector<int32_t>& query_start_loc() { return query_start_loc_; }
+  std::vector<int32_t>& seq_lens() { return seq_lens_; }
+  std::vector<float>& k_scales() { return k_scale_; }
+  std::vector<float>& v_scales() { return v_scale_; }
+  std::vector<float>& alibi_slopes() { return alibi_; }
+  int64_t num_blocks() const { return num_blocks_; }
+
+  static constexpr uint8_t kSentinel = 0x5a;
+
+ private:
+  size_t TensorBytes(const CacheStrides& st, int dim) const {
+    const int64_t last = st.Offset(num_blocks_ - 1, c_.block_size - 1, c_.num_kv_heads - 1,
+                                   dim - 1);
+    return static_cast<size_t>(last + 1) * DTypeSize(c_.cache_dtype);
+  }
+
+  AttnCase c_;
+  std::mt19937 rng_;
+  KvCacheSpec spec_;
+  int num_heads_ = 0;
+  int64_t num_tokens_ = 0;
+  int64_t num_blocks_ = 0;
+  int32_t max_query_len_ = 0;
+  int32_t max_seq_len_ = 0;
+  std::vector<int32_t> query_start_loc_, seq_lens_, block_table_;
+  int64_t block_table_stride_ = 0;
+  CacheStrides k_strides_, v_strides_;
+  std::vector<uint8_t> k_, v_, q_;
+  std::vector<float> k_scale_, v_scale_, alibi_;
+  int64_t q_token_stride_ = 0;
+  int64_t o_token_stride_ = 0;
+};
+
+// Absolute tolerance for comparing two outputs of `dtype` whose values lie in [-1, 1]:
+// about two units in the last place of the output format near 1.
+inline float OutputTolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return 1e-4f;
+    case DType::kFloat16: return 2e-3f;
+    default: return 1e-2f;  // bfloat16
+  }
+}
+
+}  // namespace testing_util
+}  // namespace kvstream
+
+#endif  // KVSTREAM_TESTS_UNIT_ATTENTION_TEST_UTIL_H_
