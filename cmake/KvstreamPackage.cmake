@@ -13,4 +13,5 @@ install(FILES
   ${CMAKE_CURRENT_BINARY_DIR}/kvstreamConfig.cmake
   ${CMAKE_CURRENT_BINARY_DIR}/kvstreamConfigVersion.cmake
   ${CMAKE_CURRENT_SOURCE_DIR}/cmake/FindNCCL.cmake
+  ${CMAKE_CURRENT_SOURCE_DIR}/cmake/FindXXHash.cmake
   DESTINATION ${KVSTREAM_CMAKE_DIR})
