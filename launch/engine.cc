@@ -2,6 +2,7 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -30,6 +31,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   e->options_ = options;
   ASSIGN_OR_RETURN(e->model_, ToyModel::Create(options.model, options.num_blocks, &e->registry_));
   ASSIGN_OR_RETURN(e->pool_, BlockPool::Create(static_cast<int32_t>(options.num_blocks)));
+  if (options.scatter_seed != 0) {
+    // Freed blocks are handed out first, in reverse order of freeing.
+    ASSIGN_OR_RETURN(std::vector<int32_t> all, e->pool_->Allocate(e->pool_->num_blocks()));
+    std::shuffle(all.begin(), all.end(), std::mt19937(options.scatter_seed));
+    for (int32_t id : all) RETURN_IF_ERROR(e->pool_->Free({id}));
+  }
   if (options.connector != nullptr) {
     std::map<std::string, KvCache*> caches;
     for (int l = 0; l < options.model.num_layers; ++l) {

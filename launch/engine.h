@@ -35,6 +35,8 @@ struct EngineOptions {
   KvConnector* connector = nullptr;  // not owned; null = colocated
   TransferHook* hook = nullptr;      // not owned; default: the connector
   LoadFailurePolicy failure_policy = LoadFailurePolicy::kRecompute;
+  // Non-zero: shuffle the free list with this seed, so requests get scattered blocks.
+  uint32_t scatter_seed = 0;
 };
 
 struct RequestSpec {

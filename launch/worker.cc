@@ -150,6 +150,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   eo.num_blocks = o.num_blocks;
   eo.connector = connector->get();
   eo.failure_policy = config->kv_load_failure_policy;
+  eo.scatter_seed = prefill ? 11 : 23;  // different scatter on each side
   if (o.crash_after_layer >= 0) {
     crash = std::make_unique<CrashingHook>(connector->get(), o.crash_after_layer);
     crash->producer = prefill;
