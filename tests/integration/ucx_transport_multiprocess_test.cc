@@ -84,6 +84,18 @@ class UcxMultiProcessTest : public ::testing::TestWithParam<std::string> {
     remote_ = std::move(remote).value();
   }
 
+  // Reads a line from the child, progressing this side meanwhile (what the child waits for
+  // may need this side's progress, e.g. an active message queued over TCP).
+  absl::StatusOr<std::string> ReadLineProgressing() {
+    const absl::Time deadline = Deadline();
+    while (!child_->reader().Readable()) {
+      absl::Status progress = transport_->Progress();
+      if (!progress.ok()) return progress;
+      if (absl::Now() >= deadline) return absl::DeadlineExceededError("no line from the child");
+    }
+    return child_->reader().ReadLine(deadline);
+  }
+
   void RegisterLocal(std::vector<char>& buffer) {
     auto reg = transport_->RegisterMemory(buffer.data(), buffer.size(), MemoryKind::kHost);
     ASSERT_TRUE(reg.ok()) << reg.status();
@@ -130,12 +142,7 @@ TEST_P(UcxMultiProcessTest, ScatteredLayersLandBeforeTheirNotifications) {
 
   std::vector<char> snapshot(kBytes);
   for (int layer = 0; layer < kLayers; ++layer) {
-    const absl::Time deadline = Deadline();
-    while (!child_->reader().Readable()) {
-      ASSERT_TRUE(transport_->Progress().ok());
-      ASSERT_LT(absl::Now(), deadline) << "no notification for layer " << layer;
-    }
-    auto line = child_->reader().ReadLine(Deadline());
+    auto line = ReadLineProgressing();
     ASSERT_TRUE(line.ok()) << line.status();
     ASSERT_EQ(*line, absl::StrCat("DUMP dump ", layer, " ", kBytes));
     ASSERT_TRUE(child_->reader().ReadExactly(snapshot.data(), kBytes, Deadline()).ok());
@@ -155,7 +162,7 @@ TEST_P(UcxMultiProcessTest, ScatteredLayersLandBeforeTheirNotifications) {
   }
   auto bye = transport_->PostNotification(peer_, "exit");
   ASSERT_TRUE(bye.ok());
-  auto line = child_->reader().ReadLine(Deadline());
+  auto line = ReadLineProgressing();
   ASSERT_TRUE(line.ok()) << line.status();
   EXPECT_EQ(*line, "BYE");
   auto exit_code = child_->Wait(Deadline());
@@ -202,9 +209,7 @@ TEST_P(UcxMultiProcessTest, ChildWritesAndNotifiesAfterItsData) {
   EXPECT_TRUE(transport_->PeerStatus(notes[0].peer).ok());
 
   // The writer reports its own view of the transfer.
-  std::string done;
-  while (!child_->reader().Readable()) ASSERT_TRUE(transport_->Progress().ok());
-  auto line = child_->reader().ReadLine(Deadline());
+  auto line = ReadLineProgressing();
   ASSERT_TRUE(line.ok()) << line.status();
   EXPECT_EQ(*line, "DONE OK");
   ASSERT_TRUE(WriteLine(child_->to_child(), "exit").ok());
@@ -213,20 +218,30 @@ TEST_P(UcxMultiProcessTest, ChildWritesAndNotifiesAfterItsData) {
   EXPECT_EQ(*exit_code, 0);
 }
 
-// The receiver stops progressing, so transfers to it pile up in flight; then it is killed.
-// Every transfer still in flight must fail with an error naming the peer, the peer's status
-// must turn to that error, the callback must report it once, and later posts must fail.
+// The receiver, once connected (a peer that dies before UCX's connection handshake finished
+// is not detected by UCX 1.13: the sender's deadline is the only guard there), stops
+// progressing, so transfers to it pile up in flight; then it is killed. Every transfer still
+// in flight must fail with an error naming the peer, the peer's status must turn to that
+// error, the callback must report it once, and later posts must fail.
 TEST_P(UcxMultiProcessTest, PeerKilledMidStreamFailsOutstandingTransfers) {
   constexpr size_t kBlock = 64 << 10;
   constexpr size_t kPoolBlocks = 64;
   constexpr size_t kBytes = kBlock * kPoolBlocks;
-  Spawn({"--role=receiver", "--stall", absl::StrCat("--bytes=", kBytes)});
+  Spawn({"--role=receiver", absl::StrCat("--bytes=", kBytes)});
   ASSERT_NO_FATAL_FAILURE(ConnectToReceiver());
   std::vector<char> src(kBytes, 7);
   ASSERT_NO_FATAL_FAILURE(RegisterLocal(src));
   std::vector<std::pair<PeerId, absl::Status>> reported;
   transport_->SetPeerErrorCallback(
       [&](PeerId peer, const absl::Status& error) { reported.emplace_back(peer, error); });
+  auto warmup = transport_->PostWrite(peer_, *reg_, *remote_,
+                                      ScatteredSegments(8, kBlock, kPoolBlocks, 0), "stall");
+  ASSERT_TRUE(warmup.ok()) << warmup.status();
+  auto stalled = ReadLineProgressing();
+  ASSERT_TRUE(stalled.ok()) << stalled.status();
+  ASSERT_EQ(*stalled, "STALLED");
+  auto warm = WaitForTransfer(*transport_, *warmup, Deadline());
+  ASSERT_TRUE(warm.ok()) << warm.status();
 
   std::vector<TransferId> ids;
   for (int i = 0; i < 64; ++i) {
@@ -248,7 +263,7 @@ TEST_P(UcxMultiProcessTest, PeerKilledMidStreamFailsOutstandingTransfers) {
   for (TransferId id : in_flight) {
     auto state = WaitForTransfer(*transport_, id, Deadline());
     ASSERT_FALSE(state.ok()) << "transfer " << id << " completed to a dead peer";
-    EXPECT_NE(state.status().code(), absl::StatusCode::kDeadlineExceeded)
+    ASSERT_NE(state.status().code(), absl::StatusCode::kDeadlineExceeded)
         << "the peer's death was not detected: " << state.status();
     EXPECT_THAT(state.status().message(), HasSubstr(absl::StrCat("peer ", peer_)));
   }

@@ -1,11 +1,11 @@
 // The peer process of the multi-process UCX transport test (ucx_transport_multiprocess_test).
 //
-//   kvstream_ucx_transport_peer --role=receiver --tls=shm --bytes=N [--stall]
+//   kvstream_ucx_transport_peer --role=receiver --tls=shm --bytes=N
 //     Registers N zeroed bytes and writes "INFO <hex worker info>", "DESC <hex descriptor>",
 //     "READY" to fd 3. Then progresses and, for each notification: "dump..." -> writes
 //     "DUMP <payload> <N>" and the N bytes of its buffer as they are at that moment; "exit"
-//     -> writes "BYE" and exits 0; anything else -> "NOTE <payload>". With --stall it never
-//     progresses after READY (a peer that stops reading, to be killed by the test).
+//     -> writes "BYE" and exits 0; "stall" -> writes "STALLED" and never progresses again
+//     (a peer that stops reading, for the test to kill); anything else -> "NOTE <payload>".
 //
 //   kvstream_ucx_transport_peer --role=writer --tls=shm --bytes=N --block=B --count=C --seed=S
 //     Reads "INFO <hex>" and "DESC <hex>" lines from stdin, fills N bytes with the seed's
@@ -76,7 +76,7 @@ bool StdinClosedOrSays(const std::string& word) {
   return absl::StrContains(absl::string_view(buffer, static_cast<size_t>(n)), word);
 }
 
-int RunReceiver(Transport& transport, size_t bytes, bool stall) {
+int RunReceiver(Transport& transport, size_t bytes) {
   std::vector<char> buffer(bytes, 0);
   auto reg = transport.RegisterMemory(buffer.data(), buffer.size(), MemoryKind::kHost);
   if (!reg.ok()) return Fail(reg.status().ToString());
@@ -87,9 +87,6 @@ int RunReceiver(Transport& transport, size_t bytes, bool stall) {
       !WriteLine(kPeerOutFd, "READY").ok()) {
     return Fail("cannot write to the parent");
   }
-  if (stall) {
-    while (true) ::pause();  // killed by the test
-  }
   while (true) {
     absl::Status progress = transport.Progress();
     if (!progress.ok()) return Fail(progress.ToString());
@@ -97,6 +94,10 @@ int RunReceiver(Transport& transport, size_t bytes, bool stall) {
       if (n.payload == "exit") {
         (void)WriteLine(kPeerOutFd, "BYE");
         return 0;
+      }
+      if (n.payload == "stall") {
+        (void)WriteLine(kPeerOutFd, "STALLED");
+        while (true) ::pause();  // until the test kills this process
       }
       if (absl::StartsWith(n.payload, "dump")) {
         absl::Status s = WriteLine(kPeerOutFd, absl::StrCat("DUMP ", n.payload, " ", bytes));
@@ -157,7 +158,7 @@ int Main(int argc, char** argv) {
   auto transport = CreateUcxTransport(options);
   if (!transport.ok()) return Fail(transport.status().ToString());
   const size_t bytes = Number(flags, "bytes");
-  if (flags["role"] == "receiver") return RunReceiver(**transport, bytes, flags.count("stall"));
+  if (flags["role"] == "receiver") return RunReceiver(**transport, bytes);
   if (flags["role"] == "writer") {
     return RunWriter(**transport, bytes, Number(flags, "block"), Number(flags, "count"),
                      static_cast<uint32_t>(Number(flags, "seed")));

@@ -4,11 +4,26 @@
 // notification only once the data before it is in place.
 //
 // Debian's UCX has no CUDA transports: host memory only here.
+//
+// Two properties of UCX 1.13 that users of this transport must know:
+// - Over shared memory ("shm") and TCP, UCX has no one-sided path for memory it did not
+//   allocate itself (cma serves only rendezvous, never ucp_put), so puts into ordinary
+//   (engine-owned) memory are emulated with active messages: the data lands only when the
+//   *target* calls Progress(). A receiver waiting for a notification does so anyway.
+// - A peer that dies before UCX's connection handshake with it completed is not detected by
+//   UCX; transfers to it stay in progress until the caller's deadline (WaitForTransfer),
+//   after which the caller should Disconnect(). Once connected, a dead peer is detected by
+//   keepalive (keepalive_interval) or by its closed socket.
+//
+// Thread safety: as Transport (every method from any thread); internally one mutex
+// serialises every UCX call and the worker runs in UCS_THREAD_MODE_SERIALIZED.
 #ifndef KVSTREAM_TRANSFER_UCX_TRANSPORT_H_
 #define KVSTREAM_TRANSFER_UCX_TRANSPORT_H_
 
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -27,8 +42,16 @@ struct UcxTransportOptions {
   // trace the transport would notice otherwise (e.g. one reached over shared memory) is
   // detected within a few intervals. Zero keeps UCX's default (20 s in UCX 1.13).
   absl::Duration keepalive_interval = absl::Seconds(1);
+  // Further UCX settings, as (name without the "UCX_" prefix, value), applied last, so they
+  // override kvstream's own choices (which include MM_SEG_SIZE=64k for shared memory: with
+  // UCX's 8 KiB default every block-sized put is cut into many more fragments).
+  std::vector<std::pair<std::string, std::string>> ucx_config;
 };
 
+// A transport with its own UCP context and worker. InvalidArgument for an empty tls; the UCX
+// error (naming the UCX call) when UCX cannot start with these options, for example a
+// transport name it does not know. UCX's own UCX_* environment variables still apply, under
+// the options. Does not block on any peer.
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOptions& options);
 
 }  // namespace kvstream

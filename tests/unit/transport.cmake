@@ -1,0 +1,5 @@
+# Unit tests: transports (loopback, UCX)
+kvstream_add_gtest(loopback_transport_test LABELS unit SOURCES loopback_transport_test.cc
+                   DEPS kvstream::transfer)
+kvstream_add_gtest(ucx_transport_test LABELS unit SOURCES ucx_transport_test.cc
+                   DEPS kvstream::transfer)

@@ -1,0 +1,572 @@
+// The loopback transport: Transport instances of one process joined by a LoopbackFabric.
+//
+// Everything on a fabric is guarded by the fabric's one mutex. That is slow for a real
+// transport but right for a test double: the copy of a transfer's bytes and the delivery of
+// its notification happen atomically with respect to every other transport call, so a
+// deregistration racing a write can never leave the memcpy on freed memory. Writes are
+// queued by PostWrite and performed by the posting transport's Progress(), in post order.
+#include "kvstream/transfer/loopback_transport.h"
+
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace {
+
+// LocalInfo: "kvstream-loopback:1:<node id>:<name>"; descriptor:
+// "kvstream-loopback-mem:1:<node id>:<region id>:<length>". Text, because nothing but this
+// file reads them, and versioned so a stale string is rejected rather than misread.
+constexpr absl::string_view kInfoPrefix = "kvstream-loopback";
+constexpr absl::string_view kDescriptorPrefix = "kvstream-loopback-mem";
+constexpr absl::string_view kVersion = "1";
+
+struct Region {
+  char* base = nullptr;
+  size_t length = 0;
+};
+
+struct PeerEntry {
+  uint64_t node_id = 0;  // the fabric node this peer is
+  std::string name;
+  bool connected = false;  // false: known only because it sent us notifications
+  absl::Status status;
+};
+
+enum class Phase { kQueued, kDone, kFailed };
+
+struct LoopbackTransfer {
+  PeerId peer = 0;
+  uint64_t local_region = 0;
+  uint64_t remote_region = 0;
+  std::vector<Segment> segments;
+  std::string notification;
+  Phase phase = Phase::kQueued;
+  absl::Status status;
+};
+
+}  // namespace
+
+namespace internal {
+
+// One transport's state inside the fabric.
+struct LoopbackNode {
+  uint64_t id = 0;
+  std::string name;
+  std::map<uint64_t, Region> regions;
+  uint64_t next_region = 1;
+  std::map<PeerId, PeerEntry> peers;
+  PeerId next_peer = 1;
+  std::map<TransferId, LoopbackTransfer> transfers;
+  std::deque<TransferId> queue;  // transfers in post order, waiting for Progress()
+  TransferId next_transfer = 1;
+  std::vector<Notification> inbox;
+  std::vector<std::pair<PeerId, absl::Status>> peer_errors;  // for the callback, unreported
+  PeerErrorCallback callback;
+  bool failed = false;  // FailEndpoint() was called on this node
+  absl::Status failure;
+
+  std::string PeerName(PeerId peer) const {
+    auto it = peers.find(peer);
+    std::string peer_name = it == peers.end() ? std::string("?") : it->second.name;
+    return absl::StrCat("loopback peer '", peer_name, "' (id ", peer, ")");
+  }
+
+  // Marks `peer` failed and fails its queued transfers. The callback runs later, from
+  // Progress(), outside the fabric lock.
+  void FailPeer(PeerId peer, const absl::Status& error) {
+    auto it = peers.find(peer);
+    if (it == peers.end() || !it->second.status.ok()) return;
+    it->second.status = error;
+    for (auto& entry : transfers) {
+      LoopbackTransfer& transfer = entry.second;
+      if (transfer.peer == peer && transfer.phase == Phase::kQueued) {
+        transfer.phase = Phase::kFailed;
+        transfer.status = error;
+      }
+    }
+    peer_errors.emplace_back(peer, error);
+  }
+
+  // The id under which this node knows `other`, created on first contact.
+  PeerId PeerIdFor(const LoopbackNode& other) {
+    for (const auto& [peer, entry] : peers) {
+      if (entry.node_id == other.id) return peer;
+    }
+    PeerId peer = next_peer++;
+    PeerEntry entry;
+    entry.node_id = other.id;
+    entry.name = other.name;
+    peers.emplace(peer, std::move(entry));
+    return peer;
+  }
+};
+
+}  // namespace internal
+
+struct LoopbackFabric::State {
+  absl::Mutex mu;
+  uint64_t next_node ABSL_GUARDED_BY(mu) = 1;
+  // Every node's fields are guarded by `mu` too.
+  std::map<uint64_t, std::unique_ptr<internal::LoopbackNode>> nodes ABSL_GUARDED_BY(mu);
+
+  internal::LoopbackNode* Find(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = nodes.find(id);
+    return it == nodes.end() ? nullptr : it->second.get();
+  }
+  internal::LoopbackNode* FindByName(absl::string_view name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (auto& [id, node] : nodes) {
+      if (node->name == name) return node.get();
+    }
+    return nullptr;
+  }
+};
+
+namespace {
+
+using State = LoopbackFabric::State;
+using internal::LoopbackNode;
+
+class LoopbackRegistration final : public MemoryRegistration {
+ public:
+  LoopbackRegistration(std::shared_ptr<State> state, uint64_t node, uint64_t region, void* base,
+                       size_t length, MemoryKind kind)
+      : state_(std::move(state)), node_(node), region_(region), base_(base), length_(length),
+        kind_(kind),
+        descriptor_(absl::StrCat(kDescriptorPrefix, ":", kVersion, ":", node, ":", region, ":",
+                                 length)) {}
+  ~LoopbackRegistration() override {
+    absl::MutexLock lock(&state_->mu);
+    if (LoopbackNode* node = state_->Find(node_)) node->regions.erase(region_);
+  }
+  LoopbackRegistration(const LoopbackRegistration&) = delete;
+  LoopbackRegistration& operator=(const LoopbackRegistration&) = delete;
+
+  void* base() const override { return base_; }
+  size_t length() const override { return length_; }
+  MemoryKind memory_kind() const override { return kind_; }
+  const std::string& descriptor() const override { return descriptor_; }
+  uint64_t node() const { return node_; }
+  uint64_t region() const { return region_; }
+
+ private:
+  std::shared_ptr<State> state_;
+  uint64_t node_;
+  uint64_t region_;
+  void* base_;
+  size_t length_;
+  MemoryKind kind_;
+  std::string descriptor_;
+};
+
+class LoopbackRemote final : public RemoteMemory {
+ public:
+  LoopbackRemote(uint64_t owner, PeerId peer, uint64_t region, size_t length)
+      : owner_(owner), peer_(peer), region_(region), length_(length) {}
+  PeerId peer() const override { return peer_; }
+  size_t length() const override { return length_; }
+  uint64_t owner() const { return owner_; }
+  uint64_t region() const { return region_; }
+
+ private:
+  uint64_t owner_;  // the node that imported it
+  PeerId peer_;
+  uint64_t region_;
+  size_t length_;
+};
+
+bool SegmentFits(uint64_t offset, uint64_t length, uint64_t region_length) {
+  return length <= region_length && offset <= region_length - length;
+}
+
+class LoopbackTransport final : public Transport {
+ public:
+  LoopbackTransport(std::shared_ptr<State> state, uint64_t node)
+      : state_(std::move(state)), node_id_(node) {}
+
+  ~LoopbackTransport() override {
+    absl::MutexLock lock(&state_->mu);
+    // Peers that write to this node from now on find it gone and fail those transfers.
+    state_->nodes.erase(node_id_);
+  }
+
+  absl::string_view name() const override { return "loopback"; }
+
+  TransportCapabilities capabilities() const override {
+    TransportCapabilities caps;
+    caps.one_sided_write = true;
+    caps.notifications = true;
+    caps.host_memory = true;
+    caps.device_memory = false;
+    caps.inter_process = false;
+    caps.inter_node = false;
+    return caps;
+  }
+
+  absl::StatusOr<std::string> LocalInfo() override {
+    absl::MutexLock lock(&state_->mu);
+    return absl::StrCat(kInfoPrefix, ":", kVersion, ":", node_id_, ":", Self().name);
+  }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* base, size_t length,
+                                                                     MemoryKind kind) override {
+    if (base == nullptr || length == 0) {
+      return absl::InvalidArgumentError("loopback RegisterMemory: null or empty range");
+    }
+    if (kind == MemoryKind::kDevice) {
+      return absl::InvalidArgumentError("loopback RegisterMemory: device memory is not supported");
+    }
+    absl::MutexLock lock(&state_->mu);
+    LoopbackNode& self = Self();
+    uint64_t region = self.next_region++;
+    Region r;
+    r.base = static_cast<char*>(base);
+    r.length = length;
+    self.regions.emplace(region, r);
+    return std::unique_ptr<MemoryRegistration>(
+        new LoopbackRegistration(state_, node_id_, region, base, length, kind));
+  }
+
+  absl::StatusOr<PeerId> Connect(absl::string_view peer_info) override {
+    std::vector<absl::string_view> parts = absl::StrSplit(peer_info, absl::MaxSplits(':', 3));
+    uint64_t node_id = 0;
+    if (parts.size() != 4 || parts[0] != kInfoPrefix || !absl::SimpleAtoi(parts[2], &node_id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("loopback Connect: malformed peer info '", peer_info, "'"));
+    }
+    if (parts[1] != kVersion) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("loopback Connect: unsupported peer info version ", parts[1]));
+    }
+    absl::MutexLock lock(&state_->mu);
+    LoopbackNode* other = state_->Find(node_id);
+    if (other == nullptr || other->name != parts[3]) {
+      return absl::NotFoundError(
+          absl::StrCat("loopback Connect: no transport '", parts[3], "' on this fabric"));
+    }
+    LoopbackNode& self = Self();
+    for (auto& [id, entry] : self.peers) {
+      if (entry.node_id == node_id && entry.status.ok()) {
+        entry.connected = true;
+        return id;
+      }
+    }
+    PeerId id = self.next_peer++;
+    PeerEntry entry;
+    entry.node_id = node_id;
+    entry.name = other->name;
+    entry.connected = true;
+    if (other->failed) entry.status = PeerError(id, other->name, other->failure);
+    self.peers.emplace(id, std::move(entry));
+    return id;
+  }
+
+  absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
+      PeerId peer, absl::string_view descriptor) override {
+    std::vector<absl::string_view> parts = absl::StrSplit(descriptor, ':');
+    uint64_t node_id = 0;
+    uint64_t region = 0;
+    uint64_t length = 0;
+    if (parts.size() != 5 || parts[0] != kDescriptorPrefix || parts[1] != kVersion ||
+        !absl::SimpleAtoi(parts[2], &node_id) || !absl::SimpleAtoi(parts[3], &region) ||
+        !absl::SimpleAtoi(parts[4], &length) || length == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("loopback ImportRemote: malformed descriptor '", descriptor, "'"));
+    }
+    absl::MutexLock lock(&state_->mu);
+    LoopbackNode& self = Self();
+    ASSIGN_OR_RETURN(PeerEntry * entry, FindPeer(self, peer, "ImportRemote"));
+    if (entry->node_id != node_id) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "loopback ImportRemote: the descriptor belongs to another transport than ",
+          self.PeerName(peer)));
+    }
+    if (!entry->status.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("loopback ImportRemote: ", entry->status.message()));
+    }
+    // The fabric can check what a real transport cannot: that the region exists as described.
+    LoopbackNode* other = state_->Find(node_id);
+    auto region_it = other == nullptr ? decltype(other->regions)::iterator()
+                                      : other->regions.find(region);
+    if (other == nullptr || region_it == other->regions.end() ||
+        region_it->second.length != length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "loopback ImportRemote: ", self.PeerName(peer), " has no region ", region, " of ",
+          length, " bytes"));
+    }
+    return std::unique_ptr<RemoteMemory>(new LoopbackRemote(node_id_, peer, region, length));
+  }
+
+  absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
+                                       const RemoteMemory& remote,
+                                       absl::Span<const Segment> segments,
+                                       absl::string_view notification) override {
+    const auto* reg = dynamic_cast<const LoopbackRegistration*>(&local);
+    const auto* rem = dynamic_cast<const LoopbackRemote*>(&remote);
+    if (reg == nullptr || reg->node() != node_id_) {
+      return absl::InvalidArgumentError(
+          "loopback PostWrite: the local registration is not from this transport");
+    }
+    if (rem == nullptr || rem->owner() != node_id_ || rem->peer() != peer) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "loopback PostWrite: the remote memory was not imported from peer ", peer,
+          " by this transport"));
+    }
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const Segment& s = segments[i];
+      if (!SegmentFits(s.local_offset, s.length, reg->length()) ||
+          !SegmentFits(s.remote_offset, s.length, rem->length())) {
+        return absl::OutOfRangeError(absl::StrCat(
+            "loopback PostWrite: segment ", i, " (local ", s.local_offset, ", remote ",
+            s.remote_offset, ", length ", s.length, ") is outside the local region (",
+            reg->length(), " bytes) or the remote one (", rem->length(), " bytes)"));
+      }
+    }
+    LoopbackTransfer transfer;
+    transfer.local_region = reg->region();
+    transfer.remote_region = rem->region();
+    transfer.segments.assign(segments.begin(), segments.end());
+    transfer.notification = std::string(notification);
+    return Enqueue(peer, std::move(transfer), "PostWrite");
+  }
+
+  absl::StatusOr<TransferId> PostNotification(PeerId peer, absl::string_view payload) override {
+    if (payload.empty()) {
+      return absl::InvalidArgumentError("loopback PostNotification: empty payload");
+    }
+    LoopbackTransfer transfer;
+    transfer.notification = std::string(payload);
+    return Enqueue(peer, std::move(transfer), "PostNotification");
+  }
+
+  absl::StatusOr<TransferState> Test(TransferId id) override {
+    absl::MutexLock lock(&state_->mu);
+    ASSIGN_OR_RETURN(LoopbackTransfer * t, FindTransfer(id));
+    switch (t->phase) {
+      case Phase::kQueued:
+        return TransferState::kInProgress;
+      case Phase::kDone:
+        return TransferState::kDone;
+      case Phase::kFailed:
+        break;
+    }
+    return t->status;
+  }
+
+  absl::Status Cancel(TransferId id) override {
+    absl::MutexLock lock(&state_->mu);
+    ASSIGN_OR_RETURN(LoopbackTransfer * t, FindTransfer(id));
+    if (t->phase == Phase::kQueued) {
+      t->phase = Phase::kFailed;
+      t->status = absl::CancelledError(absl::StrCat("loopback transfer ", id, " cancelled"));
+    }
+    return absl::OkStatus();
+  }
+
+  void Release(TransferId id) override {
+    absl::MutexLock lock(&state_->mu);
+    // A queued transfer is dropped from the queue lazily by Progress().
+    Self().transfers.erase(id);
+  }
+
+  absl::Status Progress() override {
+    std::vector<std::pair<PeerId, absl::Status>> errors;
+    PeerErrorCallback callback;
+    {
+      absl::MutexLock lock(&state_->mu);
+      LoopbackNode& self = Self();
+      while (!self.queue.empty()) {
+        TransferId id = self.queue.front();
+        self.queue.pop_front();
+        auto it = self.transfers.find(id);
+        if (it == self.transfers.end() || it->second.phase != Phase::kQueued) continue;
+        Execute(self, id, it->second);
+      }
+      errors.swap(self.peer_errors);
+      if (!errors.empty()) callback = self.callback;
+    }
+    // Outside the lock: the callback may take its own locks.
+    if (callback) {
+      for (const auto& [peer, error] : errors) callback(peer, error);
+    }
+    return absl::OkStatus();
+  }
+
+  std::vector<Notification> PollNotifications() override {
+    absl::MutexLock lock(&state_->mu);
+    std::vector<Notification> out;
+    out.swap(Self().inbox);
+    return out;
+  }
+
+  absl::Status Disconnect(PeerId peer) override {
+    absl::MutexLock lock(&state_->mu);
+    LoopbackNode& self = Self();
+    ASSIGN_OR_RETURN(PeerEntry * entry, FindPeer(self, peer, "Disconnect"));
+    (void)entry;
+    for (auto& [id, transfer] : self.transfers) {
+      if (transfer.peer == peer && transfer.phase == Phase::kQueued) {
+        transfer.phase = Phase::kFailed;
+        transfer.status = absl::CancelledError(
+            absl::StrCat("loopback transfer ", id, " cancelled: disconnected from ",
+                         self.PeerName(peer)));
+      }
+    }
+    self.peers.erase(peer);
+    return absl::OkStatus();
+  }
+
+  absl::Status PeerStatus(PeerId peer) override {
+    absl::MutexLock lock(&state_->mu);
+    ASSIGN_OR_RETURN(PeerEntry * entry, FindPeer(Self(), peer, "PeerStatus"));
+    return entry->status;
+  }
+
+  void SetPeerErrorCallback(PeerErrorCallback callback) override {
+    absl::MutexLock lock(&state_->mu);
+    Self().callback = std::move(callback);
+  }
+
+  static absl::Status PeerError(PeerId peer, absl::string_view name, const absl::Status& error) {
+    return absl::Status(error.code(), absl::StrCat("loopback peer '", name, "' (id ", peer,
+                                                   ") failed: ", error.message()));
+  }
+
+ private:
+  LoopbackNode& Self() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+    // The node lives as long as this transport: only the destructor erases it.
+    return *state_->Find(node_id_);
+  }
+
+  absl::StatusOr<PeerEntry*> FindPeer(LoopbackNode& self, PeerId peer, absl::string_view op) {
+    auto it = self.peers.find(peer);
+    if (it == self.peers.end()) {
+      return absl::NotFoundError(absl::StrCat("loopback ", op, ": unknown peer ", peer));
+    }
+    return &it->second;
+  }
+
+  absl::StatusOr<LoopbackTransfer*> FindTransfer(TransferId id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+    auto& transfers = Self().transfers;
+    auto it = transfers.find(id);
+    if (it == transfers.end()) {
+      return absl::NotFoundError(absl::StrCat("loopback: unknown transfer ", id));
+    }
+    return &it->second;
+  }
+
+  absl::StatusOr<TransferId> Enqueue(PeerId peer, LoopbackTransfer transfer,
+                                     absl::string_view op) {
+    absl::MutexLock lock(&state_->mu);
+    LoopbackNode& self = Self();
+    ASSIGN_OR_RETURN(PeerEntry * entry, FindPeer(self, peer, op));
+    if (!entry->connected) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "loopback ", op, ": not connected to ", self.PeerName(peer), " (call Connect)"));
+    }
+    if (!entry->status.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("loopback ", op, ": ", entry->status.message()));
+    }
+    TransferId id = self.next_transfer++;
+    transfer.peer = peer;
+    self.transfers.emplace(id, std::move(transfer));
+    self.queue.push_back(id);
+    return id;
+  }
+
+  // Copies the transfer's bytes, then delivers its notification: the receiver can never see
+  // the notification before the data, because both happen under the fabric lock in this
+  // order.
+  void Execute(LoopbackNode& self, TransferId id, LoopbackTransfer& t)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+    const PeerEntry& entry = self.peers.at(t.peer);
+    LoopbackNode* dest = state_->Find(entry.node_id);
+    if (dest == nullptr) {
+      self.FailPeer(t.peer, absl::UnavailableError(
+                                absl::StrCat(self.PeerName(t.peer), " is gone (destroyed)")));
+      return;
+    }
+    if (!t.segments.empty()) {
+      auto src = self.regions.find(t.local_region);
+      auto dst = dest->regions.find(t.remote_region);
+      if (src == self.regions.end() || dst == dest->regions.end()) {
+        t.phase = Phase::kFailed;
+        t.status = absl::FailedPreconditionError(absl::StrCat(
+            "loopback transfer ", id, " to ", self.PeerName(t.peer), ": the ",
+            src == self.regions.end() ? "local" : "remote",
+            " region was deregistered before the write"));
+        return;
+      }
+      for (const Segment& s : t.segments) {
+        if (s.length == 0) continue;
+        std::memmove(dst->second.base + s.remote_offset, src->second.base + s.local_offset,
+                     s.length);
+      }
+    }
+    if (!t.notification.empty()) {
+      Notification n;
+      n.peer = dest->PeerIdFor(self);
+      n.payload = std::move(t.notification);
+      dest->inbox.push_back(std::move(n));
+    }
+    t.phase = Phase::kDone;
+  }
+
+  std::shared_ptr<State> state_;
+  uint64_t node_id_;
+};
+
+}  // namespace
+
+LoopbackFabric::LoopbackFabric() : state_(std::make_shared<State>()) {}
+LoopbackFabric::~LoopbackFabric() = default;
+
+absl::StatusOr<std::unique_ptr<Transport>> LoopbackFabric::CreateTransport(
+    const std::string& name) {
+  if (name.empty()) {
+    return absl::InvalidArgumentError("loopback CreateTransport: empty name");
+  }
+  absl::MutexLock lock(&state_->mu);
+  if (state_->FindByName(name) != nullptr) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("loopback CreateTransport: a transport named '", name, "' exists"));
+  }
+  auto node = std::make_unique<LoopbackNode>();
+  node->id = state_->next_node++;
+  node->name = name;
+  uint64_t id = node->id;
+  state_->nodes.emplace(id, std::move(node));
+  return std::unique_ptr<Transport>(new LoopbackTransport(state_, id));
+}
+
+void LoopbackFabric::FailEndpoint(const std::string& name, const absl::Status& error) {
+  absl::Status cause = error.ok() ? absl::UnavailableError("failed by FailEndpoint") : error;
+  absl::MutexLock lock(&state_->mu);
+  LoopbackNode* failed = state_->FindByName(name);
+  if (failed == nullptr) return;
+  failed->failed = true;
+  failed->failure = cause;
+  for (auto& [id, node] : state_->nodes) {
+    for (auto& [peer, entry] : node->peers) {
+      if (entry.node_id == failed->id) {
+        node->FailPeer(peer, LoopbackTransport::PeerError(peer, name, cause));
+      }
+    }
+  }
+}
+
+}  // namespace kvstream
