@@ -1,5 +1,6 @@
-// The kvstream command. Subcommands: demo (for now the CPU attention example) and worker
-// (a prefill or decode worker). Only launch/ reads argv and the environment.
+// The kvstream command. Subcommands: demo (prefill and decode workers on this machine),
+// worker (one prefill or decode worker) and selftest (the attention stack against the golden
+// reference). Only launch/ reads argv and the environment.
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -7,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "attention_example.h"
+#include "demo.h"
 #include "worker.h"
 
 namespace {
@@ -50,9 +52,32 @@ int main(int argc, char** argv) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
 
+  kvstream::DemoOptions demo_options;
+  CLI::App* real_demo = app.add_subcommand(
+      "demo",
+      "Start a prefill worker process and a decode worker on this machine, serve requests of "
+      "varied prompt lengths with their KV streamed layer by layer, check the tokens against "
+      "a colocated run and print a report (TTFT, bytes, GB/s, exposed transfer, timeline)");
+  AddModelFlags(real_demo, demo_options.model);
+  real_demo->add_option("--requests", demo_options.num_requests, "Number of requests")
+      ->capture_default_str()->check(CLI::Range(1, 10000));
+  real_demo->add_option("--prompts", demo_options.prompt_lengths,
+                        "Prompt lengths (default: --requests lengths spread over 40..600)")
+      ->delimiter(',');
+  real_demo->add_option("--decode-steps", demo_options.decode_steps, "Tokens generated per request")
+      ->capture_default_str()->check(CLI::Range(1, 100000));
+  real_demo->add_option("--num-blocks", demo_options.num_blocks, "KV-cache blocks per layer")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  real_demo->add_option("--transport", demo_options.transport, "UCX over shm or tcp")
+      ->capture_default_str()->check(CLI::IsMember({"shm", "tcp"}));
+  real_demo->add_option("--failure-policy", demo_options.failure_policy,
+                        "kv_load_failure_policy: recompute or fail")
+      ->capture_default_str()->check(CLI::IsMember({"recompute", "fail"}));
+  real_demo->add_option("--json", demo_options.json_path, "Write the report as JSON to this file");
+
   kvstream::AttentionExampleOptions demo;
   CLI::App* demo_cmd = app.add_subcommand(
-      "demo",
+      "selftest",
       "Run kvstream's attention stack on the CPU: a mixed batch of prefill, chunked prefill "
       "and decode steps through a stack of attention layers over paged caches, checked "
       "against the golden reference");
@@ -120,6 +145,9 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
 
+  if (real_demo->parsed()) {
+    return kvstream::RunDemo(demo_options, std::cout, std::cerr);
+  }
   if (worker_cmd->parsed()) {
     if (worker_mpi && !RoleFromMpiRank(worker.role)) {
       std::cerr << "kvstream worker: --mpi given but no mpirun rank in the environment\n";
@@ -134,10 +162,10 @@ int main(int argc, char** argv) {
   if (demo_cmd->parsed()) {
     absl::Status s = kvstream::RunAttentionExample(demo, std::cout);
     if (!s.ok()) {
-      std::cerr << "kvstream demo: FAILED: " << s << "\n";
+      std::cerr << "kvstream selftest: FAILED: " << s << "\n";
       return 1;
     }
-    std::cout << "kvstream demo: OK\n";
+    std::cout << "kvstream selftest: OK\n";
   }
   return 0;
 }

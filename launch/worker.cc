@@ -131,7 +131,8 @@ int Fail(std::ostream& err, const absl::Status& s) {
 
 }  // namespace
 
-int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
+int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
+              DecodeReport* decode_report) {
   auto config = ParseKvTransferConfig(o.kv_transfer_config.empty() ? "{}" : o.kv_transfer_config);
   if (!config.ok()) return Fail(err, config.status());
   if (config->kv_connector.empty()) config->kv_connector = "LayerwiseConnector";
@@ -284,6 +285,20 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   report["all_ok"] = all_ok;
   report["blocks_leaked"] = leak;
   report["total_ms"] = total_ms;
+  if (decode_report != nullptr) {
+    DecodeReport& d = *decode_report;
+    d.results = results;
+    for (const auto& r : report["requests"]) d.matches_colocated.push_back(r["matches_colocated"]);
+    for (RequestTransferStats& t : (*connector)->TakeRequestStats()) {
+      d.transfer[t.request_id] = std::move(t);
+    }
+    d.stats = (*connector)->stats();
+    d.total_ms = total_ms;
+    d.steps = (*engine)->steps();
+    d.tokens_match = all_match;
+    d.all_ok = all_ok;
+    d.blocks_leaked = leak;
+  }
   if (!o.json_path.empty()) {
     std::ofstream f(o.json_path);
     f << report.dump(2) << "\n";

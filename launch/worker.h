@@ -6,11 +6,14 @@
 #define KVSTREAM_LAUNCH_WORKER_H_
 
 #include <cstdint>
+#include <map>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine.h"
+#include "kvstream/connector/kv_connector.h"
 #include "toy_model.h"
 
 namespace kvstream {
@@ -34,9 +37,23 @@ struct WorkerOptions {
   std::string address_file;
 };
 
+// What a decode worker saw, for reports.
+struct DecodeReport {
+  std::vector<RequestResult> results;           // sorted by id
+  std::vector<bool> matches_colocated;          // per result
+  std::map<std::string, RequestTransferStats> transfer;  // by request id
+  ConnectorStats stats;
+  double total_ms = 0;
+  int64_t steps = 0;
+  bool tokens_match = true;
+  bool all_ok = true;
+  bool blocks_leaked = false;
+};
+
 // Exit codes: 0 success; 1 error; 2 outputs differ from the colocated run; 3 a request
-// failed; 4 blocks leaked.
-int RunWorker(const WorkerOptions& options, std::ostream& out, std::ostream& err);
+// failed; 4 blocks leaked. A decode worker fills `report` when it is not null.
+int RunWorker(const WorkerOptions& options, std::ostream& out, std::ostream& err,
+              DecodeReport* report = nullptr);
 
 }  // namespace kvstream
 

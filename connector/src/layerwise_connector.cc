@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -31,7 +32,8 @@ namespace kvstream {
 namespace {
 
 // ---- Layer notifications: "KVN1" | u16 id_len | id | u32 layer | u64 bytes | u8 has_sum |
-// u64 checksum, little-endian. Decoded strictly; an undecodable one is logged and dropped.
+// u64 checksum | u64 post time (ns, CLOCK_MONOTONIC: comparable between processes of one
+// host), little-endian. Decoded strictly; an undecodable one is logged and dropped.
 
 constexpr char kNoticeMagic[4] = {'K', 'V', 'N', '1'};
 
@@ -41,7 +43,14 @@ struct LayerNotice {
   uint64_t bytes = 0;
   bool has_checksum = false;
   uint64_t checksum = 0;
+  uint64_t post_ns = 0;
 };
+
+uint64_t MonotonicNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
 
 void PutLe(std::string& out, uint64_t v, int n) {
   for (int i = 0; i < n; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -60,6 +69,7 @@ std::string EncodeNotice(const LayerNotice& n) {
   PutLe(out, n.bytes, 8);
   PutLe(out, n.has_checksum ? 1 : 0, 1);
   PutLe(out, n.checksum, 8);
+  PutLe(out, n.post_ns, 8);
   return out;
 }
 
@@ -68,7 +78,7 @@ absl::StatusOr<LayerNotice> DecodeNotice(absl::string_view in) {
     return absl::InvalidArgumentError("layer notification: bad magic or truncated");
   }
   const size_t id_len = GetLe(in.data() + 4, 2);
-  if (id_len > kMaxIdBytes || in.size() != 6 + id_len + 4 + 8 + 1 + 8) {
+  if (id_len > kMaxIdBytes || in.size() != 6 + id_len + 4 + 8 + 1 + 8 + 8) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer notification: size ", in.size(), " does not match id length ", id_len));
   }
@@ -82,6 +92,7 @@ absl::StatusOr<LayerNotice> DecodeNotice(absl::string_view in) {
   if (flag > 1) return absl::InvalidArgumentError("layer notification: bad checksum flag");
   n.has_checksum = flag == 1;
   n.checksum = GetLe(p + 13, 8);
+  n.post_ns = GetLe(p + 21, 8);
   return n;
 }
 
@@ -133,6 +144,15 @@ struct RecvRequest {
   bool producer_stopped = false;  // no write can land any more
   absl::Time abort_deadline = absl::InfiniteFuture();
   bool engine_finished = false;
+  absl::Time handoff_time;
+  std::vector<double> layer_ms;
+  double transfer_ms = 0;  // sum over layers of (arrival - post), same-host clocks
+  std::vector<uint64_t> post_ns;     // per layer: when the producer posted it
+  std::vector<uint64_t> arrival_ns;  // per layer: when it was verified here
+  double exposed_ms = 0;
+  uint64_t bytes = 0;
+  double wait_ms = 0;
+  bool stats_reported = false;
 };
 
 // Producer-side state of a request handed over by a consumer.
@@ -171,6 +191,16 @@ class LayerwiseConnectorImpl final : public KvConnector {
 
   KvRole role() const override { return config_.kv_role; }
   const KvTransferConfig& config() const override { return config_; }
+  ConnectorStats stats() const override {
+    absl::MutexLock lock(&mu_);
+    return stats_;
+  }
+
+  std::vector<RequestTransferStats> TakeRequestStats() override {
+    absl::MutexLock lock(&mu_);
+    return std::move(finished_stats_);
+  }
+
   std::string control_address() const override {
     return listener_ ? absl::StrCat(config_.kv_ip, ":", listener_->port()) : std::string();
   }
@@ -405,7 +435,33 @@ class LayerwiseConnectorImpl final : public KvConnector {
       }
       return true;
     };
+    const absl::Time wait_start = absl::Now();
+    const uint64_t wait_start_ns = MonotonicNs();
     mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+    const double waited = absl::ToDoubleMilliseconds(absl::Now() - wait_start);
+    stats_.wait_ms += waited;
+    const bool last_layer = index == layers_.back().index;
+    for (const std::string& id : meta_.waits) {
+      auto r = recv_.find(id);
+      if (r == recv_.end()) continue;
+      RecvRequest& rr = r->second;
+      rr.wait_ms += waited;
+      // Exposed transfer: the part of the wait when the layer was already posted and in
+      // flight (the rest was the producer still computing it).
+      if (rr.arrived[index] && static_cast<size_t>(index) < rr.arrival_ns.size()) {
+        const uint64_t from = std::max(rr.post_ns[index], wait_start_ns);
+        if (rr.arrival_ns[index] > from) {
+          const double ms = static_cast<double>(rr.arrival_ns[index] - from) / 1e6;
+          rr.exposed_ms += ms;
+          stats_.exposed_ms += ms;
+        }
+      }
+      if (last_layer && rr.arrived_count == layer_count_ && !rr.stats_reported) {
+        rr.stats_reported = true;
+        finished_stats_.push_back(
+            {rr.id, rr.bytes, rr.layer_ms, rr.wait_ms, rr.transfer_ms, rr.exposed_ms});
+      }
+    }
     if (ready()) return absl::OkStatus();
     std::vector<std::pair<std::shared_ptr<ProducerLink>, AbortMsg>> aborts;
     for (const std::string& id : meta_.waits) {
@@ -619,6 +675,8 @@ class LayerwiseConnectorImpl final : public KvConnector {
       auto it = recv_.find(load.request_id);
       if (it == recv_.end()) return absl::OkStatus();  // finished meanwhile
       it->second.handed_off = true;
+      it->second.handoff_time = absl::Now();
+      outstanding_ = true;
       it->second.producer = link->address;
     }
     absl::Status s = link->conn->Send(m, absl::Now() + absl::Seconds(5));
@@ -687,6 +745,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
   void FailRecv(RecvRequest& r, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (r.failed) return;
     r.failed = true;
+    ++stats_.load_errors;
     r.error = std::move(status);
     r.abort_deadline = absl::Now() + absl::Milliseconds(config_.kvstream.send_timeout_ms);
     Log(LogLevel::kWarning, absl::StrCat("load error: ", r.error.ToString()));
@@ -872,6 +931,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
   void FailSend(SendRequest& s, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (s.failed) return;
     s.failed = true;
+    ++stats_.send_failures;
     s.stop_reason = why.ToString();
     Log(LogLevel::kWarning, absl::StrCat("send of request ", s.id, " failed: ", s.stop_reason));
     for (TransferId t : s.pending) (void)transport_->Cancel(t);
@@ -926,6 +986,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
       notice.checksum = XXH3_64bits_digest(state);
       XXH3_freeState(state);
     }
+    notice.post_ns = MonotonicNs();
     ASSIGN_OR_RETURN(TransferId k_id, transport_->PostWrite(link.peer, *layer.k_reg,
                                                             *region->second.first, k_segs, ""));
     TrackTransfer(id, k_id);
@@ -933,10 +994,15 @@ class LayerwiseConnectorImpl final : public KvConnector {
                      transport_->PostWrite(link.peer, *layer.v_reg, *region->second.second,
                                            v_segs, EncodeNotice(notice)));
     TrackTransfer(id, v_id);
+    {
+      absl::MutexLock lock(&mu_);
+      layer_bytes_[v_id] = notice.bytes;
+    }
     return absl::OkStatus();
   }
 
   void TrackTransfer(const std::string& id, TransferId t) {
+    outstanding_ = true;
     absl::MutexLock lock(&mu_);
     auto s = send_.find(id);
     if (s == send_.end() || s->second.failed) {
@@ -960,7 +1026,13 @@ class LayerwiseConnectorImpl final : public KvConnector {
       }
       CheckSends();
       CheckRecvDeadlines();
-      if (!busy) absl::SleepFor(absl::Microseconds(outstanding_.load() ? 20 : 1000));
+      if (busy) continue;
+      // Idle: short naps while transfers are outstanding; otherwise up to 1 ms, cut short as
+      // soon as something is posted or handed off (they set outstanding_).
+      for (int i = 0; i < 50 && !stopping_; ++i) {
+        absl::SleepFor(absl::Microseconds(20));
+        if (outstanding_.load()) break;
+      }
     }
   }
 
@@ -996,6 +1068,24 @@ class LayerwiseConnectorImpl final : public KvConnector {
     }
     r->second.arrived[notice->layer] = 1;
     ++r->second.arrived_count;
+    r->second.bytes += notice->bytes;
+    const uint64_t now_ns = MonotonicNs();
+    if (notice->post_ns != 0 && now_ns > notice->post_ns) {
+      r->second.transfer_ms += static_cast<double>(now_ns - notice->post_ns) / 1e6;
+    }
+    if (r->second.post_ns.size() < r->second.arrived.size()) {
+      r->second.post_ns.assign(r->second.arrived.size(), 0);
+      r->second.arrival_ns.assign(r->second.arrived.size(), 0);
+    }
+    r->second.post_ns[notice->layer] = notice->post_ns;
+    r->second.arrival_ns[notice->layer] = now_ns;
+    if (r->second.layer_ms.size() < r->second.arrived.size()) {
+      r->second.layer_ms.assign(r->second.arrived.size(), 0.0);
+    }
+    r->second.layer_ms[notice->layer] =
+        absl::ToDoubleMilliseconds(absl::Now() - r->second.handoff_time);
+    stats_.bytes_received += notice->bytes;
+    ++stats_.layers_received;
     if (r->second.arrived_count == layer_count_) r->second.producer_stopped = true;
   }
 
@@ -1050,6 +1140,14 @@ class LayerwiseConnectorImpl final : public KvConnector {
           if (state.ok() && *state == TransferState::kInProgress) {
             ++it;
             continue;
+          }
+          auto lb = layer_bytes_.find(*it);
+          if (lb != layer_bytes_.end()) {
+            if (state.ok()) {
+              stats_.bytes_sent += lb->second;
+              ++stats_.layers_sent;
+            }
+            layer_bytes_.erase(lb);
           }
           if (!state.ok() && !s.failed) {
             s.failed = true;
@@ -1157,7 +1255,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
   absl::Mutex threads_mu_;
   std::vector<std::thread> readers_ ABSL_GUARDED_BY(threads_mu_);
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<LayerEntry> layers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> layer_by_name_ ABSL_GUARDED_BY(mu_);
@@ -1174,6 +1272,9 @@ class LayerwiseConnectorImpl final : public KvConnector {
   std::map<std::string, RecvRequest> recv_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, SendRequest> send_ ABSL_GUARDED_BY(mu_);
   std::vector<TransferId> orphans_ ABSL_GUARDED_BY(mu_);
+  std::map<TransferId, uint64_t> layer_bytes_ ABSL_GUARDED_BY(mu_);  // V transfer -> layer bytes
+  ConnectorStats stats_ ABSL_GUARDED_BY(mu_);
+  std::vector<RequestTransferStats> finished_stats_ ABSL_GUARDED_BY(mu_);
   std::vector<KvRequest> incoming_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<ProducerLink>> producers_ ABSL_GUARDED_BY(mu_);
   std::map<const ConsumerLink*, std::shared_ptr<ControlConnection>> link_conns_ ABSL_GUARDED_BY(mu_);

@@ -40,6 +40,7 @@ class CorruptingTransport : public Transport {
                                                                       MemoryKind kind) override {
     return inner_->RegisterMemory(base, length, kind);
   }
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateMemory(size_t n, MemoryKind k) override { return inner_->AllocateMemory(n, k); }
   absl::StatusOr<PeerId> Connect(absl::string_view info) override { return inner_->Connect(info); }
   absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(PeerId p, absl::string_view d) override {
     return inner_->ImportRemote(p, d);
@@ -271,6 +272,18 @@ TEST_P(LayerwiseConnectorTest, StreamsEveryLayerIntoScatteredBlocks) {
   d_->connector->ClearConnectorMetadata();
   EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
   EXPECT_TRUE(d_->connector->GetBlockIdsWithLoadErrors().empty());
+  // 11 tokens x (K: 2 heads x 8 + V: 2 heads x 4) bf16 x 3 layers.
+  const uint64_t expected_bytes = 11u * (2 * 8 + 2 * 4) * 2 * kLayers;
+  EXPECT_EQ(d_->connector->stats().bytes_received, expected_bytes);
+  EXPECT_EQ(d_->connector->stats().layers_received, static_cast<uint64_t>(kLayers));
+  std::vector<RequestTransferStats> rs = d_->connector->TakeRequestStats();
+  ASSERT_EQ(rs.size(), 1u);
+  EXPECT_EQ(rs[0].request_id, "req-1");
+  EXPECT_EQ(rs[0].bytes, expected_bytes);
+  ASSERT_EQ(rs[0].layer_arrival_ms.size(), static_cast<size_t>(kLayers));
+  for (double ms : rs[0].layer_arrival_ms) EXPECT_GT(ms, 0.0);
+  EXPECT_GT(rs[0].transfer_ms, 0.0);
+  EXPECT_TRUE(d_->connector->TakeRequestStats().empty());
   FinishedRequests df = PollFinished(*d_->connector, "req-1", false);
   EXPECT_TRUE(df.finished_recving.count("req-1"));
 
@@ -280,6 +293,8 @@ TEST_P(LayerwiseConnectorTest, StreamsEveryLayerIntoScatteredBlocks) {
     FinishedRequests pf = PollFinished(*p_->connector, "req-1", true);
     EXPECT_TRUE(pf.finished_sending.count("req-1"));
   }
+  EXPECT_EQ(p_->connector->stats().bytes_sent, expected_bytes);
+  EXPECT_EQ(p_->connector->stats().layers_sent, static_cast<uint64_t>(kLayers));
 }
 
 TEST_P(LayerwiseConnectorTest, SeveralRequestsInFlight) {

@@ -87,6 +87,32 @@ struct FinishedRequests {
   std::set<std::string> finished_recving;  // consumer: every layer arrived (or failed)
 };
 
+// What moved, for reports and metrics.
+struct ConnectorStats {
+  uint64_t bytes_sent = 0;       // producer: bytes of layers whose transfer completed
+  uint64_t layers_sent = 0;
+  uint64_t bytes_received = 0;   // consumer: bytes of layers that arrived and verified
+  uint64_t layers_received = 0;
+  uint64_t load_errors = 0;
+  uint64_t send_failures = 0;
+  double wait_ms = 0;            // consumer: time BeforeAttention blocked
+  double exposed_ms = 0;         // consumer: of which layers were already in flight
+};
+
+// Consumer: one request's transfer, once all its layers arrived.
+struct RequestTransferStats {
+  std::string request_id;
+  uint64_t bytes = 0;
+  std::vector<double> layer_arrival_ms;  // per layer index, ms after the hand-off
+  double wait_ms = 0;                    // time BeforeAttention blocked while it waited
+  // Sum over layers of (arrival - post) on one host's monotonic clock: the time the bytes
+  // spent in flight (meaningless across hosts).
+  double transfer_ms = 0;
+  // The part of wait_ms spent on layers already posted and in flight: transfer time the
+  // prefill compute did not hide.
+  double exposed_ms = 0;
+};
+
 struct LoadError {
   std::string request_id;
   std::vector<int32_t> block_ids;
@@ -142,6 +168,10 @@ class KvConnector : public TransferHook {
 
   // Producer: the control address it listens on ("ip:port").
   virtual std::string control_address() const = 0;
+
+  virtual ConnectorStats stats() const = 0;
+  // Consumer: stats of requests whose layers all arrived, since the last call.
+  virtual std::vector<RequestTransferStats> TakeRequestStats() = 0;
 };
 
 }  // namespace kvstream

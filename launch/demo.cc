@@ -1,0 +1,252 @@
+// `kvstream demo` (demo.h).
+#include "demo.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "worker.h"
+
+extern char** environ;
+
+namespace kvstream {
+namespace {
+
+std::string SelfExe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return "kvstream";
+  buf[n] = '\0';
+  return buf;
+}
+
+std::vector<std::string> ModelFlags(const ToyModelConfig& m) {
+  return {absl::StrCat("--layers=", m.num_layers),
+          absl::StrCat("--heads=", m.num_heads),
+          absl::StrCat("--kv-heads=", m.num_kv_heads),
+          absl::StrCat("--head-size=", m.head_size),
+          absl::StrCat("--vocab=", m.vocab_size),
+          absl::StrCat("--intermediate=", m.intermediate_size),
+          absl::StrCat("--block-size=", m.block_size),
+          absl::StrCat("--kv-cache-dtype=", m.kv_cache_dtype),
+          absl::StrCat("--layout=", m.layout),
+          absl::StrCat("--backend=", m.backend),
+          absl::StrCat("--seed=", m.seed)};
+}
+
+// A child process running `kvstream worker --role=prefill`, output to a log file. Killed on
+// destruction if still running.
+class PrefillProcess {
+ public:
+  ~PrefillProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  absl::Status Start(const std::vector<std::string>& args, const std::string& log) {
+    std::vector<char*> argv;
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    const int rc = posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) {
+      pid_ = -1;
+      return absl::InternalError(absl::StrCat("starting the prefill worker: ", std::strerror(rc)));
+    }
+    return absl::OkStatus();
+  }
+  // The exit status, or -1 if it did not exit by the deadline (it is then killed).
+  int Wait(absl::Time deadline) {
+    while (pid_ > 0) {
+      int status = 0;
+      const pid_t r = waitpid(pid_, &status, WNOHANG);
+      if (r == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      if (absl::Now() > deadline) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+std::string Bar(double value, double max, int width) {
+  const int n = max > 0 ? static_cast<int>(value / max * width + 0.5) : 0;
+  return std::string(std::clamp(n, 0, width), '#');
+}
+
+}  // namespace
+
+int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
+  std::vector<int> lengths = o.prompt_lengths;
+  if (lengths.empty()) {
+    for (int i = 0; i < o.num_requests; ++i) {
+      lengths.push_back(40 + (560 * i) / std::max(1, o.num_requests - 1) + 7 * (i % 3));
+    }
+  }
+  char dir_template[] = "/tmp/kvstream-demo-XXXXXX";
+  if (mkdtemp(dir_template) == nullptr) {
+    err << "kvstream demo: cannot create a scratch directory: " << std::strerror(errno) << "\n";
+    return 1;
+  }
+  const std::string dir = dir_template;
+  const std::string address_file = dir + "/prefill.addr";
+  const std::string log = dir + "/prefill.log";
+  const std::string tls = o.transport == "tcp" ? "tcp" : "shm";
+  const std::string config = absl::StrCat(
+      R"({"kv_connector": "LayerwiseConnector", "kv_port": 0, "kv_load_failure_policy": ")",
+      o.failure_policy, R"(", "kv_connector_extra_config": {"ucx_tls": ")", tls, "\"",
+      tls == "tcp" ? R"(, "ucx_net_devices": "lo")" : "", "}}");
+
+  out << "kvstream demo: one prefill and one decode worker process on this machine, UCX over "
+      << (tls == "tcp" ? "TCP (loopback)" : "shared memory") << ", " << o.model.backend
+      << " attention backend\n"
+      << absl::StrFormat("model: %d layers, %d query / %d KV heads x %d, block size %d, cache %s "
+                         "%s; %d requests, %d tokens generated each\n",
+                         o.model.num_layers, o.model.num_heads, o.model.num_kv_heads,
+                         o.model.head_size, o.model.block_size, o.model.kv_cache_dtype,
+                         o.model.layout, lengths.size(), o.decode_steps);
+
+  std::vector<std::string> args = {SelfExe(), "worker", "--role=prefill",
+                                   "--kv-transfer-config=" + config,
+                                   "--address-file=" + address_file,
+                                   absl::StrCat("--serve=", lengths.size()),
+                                   absl::StrCat("--num-blocks=", o.num_blocks),
+                                   "--idle-timeout=60"};
+  for (const std::string& f : ModelFlags(o.model)) args.push_back(f);
+  PrefillProcess prefill;
+  absl::Status started = prefill.Start(args, log);
+  if (!started.ok()) {
+    err << "kvstream demo: " << started << "\n";
+    return 1;
+  }
+
+  WorkerOptions w;
+  w.role = "decode";
+  w.kv_transfer_config = config;
+  w.model = o.model;
+  w.num_blocks = o.num_blocks;
+  w.prompt_lengths = lengths;
+  w.decode_steps = o.decode_steps;
+  w.address_file = address_file;
+  w.check_colocated = true;
+  out << "running: prefill in the child process, decode here, then the same requests colocated"
+      << std::endl;
+  std::ostringstream worker_out;
+  DecodeReport report;
+  const int rc = RunWorker(w, worker_out, err, &report);
+  const int prc = prefill.Wait(absl::Now() + absl::Seconds(30));
+  if (report.results.empty()) {
+    err << worker_out.str();
+    std::ifstream plog(log);
+    err << "--- prefill worker log (" << log << ")\n" << plog.rdbuf();
+    return rc != 0 ? rc : 1;
+  }
+
+  // Report.
+  out << absl::StrFormat("\n%-7s %7s %7s %9s %10s %8s %10s  %s\n", "request", "prompt", "remote",
+                         "ttft ms", "KV bytes", "GB/s", "exposed ms", "check");
+  uint64_t total_bytes = 0;
+  double total_transfer_ms = 0, total_exposed = 0, ttft_sum = 0;
+  nlohmann::json requests = nlohmann::json::array();
+  for (size_t i = 0; i < report.results.size(); ++i) {
+    const RequestResult& r = report.results[i];
+    const auto t = report.transfer.find(r.id);
+    const uint64_t bytes = t != report.transfer.end() ? t->second.bytes : 0;
+    const double transfer_ms = t != report.transfer.end() ? t->second.transfer_ms : 0;
+    const double exposed = t != report.transfer.end() ? t->second.exposed_ms : 0;
+    const double gbps = transfer_ms > 0 ? bytes / (transfer_ms * 1e6) : 0;
+    total_bytes += bytes;
+    total_transfer_ms += transfer_ms;
+    total_exposed += exposed;
+    ttft_sum += r.ttft_ms;
+    const bool match = i < report.matches_colocated.size() && report.matches_colocated[i];
+    out << absl::StrFormat("%-7s %7d %7d %9.1f %10d %8.2f %10.2f  %s%s\n", r.id, r.prompt_tokens,
+                           r.remote_tokens, r.ttft_ms, bytes, gbps, exposed,
+                           match ? "== colocated" : "!= colocated",
+                           r.recomputed ? " (recomputed)" : "");
+    requests.push_back({{"id", r.id},
+                        {"prompt_tokens", r.prompt_tokens},
+                        {"remote_tokens", r.remote_tokens},
+                        {"ttft_ms", r.ttft_ms},
+                        {"transfer_bytes", bytes},
+                        {"transfer_ms", transfer_ms},
+                        {"exposed_transfer_ms", exposed},
+                        {"output_tokens", r.output_tokens},
+                        {"matches_colocated", match},
+                        {"status", r.status.ToString()}});
+  }
+  const double total_gbps = total_transfer_ms > 0 ? total_bytes / (total_transfer_ms * 1e6) : 0;
+  out << absl::StrFormat(
+      "total:  %d KV bytes in %.1f ms of transfer (%.2f GB/s per layer in flight), %.1f ms "
+      "exposed (waited for), mean TTFT %.1f ms; %d decode steps in %.0f ms\n",
+      total_bytes, total_transfer_ms, total_gbps, total_exposed,
+      ttft_sum / report.results.size(), report.steps, report.total_ms);
+
+  // Timeline of the longest prompt: when each layer arrived after the hand-off.
+  const RequestTransferStats* longest = nullptr;
+  for (const auto& [id, t] : report.transfer) {
+    if (longest == nullptr || t.bytes > longest->bytes) longest = &t;
+  }
+  if (longest != nullptr && !longest->layer_arrival_ms.empty()) {
+    const double max_ms = *std::max_element(longest->layer_arrival_ms.begin(),
+                                            longest->layer_arrival_ms.end());
+    out << "\nlayer arrival after the hand-off, " << longest->request_id
+        << " (the prefill worker computes and sends layer by layer):\n";
+    for (size_t l = 0; l < longest->layer_arrival_ms.size(); ++l) {
+      out << absl::StrFormat("  layer %2d %8.2f ms |%s\n", l, longest->layer_arrival_ms[l],
+                             Bar(longest->layer_arrival_ms[l], max_ms, 50));
+    }
+  }
+  out << "\nprefill worker: exit status " << prc << " (log " << log << ")\n";
+  out << (report.tokens_match ? "check: disaggregated tokens and logits are bit-identical to "
+                                "the colocated run\n"
+                              : "check: FAILED: disaggregated outputs differ from the colocated run\n");
+  out << (report.blocks_leaked ? "check: FAILED: blocks leaked\n" : "check: no block leaked\n");
+
+  if (!o.json_path.empty()) {
+    nlohmann::json j;
+    j["tokens_match"] = report.tokens_match;
+    j["all_ok"] = report.all_ok;
+    j["blocks_leaked"] = report.blocks_leaked;
+    j["requests"] = requests;
+    j["transfer_gbps"] = total_gbps;
+    j["transfer_bytes"] = total_bytes;
+    j["exposed_transfer_ms"] = total_exposed;
+    j["transport"] = absl::StrCat("ucx-", tls);
+    j["backend"] = o.model.backend;
+    j["load_errors"] = report.stats.load_errors;
+    std::ofstream f(o.json_path);
+    f << j.dump(2) << "\n";
+  }
+  if (rc == 0 && prc != 0) {
+    err << "kvstream demo: the prefill worker exited with status " << prc << "\n";
+    return prc < 0 ? 1 : prc;
+  }
+  return rc;
+}
+
+}  // namespace kvstream
