@@ -13,12 +13,18 @@
 
 namespace {
 
-// Under mpirun, the rank picks the role: 0 prefills, 1 decodes.
-bool RoleFromMpiRank(std::string& role) {
+// Under mpirun, the rank picks the role: ranks below --prefill-workers prefill, the others
+// decode.
+bool RoleFromMpiRank(kvstream::WorkerOptions& w) {
   const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
-  if (rank == nullptr) rank = std::getenv("PMIX_RANK");
-  if (rank == nullptr) return false;
-  role = std::string(rank) == "0" ? "prefill" : "decode";
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  if (rank == nullptr || size == nullptr) return false;
+  const int r = std::atoi(rank), n = std::atoi(size);
+  if (n <= w.num_prefill) return false;
+  w.num_decode = n - w.num_prefill;
+  const bool prefill = r < w.num_prefill;
+  w.role = prefill ? "prefill" : "decode";
+  w.index = prefill ? r : r - w.num_prefill;
   return true;
 }
 
@@ -114,7 +120,16 @@ int main(int argc, char** argv) {
       "run. Exit status: 0 ok, 1 error, 2 outputs differ, 3 a request failed, 4 blocks leaked");
   worker_cmd->add_option("--role", worker.role, "prefill or decode");
   worker_cmd->add_flag("--mpi", worker_mpi,
-                       "Take the role from the mpirun rank (0 = prefill, 1 = decode)");
+                       "Take the role from the mpirun rank: ranks below --prefill-workers "
+                       "prefill, the others decode (xPyD)");
+  worker_cmd->add_option("--prefill-workers", worker.num_prefill,
+                         "Number of prefill workers (xPyD; decode worker d sends request i to "
+                         "prefill worker (i + d) mod this)")->capture_default_str()->check(CLI::Range(1, 1024));
+  worker_cmd->add_option("--decode-workers", worker.num_decode,
+                         "Number of decode workers (xPyD, set by --mpi from the world size)")
+      ->capture_default_str()->check(CLI::Range(1, 1024));
+  worker_cmd->add_option("--index", worker.index, "This worker's index among its role (xPyD)")
+      ->capture_default_str()->check(CLI::Range(0, 1023));
   worker_cmd->add_option("--kv-transfer-config", worker.kv_transfer_config,
                          "vLLM's kv_transfer_config JSON (kvstream settings under "
                          "kv_connector_extra_config)");
@@ -149,12 +164,12 @@ int main(int argc, char** argv) {
     return kvstream::RunDemo(demo_options, std::cout, std::cerr);
   }
   if (worker_cmd->parsed()) {
-    if (worker_mpi && !RoleFromMpiRank(worker.role)) {
-      std::cerr << "kvstream worker: --mpi given but no mpirun rank in the environment\n";
+    if (worker_mpi && !RoleFromMpiRank(worker)) {
+      std::cerr << "kvstream worker: --mpi needs an mpirun world larger than --prefill-workers\n";
       return 1;
     }
-    if (worker_mpi && worker.serve == 0 && worker.role == "prefill") {
-      worker.serve = static_cast<int>(worker.prompt_lengths.size());
+    if (worker.serve == 0 && worker.role == "prefill" && (worker_mpi || worker.num_decode > 1)) {
+      worker.serve = kvstream::RequestsServedBy(worker, worker.index);
     }
     return kvstream::RunWorker(worker, std::cout, std::cerr);
   }

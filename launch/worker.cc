@@ -1,6 +1,9 @@
 // `kvstream worker` (worker.h).
 #include "worker.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <signal.h>
 
 #include <cstdio>
@@ -58,12 +61,32 @@ class CrashingHook : public TransferHook {
   int layer_;
 };
 
+std::string AddressFileOf(const WorkerOptions& o, int prefill_index) {
+  return o.num_prefill > 1 ? absl::StrCat(o.address_file, ".", prefill_index) : o.address_file;
+}
+
+// Requests a prefill worker serves in an xPyD run: request i of decode worker d goes to
+// prefill worker (i + d) % num_prefill.
+}  // namespace
+
+int RequestsServedBy(const WorkerOptions& o, int prefill_index) {
+  int n = 0;
+  for (int d = 0; d < o.num_decode; ++d) {
+    for (size_t i = 0; i < o.prompt_lengths.size(); ++i) {
+      if (static_cast<int>((i + d) % o.num_prefill) == prefill_index) ++n;
+    }
+  }
+  return n;
+}
+
+namespace {
+
 std::vector<RequestSpec> MakeRequests(const WorkerOptions& o) {
   std::vector<RequestSpec> out;
   std::mt19937 rng(o.model.seed * 7919u + 17u);
   for (size_t i = 0; i < o.prompt_lengths.size(); ++i) {
     RequestSpec r;
-    r.id = absl::StrCat("req-", i);
+    r.id = o.num_decode > 1 ? absl::StrCat("d", o.index, "-req-", i) : absl::StrCat("req-", i);
     for (int t = 0; t < o.prompt_lengths[i]; ++t) {
       r.prompt.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(o.model.vocab_size)));
     }
@@ -124,6 +147,28 @@ absl::StatusOr<std::pair<std::string, int>> ReadAddressFile(const std::string& p
       absl::StrCat("the prefill worker did not write ", path, " in time"));
 }
 
+// The address peers should dial: a wildcard listen address is replaced by this host's
+// first non-loopback IPv4 address (for runs across hosts).
+std::string DialableAddress(const std::string& address) {
+  if (address.rfind("0.0.0.0:", 0) != 0) return address;
+  const std::string port = address.substr(8);
+  struct ifaddrs* ifs = nullptr;
+  std::string ip = "127.0.0.1";
+  if (getifaddrs(&ifs) == 0) {
+    for (struct ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
+      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+      char buf[INET_ADDRSTRLEN];
+      const auto* sin = reinterpret_cast<const struct sockaddr_in*>(i->ifa_addr);
+      if (inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf)) == nullptr) continue;
+      if (std::string(buf).rfind("127.", 0) == 0) continue;
+      ip = buf;
+      break;
+    }
+    freeifaddrs(ifs);
+  }
+  return ip + ":" + port;
+}
+
 int Fail(std::ostream& err, const absl::Status& s) {
   err << "kvstream worker: " << s << "\n";
   return 1;
@@ -142,6 +187,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
                          absl::StrCat("--role must be prefill or decode, not '", o.role, "'")));
   }
   config->kv_role = prefill ? KvRole::kProducer : KvRole::kConsumer;
+  absl::StrAppend(&config->engine_id, prefill ? "-prefill" : "-decode", o.index);
 
   auto connector = CreateKvConnector(*config);
   if (!connector.ok()) return Fail(err, connector.status());
@@ -166,13 +212,14 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
         << (*connector)->control_address() << std::endl;
     if (!o.address_file.empty()) {
       // Write then rename, so the decode worker never reads half a line.
-      const std::string tmp = o.address_file + ".tmp";
+      const std::string path = AddressFileOf(o, o.index);
+      const std::string tmp = path + ".tmp";
       {
         std::ofstream f(tmp);
-        f << (*connector)->control_address() << "\n";
+        f << DialableAddress((*connector)->control_address()) << "\n";
       }
-      if (std::rename(tmp.c_str(), o.address_file.c_str()) != 0) {
-        return Fail(err, absl::InternalError(absl::StrCat("cannot write ", o.address_file)));
+      if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+        return Fail(err, absl::InternalError(absl::StrCat("cannot write ", path)));
       }
     }
     absl::Time last_work = absl::Now();
@@ -198,20 +245,25 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
     return 0;
   }
 
-  // Decode worker.
-  if (!o.address_file.empty()) {
-    auto addr = ReadAddressFile(o.address_file, absl::Seconds(o.connect_timeout_s));
-    if (!addr.ok()) return Fail(err, addr.status());
-    config->kv_ip = addr->first;
-    config->kv_port = addr->second;
+  // Decode worker: find every prefill worker.
+  std::vector<RemotePrefill> producers;
+  for (int p = 0; p < o.num_prefill; ++p) {
+    RemotePrefill remote{config->kv_ip, config->kv_port};
+    if (!o.address_file.empty()) {
+      auto addr = ReadAddressFile(AddressFileOf(o, p), absl::Seconds(o.connect_timeout_s));
+      if (!addr.ok()) return Fail(err, addr.status());
+      remote = RemotePrefill{addr->first, addr->second};
+    }
+    absl::Status ready =
+        WaitForProducer(remote.host, remote.port, absl::Seconds(o.connect_timeout_s));
+    if (!ready.ok()) return Fail(err, ready);
+    producers.push_back(remote);
   }
-  absl::Status ready = WaitForProducer(config->kv_ip, config->kv_port,
-                                       absl::Seconds(o.connect_timeout_s));
-  if (!ready.ok()) return Fail(err, ready);
   const std::vector<RequestSpec> requests = MakeRequests(o);
   const absl::Time t0 = absl::Now();
-  for (RequestSpec r : requests) {
-    r.remote = RemotePrefill{config->kv_ip, config->kv_port};
+  for (size_t i = 0; i < requests.size(); ++i) {
+    RequestSpec r = requests[i];
+    r.remote = producers[(i + o.index) % producers.size()];
     absl::Status s = (*engine)->AddRequest(std::move(r));
     if (!s.ok()) return Fail(err, s);
   }

@@ -35,6 +35,12 @@ struct WorkerOptions {
   // there once it listens (so it can use port 0); the decode worker waits for it and uses it
   // instead of kv_ip/kv_port.
   std::string address_file;
+  // xPyD: several prefill and decode workers. Prefill worker p writes
+  // "<address_file>.<p>" when num_prefill > 1; decode worker d names its requests
+  // "d<d>-req-<i>" and sends request i to prefill worker (i + d) % num_prefill.
+  int num_prefill = 1;
+  int num_decode = 1;
+  int index = 0;  // this worker's index among its role
 };
 
 // What a decode worker saw, for reports.
@@ -54,6 +60,9 @@ struct DecodeReport {
 // failed; 4 blocks leaked. A decode worker fills `report` when it is not null.
 int RunWorker(const WorkerOptions& options, std::ostream& out, std::ostream& err,
               DecodeReport* report = nullptr);
+
+// How many requests prefill worker `prefill_index` serves in an xPyD run of these options.
+int RequestsServedBy(const WorkerOptions& options, int prefill_index);
 
 }  // namespace kvstream
 

@@ -3,6 +3,8 @@
 # what the scenario expects. Usage: run_workers.sh KVSTREAM_BINARY SCENARIO
 #   shm | tcp          1P1D over UCX shared memory / TCP on loopback, outputs bit-identical
 #   mpirun             the same under mpirun -np 2 (rank 0 prefill, rank 1 decode)
+#   mpirun-1p2d        mpirun -np 3: one prefill worker serving two decode workers
+#   mpirun-2p1d        mpirun -np 3: two prefill workers serving one decode worker
 #   mismatch           different block sizes: rejected at handshake, requests fail clearly
 #   kill-producer      the prefill worker dies mid-stream: load errors, recompute, correct
 #                      output, no block leaked on the decode worker
@@ -70,6 +72,22 @@ case "$scenario" in
     [ $rc -eq 0 ] || fail "mpirun exited $rc"
     grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
     grep -q "served 4 requests" "$work/decode.out" || fail "prefill rank did not serve 4 requests"
+    ;;
+  mpirun-1p2d|mpirun-2p1d)
+    np=3; pw=1; [ "$scenario" = mpirun-2p1d ] && pw=2
+    mpirun -np $np --oversubscribe --bind-to none "$bin" worker --mpi --prefill-workers=$pw \
+        --kv-transfer-config="$(cfg mpi)" $model $prompts --address-file="$addr" \
+        >"$work/decode.out" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || fail "mpirun exited $rc"
+    want_decode=$((np - pw))
+    got=$(grep -c "outputs bit-identical to the colocated run" "$work/decode.out")
+    [ "$got" -eq "$want_decode" ] || fail "$got of $want_decode decode workers matched"
+    if [ $pw -eq 1 ]; then
+      grep -q "served 8 requests" "$work/decode.out" || fail "the prefill worker did not serve 8"
+    else
+      [ "$(grep -c "served 2 requests" "$work/decode.out")" -eq 2 ] || fail "prefill workers did not serve 2 each"
+    fi
     ;;
   mismatch)
     policy=fail

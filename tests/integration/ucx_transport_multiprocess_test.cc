@@ -1,9 +1,11 @@
 // Multi-process tests of the UCX transport, over shared memory and over TCP on loopback:
 // a real second process (tests/integration/ucx_transport_peer_main.cc, forked and exec'd)
 // exchanges its worker info and memory descriptor with this one over a pipe. Checks that
-// scattered writes land byte for byte before their notification in both directions, and that
+// scattered writes land byte for byte before their notification in both directions, into
+// registered heap memory and into memory from Transport::AllocateMemory, and that
 // a peer killed with SIGKILL mid-stream makes every outstanding transfer fail (before a
 // generous deadline: no hang) with an error naming the peer.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -102,6 +104,9 @@ class UcxMultiProcessTest : public ::testing::TestWithParam<std::string> {
     reg_ = std::move(reg).value();
   }
 
+  void ScatteredLayersLandBeforeTheirNotifications(const std::string& memory);
+  void ChildWritesAndNotifiesAfterItsData(bool allocate);
+
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<ChildProcess> child_;
   std::unique_ptr<MemoryRegistration> reg_;
@@ -112,14 +117,16 @@ class UcxMultiProcessTest : public ::testing::TestWithParam<std::string> {
 // Four "layers", each a scattered set of blocks in its own area, posted back to back with a
 // "dump" notification each. The receiver copies out its whole buffer the moment it sees a
 // notification, so every byte of that layer and the ones before must already be in place.
-TEST_P(UcxMultiProcessTest, ScatteredLayersLandBeforeTheirNotifications) {
+// `memory`: where the receiver's region comes from ("heap": RegisterMemory of its own buffer;
+// "transport": AllocateMemory, which over shm the writer maps and copies into directly).
+void UcxMultiProcessTest::ScatteredLayersLandBeforeTheirNotifications(const std::string& memory) {
   constexpr size_t kBlock = 16 << 10;
   constexpr size_t kPoolBlocks = 48;   // per layer area
   constexpr size_t kBlocksPerLayer = 32;
   constexpr int kLayers = 4;
   constexpr size_t kLayerBytes = kBlock * kPoolBlocks;
   constexpr size_t kBytes = kLayerBytes * kLayers;
-  Spawn({"--role=receiver", absl::StrCat("--bytes=", kBytes)});
+  Spawn({"--role=receiver", absl::StrCat("--bytes=", kBytes), "--memory=" + memory});
   ASSERT_NO_FATAL_FAILURE(ConnectToReceiver());
   std::vector<char> src(kBytes);
   FillPattern(src.data(), src.size(), 99);
@@ -170,16 +177,32 @@ TEST_P(UcxMultiProcessTest, ScatteredLayersLandBeforeTheirNotifications) {
   EXPECT_EQ(*exit_code, 0);
 }
 
-// The other direction: the child writes scattered blocks into this process's memory; at the
-// moment its notification is polled here, every byte must be in place.
-TEST_P(UcxMultiProcessTest, ChildWritesAndNotifiesAfterItsData) {
+TEST_P(UcxMultiProcessTest, ScatteredLayersLandBeforeTheirNotifications) {
+  ScatteredLayersLandBeforeTheirNotifications("heap");
+}
+
+TEST_P(UcxMultiProcessTest, ScatteredLayersIntoAllocatedMemoryLandBeforeTheirNotifications) {
+  ScatteredLayersLandBeforeTheirNotifications("transport");
+}
+
+// The other direction: the child writes scattered blocks into this process's memory (a heap
+// buffer, or memory from AllocateMemory when `allocate`); at the moment its notification is
+// polled here, every byte must be in place.
+void UcxMultiProcessTest::ChildWritesAndNotifiesAfterItsData(bool allocate) {
   constexpr size_t kBlock = 8 << 10;
   constexpr size_t kPoolBlocks = 256;
   constexpr size_t kCount = 200;
   constexpr size_t kBytes = kBlock * kPoolBlocks;
   constexpr uint32_t kSeed = 4242;
-  std::vector<char> dst(kBytes, 0);
-  ASSERT_NO_FATAL_FAILURE(RegisterLocal(dst));
+  std::vector<char> heap(allocate ? 0 : kBytes, 0);
+  if (allocate) {
+    auto reg = transport_->AllocateMemory(kBytes, MemoryKind::kHost);
+    ASSERT_TRUE(reg.ok()) << reg.status();
+    reg_ = std::move(reg).value();
+  } else {
+    ASSERT_NO_FATAL_FAILURE(RegisterLocal(heap));
+  }
+  const char* dst = static_cast<const char*>(reg_->base());
   Spawn({"--role=writer", absl::StrCat("--bytes=", kBytes), absl::StrCat("--block=", kBlock),
          absl::StrCat("--count=", kCount), absl::StrCat("--seed=", kSeed)});
   ASSERT_TRUE(WriteLine(child_->to_child(),
@@ -202,7 +225,7 @@ TEST_P(UcxMultiProcessTest, ChildWritesAndNotifiesAfterItsData) {
     ASSERT_LT(absl::Now(), deadline) << "no notification from the writer";
   }
   // Compared before anything else can run in this process.
-  const bool all_bytes_match = dst == expected;
+  const bool all_bytes_match = std::equal(dst, dst + kBytes, expected.begin());
   ASSERT_EQ(notes.size(), 1u);
   EXPECT_EQ(notes[0].payload, "written");
   EXPECT_TRUE(all_bytes_match) << "the notification arrived before (all of) its data";
@@ -216,6 +239,14 @@ TEST_P(UcxMultiProcessTest, ChildWritesAndNotifiesAfterItsData) {
   auto exit_code = child_->Wait(Deadline());
   ASSERT_TRUE(exit_code.ok()) << exit_code.status();
   EXPECT_EQ(*exit_code, 0);
+}
+
+TEST_P(UcxMultiProcessTest, ChildWritesAndNotifiesAfterItsData) {
+  ChildWritesAndNotifiesAfterItsData(/*allocate=*/false);
+}
+
+TEST_P(UcxMultiProcessTest, ChildWritesIntoAllocatedMemoryAndNotifiesAfterItsData) {
+  ChildWritesAndNotifiesAfterItsData(/*allocate=*/true);
 }
 
 // The receiver, once connected (a peer that dies before UCX's connection handshake finished

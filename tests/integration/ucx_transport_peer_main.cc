@@ -1,7 +1,8 @@
 // The peer process of the multi-process UCX transport test (ucx_transport_multiprocess_test).
 //
-//   kvstream_ucx_transport_peer --role=receiver --tls=shm --bytes=N
-//     Registers N zeroed bytes and writes "INFO <hex worker info>", "DESC <hex descriptor>",
+//   kvstream_ucx_transport_peer --role=receiver --tls=shm --bytes=N [--memory=heap|transport]
+//     Registers N zeroed bytes (a heap buffer, or with --memory=transport memory from
+//     Transport::AllocateMemory) and writes "INFO <hex worker info>", "DESC <hex descriptor>",
 //     "READY" to fd 3. Then progresses and, for each notification: "dump..." -> writes
 //     "DUMP <payload> <N>" and the N bytes of its buffer as they are at that moment; "exit"
 //     -> writes "BYE" and exits 0; "stall" -> writes "STALLED" and never progresses again
@@ -76,10 +77,12 @@ bool StdinClosedOrSays(const std::string& word) {
   return absl::StrContains(absl::string_view(buffer, static_cast<size_t>(n)), word);
 }
 
-int RunReceiver(Transport& transport, size_t bytes) {
-  std::vector<char> buffer(bytes, 0);
-  auto reg = transport.RegisterMemory(buffer.data(), buffer.size(), MemoryKind::kHost);
+int RunReceiver(Transport& transport, size_t bytes, bool allocate) {
+  std::vector<char> buffer(allocate ? 0 : bytes, 0);
+  auto reg = allocate ? transport.AllocateMemory(bytes, MemoryKind::kHost)
+                      : transport.RegisterMemory(buffer.data(), buffer.size(), MemoryKind::kHost);
   if (!reg.ok()) return Fail(reg.status().ToString());
+  const char* data = static_cast<const char*>((*reg)->base());
   auto info = transport.LocalInfo();
   if (!info.ok()) return Fail(info.status().ToString());
   if (!WriteLine(kPeerOutFd, "INFO " + absl::BytesToHexString(*info)).ok() ||
@@ -101,7 +104,7 @@ int RunReceiver(Transport& transport, size_t bytes) {
       }
       if (absl::StartsWith(n.payload, "dump")) {
         absl::Status s = WriteLine(kPeerOutFd, absl::StrCat("DUMP ", n.payload, " ", bytes));
-        if (s.ok()) s = WriteAll(kPeerOutFd, buffer.data(), buffer.size());
+        if (s.ok()) s = WriteAll(kPeerOutFd, data, bytes);
         if (!s.ok()) return Fail(s.ToString());
       } else if (!WriteLine(kPeerOutFd, "NOTE " + n.payload).ok()) {
         return Fail("cannot write to the parent");
@@ -158,7 +161,9 @@ int Main(int argc, char** argv) {
   auto transport = CreateUcxTransport(options);
   if (!transport.ok()) return Fail(transport.status().ToString());
   const size_t bytes = Number(flags, "bytes");
-  if (flags["role"] == "receiver") return RunReceiver(**transport, bytes);
+  const std::string memory = flags.count("memory") ? flags["memory"] : "heap";
+  if (memory != "heap" && memory != "transport") return Fail("--memory must be heap or transport");
+  if (flags["role"] == "receiver") return RunReceiver(**transport, bytes, memory == "transport");
   if (flags["role"] == "writer") {
     return RunWriter(**transport, bytes, Number(flags, "block"), Number(flags, "count"),
                      static_cast<uint32_t>(Number(flags, "seed")));

@@ -7,6 +7,12 @@ foreach(scenario shm tcp mismatch kill-producer kill-consumer)
 endforeach()
 find_program(MPIRUN mpirun)
 if(MPIRUN)
+  foreach(scenario mpirun-1p2d mpirun-2p1d)
+    add_test(NAME worker_${scenario}
+      COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> ${scenario})
+    set_tests_properties(worker_${scenario} PROPERTIES LABELS "integration;mpi" TIMEOUT 300
+      PASS_REGULAR_EXPRESSION "PASS: ${scenario}")
+  endforeach()
   add_test(NAME worker_mpirun
     COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> mpirun)
   set_tests_properties(worker_mpirun PROPERTIES LABELS "integration;mpi" TIMEOUT 300

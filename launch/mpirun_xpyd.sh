@@ -1,0 +1,30 @@
+#!/bin/sh
+# Runs P prefill and D decode workers under Open MPI (xPyD): ranks 0..P-1 prefill, the rest
+# decode; decode worker d sends request i to prefill worker (i + d) mod P. Each decode worker
+# checks its outputs bit for bit against a colocated run; the exit status is mpirun's.
+#
+#   launch/mpirun_xpyd.sh 1 1                      # 1P1D on this host
+#   launch/mpirun_xpyd.sh 1 2 --prompts=100,300    # 1P2D, extra flags go to every worker
+#   launch/mpirun_xpyd.sh 2 1
+#   HOSTFILE=hosts RENDEZVOUS=/shared/kvs launch/mpirun_xpyd.sh 2 2 \
+#       --kv-transfer-config='{"kv_ip": "0.0.0.0", "kv_port": 0,
+#                              "kv_connector_extra_config": {"ucx_tls": "tcp"}}'
+#
+# Across hosts: RENDEZVOUS must be a directory every host sees (the prefill workers write
+# their control address there), the prefill workers listen on 0.0.0.0 and publish their
+# host's first non-loopback address, and UCX must use a transport that crosses hosts (tcp).
+# Environment: KVSTREAM (the binary; default build/launch/kvstream), HOSTFILE, RENDEZVOUS.
+set -eu
+[ $# -ge 2 ] || { echo "usage: $0 PREFILL DECODE [worker flags...]" >&2; exit 2; }
+p=$1; d=$2; shift 2
+bin=${KVSTREAM:-build/launch/kvstream}
+dir=${RENDEZVOUS:-$(mktemp -d)}
+mkdir -p "$dir"
+rm -f "$dir"/prefill.addr*
+hostfile=""
+[ -n "${HOSTFILE:-}" ] && hostfile="--hostfile $HOSTFILE"
+root=""
+[ "$(id -u)" = 0 ] && root="--allow-run-as-root"
+exec mpirun $root $hostfile -np $((p + d)) --oversubscribe --bind-to none \
+    "$bin" worker --mpi --prefill-workers="$p" --address-file="$dir/prefill.addr" \
+    --kv-transfer-config='{"kv_port": 0}' "$@"
