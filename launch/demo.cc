@@ -239,6 +239,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     j["transport"] = absl::StrCat("ucx-", tls);
     j["backend"] = o.model.backend;
     j["load_errors"] = report.stats.load_errors;
+    j["connector"] = ConnectorStatsJson(report.stats);
     std::ofstream f(o.json_path);
     f << j.dump(2) << "\n";
   }

@@ -153,6 +153,9 @@ int main(int argc, char** argv) {
   worker_cmd->add_flag("!--no-check", worker.check_colocated,
                        "Decode: skip the comparison with a colocated run");
   worker_cmd->add_option("--json", worker.json_path, "Decode: write a JSON report to this file");
+  worker_cmd->add_option("--metrics-port", worker.metrics_port,
+                         "Serve Prometheus metrics on this port (0: any free port; default off)")
+      ->check(CLI::Range(0, 65535));
   worker_cmd->add_option("--address-file", worker.address_file,
                          "Rendezvous file: the prefill worker writes its control address "
                          "(host:port) there, the decode worker reads it (overrides kv_ip, "

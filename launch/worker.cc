@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "engine.h"
+#include "metrics_server.h"
 #include "kvstream/connector/config.h"
 #include "kvstream/connector/factory.h"
 #include "kvstream/connector/layer_name.h"
@@ -68,6 +69,15 @@ std::string AddressFileOf(const WorkerOptions& o, int prefill_index) {
 // Requests a prefill worker serves in an xPyD run: request i of decode worker d goes to
 // prefill worker (i + d) % num_prefill.
 }  // namespace
+
+nlohmann::json ConnectorStatsJson(const ConnectorStats& s) {
+  return {{"bytes_sent", s.bytes_sent},           {"bytes_received", s.bytes_received},
+          {"layers_sent", s.layers_sent},         {"layers_received", s.layers_received},
+          {"load_errors", s.load_errors},         {"send_failures", s.send_failures},
+          {"wait_ms", s.wait_ms},                 {"exposed_transfer_ms", s.exposed_ms},
+          {"blocks_in_flight", s.blocks_in_flight},
+          {"layer_latency_sum_ms", s.latency_sum_ms}};
+}
 
 int RequestsServedBy(const WorkerOptions& o, int prefill_index) {
   int n = 0;
@@ -206,6 +216,18 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   }
   auto engine = Engine::Create(eo);
   if (!engine.ok()) return Fail(err, engine.status());
+  std::unique_ptr<MetricsServer> metrics;
+  if (o.metrics_port >= 0) {
+    KvConnector* c = connector->get();
+    const std::string role(KvRoleName(config->kv_role));
+    const std::string id = config->engine_id;
+    auto m = MetricsServer::Start(o.metrics_port, [c, role, id] {
+      return RenderConnectorMetrics(c->stats(), role, id);
+    });
+    if (!m.ok()) return Fail(err, m.status());
+    metrics = std::move(*m);
+    out << "metrics on http://0.0.0.0:" << metrics->port() << "/metrics" << std::endl;
+  }
 
   if (prefill) {
     out << "prefill worker " << config->engine_id << " listening on "
@@ -337,6 +359,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   report["all_ok"] = all_ok;
   report["blocks_leaked"] = leak;
   report["total_ms"] = total_ms;
+  report["connector"] = ConnectorStatsJson((*connector)->stats());
   if (decode_report != nullptr) {
     DecodeReport& d = *decode_report;
     d.results = results;

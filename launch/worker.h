@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/status/status.h"
 #include "engine.h"
 #include "kvstream/connector/kv_connector.h"
@@ -41,6 +43,7 @@ struct WorkerOptions {
   int num_prefill = 1;
   int num_decode = 1;
   int index = 0;  // this worker's index among its role
+  int metrics_port = -1;  // >= 0: serve Prometheus metrics on this port (0 = any free port)
 };
 
 // What a decode worker saw, for reports.
@@ -60,6 +63,9 @@ struct DecodeReport {
 // failed; 4 blocks leaked. A decode worker fills `report` when it is not null.
 int RunWorker(const WorkerOptions& options, std::ostream& out, std::ostream& err,
               DecodeReport* report = nullptr);
+
+// The connector's counters as JSON (the fields of the Prometheus metrics).
+nlohmann::json ConnectorStatsJson(const ConnectorStats& stats);
 
 // How many requests prefill worker `prefill_index` serves in an xPyD run of these options.
 int RequestsServedBy(const WorkerOptions& options, int prefill_index);

@@ -193,7 +193,15 @@ class LayerwiseConnectorImpl final : public KvConnector {
   const KvTransferConfig& config() const override { return config_; }
   ConnectorStats stats() const override {
     absl::MutexLock lock(&mu_);
-    return stats_;
+    ConnectorStats s = stats_;
+    s.blocks_in_flight = 0;
+    for (const auto& [id, r] : recv_) {
+      if (!r.producer_stopped) s.blocks_in_flight += static_cast<int64_t>(r.blocks.size());
+    }
+    for (const auto& [id, snd] : send_) {
+      if (!SendDone(snd)) s.blocks_in_flight += static_cast<int64_t>(snd.local_blocks.size());
+    }
+    return s;
   }
 
   std::vector<RequestTransferStats> TakeRequestStats() override {
@@ -996,7 +1004,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
     TrackTransfer(id, v_id);
     {
       absl::MutexLock lock(&mu_);
-      layer_bytes_[v_id] = notice.bytes;
+      layer_bytes_[v_id] = {notice.bytes, notice.post_ns};
     }
     return absl::OkStatus();
   }
@@ -1071,7 +1079,9 @@ class LayerwiseConnectorImpl final : public KvConnector {
     r->second.bytes += notice->bytes;
     const uint64_t now_ns = MonotonicNs();
     if (notice->post_ns != 0 && now_ns > notice->post_ns) {
-      r->second.transfer_ms += static_cast<double>(now_ns - notice->post_ns) / 1e6;
+      const double ms = static_cast<double>(now_ns - notice->post_ns) / 1e6;
+      r->second.transfer_ms += ms;
+      stats_.ObserveLatency(ms);
     }
     if (r->second.post_ns.size() < r->second.arrived.size()) {
       r->second.post_ns.assign(r->second.arrived.size(), 0);
@@ -1144,8 +1154,9 @@ class LayerwiseConnectorImpl final : public KvConnector {
           auto lb = layer_bytes_.find(*it);
           if (lb != layer_bytes_.end()) {
             if (state.ok()) {
-              stats_.bytes_sent += lb->second;
+              stats_.bytes_sent += lb->second.first;
               ++stats_.layers_sent;
+              stats_.ObserveLatency(static_cast<double>(MonotonicNs() - lb->second.second) / 1e6);
             }
             layer_bytes_.erase(lb);
           }
@@ -1272,7 +1283,8 @@ class LayerwiseConnectorImpl final : public KvConnector {
   std::map<std::string, RecvRequest> recv_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, SendRequest> send_ ABSL_GUARDED_BY(mu_);
   std::vector<TransferId> orphans_ ABSL_GUARDED_BY(mu_);
-  std::map<TransferId, uint64_t> layer_bytes_ ABSL_GUARDED_BY(mu_);  // V transfer -> layer bytes
+  // V transfer -> (layer bytes, post time ns)
+  std::map<TransferId, std::pair<uint64_t, uint64_t>> layer_bytes_ ABSL_GUARDED_BY(mu_);
   ConnectorStats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<RequestTransferStats> finished_stats_ ABSL_GUARDED_BY(mu_);
   std::vector<KvRequest> incoming_ ABSL_GUARDED_BY(mu_);

@@ -9,6 +9,7 @@
 #   kill-producer      the prefill worker dies mid-stream: load errors, recompute, correct
 #                      output, no block leaked on the decode worker
 #   kill-consumer      the decode worker dies mid-stream: the prefill worker frees its blocks
+#   metrics            the prefill worker's Prometheus endpoint is scraped after a run
 set -u
 bin=$1
 scenario=$2
@@ -88,6 +89,24 @@ case "$scenario" in
     else
       [ "$(grep -c "served 2 requests" "$work/decode.out")" -eq 2 ] || fail "prefill workers did not serve 2 each"
     fi
+    ;;
+  metrics)
+    start_prefill --metrics-port=0 --idle-timeout=4
+    run_decode --json="$work/report.json"
+    [ $drc -eq 0 ] || fail "decode worker exited $drc"
+    mport=$(sed -n 's|^metrics on http://0.0.0.0:\([0-9]*\)/metrics$|\1|p' "$work/prefill.out")
+    [ -n "$mport" ] || fail "no metrics port printed"
+    exec 3<>"/dev/tcp/127.0.0.1/$mport" || fail "cannot connect to the metrics port"
+    printf 'GET /metrics HTTP/1.0\r\n\r\n' >&3
+    cat <&3 >"$work/metrics.txt"; exec 3<&-
+    cat "$work/metrics.txt"
+    grep -q "^HTTP/1.0 200" "$work/metrics.txt" || fail "no 200 answer"
+    sent=$(sed -n 's/^kvstream_transfer_bytes_total{.*direction="sent"} \([0-9]*\)\r*$/\1/p' "$work/metrics.txt")
+    [ -n "$sent" ] && [ "$sent" -gt 0 ] || fail "no bytes sent in the metrics"
+    grep -q 'kvstream_layers_transferred_total{role="kv_producer".*direction="sent"} 16' "$work/metrics.txt" || fail "expected 16 layer transfers (4 requests x 4 layers)"
+    grep -q 'kvstream_layer_transfer_latency_seconds_count{.*} 16' "$work/metrics.txt" || fail "latency histogram count"
+    grep -q '"bytes_received": '"$sent" "$work/report.json" || fail "the decode JSON disagrees with the producer's bytes"
+    wait $ppid
     ;;
   mismatch)
     policy=fail

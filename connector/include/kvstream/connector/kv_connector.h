@@ -97,6 +97,19 @@ struct ConnectorStats {
   uint64_t send_failures = 0;
   double wait_ms = 0;            // consumer: time BeforeAttention blocked
   double exposed_ms = 0;         // consumer: of which layers were already in flight
+  int64_t blocks_in_flight = 0;  // blocks of requests still being sent or received
+  // Per-layer transfer latency (producer: post to completion; consumer: post to verified
+  // arrival, same-host clocks), as a histogram over kLatencyBucketsMs (+Inf last).
+  static constexpr double kLatencyBucketsMs[] = {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000};
+  static constexpr int kLatencyBuckets = sizeof(kLatencyBucketsMs) / sizeof(double) + 1;
+  uint64_t latency_counts[kLatencyBuckets] = {};  // non-cumulative
+  double latency_sum_ms = 0;
+  void ObserveLatency(double ms) {
+    int b = 0;
+    while (b < kLatencyBuckets - 1 && ms > kLatencyBucketsMs[b]) ++b;
+    ++latency_counts[b];
+    latency_sum_ms += ms;
+  }
 };
 
 // Consumer: one request's transfer, once all its layers arrived.

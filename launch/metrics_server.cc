@@ -1,0 +1,126 @@
+// The metrics endpoint (metrics_server.h).
+#include "metrics_server.h"
+
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvstream {
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    int port, std::function<std::string()> render) {
+  std::unique_ptr<MetricsServer> s(new MetricsServer());
+  s->render_ = std::move(render);
+  s->fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s->fd_ < 0) return absl::InternalError(absl::StrCat("metrics socket: ", std::strerror(errno)));
+  const int one = 1;
+  setsockopt(s->fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (bind(s->fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      listen(s->fd_, 16) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics endpoint on port ", port, ": ", std::strerror(errno)));
+  }
+  socklen_t len = sizeof(addr);
+  getsockname(s->fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+  s->port_ = ntohs(addr.sin_port);
+  s->thread_ = std::thread([p = s.get()] { p->Loop(); });
+  return s;
+}
+
+MetricsServer::~MetricsServer() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  if (fd_ >= 0) close(fd_);
+}
+
+void MetricsServer::Loop() {
+  while (!stop_) {
+    pollfd p{fd_, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) continue;
+    // Read the request line (bounded in size and time), answer, close.
+    std::string request;
+    char buf[1024];
+    pollfd cp{c, POLLIN, 0};
+    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 8192 &&
+           poll(&cp, 1, 1000) > 0) {
+      const ssize_t n = recv(c, buf, sizeof(buf), 0);
+      if (n <= 0) break;
+      request.append(buf, static_cast<size_t>(n));
+    }
+    std::string response;
+    if (request.rfind("GET /metrics", 0) == 0) {
+      const std::string body = render_();
+      response = absl::StrCat("HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                              "Content-Length: ", body.size(), "\r\n\r\n", body);
+    } else {
+      response = "HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n";
+    }
+    size_t off = 0;
+    while (off < response.size()) {
+      const ssize_t n = send(c, response.data() + off, response.size() - off, MSG_NOSIGNAL);
+      if (n <= 0) break;
+      off += static_cast<size_t>(n);
+    }
+    close(c);
+  }
+}
+
+std::string RenderConnectorMetrics(const ConnectorStats& s, const std::string& role,
+                                   const std::string& engine_id) {
+  const std::string l = absl::StrCat("role=\"", role, "\",engine=\"", engine_id, "\"");
+  std::string out;
+  auto metric = [&](const char* name, const char* type, const char* help) {
+    absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+  };
+  metric("kvstream_transfer_bytes_total", "counter", "KV bytes moved, by direction");
+  absl::StrAppend(&out, "kvstream_transfer_bytes_total{", l, ",direction=\"sent\"} ", s.bytes_sent,
+                  "\nkvstream_transfer_bytes_total{", l, ",direction=\"received\"} ",
+                  s.bytes_received, "\n");
+  metric("kvstream_layers_transferred_total", "counter", "Layer transfers completed, by direction");
+  absl::StrAppend(&out, "kvstream_layers_transferred_total{", l, ",direction=\"sent\"} ",
+                  s.layers_sent, "\nkvstream_layers_transferred_total{", l,
+                  ",direction=\"received\"} ", s.layers_received, "\n");
+  metric("kvstream_exposed_transfer_seconds_total", "counter",
+         "Time attention waited for layers already in flight (not hidden by prefill compute)");
+  absl::StrAppend(&out, "kvstream_exposed_transfer_seconds_total{", l, "} ",
+                  absl::StrFormat("%.6f", s.exposed_ms / 1e3), "\n");
+  metric("kvstream_layer_wait_seconds_total", "counter", "Time attention waited for remote layers");
+  absl::StrAppend(&out, "kvstream_layer_wait_seconds_total{", l, "} ",
+                  absl::StrFormat("%.6f", s.wait_ms / 1e3), "\n");
+  metric("kvstream_load_errors_total", "counter", "Requests whose remote KV failed to load");
+  absl::StrAppend(&out, "kvstream_load_errors_total{", l, "} ", s.load_errors, "\n");
+  metric("kvstream_send_failures_total", "counter", "Requests whose KV sends failed");
+  absl::StrAppend(&out, "kvstream_send_failures_total{", l, "} ", s.send_failures, "\n");
+  metric("kvstream_blocks_in_flight", "gauge", "Blocks of requests still being sent or received");
+  absl::StrAppend(&out, "kvstream_blocks_in_flight{", l, "} ", s.blocks_in_flight, "\n");
+  metric("kvstream_layer_transfer_latency_seconds", "histogram",
+         "Per-layer transfer latency (post to completion or arrival)");
+  uint64_t cumulative = 0;
+  for (int b = 0; b < ConnectorStats::kLatencyBuckets; ++b) {
+    cumulative += s.latency_counts[b];
+    const std::string le = b + 1 < ConnectorStats::kLatencyBuckets
+                               ? absl::StrFormat("%g", ConnectorStats::kLatencyBucketsMs[b] / 1e3)
+                               : "+Inf";
+    absl::StrAppend(&out, "kvstream_layer_transfer_latency_seconds_bucket{", l, ",le=\"", le,
+                    "\"} ", cumulative, "\n");
+  }
+  absl::StrAppend(&out, "kvstream_layer_transfer_latency_seconds_sum{", l, "} ",
+                  absl::StrFormat("%.6f", s.latency_sum_ms / 1e3),
+                  "\nkvstream_layer_transfer_latency_seconds_count{", l, "} ", cumulative, "\n");
+  return out;
+}
+
+}  // namespace kvstream

@@ -1,0 +1,42 @@
+// A minimal HTTP endpoint serving Prometheus text exposition (GET /metrics) from a render
+// callback, on a background thread. Off unless a worker is given --metrics-port.
+#ifndef KVSTREAM_LAUNCH_METRICS_SERVER_H_
+#define KVSTREAM_LAUNCH_METRICS_SERVER_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "kvstream/connector/kv_connector.h"
+
+namespace kvstream {
+
+class MetricsServer {
+ public:
+  // Listens on 0.0.0.0:port (0 = any free port). Unavailable when the port is taken.
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
+      int port, std::function<std::string()> render);
+  ~MetricsServer();
+  int port() const { return port_; }
+
+ private:
+  MetricsServer() = default;
+  void Loop();
+
+  int fd_ = -1;
+  int port_ = 0;
+  std::function<std::string()> render_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// The connector's counters in Prometheus text format, labelled with role and engine id.
+std::string RenderConnectorMetrics(const ConnectorStats& stats, const std::string& role,
+                                   const std::string& engine_id);
+
+}  // namespace kvstream
+
+#endif  // KVSTREAM_LAUNCH_METRICS_SERVER_H_
