@@ -2,11 +2,16 @@
 // on this machine through the UCX transport, beside ucx_perftest's ucp_put_bw measured in the
 // same run on the same UCX settings.
 //
-//   kvstream_bench_transfer [--tls=shm|tcp] [--depth=N] [--perftest=PATH|none]
-//                           [--ucx=NAME=VALUE ...] [--pin=false] [Google Benchmark flags]
+//   kvstream_bench_transfer [--tls=shm|tcp] [--memory=transport|heap] [--depth=N]
+//                           [--perftest=PATH|none] [--ucx=NAME=VALUE ...] [--pin=false]
+//                           [Google Benchmark flags]
 //
-// The program forks and execs itself as the receiver (--role=receiver), which registers a
-// 128 MiB pool and progresses until told to stop. Each benchmark iteration is one layer: one
+// The program forks and execs itself as the receiver (--role=receiver), which sets up a
+// 128 MiB pool and progresses until told to stop. Both sides' pools come from
+// Transport::AllocateMemory (--memory=transport, the default: over shared memory the sender
+// maps the receiver's pool and puts are plain copies) or are heap buffers the transport
+// registers (--memory=heap: what an engine that owns its KV cache gets; puts are emulated
+// with active messages over shared memory, see ucx_transport.h). Each benchmark iteration is one layer: one
 // PostWrite of every block as its own segment (block ids random on both sides, fixed per
 // benchmark, so nothing can be coalesced), which the transport turns into puts + one flush +
 // the notification; with --depth=N up to N layers are in flight. Block sizes: 16 and 64
@@ -62,6 +67,7 @@ constexpr int kPerftestRuns = 3;           // per configuration; the table shows
 
 struct Flags {
   std::string tls = "shm";
+  std::string memory = "transport";  // where the KV pools come from: transport | heap
   std::string perftest = "ucx_perftest";
   int depth = 1;  // layers in flight
   bool pin = true;  // sender on CPU 0, receiver on CPU 1 (perftest's client and server too)
@@ -201,15 +207,28 @@ std::string FindProgram(const std::string& name) {
 
 // --- The receiver process ---
 
+// The pool of one side: memory from the transport, or `heap` (resized here) registered.
+std::unique_ptr<MemoryRegistration> MakePool(Transport& transport, const Flags& flags,
+                                             std::vector<char>& heap) {
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> reg;
+  if (flags.memory == "transport") {
+    reg = transport.AllocateMemory(kPoolBytes, MemoryKind::kHost);
+  } else {
+    heap.assign(kPoolBytes, 0);
+    reg = transport.RegisterMemory(heap.data(), heap.size(), MemoryKind::kHost);
+  }
+  if (!reg.ok()) Die(reg.status().ToString());
+  return std::move(reg).value();
+}
+
 int RunReceiver(const Flags& flags) {
   if (flags.pin && CanPin()) PinTo(1);
   auto transport = CreateUcxTransport(OptionsFor(flags));
   if (!transport.ok()) Die(transport.status().ToString());
-  std::vector<char> pool(kPoolBytes, 0);
-  auto reg = (*transport)->RegisterMemory(pool.data(), pool.size(), MemoryKind::kHost);
-  if (!reg.ok()) Die(reg.status().ToString());
+  std::vector<char> pool;
+  auto reg = MakePool(**transport, flags, pool);
   if (!WriteLine(kOutFd, "INFO " + absl::BytesToHexString(*(*transport)->LocalInfo())) ||
-      !WriteLine(kOutFd, "DESC " + absl::BytesToHexString((*reg)->descriptor()))) {
+      !WriteLine(kOutFd, "DESC " + absl::BytesToHexString(reg->descriptor()))) {
     Die("cannot write to the parent");
   }
   uint64_t notifications = 0;
@@ -249,7 +268,8 @@ Context* g_context = nullptr;
 void StartReceiver(Context& ctx, const std::string& self) {
   int in[2], out[2];
   if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) Die("pipe2 failed");
-  std::vector<std::string> args = {self, "--role=receiver", "--tls=" + ctx.flags.tls};
+  std::vector<std::string> args = {self, "--role=receiver", "--tls=" + ctx.flags.tls,
+                                   "--memory=" + ctx.flags.memory};
   if (!ctx.flags.pin) args.push_back("--pin=false");
   for (const auto& [name, value] : ctx.flags.ucx_config) {
     args.push_back("--ucx=" + name + "=" + value);
@@ -518,7 +538,9 @@ void PrintTable(const Flags& flags, const char* pool) {
         for (size_t size : {r.layer, r.block}) {
           if (!heap.count(size)) heap[size] = measure(size, false);
         }
-        if (!ucxmem.count(r.layer)) ucxmem[r.layer] = measure(r.layer, true);
+        for (size_t size : {r.layer, r.block}) {
+          if (!ucxmem.count(size)) ucxmem[size] = measure(size, true);
+        }
       }
     }
   }
@@ -528,32 +550,36 @@ void PrintTable(const Flags& flags, const char* pool) {
   };
   auto ratio = [](double a, double b) { return b > 0 ? Fixed(a / b, 2) : std::string("n/a"); };
   std::printf(
-      "\nkvstream UCX transport (%s): layer-sized transfers of randomly scattered blocks, one\n"
-      "segment per block, each transfer = puts + flush + notification, %d layer(s) in flight.\n"
+      "\nkvstream UCX transport (%s, %s memory): layer-sized transfers of randomly scattered\n"
+      "blocks, one segment per block, each transfer = puts + flush + notification, %d layer(s)\n"
+      "in flight.\n"
       "Beside it ucx_perftest -t ucp_put_bw on the same UCX settings, same run:\n"
       "  heap/layer:   message = layer size, UCX_ALLOC_PRIO=heap (ordinary memory that UCX\n"
       "                registers, as kvstream must: engines own their KV buffers)\n"
       "  heap/block:   message = block size, heap memory: the puts kvstream issues, but from one\n"
       "                cache-hot buffer\n"
       "  ucxmem/layer: message = layer size, memory UCX allocates itself (shared segments that\n"
-      "                the sender writes with plain copies; unavailable for borrowed buffers)\n"
+      "                the sender writes with plain copies): the path of --memory=transport\n"
+      "  ucxmem/block: message = block size, memory UCX allocates itself\n"
       "  memcpy:       memcpy of the same scattered blocks inside one process on one core\n"
       "GB/s = 1e9 bytes/s, medians of the runs (use --benchmark_repetitions=N for more than\n"
       "one kvstream run; perftest runs %d times); r = kvstream / that column. %s.\n\n",
-      flags.tls.c_str(), flags.depth, kPerftestRuns,
+      flags.tls.c_str(), flags.memory.c_str(), flags.depth, kPerftestRuns,
       pin ? "Senders pinned to CPU 0, receivers to CPU 1" : "Not pinned");
-  std::printf("%-10s %-7s %-7s %5s %8s | %10s %5s | %10s %5s | %12s %5s | %7s %5s\n", "shape",
-              "layer", "block", "segs", "kvstream", "heap/layer", "r", "heap/block", "r",
-              "ucxmem/layer", "r", "memcpy", "r");
+  std::printf("%-10s %-7s %-7s %5s %8s | %10s %5s | %10s %5s | %12s %5s | %12s %5s | %7s %5s\n",
+              "shape", "layer", "block", "segs", "kvstream", "heap/layer", "r", "heap/block", "r",
+              "ucxmem/layer", "r", "ucxmem/block", "r", "memcpy", "r");
   for (const Result& r : g_results) {
     const double hl = get(heap, r.layer), hb = get(heap, r.block), ul = get(ucxmem, r.layer);
+    const double ub = get(ucxmem, r.block);
     const double mc = roofline[std::make_pair(r.layer, r.block)];
     const double kv = Median(r.gbps);
-    std::printf("%-10s %-7s %-7s %5zu %8s | %10s %5s | %10s %5s | %12s %5s | %7s %5s\n",
+    std::printf("%-10s %-7s %-7s %5zu %8s | %10s %5s | %10s %5s | %12s %5s | %12s %5s | %7s %5s\n",
                 r.shape.c_str(), Size(r.layer).c_str(), Size(r.block).c_str(), r.layer / r.block,
                 Fixed(kv, 2).c_str(), Fixed(hl, 2).c_str(), ratio(kv, hl).c_str(),
                 Fixed(hb, 2).c_str(), ratio(kv, hb).c_str(), Fixed(ul, 2).c_str(),
-                ratio(kv, ul).c_str(), Fixed(mc, 2).c_str(), ratio(kv, mc).c_str());
+                ratio(kv, ul).c_str(), Fixed(ub, 2).c_str(), ratio(kv, ub).c_str(),
+                Fixed(mc, 2).c_str(), ratio(kv, mc).c_str());
   }
 }
 
@@ -565,6 +591,11 @@ Flags ParseFlags(int* argc, char** argv) {
     absl::string_view arg = argv[i];
     if (absl::ConsumePrefix(&arg, "--tls=")) {
       flags.tls = std::string(arg);
+    } else if (absl::ConsumePrefix(&arg, "--memory=")) {
+      flags.memory = std::string(arg);
+      if (flags.memory != "transport" && flags.memory != "heap") {
+        Die("--memory takes transport or heap");
+      }
     } else if (absl::ConsumePrefix(&arg, "--perftest=")) {
       flags.perftest = std::string(arg);
     } else if (absl::ConsumePrefix(&arg, "--depth=")) {
@@ -598,12 +629,10 @@ int Main(int argc, char** argv) {
   auto transport = CreateUcxTransport(OptionsFor(flags));
   if (!transport.ok()) Die(transport.status().ToString());
   ctx.transport = std::move(transport).value();
-  ctx.pool.resize(kPoolBytes);
+  ctx.local = MakePool(*ctx.transport, flags, ctx.pool);
   std::mt19937 rng(7);
-  for (char& c : ctx.pool) c = static_cast<char>(rng());
-  auto local = ctx.transport->RegisterMemory(ctx.pool.data(), ctx.pool.size(), MemoryKind::kHost);
-  if (!local.ok()) Die(local.status().ToString());
-  ctx.local = std::move(local).value();
+  char* pool = static_cast<char*>(ctx.local->base());
+  for (size_t i = 0; i < kPoolBytes; ++i) pool[i] = static_cast<char>(rng());
   char self[4096];
   ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
   if (n <= 0) Die("cannot find this program");
@@ -615,7 +644,8 @@ int Main(int argc, char** argv) {
     for (const Shape& shape : kShapes) {
       for (size_t tokens : kBlockTokens) {
         const std::string name =
-            absl::StrCat("layer_transfer/", flags.tls, "/", shape.name, "/block", tokens,
+            absl::StrCat("layer_transfer/", flags.tls, "/", flags.memory, "/", shape.name,
+                         "/block", tokens,
                          "tok/", absl::StrReplaceAll(Size(layer), {{" ", ""}}));
         benchmark::RegisterBenchmark(name.c_str(),
                                      [shape, tokens, layer](benchmark::State& state) {
@@ -629,7 +659,7 @@ int Main(int argc, char** argv) {
   }
   benchmark::RunSpecifiedBenchmarks();
   StopReceiver(ctx);
-  PrintTable(flags, ctx.pool.data());
+  PrintTable(flags, pool);
   benchmark::Shutdown();
   ctx.local.reset();
   return 0;

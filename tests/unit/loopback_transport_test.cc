@@ -265,6 +265,70 @@ TEST_F(LoopbackTest, RegisterMemoryRejectsBadRanges) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(LoopbackTest, AllocateMemoryIsZeroedAlignedAndRejectsBadArguments) {
+  for (size_t length : {size_t{1}, size_t{100}, size_t{4096}, size_t{1} << 20}) {
+    auto reg = p_->AllocateMemory(length, MemoryKind::kHost);
+    ASSERT_TRUE(reg.ok()) << reg.status();
+    EXPECT_EQ((*reg)->length(), length);
+    EXPECT_EQ((*reg)->memory_kind(), MemoryKind::kHost);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>((*reg)->base()) % kMinAllocationAlignment, 0u);
+    const char* data = static_cast<const char*>((*reg)->base());
+    EXPECT_TRUE(std::all_of(data, data + length, [](char c) { return c == 0; })) << length;
+    std::memset((*reg)->base(), 0x44, length);
+  }
+  EXPECT_EQ(p_->AllocateMemory(0, MemoryKind::kHost).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(p_->AllocateMemory(64, MemoryKind::kDevice).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(p_->AllocateMemory(64, MemoryKind::kPinned).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Allocated memory on both sides, and a registration of a range inside the receiver's
+// allocation: writes through it land at the right place, notification after data.
+TEST_F(LoopbackTest, WritesIntoAllocatedMemoryAndSubRanges) {
+  auto src = p_->AllocateMemory(kBytes, MemoryKind::kHost);
+  auto dst = d_->AllocateMemory(3 * kBytes, MemoryKind::kHost);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  std::memcpy((*src)->base(), src_.data(), kBytes);
+  char* base = static_cast<char*>((*dst)->base());
+  auto sub = d_->RegisterMemory(base + kBytes, kBytes, MemoryKind::kHost);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto whole = p_->ImportRemote(to_d_, (*dst)->descriptor());
+  auto part = p_->ImportRemote(to_d_, (*sub)->descriptor());
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_TRUE(part.ok()) << part.status();
+  EXPECT_EQ((*whole)->length(), 3 * kBytes);
+  EXPECT_EQ((*part)->length(), kBytes);
+
+  std::vector<Segment> segments = Scattered(kBlocks / 2, 21);
+  auto id = p_->PostWrite(to_d_, **src, **part, segments, "sub");
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(p_->Progress().ok());
+  std::vector<Notification> notes = d_->PollNotifications();
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0].payload, "sub");
+  const std::vector<char> expected = Expected(segments);
+  auto zero = [](const char* p, size_t n) {
+    return std::all_of(p, p + n, [](char c) { return c == 0; });
+  };
+  EXPECT_TRUE(zero(base, kBytes));
+  EXPECT_TRUE(std::equal(base + kBytes, base + 2 * kBytes, expected.begin()));
+  EXPECT_TRUE(zero(base + 2 * kBytes, kBytes));
+
+  // Through the whole allocation's descriptor, into its last area.
+  std::vector<Segment> shifted = segments;
+  for (Segment& s : shifted) s.remote_offset += 2 * kBytes;
+  auto id2 = p_->PostWrite(to_d_, **src, **whole, shifted, "");
+  ASSERT_TRUE(id2.ok()) << id2.status();
+  auto state = WaitForTransfer(*p_, *id2, Deadline());
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_TRUE(std::equal(base + 2 * kBytes, base + 3 * kBytes, expected.begin()));
+  part->reset();
+  whole->reset();
+  sub->reset();  // before the allocation, as the contract requires
+}
+
 TEST_F(LoopbackTest, CreateTransportRejectsDuplicateAndEmptyNames) {
   EXPECT_EQ(fabric_.CreateTransport("p").status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(fabric_.CreateTransport("").status().code(), absl::StatusCode::kInvalidArgument);

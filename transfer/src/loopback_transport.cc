@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -138,12 +139,22 @@ namespace {
 using State = LoopbackFabric::State;
 using internal::LoopbackNode;
 
+// Memory from AllocateMemory (operator new with alignment, freed with the matching delete).
+struct AlignedDelete {
+  void operator()(char* p) const {
+    ::operator delete(p, std::align_val_t(kMinAllocationAlignment));
+  }
+};
+using AlignedBuffer = std::unique_ptr<char, AlignedDelete>;
+
+// A registered region; one from AllocateMemory also owns its memory (`owned`), freed after
+// the region is deregistered.
 class LoopbackRegistration final : public MemoryRegistration {
  public:
   LoopbackRegistration(std::shared_ptr<State> state, uint64_t node, uint64_t region, void* base,
-                       size_t length, MemoryKind kind)
-      : state_(std::move(state)), node_(node), region_(region), base_(base), length_(length),
-        kind_(kind),
+                       size_t length, MemoryKind kind, AlignedBuffer owned = nullptr)
+      : owned_(std::move(owned)), state_(std::move(state)), node_(node), region_(region),
+        base_(base), length_(length), kind_(kind),
         descriptor_(absl::StrCat(kDescriptorPrefix, ":", kVersion, ":", node, ":", region, ":",
                                  length)) {}
   ~LoopbackRegistration() override {
@@ -161,6 +172,7 @@ class LoopbackRegistration final : public MemoryRegistration {
   uint64_t region() const { return region_; }
 
  private:
+  AlignedBuffer owned_;  // first: destroyed last, after the destructor deregistered it
   std::shared_ptr<State> state_;
   uint64_t node_;
   uint64_t region_;
@@ -227,15 +239,27 @@ class LoopbackTransport final : public Transport {
     if (kind == MemoryKind::kDevice) {
       return absl::InvalidArgumentError("loopback RegisterMemory: device memory is not supported");
     }
-    absl::MutexLock lock(&state_->mu);
-    LoopbackNode& self = Self();
-    uint64_t region = self.next_region++;
-    Region r;
-    r.base = static_cast<char*>(base);
-    r.length = length;
-    self.regions.emplace(region, r);
-    return std::unique_ptr<MemoryRegistration>(
-        new LoopbackRegistration(state_, node_id_, region, base, length, kind));
+    return Register(base, length, kind, nullptr);
+  }
+
+  // Plain aligned heap memory registered as usual: every loopback write is a memcpy anyway,
+  // and a registration of a range inside it needs nothing from the allocation.
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateMemory(size_t length,
+                                                                      MemoryKind kind) override {
+    if (length == 0) return absl::InvalidArgumentError("loopback AllocateMemory: zero length");
+    if (kind != MemoryKind::kHost) {
+      return absl::InvalidArgumentError(absl::StrCat("loopback AllocateMemory: cannot allocate ",
+                                                     MemoryKindName(kind), " memory"));
+    }
+    AlignedBuffer memory(static_cast<char*>(
+        ::operator new(length, std::align_val_t(kMinAllocationAlignment), std::nothrow)));
+    if (memory == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("loopback AllocateMemory: cannot allocate ", length, " bytes"));
+    }
+    std::memset(memory.get(), 0, length);
+    char* base = memory.get();
+    return Register(base, length, kind, std::move(memory));
   }
 
   absl::StatusOr<PeerId> Connect(absl::string_view peer_info) override {
@@ -445,6 +469,20 @@ class LoopbackTransport final : public Transport {
   }
 
  private:
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> Register(void* base, size_t length,
+                                                               MemoryKind kind,
+                                                               AlignedBuffer owned) {
+    absl::MutexLock lock(&state_->mu);
+    LoopbackNode& self = Self();
+    uint64_t region = self.next_region++;
+    Region r;
+    r.base = static_cast<char*>(base);
+    r.length = length;
+    self.regions.emplace(region, r);
+    return std::unique_ptr<MemoryRegistration>(
+        new LoopbackRegistration(state_, node_id_, region, base, length, kind, std::move(owned)));
+  }
+
   LoopbackNode& Self() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
     // The node lives as long as this transport: only the destructor erases it.
     return *state_->Find(node_id_);

@@ -14,6 +14,13 @@
 // eager active message whose header carries the sender's uid, so the receiver can name the
 // sender even if it never connected back. The transfer is kDone when that send completes.
 //
+// Memory: RegisterMemory maps caller-owned memory (ucp_mem_map); AllocateMemory has UCX
+// allocate it (UCP_MEM_MAP_ALLOCATE), which over shared memory gives a sysv/posix segment the
+// writer attaches through the remote key, so its puts are direct copies. The core remembers
+// allocations by address so that RegisterMemory of a range inside one shares its memory
+// handle and packed key (a fresh ucp_mem_map would get a key without the segment); the
+// handle is shared (SharedMemHandle) and unmapped with its last registration.
+//
 // Lifetimes: transfers and peers live in maps owned by the core; UCX callbacks receive raw
 // pointers to them. A transfer released while a UCX request still points at it moves to
 // `zombies` until the request's callback; a disconnected peer is erased only once its
@@ -89,6 +96,16 @@ struct UcxPeer {
   std::set<UcxTransfer*> outstanding;  // active transfers to this peer
 };
 
+// A memory handle shared by the registration that allocated its memory and registrations of
+// ranges inside it (the memory is unmapped, and for an allocation freed, with the last).
+using SharedMemHandle = std::shared_ptr<UcxMemHandle>;
+
+struct UcxAllocation {
+  size_t length = 0;
+  SharedMemHandle memh;
+  std::string rkey;  // packed once; every registration inside the allocation sends it
+};
+
 struct UcxCore {
   absl::Mutex mu;
   // Declaration order is destruction order in reverse: peers and transfers go before the
@@ -99,6 +116,9 @@ struct UcxCore {
   std::string local_info;
   bool network = false;  // the chosen transports can leave this host
 
+  // Memory from AllocateMemory, by base address, so that RegisterMemory of a range inside
+  // one reuses its memory handle (and so its shared-memory remote key).
+  std::map<uintptr_t, UcxAllocation> allocations ABSL_GUARDED_BY(mu);
   std::map<PeerId, std::unique_ptr<UcxPeer>> peers ABSL_GUARDED_BY(mu);
   std::map<TransferId, std::unique_ptr<UcxTransfer>> transfers ABSL_GUARDED_BY(mu);
   std::map<UcxTransfer*, std::unique_ptr<UcxTransfer>> zombies ABSL_GUARDED_BY(mu);
@@ -112,6 +132,7 @@ struct UcxCore {
 
   ~UcxCore() {
     // Handles (registrations, remote keys) are gone by now: each holds a reference.
+    allocations.clear();
     peers.clear();
     transfers.clear();
     zombies.clear();
@@ -259,15 +280,19 @@ void UcxCore::SendNotification(UcxTransfer* t) {
 
 // --- Handles ---
 
+// A registration: of memory the caller owns, of memory AllocateMemory allocated (`allocated`:
+// it owns the allocation's entry in UcxCore::allocations), or of a range inside the latter
+// (sharing the allocation's memory handle).
 class UcxRegistration final : public MemoryRegistration {
  public:
-  UcxRegistration(std::shared_ptr<UcxCore> core, UcxMemHandle memh, void* base, size_t length,
-                  MemoryKind kind, std::string descriptor)
+  UcxRegistration(std::shared_ptr<UcxCore> core, SharedMemHandle memh, void* base,
+                  size_t length, MemoryKind kind, std::string descriptor, bool allocated)
       : core_(std::move(core)), memh_(std::move(memh)), base_(base), length_(length),
-        kind_(kind), descriptor_(std::move(descriptor)) {}
+        kind_(kind), descriptor_(std::move(descriptor)), allocated_(allocated) {}
   ~UcxRegistration() override {
     absl::MutexLock lock(&core_->mu);
-    memh_.Reset();
+    if (allocated_) core_->allocations.erase(reinterpret_cast<uintptr_t>(base_));
+    memh_.reset();  // unmaps (and frees an allocation) if this was the last user
   }
 
   void* base() const override { return base_; }
@@ -275,15 +300,16 @@ class UcxRegistration final : public MemoryRegistration {
   MemoryKind memory_kind() const override { return kind_; }
   const std::string& descriptor() const override { return descriptor_; }
   const UcxCore* core() const { return core_.get(); }
-  ucp_mem_h memh() const { return memh_.get(); }
+  ucp_mem_h memh() const { return memh_->get(); }
 
  private:
   std::shared_ptr<UcxCore> core_;
-  UcxMemHandle memh_;
+  SharedMemHandle memh_;
   void* base_;
   size_t length_;
   MemoryKind kind_;
   std::string descriptor_;
+  bool allocated_;
 };
 
 class UcxRemote final : public RemoteMemory {
@@ -347,6 +373,21 @@ class UcxTransport final : public Transport {
           "UCX RegisterMemory: device memory is not supported (this UCX has no CUDA transports)");
     }
     absl::MutexLock lock(&core_->mu);
+    // Inside an allocation: a fresh ucp_mem_map of it would give a key without the
+    // shared-memory part (UCX's shared-memory domains cannot register memory, only allocate
+    // it), and puts would fall back to active-message emulation.
+    const uintptr_t address = reinterpret_cast<uintptr_t>(base);
+    auto it = core_->allocations.upper_bound(address);
+    if (it != core_->allocations.begin()) {
+      --it;
+      const uintptr_t offset = address - it->first;
+      if (offset < it->second.length && length <= it->second.length - offset) {
+        return std::unique_ptr<MemoryRegistration>(
+            new UcxRegistration(core_, it->second.memh, base, length, kind,
+                                Descriptor(address, length, it->second.rkey),
+                                /*allocated=*/false));
+      }
+    }
     ucp_mem_map_params_t params;
     params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     params.address = base;
@@ -354,18 +395,67 @@ class UcxTransport final : public Transport {
     ucp_mem_h raw_memh = nullptr;
     RETURN_IF_ERROR(
         UcxStatusToStatus(ucp_mem_map(core_->context.get(), &params, &raw_memh), "mem_map"));
-    UcxMemHandle memh(core_->context.get(), raw_memh);
-    void* rkey_buffer = nullptr;
-    size_t rkey_size = 0;
-    RETURN_IF_ERROR(UcxStatusToStatus(
-        ucp_rkey_pack(core_->context.get(), memh.get(), &rkey_buffer, &rkey_size), "rkey_pack"));
-    UcxMemoryDescriptor descriptor;
-    descriptor.address = reinterpret_cast<uintptr_t>(base);
-    descriptor.length = length;
-    descriptor.rkey.assign(static_cast<const char*>(rkey_buffer), rkey_size);
-    ucp_rkey_buffer_release(rkey_buffer);
+    auto memh = std::make_shared<UcxMemHandle>(core_->context.get(), raw_memh);
+    ASSIGN_OR_RETURN(std::string rkey, PackRkey(memh->get()));
+    return std::unique_ptr<MemoryRegistration>(
+        new UcxRegistration(core_, std::move(memh), base, length, kind,
+                            Descriptor(address, length, rkey), /*allocated=*/false));
+  }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateMemory(size_t length,
+                                                                      MemoryKind kind) override {
+    if (length == 0) return absl::InvalidArgumentError("UCX AllocateMemory: zero length");
+    if (kind != MemoryKind::kHost) {
+      return absl::InvalidArgumentError(absl::StrCat("UCX AllocateMemory: cannot allocate ",
+                                                     MemoryKindName(kind), " memory"));
+    }
+    SharedMemHandle memh;
+    void* base = nullptr;
+    std::string rkey;
+    {
+      absl::MutexLock lock(&core_->mu);
+      // UCX picks the allocator by UCX_ALLOC_PRIO (by default its sysv, then posix
+      // shared-memory domains where those transports are enabled, else anonymous mmap), and
+      // registers the memory with every other memory domain.
+      ucp_mem_map_params_t params;
+      params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                          UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+      params.address = nullptr;
+      params.length = length;
+      params.flags = UCP_MEM_MAP_ALLOCATE;
+      ucp_mem_h raw_memh = nullptr;
+      RETURN_IF_ERROR(UcxStatusToStatus(ucp_mem_map(core_->context.get(), &params, &raw_memh),
+                                        absl::StrCat("mem_map (allocate ", length, " bytes)")));
+      // Declared after the lock: released under it if anything below fails.
+      auto allocated = std::make_shared<UcxMemHandle>(core_->context.get(), raw_memh);
+      ucp_mem_attr_t attr;
+      attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+      RETURN_IF_ERROR(UcxStatusToStatus(ucp_mem_query(raw_memh, &attr), "mem_query"));
+      if (attr.address == nullptr || attr.length < length ||
+          reinterpret_cast<uintptr_t>(attr.address) % kMinAllocationAlignment != 0) {
+        return absl::InternalError(absl::StrCat(
+            "UCX AllocateMemory: UCX returned ", attr.length, " bytes at ",
+            absl::Hex(reinterpret_cast<uintptr_t>(attr.address)),
+            " for ", length, " bytes aligned to ", kMinAllocationAlignment));
+      }
+      base = attr.address;
+      ASSIGN_OR_RETURN(rkey, PackRkey(raw_memh));
+      memh = std::move(allocated);
+    }
+    // Not every UCX allocator zero-fills (heap does not). Nobody else can reach the memory
+    // before it is returned, so this needs no lock; it also faults the pages in now rather
+    // than during the first transfers.
+    std::memset(base, 0, length);
+    const uintptr_t address = reinterpret_cast<uintptr_t>(base);
+    std::string descriptor = Descriptor(address, length, rkey);
+    absl::MutexLock lock(&core_->mu);
+    UcxAllocation allocation;
+    allocation.length = length;
+    allocation.memh = memh;
+    allocation.rkey = std::move(rkey);
+    core_->allocations[address] = std::move(allocation);
     return std::unique_ptr<MemoryRegistration>(new UcxRegistration(
-        core_, std::move(memh), base, length, kind, EncodeMemoryDescriptor(descriptor)));
+        core_, std::move(memh), base, length, kind, std::move(descriptor), /*allocated=*/true));
   }
 
   absl::StatusOr<PeerId> Connect(absl::string_view peer_info) override {
@@ -614,6 +704,24 @@ class UcxTransport final : public Transport {
           absl::StrCat("UCX ", op, ": not connected to ", peer->label, " (call Connect)"));
     }
     return peer;
+  }
+
+  absl::StatusOr<std::string> PackRkey(ucp_mem_h memh) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu) {
+    void* buffer = nullptr;
+    size_t size = 0;
+    RETURN_IF_ERROR(
+        UcxStatusToStatus(ucp_rkey_pack(core_->context.get(), memh, &buffer, &size), "rkey_pack"));
+    std::string rkey(static_cast<const char*>(buffer), size);
+    ucp_rkey_buffer_release(buffer);
+    return rkey;
+  }
+
+  static std::string Descriptor(uintptr_t address, size_t length, const std::string& rkey) {
+    UcxMemoryDescriptor descriptor;
+    descriptor.address = address;
+    descriptor.length = length;
+    descriptor.rkey = rkey;
+    return EncodeMemoryDescriptor(descriptor);
   }
 
   absl::StatusOr<UcxTransfer*> FindTransfer(TransferId id)

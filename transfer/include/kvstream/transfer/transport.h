@@ -7,6 +7,7 @@
 //
 //   ASSIGN_OR_RETURN(auto transport, CreateTransport(options));
 //   ASSIGN_OR_RETURN(auto local, transport->RegisterMemory(buf, len, MemoryKind::kHost));
+//   // (or transport->AllocateMemory(len, MemoryKind::kHost): memory peers write fastest)
 //   // ... exchange transport->LocalInfo() and local->descriptor() with the peer ...
 //   ASSIGN_OR_RETURN(PeerId peer, transport->Connect(peer_info));
 //   ASSIGN_OR_RETURN(auto remote, transport->ImportRemote(peer, peer_descriptor));
@@ -47,6 +48,9 @@ namespace kvstream {
 
 using PeerId = uint64_t;
 using TransferId = uint64_t;
+
+// Transport::AllocateMemory aligns what it returns to at least this many bytes (a cache line).
+inline constexpr size_t kMinAllocationAlignment = 64;
 
 struct TransportCapabilities {
   bool one_sided_write = false;  // PostWrite lands in remote memory without the peer posting
@@ -105,9 +109,27 @@ class Transport {
   virtual absl::StatusOr<std::string> LocalInfo() = 0;
 
   // Registers [base, base + length). InvalidArgument for null/empty ranges or memory kinds the
-  // transport cannot use (capabilities()).
+  // transport cannot use (capabilities()). A range inside memory from AllocateMemory reuses
+  // that allocation's registration and must not outlive it (see AllocateMemory).
   virtual absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(
       void* base, size_t length, MemoryKind kind) = 0;
+
+  // Allocates and registers `length` bytes of `kind` memory, zero-filled and aligned to at
+  // least kMinAllocationAlignment bytes, of the kind peers can write into fastest (UCX:
+  // memory that UCX allocates itself, ucp_mem_map with UCP_MEM_MAP_ALLOCATE, so that its
+  // shared-memory transports can map it into the writer and puts into it are plain copies by
+  // the writer; see ucx_transport.h). The registration owns the memory: destroying it
+  // deregisters and frees it. InvalidArgument for length 0 or a kind the transport cannot
+  // allocate (only kHost today); ResourceExhausted (or the transport's error) when the
+  // memory cannot be had. Does not block on any peer.
+  //
+  // RegisterMemory() of a range lying inside an allocation returns a registration that reuses
+  // the allocation's registration (its descriptor carries the same remote key, so peers
+  // write into the sub-range as fast as into the whole). REQUIRES: such registrations are
+  // destroyed before the allocation they lie in (as for any registration, the memory it
+  // describes must stay valid while it lives).
+  virtual absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateMemory(
+      size_t length, MemoryKind kind) = 0;
 
   // Opens a connection to the peer whose LocalInfo() is `peer_info`. Does not wait for the
   // peer: failures to reach it surface as errors of later transfers. InvalidArgument for

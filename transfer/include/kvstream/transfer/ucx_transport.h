@@ -10,6 +10,13 @@
 //   allocate itself (cma serves only rendezvous, never ucp_put), so puts into ordinary
 //   (engine-owned) memory are emulated with active messages: the data lands only when the
 //   *target* calls Progress(). A receiver waiting for a notification does so anyway.
+//   AllocateMemory() is the way out over shared memory: it has UCX allocate the memory
+//   (ucp_mem_map with UCP_MEM_MAP_ALLOCATE: a sysv or posix shared segment by UCX_ALLOC_PRIO),
+//   whose remote key lets the writer attach the segment, and puts into it are then plain
+//   copies by the writer over UCX's sysv/posix RMA lanes: the data lands without the
+//   target's progress (notifications still need it). Over TCP the memory is ordinary
+//   (anonymous mmap) and puts stay emulated. Observed with UCX 1.13: a new endpoint's
+//   first write completes only after the target progressed once (connection handshake).
 // - A peer that dies before UCX's connection handshake with it completed is not detected by
 //   UCX; transfers to it stay in progress until the caller's deadline (WaitForTransfer),
 //   after which the caller should Disconnect(). Once connected, a dead peer is detected by
