@@ -29,7 +29,13 @@ KvRequest AsKvRequest(const RequestSpec& spec) {
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   std::unique_ptr<Engine> e(new Engine());
   e->options_ = options;
-  ASSIGN_OR_RETURN(e->model_, ToyModel::Create(options.model, options.num_blocks, &e->registry_));
+  ToyModel::Allocator allocate;
+  if (options.connector != nullptr) {
+    KvConnector* c = options.connector;
+    allocate = [c](size_t bytes) { return c->AllocateCacheMemory(bytes); };
+  }
+  ASSIGN_OR_RETURN(e->model_, ToyModel::Create(options.model, options.num_blocks, &e->registry_,
+                                               allocate));
   ASSIGN_OR_RETURN(e->pool_, BlockPool::Create(static_cast<int32_t>(options.num_blocks)));
   if (options.scatter_seed != 0) {
     // Freed blocks are handed out first, in reverse order of freeing.

@@ -50,7 +50,8 @@ std::string ToyModelConfig::LayerName(int layer) const {
 
 absl::StatusOr<std::unique_ptr<ToyModel>> ToyModel::Create(const ToyModelConfig& config,
                                                            int64_t num_blocks,
-                                                           LayerRegistry* registry) {
+                                                           LayerRegistry* registry,
+                                                           const Allocator& allocate) {
   if (config.vocab_size <= 1 || config.num_layers <= 0 || config.intermediate_size <= 0) {
     return absl::InvalidArgumentError("toy model: vocab, layers and intermediate size must be positive");
   }
@@ -74,7 +75,29 @@ absl::StatusOr<std::unique_ptr<ToyModel>> ToyModel::Create(const ToyModelConfig&
     o.backend = config.backend;
     o.prefix = config.LayerName(l);
     ASSIGN_OR_RETURN(auto layer, Attention::Create(o, registry));
-    ASSIGN_OR_RETURN(auto cache, KvCache::Create({layer->kv_cache_spec(), layout, num_blocks}));
+    std::unique_ptr<KvCache> cache;
+    if (allocate) {
+      // K then V in one allocation, dense in `layout`.
+      const KvCacheSpec& spec = layer->kv_cache_spec();
+      const size_t es = DTypeSize(spec.dtype);
+      const size_t k_bytes = static_cast<size_t>(num_blocks) * spec.KBytesPerBlock();
+      const size_t v_off = (k_bytes + 63) / 64 * 64;
+      const size_t v_bytes = static_cast<size_t>(num_blocks) * spec.VBytesPerBlock();
+      ASSIGN_OR_RETURN(std::shared_ptr<void> memory, allocate(v_off + v_bytes));
+      char* base = static_cast<char*>(memory.get());
+      const CacheStrides ks = MakeCacheStrides(spec, layout, false);
+      const CacheStrides vs = MakeCacheStrides(spec, layout, true);
+      TensorView k(base, spec.dtype, {num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size},
+                   {ks.block, ks.token, ks.head, ks.dim});
+      TensorView v(base + v_off, spec.dtype,
+                   {num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size_v},
+                   {vs.block, vs.token, vs.head, vs.dim});
+      (void)es;
+      ASSIGN_OR_RETURN(cache, KvCache::Borrow(spec, k, v));
+      m->cache_memory_.push_back(std::move(memory));
+    } else {
+      ASSIGN_OR_RETURN(cache, KvCache::Create({layer->kv_cache_spec(), layout, num_blocks}));
+    }
     if (IsFp8(cache->spec().dtype)) {
       const size_t n = cache->spec().quant_mode == KvQuantMode::kPerHead
                            ? static_cast<size_t>(config.num_kv_heads)

@@ -10,6 +10,7 @@
 #define KVSTREAM_LAUNCH_TOY_MODEL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,9 +44,13 @@ class ToyModel {
  public:
   // Builds the weights and the attention layers (registered in `registry`), and allocates
   // each layer's cache of `num_blocks` blocks, bound in the registry.
+  // `allocate`, when given, provides each layer's cache memory (e.g. the connector's
+  // AllocateCacheMemory, which peers write fastest); otherwise the caches own host memory.
+  using Allocator = std::function<absl::StatusOr<std::shared_ptr<void>>(size_t bytes)>;
   static absl::StatusOr<std::unique_ptr<ToyModel>> Create(const ToyModelConfig& config,
                                                           int64_t num_blocks,
-                                                          LayerRegistry* registry);
+                                                          LayerRegistry* registry,
+                                                          const Allocator& allocate = nullptr);
 
   // Runs the model on one row per token (`tokens`, [num_rows]) in the registry's forward
   // context, whose metadata must describe the same rows. Returns the logits of the rows in
@@ -62,6 +67,7 @@ class ToyModel {
   ToyModelConfig config_;
   LayerRegistry* registry_ = nullptr;
   std::vector<std::unique_ptr<Attention>> layers_;
+  std::vector<std::shared_ptr<void>> cache_memory_;  // declared first: outlives caches_
   std::vector<std::unique_ptr<KvCache>> caches_;
   std::vector<float> embedding_;  // [vocab, hidden]
   struct LayerWeights {

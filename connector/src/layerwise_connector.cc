@@ -332,6 +332,15 @@ class LayerwiseConnectorImpl final : public KvConnector {
 
   // ---- worker side ----
 
+  absl::StatusOr<std::shared_ptr<void>> AllocateCacheMemory(size_t bytes) override {
+    ASSIGN_OR_RETURN(std::unique_ptr<MemoryRegistration> reg,
+                     transport_->AllocateMemory(bytes, MemoryKind::kHost));
+    void* base = reg->base();
+    // The registration owns the memory; the pointer's deleter releases it.
+    std::shared_ptr<MemoryRegistration> owner(std::move(reg));
+    return std::shared_ptr<void>(base, [owner](void*) mutable { owner.reset(); });
+  }
+
   absl::Status RegisterKvCaches(const std::map<std::string, KvCache*>& caches) override {
     absl::MutexLock lock(&mu_);
     if (!layers_.empty()) return absl::FailedPreconditionError("KV caches already registered");

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -160,6 +161,13 @@ class KvConnector : public TransferHook {
   virtual std::vector<KvRequest> TakeIncomingRequests() = 0;
 
   // ---- worker side ----
+
+  // Memory for KV caches that this connector's peers can write fastest (UCX over shared
+  // memory: one-sided, no receiver progress needed), zero-filled, 64-byte aligned. The
+  // memory stays valid while the returned pointer (or a copy) lives and must be released
+  // before the connector is destroyed. Engines that own their caches should use it; caches
+  // in ordinary memory work too (UCX then emulates the writes).
+  virtual absl::StatusOr<std::shared_ptr<void>> AllocateCacheMemory(size_t bytes) = 0;
 
   // The layers' caches by layer name (each name must hold exactly one layer index).
   // Registers their memory with the transport. Call once, before any step.
