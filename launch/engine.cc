@@ -165,6 +165,7 @@ absl::StatusOr<bool> Engine::Step() {
   std::vector<SequenceSchedule> schedule;
   std::vector<ScheduledRequest> scheduled;
   std::vector<int32_t> tokens;
+  std::vector<int32_t> positions;
   std::vector<int64_t> last_rows;
   for (const auto& r : running_) {
     const int32_t prompt = static_cast<int32_t>(r->spec.prompt.size());
@@ -175,6 +176,7 @@ absl::StatusOr<bool> Engine::Step() {
     } else {
       tokens.push_back(r->generated.back());
     }
+    for (int32_t j = 0; j < n; ++j) positions.push_back(r->computed + j);
     schedule.push_back({r->computed, n, r->blocks});
     scheduled.push_back({r->spec.id, r->computed, n});
     last_rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
@@ -188,7 +190,7 @@ absl::StatusOr<bool> Engine::Step() {
     RETURN_IF_ERROR(c->BindConnectorMetadata(meta));
     RETURN_IF_ERROR(c->StartLoadKv());
   }
-  auto logits = model_->Forward(tokens, last_rows);
+  auto logits = model_->Forward(tokens, positions, last_rows);
   registry_.SetForwardContext({});
   if (c != nullptr) {
     absl::Status s = c->WaitForSave();

@@ -32,6 +32,25 @@ void MatMul(const float* in, const std::vector<float>& w, int rows, int k, int n
   }
 }
 
+// Rotary embedding (GPT-NeoX style: element i pairs with i + half) of every head of `x`
+// ([rows, heads * head_size]) at the rows' positions.
+void Rope(float* x, int rows, int heads, int head_size, absl::Span<const int32_t> positions) {
+  const int half = head_size / 2;
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < half; ++i) {
+      const double inv_freq = std::pow(10000.0, -2.0 * i / head_size);
+      const double angle = positions[r] * inv_freq;
+      const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
+      for (int h = 0; h < heads; ++h) {
+        float* v = x + (static_cast<size_t>(r) * heads + h) * head_size;
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = a * s + b * c;
+      }
+    }
+  }
+}
+
 void RmsNorm(const float* in, int rows, int n, float* out) {
   for (int r = 0; r < rows; ++r) {
     const float* x = in + static_cast<size_t>(r) * n;
@@ -122,8 +141,12 @@ absl::StatusOr<std::unique_ptr<ToyModel>> ToyModel::Create(const ToyModelConfig&
 }
 
 absl::StatusOr<std::vector<float>> ToyModel::Forward(absl::Span<const int32_t> tokens,
+                                                     absl::Span<const int32_t> positions,
                                                      absl::Span<const int64_t> logit_rows) {
   const int rows = static_cast<int>(tokens.size());
+  if (positions.size() != tokens.size()) {
+    return absl::InvalidArgumentError("toy model: one position per token");
+  }
   const int hidden = config_.hidden_size();
   const int kv = config_.num_kv_heads * config_.head_size;
   const int inter = config_.intermediate_size;
@@ -143,6 +166,8 @@ absl::StatusOr<std::vector<float>> ToyModel::Forward(absl::Span<const int32_t> t
     MatMul(h.data(), w.wq, rows, hidden, hidden, q.data());
     MatMul(h.data(), w.wk, rows, hidden, kv, k.data());
     MatMul(h.data(), w.wv, rows, hidden, kv, v.data());
+    Rope(q.data(), rows, config_.num_heads, config_.head_size, positions);
+    Rope(k.data(), rows, config_.num_kv_heads, config_.head_size, positions);
     TensorView qv(q.data(), DType::kFloat32, {rows, hidden});
     TensorView kvw(k.data(), DType::kFloat32, {rows, kv});
     TensorView vv(v.data(), DType::kFloat32, {rows, kv});

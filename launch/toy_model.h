@@ -1,6 +1,7 @@
 // A small synthetic decoder-only model for kvstream's workers and demo: embedding, per layer
-// RMSNorm -> QKV projection -> kvstream Attention -> output projection (residual) -> RMSNorm
-// -> MLP (residual), then a final RMSNorm and tied-embedding logits. Weights are
+// RMSNorm -> QKV projection -> rotary embedding of q and k -> kvstream Attention -> output
+// projection (residual) -> RMSNorm -> MLP (residual), then a final RMSNorm and
+// tied-embedding logits. Weights are
 // deterministic random numbers from a seed, so two processes build the same model.
 //
 // Every product is a plain row-by-row loop in float: a row's result never depends on which
@@ -52,10 +53,11 @@ class ToyModel {
                                                           LayerRegistry* registry,
                                                           const Allocator& allocate = nullptr);
 
-  // Runs the model on one row per token (`tokens`, [num_rows]) in the registry's forward
-  // context, whose metadata must describe the same rows. Returns the logits of the rows in
-  // `logit_rows` ([logit_rows.size(), vocab_size], row-major).
+  // Runs the model on one row per token (`tokens`, [num_rows], at `positions` in their
+  // sequences) in the registry's forward context, whose metadata must describe the same
+  // rows. Returns the logits of the rows in `logit_rows` ([logit_rows.size(), vocab_size]).
   absl::StatusOr<std::vector<float>> Forward(absl::Span<const int32_t> tokens,
+                                             absl::Span<const int32_t> positions,
                                              absl::Span<const int64_t> logit_rows);
 
   const ToyModelConfig& config() const { return config_; }
