@@ -81,7 +81,6 @@ absl::StatusOr<std::unique_ptr<ToyModel>> ToyModel::Create(const ToyModelConfig&
   std::mt19937 rng(config.seed);
   const int hidden = config.hidden_size();
   m->embedding_ = RandomMatrix(rng, config.vocab_size, hidden);
-  for (float& x : m->embedding_) x *= std::sqrt(static_cast<float>(config.vocab_size));
   for (int l = 0; l < config.num_layers; ++l) {
     AttentionOptions o;
     o.num_heads = config.num_heads;
