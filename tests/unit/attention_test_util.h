@@ -1,6 +1,7 @@
 // Test fixtures for the CPU attention kernels: a paged cache with any of several stride
 // layouts, a mixed batch with shuffled block ids, queries and an output buffer, all built
-// from one AttnCase description.
+// from one AttnCase description; and PromptData, one prompt's values, which can be written
+// into any sequence of any batch so that its output rows can be compared across batches.
 //
 // Every byte that a kernel must not read (block padding, unused blocks, query padding) is
 // filled with a NaN pattern, so reading it shows up as NaN in the output; every output
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -99,6 +101,48 @@ struct AttnCase {
   std::vector<SeqSpec> seqs = {{0, 7}, {26, 7}, {99, 1}, {0, 1}, {32, 1}};
   int pad_tokens = 2;  // query rows after the last sequence; must stay untouched
   uint32_t seed = 1;
+};
+
+// The keys, values and queries of one prompt, position by position, so that the same
+// prompt can be written into any sequence of any batch (AttnProblem::FillSequence) and its
+// output rows compared across batches.
+struct PromptData {
+  int len = 0;
+  int num_kv_heads = 0;
+  int num_heads = 0;
+  int head_size = 0;
+  int head_size_v = 0;
+  std::vector<float> k, v;  // [len][num_kv_heads][head_size or head_size_v]
+  std::vector<float> q;     // [len][num_heads][head_size]
+
+  // Values uniform in [-1, 1), drawn from `seed`; shapes from `c`.
+  static PromptData Random(const AttnCase& c, int len, uint32_t seed) {
+    PromptData d;
+    d.len = len;
+    d.num_kv_heads = c.num_kv_heads;
+    d.num_heads = c.num_kv_heads * c.group;
+    d.head_size = c.head_size;
+    d.head_size_v = c.head_size_v;
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    d.k.resize(static_cast<size_t>(len) * c.num_kv_heads * c.head_size);
+    d.v.resize(static_cast<size_t>(len) * c.num_kv_heads * c.head_size_v);
+    d.q.resize(static_cast<size_t>(len) * d.num_heads * c.head_size);
+    for (float& x : d.k) x = uni(rng);
+    for (float& x : d.v) x = uni(rng);
+    for (float& x : d.q) x = uni(rng);
+    return d;
+  }
+
+  float K(int j, int g, int dim) const {
+    return k[(static_cast<size_t>(j) * num_kv_heads + g) * head_size + dim];
+  }
+  float V(int j, int g, int dim) const {
+    return v[(static_cast<size_t>(j) * num_kv_heads + g) * head_size_v + dim];
+  }
+  float Q(int j, int h, int dim) const {
+    return q[(static_cast<size_t>(j) * num_heads + h) * head_size + dim];
+  }
 };
 
 // Owns every buffer of one call. params() points into it.
@@ -200,6 +244,36 @@ class AttnProblem {
   void SetQuery(int64_t row, int h, int d, float x) {
     StoreFromFloat(q_.data(), c_.q_dtype, row * q_token_stride_ + int64_t{h} * c_.head_size + d,
                    x);
+  }
+
+  // Makes sequence s hold `prompt`: keys and values of its positions 0 .. seq_len-1, and
+  // the queries of its query tokens, which sit at the last query_len positions.
+  // REQUIRES: seq_len(s) <= prompt.len, and the same head counts and sizes.
+  void FillSequence(size_t s, const PromptData& prompt) {
+    const int seq_len = seq_lens_[s];
+    const int query_len = query_start_loc_[s + 1] - query_start_loc_[s];
+    for (int j = 0; j < seq_len; ++j) {
+      for (int g = 0; g < c_.num_kv_heads; ++g) {
+        for (int d = 0; d < c_.head_size; ++d) SetCache(false, s, j, g, d, prompt.K(j, g, d));
+        for (int d = 0; d < c_.head_size_v; ++d) SetCache(true, s, j, g, d, prompt.V(j, g, d));
+      }
+    }
+    for (int t = 0; t < query_len; ++t) {
+      const int j = seq_len - query_len + t;
+      for (int h = 0; h < num_heads_; ++h) {
+        for (int d = 0; d < c_.head_size; ++d) {
+          SetQuery(query_start_loc_[s] + t, h, d, prompt.Q(j, h, d));
+        }
+      }
+    }
+  }
+
+  // The bytes of output row `row`, every head, for bitwise comparison.
+  std::vector<uint8_t> OutRow(const std::vector<uint8_t>& out, int64_t row) const {
+    const size_t elem = DTypeSize(c_.out_dtype);
+    const auto first = out.begin() + static_cast<std::ptrdiff_t>(row * o_token_stride_ * elem);
+    return std::vector<uint8_t>(
+        first, first + static_cast<std::ptrdiff_t>(int64_t{num_heads_} * c_.head_size_v * elem));
   }
 
   // An output buffer filled with the sentinel byte.

@@ -1,12 +1,18 @@
 // Tests of the CPU attention kernels: the golden reference against closed forms and mask
 // invariants, the fast path (every instruction-set variant this CPU runs, one thread and
-// many) against the reference over grids of dtypes, layouts, shapes and features, the
+// many) against the reference over grids of dtypes, layouts, shapes and features, the fast
+// path's batch invariance (a row's bits do not depend on what else is in the call), the
 // fast path's vectorised math against libm, and every validation error.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <memory>
+#include <ostream>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -27,6 +33,7 @@ namespace {
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::OutputTolerance;
+using ::kvstream::testing_util::PromptData;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
@@ -622,6 +629,288 @@ TEST(CpuAttentionKvCacheTest, FastMatchesReferenceOnLibraryCache) {
       ASSERT_NEAR(want[i], got[i], 1e-4f * (1.0f + std::fabs(want[i]))) << i;
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// Batch invariance: the bits of a query row depend only on its query, its sequence's keys
+// and values and the layer's parameters; not on the other rows of the call, the split into
+// work items, the thread count, or decode versus prefill. A disaggregated decode worker
+// computes a prompt's last token as a 1-token decode over the transferred cache and must
+// match, bit for bit, the colocated run that computed it as a row of the whole prefill.
+// Within one instruction-set variant; each variant is checked on its own.
+
+// The bytes of one output row, every head.
+using Row = std::vector<uint8_t>;
+
+// One call: sequence i of `seqs` holds *prompts[i].
+struct InvarianceCall {
+  std::vector<SeqSpec> seqs;
+  std::vector<const PromptData*> prompts;
+};
+
+// The problem of one call, built once and run with every variant and thread count.
+class InvarianceRun {
+ public:
+  InvarianceRun(AttnCase c, const InvarianceCall& call, uint32_t seed) : call_(call) {
+    c.seqs = call.seqs;
+    c.seed = seed;
+    pb_ = std::make_unique<AttnProblem>(c);
+    for (size_t s = 0; s < call.seqs.size(); ++s) pb_->FillSequence(s, *call.prompts[s]);
+  }
+
+  // Output rows by sequence and query token; empty on error (after a test failure).
+  std::vector<std::vector<Row>> Rows(internal::CpuIsa isa, int threads) const {
+    std::vector<uint8_t> out = pb_->NewOut();
+    const absl::Status st = internal::RunAttentionCpuWith(pb_->params(out), isa, threads);
+    EXPECT_TRUE(st.ok()) << st;
+    if (!st.ok()) return {};
+    std::vector<std::vector<Row>> rows(call_.seqs.size());
+    for (size_t s = 0; s < call_.seqs.size(); ++s) {
+      for (int t = 0; t < call_.seqs[s].query_len; ++t) {
+        rows[s].push_back(pb_->OutRow(out, pb_->query_start(s) + t));
+      }
+    }
+    return rows;
+  }
+
+ private:
+  InvarianceCall call_;
+  std::unique_ptr<AttnProblem> pb_;
+};
+
+// Whether two output rows are the same bits; names the first difference. The invariance
+// tests store float32 outputs, the strictest comparison (and the one this message reads).
+::testing::AssertionResult SameRow(const Row& want, const Row& got, int head_size_v) {
+  if (want.size() != got.size()) return ::testing::AssertionFailure() << "row sizes differ";
+  if (std::memcmp(want.data(), got.data(), want.size()) == 0) {
+    return ::testing::AssertionSuccess();
+  }
+  size_t first = want.size();
+  int differing = 0;
+  for (size_t i = 0; i < want.size(); i += sizeof(float)) {
+    if (std::memcmp(want.data() + i, got.data() + i, sizeof(float)) != 0) {
+      first = std::min(first, i);
+      ++differing;
+    }
+  }
+  float a, b;
+  std::memcpy(&a, want.data() + first, sizeof(float));
+  std::memcpy(&b, got.data() + first, sizeof(float));
+  const size_t e = first / sizeof(float);
+  return ::testing::AssertionFailure()
+         << differing << " of " << want.size() / sizeof(float) << " elements differ; first: head "
+         << e / static_cast<size_t>(head_size_v) << " d " << e % static_cast<size_t>(head_size_v)
+         << ": " << a << " (bits " << FloatBits(a) << ") vs " << b << " (bits " << FloatBits(b)
+         << ")";
+}
+
+// Expects got[t] to be the bits of want[first + t] for every t; one failure per call, with
+// the number of rows that differ and the first of them.
+void ExpectSameRows(const std::vector<Row>& want, int first, const std::vector<Row>& got,
+                    int head_size_v, const std::string& what) {
+  int differing = 0;
+  ::testing::AssertionResult first_failure = ::testing::AssertionSuccess();
+  int first_token = -1;
+  for (size_t t = 0; t < got.size(); ++t) {
+    ::testing::AssertionResult same =
+        SameRow(want[static_cast<size_t>(first) + t], got[t], head_size_v);
+    if (!same && differing++ == 0) {
+      first_failure = same;
+      first_token = static_cast<int>(t);
+    }
+  }
+  if (differing > 0) {
+    ADD_FAILURE() << what << ": " << differing << " of " << got.size()
+                  << " rows differ from the whole-prompt prefill; first at token "
+                  << first + first_token << ": " << first_failure.message();
+  }
+}
+
+struct InvarianceFeatures {
+  const char* name;
+  DType cache_dtype;
+  int sliding_window;
+  bool alibi;
+  bool soft_cap;
+};
+
+void PrintTo(const InvarianceFeatures& f, std::ostream* os) { *os << f.name; }
+
+using InvarianceParam = std::tuple<int, int, InvarianceFeatures>;  // block size, group, ...
+
+class CpuAttentionBatchInvarianceTest : public ::testing::TestWithParam<InvarianceParam> {};
+
+TEST_P(CpuAttentionBatchInvarianceTest, RowsDoNotDependOnTheBatch) {
+  const auto& [block_size, group, features] = GetParam();
+  AttnCase c;
+  c.block_size = block_size;
+  c.num_kv_heads = 2;
+  c.group = group;
+  c.head_size = 64;
+  c.head_size_v = 48;
+  c.cache_dtype = features.cache_dtype;
+  c.quant = IsFp8(features.cache_dtype) ? KvQuantMode::kPerHead : KvQuantMode::kNone;
+  c.sliding_window = features.sliding_window;
+  c.alibi = features.alibi;
+  c.soft_cap = features.soft_cap ? 2.0f : 0.0f;
+  c.scale = 0.3f;  // a sharp softmax, so that the running max moves between tiles
+  c.pad_tokens = 1;
+  const PromptData other = PromptData::Random(c, 80, 999);
+  for (int len : {1, 2, 17, 64, 65, 130, 200}) {
+    SCOPED_TRACE(absl::StrCat("prompt of ", len, " tokens"));
+    const PromptData prompt = PromptData::Random(c, len, static_cast<uint32_t>(len));
+    const uint32_t seed = static_cast<uint32_t>(len * 7 + group);
+
+    // (1) The whole prompt as one prefill: the rows every other call must reproduce.
+    InvarianceRun prefill(c, {{{0, len}}, {&prompt}}, seed);
+    // (2) Decodes: the last token alone (what the decode worker runs), and tokens at tile
+    // boundaries and in the middle as separate sequences of one batch.
+    InvarianceRun last(c, {{{len - 1, 1}}, {&prompt}}, seed);
+    std::vector<int> positions;
+    for (int pos : {len - 1, 0, len / 2, 63, 64, 127, 128}) {
+      if (pos < len && std::find(positions.begin(), positions.end(), pos) == positions.end()) {
+        positions.push_back(pos);
+      }
+    }
+    InvarianceCall decodes;
+    for (int pos : positions) {
+      decodes.seqs.push_back({pos, 1});
+      decodes.prompts.push_back(&prompt);
+    }
+    InvarianceRun decode_batch(c, decodes, seed);
+    // (3) Chunked prefill, in chunks of 7 and of 50 tokens.
+    std::vector<std::pair<int, std::unique_ptr<InvarianceRun>>> chunks;
+    for (int chunk : {7, 50}) {
+      for (int start = 0; start < len; start += chunk) {
+        const int n = std::min(chunk, len - start);
+        chunks.emplace_back(start,
+                            std::make_unique<InvarianceRun>(
+                                c, InvarianceCall{{{start, n}}, {&prompt}}, seed));
+      }
+    }
+    // (4) The prompt batched with other sequences: a prefill, its last token's decode, and
+    // unrelated chunks and decodes around them.
+    InvarianceRun mixed(c,
+                        {{{5, 9}, {0, len}, {40, 1}, {len - 1, 1}, {20, 33}},
+                         {&other, &prompt, &other, &prompt, &other}},
+                        seed);
+
+    for (internal::CpuIsa isa : internal::SupportedCpuIsas()) {
+      SCOPED_TRACE(internal::CpuIsaName(isa));
+      const auto want = prefill.Rows(isa, 1);
+      ASSERT_EQ(want.size(), 1u);
+      const std::vector<Row>& ref = want[0];
+      const int dv = c.head_size_v;
+      const auto two_threads = prefill.Rows(isa, 2);
+      ASSERT_EQ(two_threads.size(), 1u);
+      ExpectSameRows(ref, 0, two_threads[0], dv, "prefill on 2 threads");
+      const auto last_rows = last.Rows(isa, 1);
+      ASSERT_EQ(last_rows.size(), 1u);
+      ExpectSameRows(ref, len - 1, last_rows[0], dv, "decode of the last token");
+      for (int threads : {1, 2}) {
+        const auto rows = decode_batch.Rows(isa, threads);
+        ASSERT_EQ(rows.size(), positions.size());
+        for (size_t i = 0; i < positions.size(); ++i) {
+          ExpectSameRows(ref, positions[i], rows[i], dv,
+                         absl::StrCat("batched decode at position ", positions[i], ", ",
+                                      threads, " threads"));
+        }
+      }
+      for (auto& [start, run] : chunks) {
+        const auto rows = run->Rows(isa, 1);
+        ASSERT_EQ(rows.size(), 1u);
+        ExpectSameRows(ref, start, rows[0], dv,
+                       absl::StrCat("chunk of ", rows[0].size(), " from ", start));
+      }
+      for (int threads : {1, 2}) {
+        const auto rows = mixed.Rows(isa, threads);
+        ASSERT_EQ(rows.size(), 5u);
+        ExpectSameRows(ref, 0, rows[1], dv,
+                       absl::StrCat("prefill among other sequences, ", threads, " threads"));
+        ExpectSameRows(ref, len - 1, rows[3], dv,
+                       absl::StrCat("decode among other sequences, ", threads, " threads"));
+      }
+    }
+    if (HasFailure()) return;  // one prompt length's report is enough
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Grid, CpuAttentionBatchInvarianceTest,
+    ::testing::Combine(
+        ::testing::Values(1, 5, 16), ::testing::Values(1, 4, 8),
+        ::testing::Values(InvarianceFeatures{"f32", DType::kFloat32, 0, false, false},
+                          InvarianceFeatures{"bf16", DType::kBFloat16, 0, false, false},
+                          InvarianceFeatures{"f16", DType::kFloat16, 0, false, false},
+                          InvarianceFeatures{"e4m3", DType::kFloat8E4M3, 0, false, false},
+                          InvarianceFeatures{"bf16_window37", DType::kBFloat16, 37, false,
+                                             false},
+                          InvarianceFeatures{"f32_alibi_cap", DType::kFloat32, 0, true, true},
+                          InvarianceFeatures{"e4m3_window70_alibi_cap", DType::kFloat8E4M3, 70,
+                                             true, true})),
+    [](const auto& test_info) {
+      return absl::StrCat("bs", std::get<0>(test_info.param), "_group",
+                          std::get<1>(test_info.param), "_", std::get<2>(test_info.param).name);
+    });
+
+// Head sizes that are not a multiple of the vector width (the K tile is converted before
+// it is transposed), bfloat16 queries, the HND layout; and bidirectional masks, which must
+// be invariant to batching and threads too (a decode there is not a prefix of the prefill,
+// so it has no row to match).
+TEST(CpuAttentionBatchInvarianceCasesTest, OddHeadSizesBf16AndBidirectional) {
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "bidirectional");
+    AttnCase c;
+    c.block_size = 16;
+    c.num_kv_heads = 2;
+    c.group = 4;
+    c.head_size = 72;
+    c.head_size_v = 40;
+    c.q_dtype = DType::kBFloat16;
+    c.out_dtype = DType::kFloat32;
+    c.cache_dtype = DType::kBFloat16;
+    c.layout = TestLayout::kHND;
+    c.causal = causal;
+    c.sliding_window = causal ? 0 : 45;
+    c.pad_tokens = 1;
+    const int len = 150;
+    const PromptData prompt = PromptData::Random(c, len, 5);
+    const PromptData other = PromptData::Random(c, 60, 6);
+    InvarianceRun prefill(c, {{{0, len}}, {&prompt}}, 1);
+    InvarianceRun mixed(c, {{{3, 4}, {0, len}, {50, 1}}, {&other, &prompt, &other}}, 2);
+    InvarianceRun last(c, {{{len - 1, 1}}, {&prompt}}, 3);
+    for (internal::CpuIsa isa : internal::SupportedCpuIsas()) {
+      SCOPED_TRACE(internal::CpuIsaName(isa));
+      const auto ref = prefill.Rows(isa, 1);
+      ASSERT_EQ(ref.size(), 1u);
+      for (int threads : {1, 2}) {
+        const auto rows = mixed.Rows(isa, threads);
+        ASSERT_EQ(rows.size(), 3u);
+        ExpectSameRows(ref[0], 0, rows[1], c.head_size_v,
+                       absl::StrCat("among other sequences, ", threads, " threads"));
+      }
+      if (causal) {
+        const auto rows = last.Rows(isa, 1);
+        ASSERT_EQ(rows.size(), 1u);
+        ExpectSameRows(ref[0], len - 1, rows[0], c.head_size_v, "decode of the last token");
+      }
+    }
+  }
+}
+
+// The public entry (best variant, default threads) gives the bits of its variant.
+TEST(CpuAttentionBatchInvarianceCasesTest, PublicEntryMatchesItsVariant) {
+  AttnCase c;
+  c.cache_dtype = DType::kBFloat16;
+  c.seqs = {{0, 300}, {500, 40}, {700, 1}, {333, 1}, {65, 1}};  // enough work for a team
+  AttnProblem pb(c);
+  std::vector<uint8_t> want = pb.NewOut();
+  std::vector<uint8_t> got = pb.NewOut();
+  ASSERT_TRUE(
+      internal::RunAttentionCpuWith(pb.params(want), internal::SupportedCpuIsas().back(), 1)
+          .ok());
+  ASSERT_TRUE(RunAttentionCpu(pb.params(got)).ok());
+  EXPECT_EQ(want, got);
 }
 
 // ---------------------------------------------------------------------------------------

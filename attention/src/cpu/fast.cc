@@ -5,32 +5,60 @@
 // query rows of every head of its GQA group for its tokens (rows = tokens x group), then
 // walks the block table in tiles of kKeyTile keys: each K and V tile is dequantised to
 // float once and used by all rows, scores go through an online softmax (running max and
-// sum, earlier output rescaled), and only tiles that some row can see are visited (causal:
-// none past the tile's last query; sliding window: none before its first).
+// sum, earlier output rescaled), and only tiles that some row can see are visited
+// (causal: none past the item's last query; sliding window: none wholly before its first).
 //
-// Layouts inside an item, all float, rows padded with zeros to kLanes so that loops sweep
-// whole vectors:
-//   q_rows  [rows][ldk]               q * scale
-//   q_t     [head_size][rows_padded]  the same, transposed (GEMM path)
-//   k_rows  [kKeyTile][ldk]           one K tile, dequantised
-//   v_rows  [kKeyTile][ldv]           one V tile, dequantised
-//   scores  [kKeyTile][rows_padded]   S^T: keys major, so softmax statistics of all rows
-//                                      are vectors and P^T feeds the PV product directly
-//   out     [rows][ldv]               unnormalised output
-// S^T = K_tile * Q^T and O += P * V_tile are both "broadcast one operand, stream the other"
-// register-blocked products (MicroKernel), which compilers vectorise from plain loops.
-// With few rows (decode, short chunks: the "dot path") the QK product is a dot product per
-// (key, row) instead, because a GEMM over a 16-row padded Q^T would waste most of its
-// lanes; there K is read from the cache directly when its type allows.
+// Two shapes of item, chosen by row count, with the same arithmetic per row:
+//   wide (prefill: up to kTargetRows rows)       narrow (decode, short chunks: <= 16 rows)
+//   q_t     [ldk][rp]       Q^T, rows padded     q_rows  [rows][ldk]     Q
+//   k_rows  [kKeyTile][ldk] K tile               kt      [ldk][kKeyTile] K tile transposed
+//   scores  [kKeyTile][rp]  S^T = K * Q^T        s_rows  [rows][kKeyTile] S = Q * K^T
+//   v_rows  [kKeyTile][ldv] V tile; out [rows][ldv] += P * V (both shapes)
+// All products are "broadcast one operand, stream the other" register-blocked loops
+// (MicroKernel). Wide items stream Q^T across rows; narrow ones stream K^T across keys,
+// since a padded Q^T would leave most of each vector idle. Softmax statistics run across
+// rows (wide) or across keys (narrow).
+//
+// BATCH INVARIANCE. The bits of a query row's output depend only on that row's query, its
+// sequence's keys and values, and the layer's parameters: not on which other rows (tokens
+// of the same sequence, other heads, other sequences) share its call or its item, on the
+// thread count, or on decode versus prefill. Disaggregated serving depends on it: the
+// decode worker computes the last prompt token as a 1-token query over the transferred
+// cache and must match, bit for bit, the colocated run that computed the same token as a
+// row of the whole-prompt prefill. It holds because a row's numbers come from one fixed
+// sequence of float operations on its own data, whichever shape of item it lands in:
+//   - a score is one chain of multiply-adds over d = 0 .. head_size-1 in order, in its own
+//     MicroKernel accumulator (k * q in a wide item, q * k in a narrow one: the same
+//     product); MulAdd makes every instantiation, whatever its blocking, use the same
+//     operation (an explicit fma where the variant has one), and a chain split into
+//     chunks only stores and reloads its accumulator;
+//   - KV tiles are aligned to position 0 (tile t holds keys t*kKeyTile ..), whatever the
+//     item's first query, so a row meets each key in the same tile with the same others;
+//   - scores are transformed (cap, ALiBi, mask) by TransformScore and exponentiated by
+//     ExpNonPositive, the running max and rescale factor come from OnlineStep, and a
+//     row's exponentials are summed in key order, in both shapes (the same inline code,
+//     which the compiler contracts alike; the tests hold both shapes to the same bits);
+//     a key the row cannot see scores -inf and adds exactly +0, so a tile that ends at
+//     the row (decode) and one that goes on (prefill) sum alike;
+//   - a tile a row cannot see at all changes nothing for it (alpha = exp(0) = 1 exactly,
+//     p = +0), so visiting it (because other rows of the item see it) is as good as
+//     skipping it;
+//   - O += P * V adds a tile's keys in order per (row, column); keys beyond the row's
+//     range add p * v = +-0, which can change only the sign of an exact zero, so the store
+//     adds +0.0f (-0 becomes +0, nothing else changes). V must be finite: 0 * inf is NaN.
+// The guarantee is per build and instruction-set variant: the variants' vector code
+// differs (the generic one has no fma), so they agree with the reference, not bit for bit
+// with each other. A variant is picked per machine, so the workers of one machine agree.
 //
 // Decode reads every byte of K and V once, from blocks scattered over memory, so the row
 // addresses of the next tile are computed ahead and prefetched while the current tile is
-// computed (spread over the dot path's key loop; a burst of prefetches would only queue).
+// computed, a key at a time at points spread over the tile (TilePrefetcher).
 //
 // The same C++ is compiled three times (generic, AVX2, AVX-512) through target attributes
 // and picked at run time, because the library is built for a baseline x86-64 and these
-// loops are worth 4-8x more with wide vectors. The dot path's reductions use intrinsics:
-// compilers reduce each row through memory with a scalar chain.
+// loops are worth 4-8x more with wide vectors. The transposes use intrinsics (8x8 and
+// 16x16 register transposes, the conversion from 16-bit K fused into the loads): as
+// plain loops they compile to scalar stores.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -56,14 +84,14 @@
 #define KVSTREAM_PRAGMA(x) _Pragma(#x)
 #if defined(_OPENMP)
 #define KVSTREAM_SIMD _Pragma("omp simd")
-// A sum the compiler may reassociate into a vector reduction.
-#define KVSTREAM_SIMD_SUM(var) KVSTREAM_PRAGMA(omp simd reduction(+ : var))
+// A maximum the compiler may compute in any order (a maximum has one answer in any order).
+#define KVSTREAM_SIMD_MAX(var) KVSTREAM_PRAGMA(omp simd reduction(max : var))
 #elif defined(__GNUC__)
 #define KVSTREAM_SIMD _Pragma("GCC ivdep")
-#define KVSTREAM_SIMD_SUM(var)
+#define KVSTREAM_SIMD_MAX(var)
 #else
 #define KVSTREAM_SIMD
-#define KVSTREAM_SIMD_SUM(var)
+#define KVSTREAM_SIMD_MAX(var)
 #endif
 
 #if defined(__GNUC__)
@@ -101,7 +129,8 @@ namespace {
 constexpr int kKeyTile = 64;     // keys per tile: a K and a V tile stay in L1/L2
 constexpr int kTargetRows = 64;  // query rows per item (tokens x group) in prefill
 constexpr int kLanes = 16;       // padding unit of every vector-swept row
-constexpr int kDotPathMaxRows = 8;
+// Items with at most this many rows are narrow (see the top of the file).
+constexpr int kNarrowMaxRows = kLanes;
 // Below this many multiply-adds a call runs on the calling thread: waking a team costs
 // more than it saves.
 constexpr int64_t kMinParallelWork = int64_t{1} << 21;
@@ -152,29 +181,35 @@ AlignedBuffer<T> AllocZeroed(int64_t n) {
 }
 
 // Per-thread buffers, sized once per call. Padding columns of q_rows and k_rows are never
-// written, so they stay zero and the dot path may sweep whole kLanes chunks.
+// written, so they stay zero; zero_row stands in for the keys that pad a K tile to a
+// multiple of kLanes (its bytes read as 0 in every cache type).
 struct Scratch {
-  AlignedBuffer<float> q_rows, q_t, k_rows, v_rows, scores, out;
-  AlignedBuffer<float> m, l, alpha, tile_max, sum, slope;
+  AlignedBuffer<float> q_rows, q_t, k_rows, kt, v_rows, s_rows, scores, out, zero_row;
+  AlignedBuffer<float> m, l, alpha, tile_max, sub, sum, slope;
   AlignedBuffer<int32_t> pos, lo, hi;
   AlignedBuffer<float> k_table, v_table;
   // Row addresses of the current and the next KV tile.
   const char* k_ptrs[2][kKeyTile];
   const char* v_ptrs[2][kKeyTile];
-  const char* k_row_ptrs[kKeyTile];  // rows of k_rows, for DotScores on converted tiles
+  const char* k_row_ptrs[kKeyTile];  // rows of k_rows, for transposing converted tiles
+  std::vector<const char*> q_row_ptrs;  // rows of q_rows, for transposing Q
 
   bool Allocate(const Problem& pb) {
     const int64_t rp = pb.max_rows_padded;
     q_rows = AllocZeroed<float>(pb.max_rows * pb.ldk);
-    q_t = AllocZeroed<float>(pb.head_size * rp);
+    q_t = AllocZeroed<float>(pb.ldk * rp);
     k_rows = AllocZeroed<float>(kKeyTile * pb.ldk);
+    kt = AllocZeroed<float>(pb.ldk * kKeyTile);
     v_rows = AllocZeroed<float>(kKeyTile * pb.ldv);
+    s_rows = AllocZeroed<float>(kNarrowMaxRows * kKeyTile);
     scores = AllocZeroed<float>(kKeyTile * rp);
     out = AllocZeroed<float>(pb.max_rows * pb.ldv);
+    zero_row = AllocZeroed<float>(pb.ldk);
     m = AllocZeroed<float>(rp);
     l = AllocZeroed<float>(rp);
     alpha = AllocZeroed<float>(rp);
     tile_max = AllocZeroed<float>(rp);
+    sub = AllocZeroed<float>(rp);
     sum = AllocZeroed<float>(rp);
     slope = AllocZeroed<float>(rp);
     pos = AllocZeroed<int32_t>(rp);
@@ -182,10 +217,59 @@ struct Scratch {
     hi = AllocZeroed<int32_t>(rp);
     k_table = AllocZeroed<float>(256);
     v_table = AllocZeroed<float>(256);
-    return q_rows && q_t && k_rows && v_rows && scores && out && m && l && alpha && tile_max &&
-           sum && slope && pos && lo && hi && k_table && v_table;
+    if (!(q_rows && q_t && k_rows && kt && v_rows && s_rows && scores && out && zero_row && m &&
+          l && alpha && tile_max && sub && sum && slope && pos && lo && hi && k_table && v_table)) {
+      return false;
+    }
+    for (int jj = 0; jj < kKeyTile; ++jj) {
+      k_row_ptrs[jj] = reinterpret_cast<const char*>(k_rows.get() + jj * pb.ldk);
+    }
+    q_row_ptrs.resize(static_cast<size_t>(rp));
+    return true;
   }
 };
+
+// ---- prefetching ----
+
+KVSTREAM_INLINE void PrefetchRow(const char* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+}
+
+// The next tile's rows, asked for while this one is computed: they sit in blocks scattered
+// over memory, which the hardware prefetchers do not guess, and decode is bound by them.
+// The narrow path asks a key (its K and V rows) at a time at points spread over the whole
+// tile, because the core has few miss buffers: a burst fills them, stalls, and then leaves
+// the memory system idle for the rest of the tile.
+struct TilePrefetcher {
+  const char* const* k = nullptr;
+  const char* const* v = nullptr;
+  int n = 0;       // keys in the next tile; 0: nothing to prefetch
+  int issued = 0;  // keys asked for so far
+  int64_t k_bytes = 0;
+  int64_t v_bytes = 0;
+
+  // Asks for the keys before `end` not yet asked for.
+  KVSTREAM_INLINE void Upto(int end) {
+    end = std::min(end, n);
+    for (; issued < end; ++issued) {
+      PrefetchRow(k[issued], k_bytes);
+      PrefetchRow(v[issued], v_bytes);
+    }
+  }
+  // Step `step` of `steps` of a phase that owns the keys [from, to).
+  KVSTREAM_INLINE void Spread(int step, int steps, int from, int to) {
+    Upto(from + (to - from) * (step + 1) / steps);
+  }
+};
+
+// How many of the next tile's keys a narrow tile has asked for by the end of each phase,
+// roughly in proportion to the phase's time (tuned on the decode benchmark): V
+// converted, K transposed, S = Q * K^T, softmax; the rest during O += P * V.
+constexpr int kPrefetchByV = 12;
+constexpr int kPrefetchByK = 36;
+constexpr int kPrefetchByS = 44;
+constexpr int kPrefetchBySoftmax = 50;
+static_assert(kPrefetchBySoftmax <= kKeyTile, "the schedule must end within the tile");
 
 // ---- conversions into float rows ----
 
@@ -231,11 +315,14 @@ KVSTREAM_INLINE void TileRows(const Problem& pb, const void* base, const CacheSt
   }
 }
 
-// Converts n rows of `width` elements into dst (row stride ld).
+// Converts n rows of `width` elements into dst (row stride ld); with a prefetcher, spreads
+// the keys [0, pf_to) of the next tile over the rows.
 template <DType kDType>
 KVSTREAM_INLINE void GatherRowsAs(const char* const* rows, int n, int width, int64_t dim_stride,
-                                  const float* table, float* dst, int64_t ld) {
+                                  const float* table, float* dst, int64_t ld,
+                                  TilePrefetcher* pf, int pf_to) {
   for (int i = 0; i < n; ++i) {
+    if (pf != nullptr) pf->Spread(i, n, 0, pf_to);
     if (dim_stride == 1) {
       ConvertContiguous<kDType>(rows[i], width, table, dst + i * ld);
     } else {
@@ -254,49 +341,26 @@ KVSTREAM_INLINE void GatherRowsAs(const char* const* rows, int n, int width, int
 }
 
 KVSTREAM_INLINE void GatherRows(DType dtype, const char* const* rows, int n, int width,
-                                int64_t dim_stride, const float* table, float* dst, int64_t ld) {
+                                int64_t dim_stride, const float* table, float* dst, int64_t ld,
+                                TilePrefetcher* pf = nullptr, int pf_to = 0) {
   switch (dtype) {
     case DType::kFloat32:
-      GatherRowsAs<DType::kFloat32>(rows, n, width, dim_stride, table, dst, ld);
+      GatherRowsAs<DType::kFloat32>(rows, n, width, dim_stride, table, dst, ld, pf, pf_to);
       break;
     case DType::kFloat16:
-      GatherRowsAs<DType::kFloat16>(rows, n, width, dim_stride, table, dst, ld);
+      GatherRowsAs<DType::kFloat16>(rows, n, width, dim_stride, table, dst, ld, pf, pf_to);
       break;
     case DType::kBFloat16:
-      GatherRowsAs<DType::kBFloat16>(rows, n, width, dim_stride, table, dst, ld);
+      GatherRowsAs<DType::kBFloat16>(rows, n, width, dim_stride, table, dst, ld, pf, pf_to);
       break;
     case DType::kFloat8E4M3:
-      GatherRowsAs<DType::kFloat8E4M3>(rows, n, width, dim_stride, table, dst, ld);
+      GatherRowsAs<DType::kFloat8E4M3>(rows, n, width, dim_stride, table, dst, ld, pf, pf_to);
       break;
     case DType::kFloat8E5M2:
-      GatherRowsAs<DType::kFloat8E5M2>(rows, n, width, dim_stride, table, dst, ld);
+      GatherRowsAs<DType::kFloat8E5M2>(rows, n, width, dim_stride, table, dst, ld, pf, pf_to);
       break;
     default:
       break;  // rejected by validation
-  }
-}
-
-// The next tile's rows, asked for while this one is computed: they sit in blocks scattered
-// over memory, which the hardware prefetchers do not guess, and decode is bound by them.
-struct NextTile {
-  const char* const* k = nullptr;
-  const char* const* v = nullptr;
-  int n = 0;  // 0: nothing to prefetch
-  int64_t k_bytes = 0;
-  int64_t v_bytes = 0;
-};
-
-KVSTREAM_INLINE void PrefetchRow(const char* row, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
-}
-
-// All of it at once: right for the compute-bound GEMM path. The decode path spreads the
-// same requests over its key loop instead, because a burst of hundreds of prefetches only
-// waits for the few line-fill buffers and overlaps nothing.
-KVSTREAM_INLINE void PrefetchTile(const NextTile& next) {
-  for (int i = 0; i < next.n; ++i) {
-    PrefetchRow(next.k[i], next.k_bytes);
-    PrefetchRow(next.v[i], next.v_bytes);
   }
 }
 
@@ -313,9 +377,23 @@ KVSTREAM_INLINE void LoadQueryRow(const void* src, DType dtype, int n, float sca
 
 // ---- products ----
 
+// c + a * b, as one fused operation where the variant has fma. Written out rather than
+// left to -ffp-contract: whether the compiler fuses an accumulation chain depends on
+// tuning heuristics (GCC avoids fma chains for some CPUs), and a score must come out of
+// the same operations in every MicroKernel instantiation.
+template <bool kFma>
+KVSTREAM_INLINE float MulAdd(float a, float b, float c) {
+  if constexpr (kFma) {
+    return __builtin_fmaf(a, b, c);
+  } else {
+    return a * b + c;
+  }
+}
+
 // C[MR][NB] (+)= A(MR x k) * B(k x NB), A(i, kk) = a[i * a_rs + kk * a_ks] broadcast, B rows
 // contiguous. The accumulators are a local array that the compiler keeps in registers.
-template <int MR, int NB, bool kAccumulate>
+// Each element of C is one chain over kk = 0 .. k-1 in order, whatever MR and NB are.
+template <bool kFma, int MR, int NB, bool kAccumulate>
 KVSTREAM_INLINE void MicroKernel(int k, const float* a, int64_t a_rs, int64_t a_ks,
                                  const float* b, int64_t ldb, float* c, int64_t ldc) {
   float acc[MR][NB];
@@ -329,7 +407,7 @@ KVSTREAM_INLINE void MicroKernel(int k, const float* a, int64_t a_rs, int64_t a_
     for (int i = 0; i < MR; ++i) {
       const float av = a[i * a_rs + kk * a_ks];
       KVSTREAM_SIMD
-      for (int j = 0; j < NB; ++j) acc[i][j] += av * brow[j];
+      for (int j = 0; j < NB; ++j) acc[i][j] = MulAdd<kFma>(av, brow[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -344,11 +422,11 @@ KVSTREAM_INLINE void GemmRows(int n, int k, const float* a, int64_t a_rs, int64_
                               const float* b, int64_t ldb, float* c, int64_t ldc) {
   int j = 0;
   for (; j + Cfg::kNB <= n; j += Cfg::kNB) {
-    MicroKernel<MR, Cfg::kNB, kAccumulate>(k, a, a_rs, a_ks, b + j, ldb, c + j, ldc);
+    MicroKernel<Cfg::kFma, MR, Cfg::kNB, kAccumulate>(k, a, a_rs, a_ks, b + j, ldb, c + j, ldc);
   }
   if constexpr (Cfg::kNB > kLanes) {
     for (; j < n; j += kLanes) {
-      MicroKernel<MR, kLanes, kAccumulate>(k, a, a_rs, a_ks, b + j, ldb, c + j, ldc);
+      MicroKernel<Cfg::kFma, MR, kLanes, kAccumulate>(k, a, a_rs, a_ks, b + j, ldb, c + j, ldc);
     }
   }
 }
@@ -380,36 +458,22 @@ KVSTREAM_INLINE void Gemm(int m, int n, int k, const float* a, int64_t a_rs, int
   }
 }
 
-// ---- the decode path's dot products ----
+// ---- transposes (K tiles of narrow items, Q of wide ones) ----
 //
-// With few query rows (decode, short chunks) each score is a dot product over the head
-// dimension; each K load is shared by up to four rows. The AVX2 and AVX-512 versions read
-// 32- and 16-bit K straight from the cache (no tile conversion: it was a fifth of decode's
-// time) and reduce four rows' lane sums together in registers (compilers reduce each row
-// through memory with a scalar chain, which was another quarter).
+// dst[d * ldt + jj] = element d of row jj, for d < dims and jj < n (n a multiple of
+// kLanes), rows[jj] pointing at `dims` elements of type `src`. Data movement and exact
+// conversion only, so they decide nothing about the result. The prefetcher's keys
+// [pf_from, pf_to) are spread over the blocks.
 
-// scores[jj * rp + r] = dot(q_rows[r], k[jj]) for jj < n, r < rows; k[jj] points to len
-// floats (the converted tile, len = ldk with zero padding).
-KVSTREAM_INLINE void DotScoresGeneric(int n, int rows, int64_t len, const float* q_rows,
-                                      int64_t ldq, const char* const* k, float* scores,
-                                      int64_t rp, const NextTile& next) {
-  for (int jj = 0; jj < n; ++jj) {
-    if (jj < next.n) {
-      PrefetchRow(next.k[jj], next.k_bytes);
-      PrefetchRow(next.v[jj], next.v_bytes);
-    }
-    const float* k_row = reinterpret_cast<const float*>(k[jj]);
-    float* s = scores + jj * rp;
-    for (int r = 0; r < rows; ++r) {
-      float acc[kLanes] = {};
-      for (int64_t d = 0; d < len; d += kLanes) {
-        KVSTREAM_SIMD
-        for (int e = 0; e < kLanes; ++e) acc[e] += q_rows[r * ldq + d + e] * k_row[d + e];
-      }
-      float sum = 0;
-      KVSTREAM_SIMD_SUM(sum)
-      for (int e = 0; e < kLanes; ++e) sum += acc[e];
-      s[r] = sum;
+KVSTREAM_INLINE void TransposeRowsGeneric(const char* const* rows, int n, int dims, float* dst,
+                                          int64_t ldt, TilePrefetcher& pf, int pf_from,
+                                          int pf_to) {
+  const int steps = n / kLanes;
+  for (int jg = 0; jg < n; jg += kLanes) {
+    pf.Spread(jg / kLanes, steps, pf_from, pf_to);
+    for (int jj = jg; jj < jg + kLanes; ++jj) {
+      const float* r = reinterpret_cast<const float*>(rows[jj]);
+      for (int d = 0; d < dims; ++d) dst[d * ldt + jj] = r[d];
     }
   }
 }
@@ -427,38 +491,51 @@ KVSTREAM_TARGET_AVX512_INLINE __m512 Load16(const char* row, int64_t d) {
   }
 }
 
-// out[i] = dot(q[i * ldq ..], k[0 .. len)) for i < MR <= 4; len a multiple of 16.
-template <int MR, DType kSrc>
-KVSTREAM_TARGET_AVX512_INLINE void DotRowsAvx512(int64_t len, const float* q, int64_t ldq,
-                                                 const char* k, float* out) {
-  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                 _mm512_setzero_ps()};
-  for (int64_t d = 0; d < len; d += 16) {
-    const __m512 kv = Load16<kSrc>(k, d);
-    for (int i = 0; i < MR; ++i) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * ldq + d), kv, a[i]);
+// r[i] = row i of a 16 x 16 block on entry, column i on return.
+KVSTREAM_TARGET_AVX512_INLINE void Transpose16x16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
   }
-  // 128-bit lanes: rows 0,1 (then 2,3) folded to two lanes each, then the four rows to one
-  // lane each, then each lane to its sum.
-  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i hi =
-      _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const __m512i even =
-      _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i odd =
-      _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const __m512i swap1 = _mm512_setr_epi32(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  const __m512i swap2 = _mm512_setr_epi32(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512 t01 = _mm512_add_ps(_mm512_permutex2var_ps(a[0], lo, a[1]),
-                                   _mm512_permutex2var_ps(a[0], hi, a[1]));
-  const __m512 t23 = _mm512_add_ps(_mm512_permutex2var_ps(a[2], lo, a[3]),
-                                   _mm512_permutex2var_ps(a[2], hi, a[3]));
-  __m512 t = _mm512_add_ps(_mm512_permutex2var_ps(t01, even, t23),
-                           _mm512_permutex2var_ps(t01, odd, t23));
-  t = _mm512_add_ps(t, _mm512_permutex2var_ps(t, swap1, t));
-  t = _mm512_add_ps(t, _mm512_permutex2var_ps(t, swap2, t));
-  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << MR) - 1),
-                        _mm512_permutex2var_ps(t, firsts, t));
+  // Per 128-bit lane L: r[4q + c] holds element 4L + c of rows 4q .. 4q+3.
+  for (int q = 0; q < 16; q += 4) {
+    r[q] = _mm512_shuffle_ps(t[q], t[q + 2], 0x44);
+    r[q + 1] = _mm512_shuffle_ps(t[q], t[q + 2], 0xee);
+    r[q + 2] = _mm512_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+    r[q + 3] = _mm512_shuffle_ps(t[q + 1], t[q + 3], 0xee);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 even01 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);    // lanes 0, 2
+    const __m512 even23 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512 odd01 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);     // lanes 1, 3
+    const __m512 odd23 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+    t[c] = _mm512_shuffle_f32x4(even01, even23, 0x88);
+    t[8 + c] = _mm512_shuffle_f32x4(even01, even23, 0xdd);
+    t[4 + c] = _mm512_shuffle_f32x4(odd01, odd23, 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(odd01, odd23, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// REQUIRES: dims a multiple of 16.
+template <DType kSrc>
+KVSTREAM_TARGET_AVX512_INLINE void TransposeRowsAvx512(const char* const* rows, int n, int dims,
+                                                       float* dst, int64_t ldt,
+                                                       TilePrefetcher& pf, int pf_from,
+                                                       int pf_to) {
+  const int blocks = dims / 16;
+  const int steps = n / 16 * blocks;
+  for (int jg = 0; jg < n; jg += 16) {
+    for (int b = 0; b < blocks; ++b) {
+      pf.Spread(jg / 16 * blocks + b, steps, pf_from, pf_to);
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = Load16<kSrc>(rows[jg + i], b * 16);
+      Transpose16x16(r);
+      float* block = dst + b * 16 * ldt + jg;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(block + i * ldt, r[i]);
+    }
+  }
 }
 
 template <DType kSrc>
@@ -473,126 +550,264 @@ KVSTREAM_TARGET_AVX2_INLINE __m256 Load8(const char* row, int64_t d) {
   }
 }
 
-template <int MR, DType kSrc>
-KVSTREAM_TARGET_AVX2_INLINE void DotRowsAvx2(int64_t len, const float* q, int64_t ldq,
-                                             const char* k, float* out) {
-  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                 _mm256_setzero_ps()};
-  for (int64_t d = 0; d < len; d += 8) {
-    const __m256 kv = Load8<kSrc>(k, d);
-    for (int i = 0; i < MR; ++i) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * ldq + d), kv, a[i]);
+// r[i] = row i of an 8 x 8 block on entry, column i on return.
+KVSTREAM_TARGET_AVX2_INLINE void Transpose8x8(__m256* r) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
   }
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-  if constexpr (MR == 4) {
-    _mm_storeu_ps(out, sums);
-  } else {
-    float tmp[4];
-    _mm_storeu_ps(tmp, sums);
-    for (int i = 0; i < MR; ++i) out[i] = tmp[i];
+  __m256 s[8];
+  for (int q = 0; q < 8; q += 4) {
+    s[q] = _mm256_shuffle_ps(t[q], t[q + 2], 0x44);
+    s[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], 0xee);
+    s[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+    s[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xee);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
   }
 }
 
-// The loop over a tile's keys, for one instruction set and one K source type. A macro: a
-// template without the target attribute could not inline the intrinsics.
-#define KVSTREAM_DOT_SCORES(dot_rows, src)                                             \
-  for (int jj = 0; jj < n; ++jj) {                                                   \
-    if (jj < next.n) {                                                               \
-      PrefetchRow(next.k[jj], next.k_bytes);                                         \
-      PrefetchRow(next.v[jj], next.v_bytes);                                         \
-    }                                                                                \
-    float* s = scores + jj * rp;                                                     \
-    int r = 0;                                                                       \
-    for (; r + 4 <= rows; r += 4) dot_rows<4, src>(len, q_rows + r * ldq, ldq, k[jj], s + r); \
-    switch (rows - r) {                                                              \
-      case 3: dot_rows<3, src>(len, q_rows + r * ldq, ldq, k[jj], s + r); break;     \
-      case 2: dot_rows<2, src>(len, q_rows + r * ldq, ldq, k[jj], s + r); break;     \
-      case 1: dot_rows<1, src>(len, q_rows + r * ldq, ldq, k[jj], s + r); break;     \
-      default: break;                                                                \
-    }                                                                                \
+// REQUIRES: dims a multiple of 8.
+template <DType kSrc>
+KVSTREAM_TARGET_AVX2_INLINE void TransposeRowsAvx2(const char* const* rows, int n, int dims,
+                                                   float* dst, int64_t ldt, TilePrefetcher& pf,
+                                                   int pf_from, int pf_to) {
+  const int blocks = dims / 8;
+  const int steps = n / 8 * blocks;
+  for (int jg = 0; jg < n; jg += 8) {
+    for (int b = 0; b < blocks; ++b) {
+      pf.Spread(jg / 8 * blocks + b, steps, pf_from, pf_to);
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = Load8<kSrc>(rows[jg + i], b * 8);
+      Transpose8x8(r);
+      float* block = dst + b * 8 * ldt + jg;
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(block + i * ldt, r[i]);
+    }
   }
-
-#define KVSTREAM_DOT_SCORES_BY_DTYPE(dot_rows)                                         \
-  switch (src) {                                                                     \
-    case DType::kBFloat16: KVSTREAM_DOT_SCORES(dot_rows, DType::kBFloat16) break;    \
-    case DType::kFloat16: KVSTREAM_DOT_SCORES(dot_rows, DType::kFloat16) break;      \
-    default: KVSTREAM_DOT_SCORES(dot_rows, DType::kFloat32) break;                   \
-  }
+}
 #endif
 
 // Register blocking per instruction set: kMR rows of broadcast operand by kNB columns of
 // streamed operand stay in registers (AVX-512: 4 x 4 zmm; AVX2: 6 x 2 ymm; SSE2: 4 x 2 xmm).
-// kRawK: DotScores reads float32, float16 and bfloat16 K rows from the cache itself.
-// DotScores runs once per KV tile; `src` is the type k[] points to, len a multiple of 16.
+// kFma: MicroKernel accumulates with fma. kRawK: TransposeRows reads float32, float16 and
+// bfloat16 K rows from the cache itself (with head_size a multiple of kLanes); other tiles
+// are converted into k_rows first and transposed from there as float32.
 struct GenericConfig {
   static constexpr int kMR = 4;
   static constexpr int kNB = 8;
+  static constexpr bool kFma = false;
   static constexpr bool kRawK = false;
-  static void DotScores(DType src, int n, int rows, int64_t len, const float* q_rows,
-                        int64_t ldq, const char* const* k, float* scores, int64_t rp,
-                        const NextTile& next) {
-    DotScoresGeneric(n, rows, len, q_rows, ldq, k, scores, rp, next);
+  static void TransposeRows(DType /*src: always float32*/, const char* const* rows, int n,
+                            int dims, float* dst, int64_t ldt, TilePrefetcher& pf, int pf_from,
+                            int pf_to) {
+    TransposeRowsGeneric(rows, n, dims, dst, ldt, pf, pf_from, pf_to);
   }
 };
 #if KVSTREAM_X86_DISPATCH
 struct Avx2Config {
   static constexpr int kMR = 6;
   static constexpr int kNB = 16;
+  static constexpr bool kFma = true;
   static constexpr bool kRawK = true;
-  KVSTREAM_TARGET_AVX2 static void DotScores(DType src, int n, int rows, int64_t len,
-                                             const float* q_rows, int64_t ldq,
-                                             const char* const* k, float* scores, int64_t rp,
-                                             const NextTile& next) {
-    KVSTREAM_DOT_SCORES_BY_DTYPE(DotRowsAvx2)
+  KVSTREAM_TARGET_AVX2 static void TransposeRows(DType src, const char* const* rows, int n,
+                                                 int dims, float* dst, int64_t ldt,
+                                                 TilePrefetcher& pf, int pf_from, int pf_to) {
+    switch (src) {
+      case DType::kBFloat16:
+        TransposeRowsAvx2<DType::kBFloat16>(rows, n, dims, dst, ldt, pf, pf_from, pf_to);
+        break;
+      case DType::kFloat16:
+        TransposeRowsAvx2<DType::kFloat16>(rows, n, dims, dst, ldt, pf, pf_from, pf_to);
+        break;
+      default:
+        TransposeRowsAvx2<DType::kFloat32>(rows, n, dims, dst, ldt, pf, pf_from, pf_to);
+        break;
+    }
   }
 };
 struct Avx512Config {
   static constexpr int kMR = 4;
   static constexpr int kNB = 64;
+  static constexpr bool kFma = true;
   static constexpr bool kRawK = true;
-  KVSTREAM_TARGET_AVX512 static void DotScores(DType src, int n, int rows, int64_t len,
-                                               const float* q_rows, int64_t ldq,
-                                               const char* const* k, float* scores,
-                                               int64_t rp, const NextTile& next) {
-    KVSTREAM_DOT_SCORES_BY_DTYPE(DotRowsAvx512)
+  KVSTREAM_TARGET_AVX512 static void TransposeRows(DType src, const char* const* rows, int n,
+                                                   int dims, float* dst, int64_t ldt,
+                                                   TilePrefetcher& pf, int pf_from, int pf_to) {
+    switch (src) {
+      case DType::kBFloat16:
+        TransposeRowsAvx512<DType::kBFloat16>(rows, n, dims, dst, ldt, pf, pf_from, pf_to);
+        break;
+      case DType::kFloat16:
+        TransposeRowsAvx512<DType::kFloat16>(rows, n, dims, dst, ldt, pf, pf_from, pf_to);
+        break;
+      default:
+        TransposeRowsAvx512<DType::kFloat32>(rows, n, dims, dst, ldt, pf, pf_from, pf_to);
+        break;
+    }
   }
 };
 #endif
 
 // ---- softmax ----
+//
+// Two layouts, one arithmetic. Wide items keep S^T (keys major) and run the statistics
+// of all rows as vectors; narrow items keep S (rows major) and run each row's keys as
+// vectors. Both compute a score through TransformScore and ExpNonPositive and a row's
+// statistics through OnlineStep, and both sum a row's exponentials over the keys in
+// position order (the wide layout per lane, the narrow one as a scalar chain), so a row
+// gets the same bits in either. A key beyond what the row may see scores -inf and adds
+// exactly +0 at the end of that chain, so an item whose tile ends earlier (fewer keys)
+// gets the same sums as one that goes further.
 
-// Soft cap, ALiBi and mask on scores[jj][r] for jj < n, all rp rows; tile_max gets each
-// row's maximum over this tile.
-template <bool kCap, bool kAlibi, bool kMask>
-KVSTREAM_INLINE void TransformScores(int n, int64_t rp, int32_t j0, float cap, float inv_cap,
-                                     const float* slope, const int32_t* pos, const int32_t* lo,
-                                     const int32_t* hi, float* scores, float* tile_max) {
+// Soft cap, ALiBi and mask of the score s of key j for a query at qp that sees keys
+// [lo, hi]. The mask is applied even where every row sees the whole tile: one
+// instantiation per feature set, so one sequence of operations per score.
+template <bool kCap, bool kAlibi>
+KVSTREAM_INLINE float TransformScore(float s, int32_t j, float cap, float inv_cap, float slope,
+                                     int32_t qp, int32_t lo, int32_t hi) {
+  if constexpr (kCap) s = cap * TanhVec(s * inv_cap);
+  if constexpr (kAlibi) s += slope * static_cast<float>(j - qp);
+  return (j >= lo && j <= hi) ? s : kNegInf;
+}
+
+// One row's online softmax step: the new running max from the old one and the tile's,
+// the factor alpha for what was accumulated so far, and the subtrahend of this tile's
+// exponentials (0 for a row that has seen nothing yet, so that -inf - -inf never occurs).
+// A row that sees none of the tile keeps its max, gets alpha = exp(0) = 1 exactly and
+// p = exp(-inf) = +0 for every key: the tile changes nothing for it, as if skipped.
+KVSTREAM_INLINE void OnlineStep(float m, float tile_max, float* m_new, float* alpha,
+                                float* sub) {
+  const float mx = m < tile_max ? tile_max : m;
+  *alpha = mx == kNegInf ? 1.0f : ExpNonPositive(m - mx);
+  *sub = mx == kNegInf ? 0.0f : mx;
+  *m_new = mx;
+}
+
+// Wide layout: scores[jj][r] for jj < n, all rp rows (padding rows included: they copy a
+// real row's constants and are never stored). P replaces S; m, l and alpha move on.
+template <bool kCap, bool kAlibi>
+KVSTREAM_INLINE void SoftmaxWide(const Problem& pb, int n, int64_t rp, int32_t j0,
+                                 Scratch& sc) {
+  float* scores = sc.scores.get();
+  float* tile_max = sc.tile_max.get();
+  float* sub = sc.sub.get();
+  float* sum = sc.sum.get();
+  const float* slope = sc.slope.get();
+  const int32_t* pos = sc.pos.get();
+  const int32_t* lo = sc.lo.get();
+  const int32_t* hi = sc.hi.get();
+  for (int64_t r = 0; r < rp; ++r) tile_max[r] = kNegInf;
   for (int jj = 0; jj < n; ++jj) {
     float* row = scores + jj * rp;
     const int32_t j = j0 + jj;
     KVSTREAM_SIMD
     for (int64_t r = 0; r < rp; ++r) {
-      float s = row[r];
-      if constexpr (kCap) s = cap * TanhVec(s * inv_cap);
-      if constexpr (kAlibi) s += slope[r] * static_cast<float>(j - pos[r]);
-      if constexpr (kMask) s = (j >= lo[r] && j <= hi[r]) ? s : kNegInf;
-      if constexpr (kCap || kAlibi || kMask) row[r] = s;
+      const float s =
+          TransformScore<kCap, kAlibi>(row[r], j, pb.cap, pb.inv_cap, slope[r], pos[r], lo[r],
+                                       hi[r]);
+      row[r] = s;
       tile_max[r] = tile_max[r] < s ? s : tile_max[r];
+    }
+  }
+  float* m = sc.m.get();
+  float* l = sc.l.get();
+  float* alpha = sc.alpha.get();
+  KVSTREAM_SIMD
+  for (int64_t r = 0; r < rp; ++r) {
+    OnlineStep(m[r], tile_max[r], &m[r], &alpha[r], &sub[r]);
+    sum[r] = 0.0f;
+  }
+  for (int jj = 0; jj < n; ++jj) {
+    float* row = scores + jj * rp;
+    KVSTREAM_SIMD
+    for (int64_t r = 0; r < rp; ++r) {
+      const float e = ExpNonPositive(row[r] - sub[r]);
+      row[r] = e;
+      sum[r] += e;
+    }
+  }
+  KVSTREAM_SIMD
+  for (int64_t r = 0; r < rp; ++r) l[r] = l[r] * alpha[r] + sum[r];
+}
+
+// Narrow layout: s_rows[r][jj] for r < rows, jj < n. Same results per row as SoftmaxWide.
+// Spreads the prefetcher's keys [pf_from, pf_to) over the rows.
+template <bool kCap, bool kAlibi>
+KVSTREAM_INLINE void SoftmaxNarrow(const Problem& pb, int rows, int n, int32_t j0,
+                                   Scratch& sc, TilePrefetcher& pf, int pf_from, int pf_to) {
+  for (int r = 0; r < rows; ++r) {
+    pf.Spread(r, rows, pf_from, pf_to);
+    float* s = sc.s_rows.get() + r * kKeyTile;
+    const float slope = sc.slope[r];
+    const int32_t qp = sc.pos[r];
+    const int32_t lo = sc.lo[r];
+    const int32_t hi = sc.hi[r];
+    float tile_max = kNegInf;
+    KVSTREAM_SIMD_MAX(tile_max)
+    for (int jj = 0; jj < n; ++jj) {
+      const float x =
+          TransformScore<kCap, kAlibi>(s[jj], j0 + jj, pb.cap, pb.inv_cap, slope, qp, lo, hi);
+      s[jj] = x;
+      tile_max = tile_max < x ? x : tile_max;
+    }
+    float m_new, alpha, sub;
+    OnlineStep(sc.m[r], tile_max, &m_new, &alpha, &sub);
+    KVSTREAM_SIMD
+    for (int jj = 0; jj < n; ++jj) s[jj] = ExpNonPositive(s[jj] - sub);
+    // In key order, as each lane of SoftmaxWide adds them: no reduction clause.
+    float sum = 0.0f;
+    for (int jj = 0; jj < n; ++jj) sum += s[jj];
+    sc.l[r] = sc.l[r] * alpha + sum;
+    sc.m[r] = m_new;
+    sc.alpha[r] = alpha;
+  }
+}
+
+// Dispatch on the features, which are per call.
+template <bool kNarrow>
+KVSTREAM_INLINE void SoftmaxTile(const Problem& pb, int rows, int n, int64_t rp, int32_t j0,
+                                 Scratch& sc, TilePrefetcher* pf = nullptr, int pf_from = 0,
+                                 int pf_to = 0) {
+  const bool has_cap = pb.cap > 0;
+  const bool has_alibi = pb.p->alibi_slopes != nullptr;
+  if constexpr (kNarrow) {
+    if (has_cap) {
+      if (has_alibi) {
+        SoftmaxNarrow<true, true>(pb, rows, n, j0, sc, *pf, pf_from, pf_to);
+      } else {
+        SoftmaxNarrow<true, false>(pb, rows, n, j0, sc, *pf, pf_from, pf_to);
+      }
+    } else if (has_alibi) {
+      SoftmaxNarrow<false, true>(pb, rows, n, j0, sc, *pf, pf_from, pf_to);
+    } else {
+      SoftmaxNarrow<false, false>(pb, rows, n, j0, sc, *pf, pf_from, pf_to);
+    }
+  } else {
+    if (has_cap) {
+      if (has_alibi) {
+        SoftmaxWide<true, true>(pb, n, rp, j0, sc);
+      } else {
+        SoftmaxWide<true, false>(pb, n, rp, j0, sc);
+      }
+    } else if (has_alibi) {
+      SoftmaxWide<false, true>(pb, n, rp, j0, sc);
+    } else {
+      SoftmaxWide<false, false>(pb, n, rp, j0, sc);
     }
   }
 }
 
-template <bool kCap, bool kAlibi>
-KVSTREAM_INLINE void TransformScoresMasked(bool mask, int n, int64_t rp, int32_t j0, float cap,
-                                           float inv_cap, const float* slope,
-                                           const int32_t* pos, const int32_t* lo,
-                                           const int32_t* hi, float* scores, float* tile_max) {
-  if (mask) {
-    TransformScores<kCap, kAlibi, true>(n, rp, j0, cap, inv_cap, slope, pos, lo, hi, scores,
-                                        tile_max);
-  } else {
-    TransformScores<kCap, kAlibi, false>(n, rp, j0, cap, inv_cap, slope, pos, lo, hi, scores,
-                                         tile_max);
+// out[r] *= alpha[r] for the item's rows; alpha == 1 leaves a row as it is.
+KVSTREAM_INLINE void RescaleOutput(int rows, int64_t ldv, Scratch& sc) {
+  for (int r = 0; r < rows; ++r) {
+    if (sc.alpha[r] == 1.0f) continue;
+    float* o = sc.out.get() + r * ldv;
+    const float a = sc.alpha[r];
+    KVSTREAM_SIMD
+    for (int64_t d = 0; d < ldv; ++d) o[d] *= a;
   }
 }
 
@@ -610,7 +825,7 @@ KVSTREAM_INLINE void ProcessItem(const Problem& pb, const WorkItem& item, Scratc
   const int32_t* block_row = p.block_table + item.seq * p.block_table_stride;
   const int rows = item.t_count * group;
   const int64_t rp = RoundUp(rows, kLanes);
-  const bool dot_path = rows <= kDotPathMaxRows;
+  const bool narrow = rows <= kNarrowMaxRows;
   const int64_t ldk = pb.ldk;
   const int64_t ldv = pb.ldv;
   const int32_t pos_first = static_cast<int32_t>(seq_len - query_len + item.t_begin);
@@ -641,12 +856,16 @@ KVSTREAM_INLINE void ProcessItem(const Problem& pb, const WorkItem& item, Scratc
                       (token * p.q_token_stride + h * p.q_head_stride) * q_elem;
     LoadQueryRow(src, p.q_dtype, pb.head_size, p.scale, sc.q_rows.get() + r * ldk);
   }
-  if (!dot_path) {
-    for (int d = 0; d < pb.head_size; ++d) {
-      float* dst = sc.q_t.get() + d * rp;
-      for (int r = 0; r < rows; ++r) dst[r] = sc.q_rows[r * ldk + d];
-      for (int64_t r = rows; r < rp; ++r) dst[r] = 0.0f;
+  const char* const zero_row = reinterpret_cast<const char*>(sc.zero_row.get());
+  if (!narrow) {
+    // Q^T, padding rows zero.
+    for (int64_t r = 0; r < rp; ++r) {
+      sc.q_row_ptrs[r] =
+          r < rows ? reinterpret_cast<const char*>(sc.q_rows.get() + r * ldk) : zero_row;
     }
+    TilePrefetcher none;
+    Cfg::TransposeRows(DType::kFloat32, sc.q_row_ptrs.data(), static_cast<int>(rp),
+                       static_cast<int>(ldk), sc.q_t.get(), rp, none, 0, 0);
   }
   std::memset(sc.out.get(), 0, sizeof(float) * static_cast<size_t>(rows * ldv));
 
@@ -659,7 +878,8 @@ KVSTREAM_INLINE void ProcessItem(const Problem& pb, const WorkItem& item, Scratc
     }
   }
 
-  // Keys any row of the item can see.
+  // Keys any row of the item can see, and the first tile: tiles are aligned to position 0
+  // whatever the item's first query, so that every item meets a key in the same tile.
   int64_t key_lo = 0;
   int64_t key_hi = seq_len - 1;
   if (p.causal) key_hi = std::min<int64_t>(key_hi, pos_last);
@@ -667,136 +887,112 @@ KVSTREAM_INLINE void ProcessItem(const Problem& pb, const WorkItem& item, Scratc
     key_lo = std::max<int64_t>(0, pos_first - window + 1);
     if (!p.causal) key_hi = std::min<int64_t>(key_hi, int64_t{pos_last} + window - 1);
   }
+  const int64_t tile_lo = key_lo / kKeyTile * kKeyTile;
 
-  const bool has_cap = pb.cap > 0;
-  const bool has_alibi = p.alibi_slopes != nullptr;
-  float* scores = sc.scores.get();
   const int64_t k_row_bytes = pb.head_size * pb.cache_elem;
   const int64_t v_row_bytes = pb.head_size_v * pb.cache_elem;
   const bool prefetch = cache.k_strides.dim == 1 && cache.v_strides.dim == 1;
   const DType cache_dtype = cache.spec.dtype;
-  const bool raw_k = Cfg::kRawK && dot_path && cache.k_strides.dim == 1 &&
+  const bool raw_k = Cfg::kRawK && narrow && cache.k_strides.dim == 1 &&
                      pb.head_size % kLanes == 0 &&
                      (cache_dtype == DType::kFloat32 || cache_dtype == DType::kFloat16 ||
                       cache_dtype == DType::kBFloat16);
-  if (dot_path && !raw_k) {
-    for (int jj = 0; jj < kKeyTile; ++jj) {
-      sc.k_row_ptrs[jj] = reinterpret_cast<const char*>(sc.k_rows.get() + jj * ldk);
-    }
-  }
   int cur = 0;
-  if (key_lo <= key_hi) {
-    const int first_n = static_cast<int>(std::min<int64_t>(kKeyTile, key_hi - key_lo + 1));
-    TileRows(pb, cache.k, cache.k_strides, block_row, g, key_lo, first_n, sc.k_ptrs[0]);
-    TileRows(pb, cache.v, cache.v_strides, block_row, g, key_lo, first_n, sc.v_ptrs[0]);
+  if (tile_lo <= key_hi) {
+    const int first_n = static_cast<int>(std::min<int64_t>(kKeyTile, key_hi - tile_lo + 1));
+    TileRows(pb, cache.k, cache.k_strides, block_row, g, tile_lo, first_n, sc.k_ptrs[0]);
+    TileRows(pb, cache.v, cache.v_strides, block_row, g, tile_lo, first_n, sc.v_ptrs[0]);
   }
-  for (int64_t j0 = key_lo; j0 <= key_hi; j0 += kKeyTile) {
+  for (int64_t j0 = tile_lo; j0 <= key_hi; j0 += kKeyTile) {
     const int n = static_cast<int>(std::min<int64_t>(kKeyTile, key_hi - j0 + 1));
-    const int64_t j_last = j0 + n - 1;
     const char** k_ptrs = sc.k_ptrs[cur];
     const char** v_ptrs = sc.v_ptrs[cur];
-    NextTile next;
+    TilePrefetcher pf;
     if (j0 + kKeyTile <= key_hi) {
       const int64_t next_j0 = j0 + kKeyTile;
       const int next_n = static_cast<int>(std::min<int64_t>(kKeyTile, key_hi - next_j0 + 1));
       TileRows(pb, cache.k, cache.k_strides, block_row, g, next_j0, next_n, sc.k_ptrs[cur ^ 1]);
       TileRows(pb, cache.v, cache.v_strides, block_row, g, next_j0, next_n, sc.v_ptrs[cur ^ 1]);
       if (prefetch) {
-        next = NextTile{sc.k_ptrs[cur ^ 1], sc.v_ptrs[cur ^ 1], next_n, k_row_bytes, v_row_bytes};
+        pf.k = sc.k_ptrs[cur ^ 1];
+        pf.v = sc.v_ptrs[cur ^ 1];
+        pf.n = next_n;
+        pf.k_bytes = k_row_bytes;
+        pf.v_bytes = v_row_bytes;
       }
     }
     cur ^= 1;
-    if (!dot_path) PrefetchTile(next);
-    if (!raw_k) {
-      GatherRows(cache.spec.dtype, k_ptrs, n, pb.head_size, cache.k_strides.dim,
-                 sc.k_table.get(), sc.k_rows.get(), ldk);
-    }
-    GatherRows(cache.spec.dtype, v_ptrs, n, pb.head_size_v, cache.v_strides.dim,
-               sc.v_table.get(), sc.v_rows.get(), ldv);
-
-    if (dot_path) {
-      if (raw_k) {
-        Cfg::DotScores(cache.spec.dtype, n, rows, pb.head_size, sc.q_rows.get(), ldk, k_ptrs,
-                       scores, rp, next);
-      } else {
-        Cfg::DotScores(DType::kFloat32, n, rows, ldk, sc.q_rows.get(), ldk, sc.k_row_ptrs,
-                       scores, rp, next);
-      }
-    } else {
-      Gemm<Cfg, false>(n, static_cast<int>(rp), pb.head_size, sc.k_rows.get(), ldk, 1,
-                       sc.q_t.get(), rp, scores, rp);
-    }
-
-    // The mask is needed only where some row sees part of the tile.
-    bool fully_visible = true;
-    if (p.causal && j_last > pos_first) fully_visible = false;
-    if (window > 0) {
-      if (j0 < int64_t{pos_last} - window + 1) fully_visible = false;
-      if (!p.causal && j_last > int64_t{pos_first} + window - 1) fully_visible = false;
-    }
-    const bool mask = !fully_visible;
-    float* tile_max = sc.tile_max.get();
-    for (int64_t r = 0; r < rp; ++r) tile_max[r] = kNegInf;
     const int32_t j0i = static_cast<int32_t>(j0);
-    if (has_cap) {
-      if (has_alibi) {
-        TransformScoresMasked<true, true>(mask, n, rp, j0i, pb.cap, pb.inv_cap, sc.slope.get(),
-                                          sc.pos.get(), sc.lo.get(), sc.hi.get(), scores,
-                                          tile_max);
+
+    if (narrow) {
+      // V first: its rows were asked for during the previous tile.
+      GatherRows(cache_dtype, v_ptrs, n, pb.head_size_v, cache.v_strides.dim,
+                 sc.v_table.get(), sc.v_rows.get(), ldv, &pf, kPrefetchByV);
+      // K^T. Keys n .. n_padded-1 pad the tile to whole vectors: zeros (raw) or an earlier
+      // tile's rows (converted); their scores are computed and never read.
+      const int n_padded = static_cast<int>(RoundUp(n, kLanes));
+      if (raw_k) {
+        for (int jj = n; jj < n_padded; ++jj) k_ptrs[jj] = zero_row;
+        Cfg::TransposeRows(cache_dtype, k_ptrs, n_padded, pb.head_size, sc.kt.get(), kKeyTile,
+                           pf, kPrefetchByV, kPrefetchByK);
       } else {
-        TransformScoresMasked<true, false>(mask, n, rp, j0i, pb.cap, pb.inv_cap, sc.slope.get(),
-                                           sc.pos.get(), sc.lo.get(), sc.hi.get(), scores,
-                                           tile_max);
+        GatherRows(cache_dtype, k_ptrs, n, pb.head_size, cache.k_strides.dim,
+                   sc.k_table.get(), sc.k_rows.get(), ldk);
+        Cfg::TransposeRows(DType::kFloat32, sc.k_row_ptrs, n_padded, static_cast<int>(ldk),
+                           sc.kt.get(), kKeyTile, pf, kPrefetchByV, kPrefetchByK);
       }
-    } else if (has_alibi) {
-      TransformScoresMasked<false, true>(mask, n, rp, j0i, pb.cap, pb.inv_cap, sc.slope.get(),
-                                         sc.pos.get(), sc.lo.get(), sc.hi.get(), scores,
-                                         tile_max);
+      // S = Q * K^T, vectorised across keys, in chunks of dimensions with prefetches
+      // between them: each score still accumulates over d in order (a chunk stores the
+      // accumulator, the next reloads it).
+      constexpr int kDimChunk = 32;
+      const int d_chunks = (pb.head_size + kDimChunk - 1) / kDimChunk;
+      for (int c = 0; c < d_chunks; ++c) {
+        pf.Spread(c, d_chunks, kPrefetchByK, kPrefetchByS);
+        const int d0 = c * kDimChunk;
+        const int dn = std::min(kDimChunk, pb.head_size - d0);
+        if (c == 0) {
+          Gemm<Cfg, false>(rows, n_padded, dn, sc.q_rows.get(), ldk, 1, sc.kt.get(), kKeyTile,
+                           sc.s_rows.get(), kKeyTile);
+        } else {
+          Gemm<Cfg, true>(rows, n_padded, dn, sc.q_rows.get() + d0, ldk, 1,
+                          sc.kt.get() + d0 * kKeyTile, kKeyTile, sc.s_rows.get(), kKeyTile);
+        }
+      }
+      SoftmaxTile<true>(pb, rows, n, rp, j0i, sc, &pf, kPrefetchByS, kPrefetchBySoftmax);
+      RescaleOutput(rows, ldv, sc);
+      // O += P * V in chunks of kLanes keys, with the rest of the prefetches between them.
+      // Each (row, column) still accumulates over the keys in order: splitting the key
+      // loop only stores and reloads the accumulator.
+      const int chunks = n_padded / kLanes;
+      for (int c = 0; c < chunks; ++c) {
+        pf.Spread(c, chunks, kPrefetchBySoftmax, kKeyTile);
+        const int c0 = c * kLanes;
+        Gemm<Cfg, true>(rows, static_cast<int>(ldv), std::min(kLanes, n - c0),
+                        sc.s_rows.get() + c0, kKeyTile, 1, sc.v_rows.get() + c0 * ldv, ldv,
+                        sc.out.get(), ldv);
+      }
+      pf.Upto(kKeyTile);
     } else {
-      TransformScoresMasked<false, false>(mask, n, rp, j0i, pb.cap, pb.inv_cap, sc.slope.get(),
-                                          sc.pos.get(), sc.lo.get(), sc.hi.get(), scores,
-                                          tile_max);
+      // S^T = K * Q^T, vectorised across rows; compute-bound, so the prefetches go at once.
+      pf.Upto(kKeyTile);
+      GatherRows(cache_dtype, v_ptrs, n, pb.head_size_v, cache.v_strides.dim,
+                 sc.v_table.get(), sc.v_rows.get(), ldv);
+      GatherRows(cache_dtype, k_ptrs, n, pb.head_size, cache.k_strides.dim, sc.k_table.get(),
+                 sc.k_rows.get(), ldk);
+      Gemm<Cfg, false>(n, static_cast<int>(rp), pb.head_size, sc.k_rows.get(), ldk, 1,
+                       sc.q_t.get(), rp, sc.scores.get(), rp);
+      SoftmaxTile<false>(pb, rows, n, rp, j0i, sc);
+      RescaleOutput(rows, ldv, sc);
+      // O += P * V with P(r, jj) = scores[jj][r].
+      Gemm<Cfg, true>(rows, static_cast<int>(ldv), n, sc.scores.get(), 1, rp,
+                      sc.v_rows.get(), ldv, sc.out.get(), ldv);
     }
-
-    // Online softmax: new running max, factor for what was accumulated so far, and the
-    // subtrahend (0 for a row that has seen nothing yet, so that -inf - -inf never occurs).
-    float* m = sc.m.get();
-    float* l = sc.l.get();
-    float* alpha = sc.alpha.get();
-    float* sum = sc.sum.get();
-    KVSTREAM_SIMD
-    for (int64_t r = 0; r < rp; ++r) {
-      const float m_new = m[r] < tile_max[r] ? tile_max[r] : m[r];
-      alpha[r] = m_new == kNegInf ? 1.0f : ExpNonPositive(m[r] - m_new);
-      tile_max[r] = m_new == kNegInf ? 0.0f : m_new;
-      m[r] = m_new;
-      sum[r] = 0.0f;
-    }
-    for (int jj = 0; jj < n; ++jj) {
-      float* row = scores + jj * rp;
-      KVSTREAM_SIMD
-      for (int64_t r = 0; r < rp; ++r) {
-        const float e = ExpNonPositive(row[r] - tile_max[r]);
-        row[r] = e;
-        sum[r] += e;
-      }
-    }
-    KVSTREAM_SIMD
-    for (int64_t r = 0; r < rp; ++r) l[r] = l[r] * alpha[r] + sum[r];
-    for (int r = 0; r < rows; ++r) {
-      if (alpha[r] == 1.0f) continue;
-      float* o = sc.out.get() + r * ldv;
-      const float a = alpha[r];
-      KVSTREAM_SIMD
-      for (int64_t d = 0; d < ldv; ++d) o[d] *= a;
-    }
-
-    // O += P * V with P(r, jj) = scores[jj][r].
-    Gemm<Cfg, true>(rows, static_cast<int>(ldv), n, scores, 1, rp, sc.v_rows.get(), ldv,
-                    sc.out.get(), ldv);
   }
 
-  // Normalise and store; a row that saw no key (l == 0) gets zeros.
+  // Normalise and store; a row that saw no key (l == 0) gets zeros. "+ 0.0f" turns -0 into
+  // +0 and changes nothing else: the sign of an exact zero is the one thing that the
+  // p = +0 terms of keys beyond a row's range (present in some items, not in others) can
+  // change.
   const size_t o_elem = DTypeSize(p.out_dtype);
   for (int r = 0; r < rows; ++r) {
     const int64_t token = first_row + item.t_begin + r / group;
@@ -804,22 +1000,21 @@ KVSTREAM_INLINE void ProcessItem(const Problem& pb, const WorkItem& item, Scratc
     char* dst =
         static_cast<char*>(p.out) + (token * p.o_token_stride + h * p.o_head_stride) * o_elem;
     const float inv = sc.l[r] > 0 ? 1.0f / sc.l[r] : 0.0f;
-    const float* o = sc.out.get() + r * ldv;
+    float* o = sc.out.get() + r * ldv;
+    KVSTREAM_SIMD
+    for (int d = 0; d < pb.head_size_v; ++d) o[d] = o[d] * inv + 0.0f;
     switch (p.out_dtype) {
-      case DType::kFloat32: {
-        float* d32 = reinterpret_cast<float*>(dst);
-        KVSTREAM_SIMD
-        for (int d = 0; d < pb.head_size_v; ++d) d32[d] = o[d] * inv;
+      case DType::kFloat32:
+        std::memcpy(dst, o, sizeof(float) * static_cast<size_t>(pb.head_size_v));
         break;
-      }
       case DType::kBFloat16: {
         uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
-        for (int d = 0; d < pb.head_size_v; ++d) d16[d] = FloatToBFloat16(o[d] * inv);
+        for (int d = 0; d < pb.head_size_v; ++d) d16[d] = FloatToBFloat16(o[d]);
         break;
       }
       case DType::kFloat16: {
         uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
-        for (int d = 0; d < pb.head_size_v; ++d) d16[d] = FloatToHalf(o[d] * inv);
+        for (int d = 0; d < pb.head_size_v; ++d) d16[d] = FloatToHalf(o[d]);
         break;
       }
       default:
@@ -960,11 +1155,12 @@ absl::Status RunAttentionCpuWith(const PagedAttentionParams& p, CpuIsa isa, int 
   pb.max_rows = max_tokens * pb.group;
   pb.max_rows_padded = RoundUp(pb.max_rows, kLanes);
 
+  // An explicit thread count is taken as given (tests use it to put small calls on a team).
   int threads = 1;
 #ifdef _OPENMP
   threads = num_threads > 0 ? num_threads : omp_get_max_threads();
 #endif
-  if (total_cost < kMinParallelWork) threads = 1;
+  if (num_threads <= 0 && total_cost < kMinParallelWork) threads = 1;
   threads = static_cast<int>(std::min<int64_t>(threads, static_cast<int64_t>(items.size())));
   threads = std::max(threads, 1);
 

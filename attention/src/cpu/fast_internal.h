@@ -21,7 +21,10 @@ const char* CpuIsaName(CpuIsa isa);
 // The variants this CPU can run, kGeneric first; the last is what RunAttentionCpu uses.
 std::vector<CpuIsa> SupportedCpuIsas();
 
-// RunAttentionCpu with a chosen variant and thread count (<= 0: OpenMP's default).
+// RunAttentionCpu with a chosen variant and thread count. num_threads <= 0: OpenMP's
+// default, and one thread for calls too small to be worth a team (what RunAttentionCpu
+// does); > 0: that many (at most one per work item), however small the call. The output
+// bits do not depend on the thread count, only on `isa` (see fast.cc).
 // InvalidArgument when the CPU cannot run `isa`.
 absl::Status RunAttentionCpuWith(const PagedAttentionParams& params, CpuIsa isa,
                                  int num_threads);
