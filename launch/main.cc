@@ -1,9 +1,12 @@
 // The kvstream command. Subcommands: demo (prefill and decode workers on this machine),
 // worker (one prefill or decode worker) and selftest (the attention stack against the golden
 // reference). Only launch/ reads argv and the environment.
+#include <unistd.h>
+
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -26,6 +29,34 @@ bool RoleFromMpiRank(kvstream::WorkerOptions& w) {
   w.role = prefill ? "prefill" : "decode";
   w.index = prefill ? r : r - w.num_prefill;
   return true;
+}
+
+// `kvstream bench NAME [flags]` runs the Google Benchmark program kvstream_bench_NAME that
+// was built (or installed) beside this binary, passing the flags through.
+int RunBench(const std::string& name, const std::vector<std::string>& args) {
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) {
+    std::cerr << "kvstream bench: cannot locate this program\n";
+    return 1;
+  }
+  self[n] = '\0';
+  std::string dir(self);
+  dir = dir.substr(0, dir.rfind('/'));
+  const std::string program = "kvstream_bench_" + name;
+  for (const std::string& candidate : {dir + "/" + program, dir + "/../bench/" + program}) {
+    if (access(candidate.c_str(), X_OK) != 0) continue;
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(candidate.c_str()));
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(candidate.c_str(), argv.data());
+    std::cerr << "kvstream bench: cannot run " << candidate << "\n";
+    return 1;
+  }
+  std::cerr << "kvstream bench: " << program << " was not built (it needs Google Benchmark"
+            << (name == "attention_cpu" ? " and a CBLAS" : "") << ")\n";
+  return 1;
 }
 
 void AddModelFlags(CLI::App* cmd, kvstream::ToyModelConfig& m) {
@@ -161,7 +192,30 @@ int main(int argc, char** argv) {
                          "(host:port) there, the decode worker reads it (overrides kv_ip, "
                          "kv_port; lets the prefill worker use kv_port 0)");
 
+  std::string bench_name;
+  std::vector<std::string> bench_args;
+  CLI::App* bench_cmd = app.add_subcommand(
+      "bench",
+      "Run a benchmark, printing its figure, the ceiling or peer measured in the same run, and "
+      "the ratio: attention (CPU attention vs OpenBLAS sgemm), cache (cache update vs memcpy), "
+      "transfer (two processes over UCX vs ucx_perftest). Flags after the name go to the "
+      "Google Benchmark program (e.g. --benchmark_repetitions=3; transfer: --memory, --tls, "
+      "--depth)");
+  bench_cmd->add_option("name", bench_name, "attention, cache or transfer")
+      ->required()->check(CLI::IsMember({"attention", "cache", "transfer"}));
+  bench_cmd->add_option("args", bench_args, "Flags for the benchmark program");
+  bench_cmd->allow_extras();
+
   CLI11_PARSE(app, argc, argv);
+
+  if (bench_cmd->parsed()) {
+    std::vector<std::string> args = bench_args;
+    for (const std::string& extra : bench_cmd->remaining()) args.push_back(extra);
+    const std::string program = bench_name == "attention" ? "attention_cpu"
+                                : bench_name == "cache"   ? "cache_update"
+                                                          : "transfer";
+    return RunBench(program, args);
+  }
 
   if (real_demo->parsed()) {
     return kvstream::RunDemo(demo_options, std::cout, std::cerr);
