@@ -195,6 +195,9 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
                         {"transfer_bytes", bytes},
                         {"transfer_ms", transfer_ms},
                         {"exposed_transfer_ms", exposed},
+                        {"layer_arrival_ms", t != report.transfer.end()
+                                                 ? t->second.layer_arrival_ms
+                                                 : std::vector<double>()},
                         {"output_tokens", r.output_tokens},
                         {"matches_colocated", match},
                         {"status", r.status.ToString()}});
