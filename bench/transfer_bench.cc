@@ -100,13 +100,13 @@ UcxTransportOptions OptionsFor(const Flags& flags) {
 // The UCX settings the transport applies for these flags, as environment for ucx_perftest,
 // so that both run on the same UCX configuration (see ucx_transport.cc).
 std::vector<std::string> UcxEnvFor(const Flags& flags) {
-  std::vector<std::string> env;
+  std::vector<std::string> env = {"UCX_ADAPTIVE_PROGRESS=n"};
   if (flags.tls == "shm") {
-    env = {"UCX_TLS=sm,self", "UCX_MM_SEG_SIZE=64k"};
+    env.insert(env.end(), {"UCX_TLS=sm,self", "UCX_MM_SEG_SIZE=64k"});
   } else if (flags.tls == "tcp") {
-    env = {"UCX_TLS=tcp,self", "UCX_NET_DEVICES=lo"};
+    env.insert(env.end(), {"UCX_TLS=tcp,self", "UCX_NET_DEVICES=lo"});
   } else {
-    env = {"UCX_TLS=" + flags.tls};
+    env.push_back("UCX_TLS=" + flags.tls);
   }
   for (const auto& [name, value] : flags.ucx_config) env.push_back("UCX_" + name + "=" + value);
   return env;

@@ -903,6 +903,15 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportImpl(
   // shared-memory transports (posix, sysv) only advertise it when asked to; without them no
   // shared-memory transport carries active messages. The key is the field's name within the
   // transports' common "MM_" table (the environment spells it UCX_POSIX_ERROR_HANDLING).
+  // UCX's adaptive progress leaves out of the worker's progress every interface that no local
+  // endpoint uses, and arms it for events instead. A receiver never connects back over the
+  // interface its peers write to (notifications arrive on the shared-memory FIFO), so with
+  // it every notification found the receiver's interface armed and the sender paid a
+  // sendto() to wake the receiver's async thread: about 10 us per transfer inside
+  // ucp_am_send_nbx, half the time of a 1 MiB layer (docs/benchmarks-transfer.md, Run F).
+  // Progressing every interface costs a few polls per Progress() with the few this
+  // transport opens.
+  RETURN_IF_ERROR(set("ADAPTIVE_PROGRESS", "n"));
   if (MayUseSharedMemory(tls)) {
     RETURN_IF_ERROR(set("MM_ERROR_HANDLING", "y"));
     // Puts into ordinary memory travel as active-message fragments of at most one FIFO
