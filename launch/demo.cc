@@ -153,6 +153,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   w.decode_steps = o.decode_steps;
   w.address_file = address_file;
   w.check_colocated = true;
+  w.progress = &out;
   out << "running: prefill in the child process, decode here, then the same requests colocated"
       << std::endl;
   std::ostringstream worker_out;

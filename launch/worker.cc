@@ -106,11 +106,22 @@ std::vector<RequestSpec> MakeRequests(const WorkerOptions& o) {
   return out;
 }
 
-// Runs `engine` until it has no work or `deadline` passes.
-absl::Status Drain(Engine& engine, absl::Time deadline) {
+// Runs `engine` until it has no work or `deadline` passes. With `progress`, a line every
+// second of a long run says how far it got.
+absl::Status Drain(Engine& engine, absl::Time deadline, std::ostream* progress = nullptr,
+                   absl::string_view what = "") {
+  const absl::Time start = absl::Now();
+  absl::Time next_report = start + absl::Seconds(1);
   while (engine.HasWork()) {
-    if (absl::Now() > deadline) {
+    const absl::Time now = absl::Now();
+    if (now > deadline) {
       return absl::DeadlineExceededError("the engine did not finish its requests in time");
+    }
+    if (progress != nullptr && now > next_report) {
+      *progress << absl::StrFormat("  %s: %.0f s, %d steps\n", what,
+                                   absl::ToDoubleSeconds(now - start), engine.steps())
+                << std::flush;
+      next_report = now + absl::Seconds(1);
     }
     auto ran = engine.Step();
     if (!ran.ok()) return ran.status();
@@ -291,7 +302,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   }
   const absl::Duration budget = absl::Seconds(120) + absl::Milliseconds(
       2 * (config->kvstream.load_timeout_ms + config->kvstream.send_timeout_ms));
-  absl::Status drained = Drain(**engine, t0 + budget);
+  absl::Status drained = Drain(**engine, t0 + budget, o.progress, "disaggregated run");
   if (!drained.ok()) return Fail(err, drained);
   const double total_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
   std::vector<RequestResult> results = (*engine)->TakeFinished();
@@ -309,7 +320,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
       absl::Status s = (*ref)->AddRequest(r);
       if (!s.ok()) return Fail(err, s);
     }
-    absl::Status s = Drain(**ref, absl::Now() + absl::Seconds(600));
+    absl::Status s = Drain(**ref, absl::Now() + absl::Seconds(600), o.progress, "colocated run");
     if (!s.ok()) return Fail(err, s);
     colocated = (*ref)->TakeFinished();
     std::sort(colocated.begin(), colocated.end(),

@@ -44,6 +44,7 @@ struct WorkerOptions {
   int num_decode = 1;
   int index = 0;  // this worker's index among its role
   int metrics_port = -1;  // >= 0: serve Prometheus metrics on this port (0 = any free port)
+  std::ostream* progress = nullptr;  // decode: progress lines of long runs go here
 };
 
 // What a decode worker saw, for reports.
