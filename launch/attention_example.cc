@@ -76,10 +76,8 @@ Tensor RandomTensor(std::vector<int64_t> shape, DType dtype, std::mt19937& rng) 
 
 bool CachesEqual(const KvCache& a, const KvCache& b) {
   const KvCacheView va = a.view(), vb = b.view();
-  const size_t es = DTypeSize(va.spec.dtype);
   const size_t kbytes = static_cast<size_t>(va.num_blocks) * va.spec.KBytesPerBlock();
   const size_t vbytes = static_cast<size_t>(va.num_blocks) * va.spec.VBytesPerBlock();
-  (void)es;
   return std::memcmp(va.k, vb.k, kbytes) == 0 && std::memcmp(va.v, vb.v, vbytes) == 0;
 }
 

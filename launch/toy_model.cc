@@ -97,7 +97,6 @@ absl::StatusOr<std::unique_ptr<ToyModel>> ToyModel::Create(const ToyModelConfig&
     if (allocate) {
       // K then V in one allocation, dense in `layout`.
       const KvCacheSpec& spec = layer->kv_cache_spec();
-      const size_t es = DTypeSize(spec.dtype);
       const size_t k_bytes = static_cast<size_t>(num_blocks) * spec.KBytesPerBlock();
       const size_t v_off = (k_bytes + 63) / 64 * 64;
       const size_t v_bytes = static_cast<size_t>(num_blocks) * spec.VBytesPerBlock();
@@ -110,7 +109,6 @@ absl::StatusOr<std::unique_ptr<ToyModel>> ToyModel::Create(const ToyModelConfig&
       TensorView v(base + v_off, spec.dtype,
                    {num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size_v},
                    {vs.block, vs.token, vs.head, vs.dim});
-      (void)es;
       ASSIGN_OR_RETURN(cache, KvCache::Borrow(spec, k, v));
       m->cache_memory_.push_back(std::move(memory));
     } else {

@@ -114,7 +114,7 @@ absl::StatusOr<TensorView> TensorView::Reshape(std::vector<int64_t> new_shape) c
       }
     }
     // Old dims [og_begin, oi) must be mutually contiguous.
-    int64_t last_stride = 0, last_size = 0;
+    int64_t last_stride = 0;
     bool first = true;
     for (size_t k = og_begin; k < oi; ++k) {
       if (shape_[k] == 1) continue;
@@ -124,10 +124,8 @@ absl::StatusOr<TensorView> TensorView::Reshape(std::vector<int64_t> new_shape) c
             "]: the merged dimensions are not contiguous"));
       }
       last_stride = strides_[k];
-      last_size = shape_[k];
       first = false;
     }
-    (void)last_size;
     // New dims in the group get contiguous strides ending at the group's innermost stride.
     int64_t s = last_stride;
     for (size_t k = ni; k-- > ng_begin;) {

@@ -382,7 +382,6 @@ class LayerwiseConnectorImpl final : public KvConnector {
               [](const LayerEntry& a, const LayerEntry& b) { return a.index < b.index; });
     const KvCacheView v = layers_[0].cache->view();
     block_size_ = v.spec.block_size;
-    num_blocks_ = v.num_blocks;
     layer_count_ = static_cast<int>(layers_.size());
     layer_slots_ = max_index + 1;
     description = absl::StrCat(
@@ -1281,7 +1280,6 @@ class LayerwiseConnectorImpl final : public KvConnector {
   std::map<std::string, int> layer_by_name_ ABSL_GUARDED_BY(mu_);
   std::map<int32_t, int> layer_by_index_ ABSL_GUARDED_BY(mu_);
   int block_size_ ABSL_GUARDED_BY(mu_) = 1;
-  int64_t num_blocks_ ABSL_GUARDED_BY(mu_) = 0;
   int layer_count_ ABSL_GUARDED_BY(mu_) = 0;
   int layer_slots_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t compat_hash_ ABSL_GUARDED_BY(mu_) = 0;
