@@ -87,12 +87,29 @@ absl::Status ValidateCache(const KvCacheView& cache) {
 
 }  // namespace
 
-absl::Status ValidatePagedAttention(const PagedAttentionParams& p) {
-  if (p.q == nullptr) return Invalid("q is null");
-  if (p.out == nullptr) return Invalid("out is null");
-  if (p.query_start_loc == nullptr) return Invalid("query_start_loc is null");
-  if (p.seq_lens == nullptr) return Invalid("seq_lens is null");
-  if (p.block_table == nullptr) return Invalid("block_table is null");
+absl::Status ValidatePagedAttention(const PagedAttentionParams& params) {
+  if (params.q == nullptr) return Invalid("q is null");
+  if (params.out == nullptr) return Invalid("out is null");
+  if (params.query_start_loc == nullptr) return Invalid("query_start_loc is null");
+  if (params.seq_lens == nullptr) return Invalid("seq_lens is null");
+  if (params.block_table == nullptr) return Invalid("block_table is null");
+  // Device batches are checked through their host copies; `p` below reads only host memory.
+  PagedAttentionParams p = params;
+  if (params.cache.memory == MemoryKind::kDevice) {
+    if (params.host.query_start_loc == nullptr || params.host.seq_lens == nullptr ||
+        params.host.block_table == nullptr) {
+      return Invalid(
+          "a device cache needs host copies of query_start_loc, seq_lens and block_table "
+          "(params.host)");
+    }
+    if (params.alibi_slopes != nullptr && params.host.alibi_slopes == nullptr) {
+      return Invalid("device alibi_slopes need a host copy (params.host.alibi_slopes)");
+    }
+    p.query_start_loc = params.host.query_start_loc;
+    p.seq_lens = params.host.seq_lens;
+    p.block_table = params.host.block_table;
+    p.alibi_slopes = params.host.alibi_slopes;
+  }
   if (p.num_tokens <= 0) {
     return Invalid(absl::StrCat("num_tokens must be positive, got ", p.num_tokens));
   }

@@ -63,6 +63,18 @@ struct PagedAttentionParams {
   int32_t sliding_window = 0;  // <= 0: no window
   float logits_soft_cap = 0;   // <= 0: no cap
   const float* alibi_slopes = nullptr;  // [num_heads] or null
+
+  // Device batches. When cache.memory is kDevice, q, out, query_start_loc, seq_lens,
+  // block_table and alibi_slopes are device pointers, and validation (which never reads
+  // device memory) reads these host copies of the same arrays instead. Required then
+  // (alibi only when alibi_slopes is set); ignored for host caches.
+  struct HostMirror {
+    const int32_t* query_start_loc = nullptr;
+    const int32_t* seq_lens = nullptr;
+    const int32_t* block_table = nullptr;
+    const float* alibi_slopes = nullptr;
+  };
+  HostMirror host;
 };
 
 // Checks the params: pointers, sizes, num_heads a multiple of num_kv_heads, dtypes,

@@ -38,6 +38,7 @@ struct KvCacheView {
   int64_t num_blocks = 0;
   KvCacheSpec spec;
   // fp8 only: num_scales entries each (1 = per tensor, num_kv_heads = per head); else null.
+  // Host memory for every memory kind: CUDA launchers pass the scales to kernels by value.
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
   int num_scales = 0;
