@@ -1129,6 +1129,11 @@ TEST_F(CpuAttentionValidationTest, NonFiniteScalars) {
 TEST_F(CpuAttentionValidationTest, CpuBackendsRejectDeviceCaches) {
   PagedAttentionParams p = Valid();
   p.cache.memory = MemoryKind::kDevice;
+  // A device batch is validated through host copies of its arrays.
+  EXPECT_THAT(ValidatePagedAttention(p).message(), HasSubstr("host copies"));
+  p.host.query_start_loc = p.query_start_loc;
+  p.host.seq_lens = p.seq_lens;
+  p.host.block_table = p.block_table;
   EXPECT_TRUE(ValidatePagedAttention(p).ok());  // the CUDA backend may take it
   for (const Runner& runner : AllRunners()) {
     EXPECT_EQ(runner.run(p).code(), absl::StatusCode::kInvalidArgument) << runner.name;
