@@ -43,6 +43,8 @@ std::vector<std::string> ModelFlags(const ToyModelConfig& m) {
           absl::StrCat("--block-size=", m.block_size),
           absl::StrCat("--kv-cache-dtype=", m.kv_cache_dtype),
           absl::StrCat("--layout=", m.layout),
+          absl::StrCat("--rope-theta=", m.rope_theta),
+          absl::StrCat("--blas-threads=", m.blas_threads),
           absl::StrCat("--backend=", m.backend),
           absl::StrCat("--seed=", m.seed)};
 }
@@ -104,7 +106,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   std::vector<int> lengths = o.prompt_lengths;
   if (lengths.empty()) {
     for (int i = 0; i < o.num_requests; ++i) {
-      lengths.push_back(40 + (560 * i) / std::max(1, o.num_requests - 1) + 7 * (i % 3));
+      lengths.push_back(64 + (896 * i) / std::max(1, o.num_requests - 1));
     }
   }
   char dir_template[] = "/tmp/kvstream-demo-XXXXXX";
@@ -124,18 +126,20 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   out << "kvstream demo: one prefill and one decode worker process on this machine, UCX over "
       << (tls == "tcp" ? "TCP (loopback)" : "shared memory") << ", " << o.model.backend
       << " attention backend\n"
-      << absl::StrFormat("model: %d layers, %d query / %d KV heads x %d, block size %d, cache %s "
-                         "%s; %d requests, %d tokens generated each\n",
+      << absl::StrFormat("model: %d layers, %d query / %d KV heads x %d, MLP %d, vocabulary %d "
+                         "(%.0f M parameters), block size %d, cache %s %s; %d requests, %d "
+                         "tokens generated each\n",
                          o.model.num_layers, o.model.num_heads, o.model.num_kv_heads,
-                         o.model.head_size, o.model.block_size, o.model.kv_cache_dtype,
-                         o.model.layout, lengths.size(), o.decode_steps);
+                         o.model.head_size, o.model.intermediate_size, o.model.vocab_size,
+                         o.model.ParameterCount() / 1e6, o.model.block_size,
+                         o.model.kv_cache_dtype, o.model.layout, lengths.size(), o.decode_steps);
 
   std::vector<std::string> args = {SelfExe(), "worker", "--role=prefill",
                                    "--kv-transfer-config=" + config,
                                    "--address-file=" + address_file,
                                    absl::StrCat("--serve=", lengths.size()),
                                    absl::StrCat("--num-blocks=", o.num_blocks),
-                                   "--idle-timeout=60"};
+                                   absl::StrCat("--idle-timeout=", o.timeout_s)};
   for (const std::string& f : ModelFlags(o.model)) args.push_back(f);
   PrefillProcess prefill;
   absl::Status started = prefill.Start(args, log);
@@ -154,6 +158,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   w.address_file = address_file;
   w.check_colocated = true;
   w.progress = &out;
+  w.run_timeout_s = o.timeout_s;
   out << "running: prefill in the child process, decode here, then the same requests colocated"
       << std::endl;
   std::ostringstream worker_out;
@@ -243,7 +248,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     j["transport"] = absl::StrCat("ucx-", tls);
     j["backend"] = o.model.backend;
     j["load_errors"] = report.stats.load_errors;
-    j["connector"] = ConnectorStatsJson(report.stats);
+    j["connector"] = ConnectorStatsJson(report.stats, report.peer_stats);
     std::ofstream f(o.json_path);
     f << j.dump(2) << "\n";
   }

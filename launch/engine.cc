@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <random>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +16,24 @@ namespace kvstream {
 namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// FNV-1a over the step's batch: stages compare it to be sure they run the same rows.
+class Digest {
+ public:
+  void Add(absl::string_view bytes) {
+    for (char c : bytes) {
+      h_ ^= static_cast<uint8_t>(c);
+      h_ *= 1099511628211ull;
+    }
+    h_ ^= 0xff;  // separator
+    h_ *= 1099511628211ull;
+  }
+  void Add(int64_t v) { Add(absl::StrCat(v)); }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 1469598103934665603ull;
+};
 
 KvRequest AsKvRequest(const RequestSpec& spec) {
   KvRequest r;
@@ -34,8 +53,23 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     KvConnector* c = options.connector;
     allocate = [c](size_t bytes) { return c->AllocateCacheMemory(bytes); };
   }
+  if ((options.pipeline != nullptr) != options.layers.has_value()) {
+    return absl::InvalidArgumentError(
+        "engine: a pipeline stage needs both its layers and its channel");
+  }
+  if (options.pipeline != nullptr) {
+    const bool first = options.pipeline->stage() == 0;
+    const bool last = options.pipeline->stage() + 1 == options.pipeline->num_stages();
+    if (first != (options.layers->begin == 0) ||
+        last != (options.layers->end == options.model.num_layers)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "engine: pipeline stage ", options.pipeline->stage(), " of ",
+          options.pipeline->num_stages(), " cannot run layers ",
+          FormatLayerRange(*options.layers), " of ", options.model.num_layers));
+    }
+  }
   ASSIGN_OR_RETURN(e->model_, ToyModel::Create(options.model, options.num_blocks, &e->registry_,
-                                               allocate));
+                                               allocate, options.layers));
   ASSIGN_OR_RETURN(e->pool_, BlockPool::Create(static_cast<int32_t>(options.num_blocks)));
   if (options.scatter_seed != 0) {
     // Freed blocks are handed out first, in reverse order of freeing.
@@ -45,8 +79,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   }
   if (options.connector != nullptr) {
     std::map<std::string, KvCache*> caches;
-    for (int l = 0; l < options.model.num_layers; ++l) {
-      caches[options.model.LayerName(l)] = e->model_->caches()[l].get();
+    for (int l = e->model_->layers().begin; l < e->model_->layers().end; ++l) {
+      caches[options.model.LayerName(l)] = e->model_->cache(l);
     }
     RETURN_IF_ERROR(options.connector->RegisterKvCaches(caches));
     e->registry_.SetTransferHook(options.hook != nullptr ? options.hook : options.connector);
@@ -166,20 +200,30 @@ absl::StatusOr<bool> Engine::Step() {
   std::vector<ScheduledRequest> scheduled;
   std::vector<int32_t> tokens;
   std::vector<int32_t> positions;
+  std::vector<int32_t> segments;
   std::vector<int64_t> last_rows;
+  Digest digest;
   for (const auto& r : running_) {
     const int32_t prompt = static_cast<int32_t>(r->spec.prompt.size());
     const bool prefill = r->computed < prompt;
     const int32_t n = prefill ? prompt - r->computed : 1;
     if (prefill) {
       tokens.insert(tokens.end(), r->spec.prompt.begin() + r->computed, r->spec.prompt.end());
+      // The prompt but its last token, then the last token: the pieces a prefill worker and
+      // a decode worker compute (toy_model.h).
+      if (n > 1) segments.push_back(n - 1);
+      segments.push_back(1);
     } else {
       tokens.push_back(r->generated.back());
+      segments.push_back(1);
     }
     for (int32_t j = 0; j < n; ++j) positions.push_back(r->computed + j);
     schedule.push_back({r->computed, n, r->blocks});
     scheduled.push_back({r->spec.id, r->computed, n});
     last_rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
+    digest.Add(r->spec.id);
+    digest.Add(r->computed);
+    digest.Add(n);
   }
   ASSIGN_OR_RETURN(AttentionMetadata md,
                    BuildAttentionMetadata(schedule, options_.model.block_size));
@@ -190,30 +234,115 @@ absl::StatusOr<bool> Engine::Step() {
     RETURN_IF_ERROR(c->BindConnectorMetadata(meta));
     RETURN_IF_ERROR(c->StartLoadKv());
   }
-  auto logits = model_->Forward(tokens, positions, last_rows);
+  StageChannel* pipe = options_.pipeline;
+  const bool first = pipe == nullptr || pipe->stage() == 0;
+  const bool last = pipe == nullptr || pipe->stage() + 1 == pipe->num_stages();
+  const absl::Time stage_deadline = absl::Now() + options_.stage_timeout;
+  // Load errors of this step, on this stage and (in a pipeline) the stages before it.
+  std::vector<StageError> errors;
+  auto check = [&](const StageMessage& m, absl::string_view from) -> absl::Status {
+    if (m.step != static_cast<uint64_t>(steps_) || m.schedule != digest.value()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "pipeline stage ", pipe->stage(), ": the ", from, " stage ran step ", m.step,
+          " over another batch than this stage's step ", steps_,
+          " (stages must schedule the same requests; did one run out of cache blocks?)"));
+    }
+    return absl::OkStatus();
+  };
+  absl::StatusOr<std::vector<float>> hidden = std::vector<float>();
+  if (first) {
+    hidden = model_->Embed(tokens);
+  } else {
+    absl::StatusOr<StageMessage> in = pipe->ReceiveForward(stage_deadline);
+    absl::Status ok = in.ok() ? check(*in, "previous") : in.status();
+    if (ok.ok() && in->values.size() != tokens.size() * static_cast<size_t>(
+                                            options_.model.hidden_size())) {
+      ok = absl::InvalidArgumentError(absl::StrCat("pipeline stage ", pipe->stage(), ": got ",
+                                                   in->values.size(), " hidden values for ",
+                                                   tokens.size(), " rows"));
+    }
+    if (ok.ok()) {
+      hidden = std::move(in->values);
+      errors = std::move(in->errors);
+    } else {
+      hidden = ok;
+    }
+  }
+  absl::Status ran = hidden.status();
+  if (ran.ok()) ran = model_->RunLayers(*hidden, positions, segments);
   registry_.SetForwardContext({});
   if (c != nullptr) {
     absl::Status s = c->WaitForSave();
     if (!s.ok()) Log(LogLevel::kWarning, absl::StrCat("saving KV: ", s.ToString()));
     c->ClearConnectorMetadata();
   }
-  if (!logits.ok()) return logits.status();
+  RETURN_IF_ERROR(ran);
+
+  // Requests whose remote KV failed to load: their output of this step is garbage. An error
+  // for a request that already gave up its remote KV (detached) is stale.
+  std::set<std::string> own_errors;
+  if (c != nullptr) {
+    std::set<std::string> live;
+    for (const auto& r : running_) {
+      if (!r->detached) live.insert(r->spec.id);
+    }
+    for (LoadError& e : c->TakeLoadErrors()) {
+      if (live.count(e.request_id) == 0) continue;
+      own_errors.insert(e.request_id);
+      errors.push_back({e.request_id, static_cast<int32_t>(e.status.code()),
+                        std::string(e.status.message())});
+    }
+  }
+  absl::StatusOr<std::vector<float>> logits = std::vector<float>();
+  if (!last) {
+    RETURN_IF_ERROR(pipe->SendForward({static_cast<uint64_t>(steps_), digest.value(),
+                                       std::move(*hidden), errors},
+                                      stage_deadline));
+    ASSIGN_OR_RETURN(StageMessage back, pipe->ReceiveBackward(stage_deadline));
+    RETURN_IF_ERROR(check(back, "next"));
+    if (back.values.size() != last_rows.size() * static_cast<size_t>(options_.model.vocab_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("pipeline stage ", pipe->stage(), ": got ",
+                                                     back.values.size(), " logits for ",
+                                                     last_rows.size(), " rows"));
+    }
+    logits = std::move(back.values);
+    errors = std::move(back.errors);
+  } else {
+    logits = model_->Logits(*hidden, last_rows);
+    if (!logits.ok()) return logits.status();
+  }
+  if (!first) {
+    RETURN_IF_ERROR(pipe->SendBackward({static_cast<uint64_t>(steps_), digest.value(), *logits,
+                                        errors},
+                                       stage_deadline));
+  }
   ++steps_;
 
-  // Requests whose remote KV failed to load: their output of this step is garbage.
   std::map<std::string, absl::Status> load_errors;
-  if (c != nullptr) {
-    for (LoadError& e : c->TakeLoadErrors()) load_errors[e.request_id] = e.status;
+  for (const StageError& e : errors) {
+    load_errors.emplace(e.request_id,
+                        absl::Status(static_cast<absl::StatusCode>(e.code), e.message));
   }
   const int vocab = options_.model.vocab_size;
   std::vector<std::unique_ptr<Request>> still_running;
   for (size_t i = 0; i < running_.size(); ++i) {
     std::unique_ptr<Request>& r = running_[i];
     auto err = load_errors.find(r->spec.id);
-    if (err != load_errors.end()) {
-      // The blocks may still receive writes until the connector says the producer stopped.
-      held_blocks_[r->spec.id] = std::move(r->blocks);
+    if (err != load_errors.end() && !r->detached) {
+      if (own_errors.count(r->spec.id) != 0 || c == nullptr) {
+        // The blocks may still receive writes until the connector says the producer stopped.
+        held_blocks_[r->spec.id] = std::move(r->blocks);
+      } else {
+        // Another pipeline stage failed to load its layers: give up this stage's part too.
+        auto delay = c->RequestFinished(r->spec.id);
+        if (delay.ok() && *delay) {
+          held_blocks_[r->spec.id] = std::move(r->blocks);
+        } else {
+          RETURN_IF_ERROR(pool_->Free(r->blocks));
+        }
+      }
       r->blocks.clear();
+      r->detached = true;
       if (options_.failure_policy == LoadFailurePolicy::kFail) {
         r->result.status = err->second;
         finished_.push_back(std::move(r->result));
@@ -222,7 +351,6 @@ absl::StatusOr<bool> Engine::Step() {
       Log(LogLevel::kWarning, absl::StrCat("request ", r->spec.id, ": ", err->second.ToString(),
                                            "; recomputing its prompt locally"));
       r->spec.remote.reset();
-      r->detached = true;
       r->computed = 0;
       r->result.remote_tokens = 0;
       r->result.recomputed = true;

@@ -8,6 +8,15 @@
 //     last from the producer and decode from there; load errors are handled by the policy
 //     (recompute: prefill locally; fail: the request ends with the error).
 //   colocated: no connector.
+//   pipeline stage (decode): the engine runs one range of the model's layers and its
+//     StageChannel joins it to the other stages of its decode group; every stage schedules
+//     the same batches (they get the same requests), the first embeds the tokens, each
+//     passes its hidden states on, the last computes the logits, which come back to every
+//     stage with the union of the stages' load errors. A batch that differs between stages
+//     (e.g. the cache ran out of blocks on one of them) is an error, not a silent mismatch.
+//
+// Rows are grouped into segments for the model's matrix products (toy_model.h): the prompt
+// but its last token, the last prompt token, each generated token.
 #ifndef KVSTREAM_LAUNCH_ENGINE_H_
 #define KVSTREAM_LAUNCH_ENGINE_H_
 
@@ -25,6 +34,8 @@
 #include "kvstream/attention/layer_registry.h"
 #include "kvstream/cache/block_pool.h"
 #include "kvstream/connector/kv_connector.h"
+#include "kvstream/connector/layer_routing.h"
+#include "pipeline_link.h"
 #include "toy_model.h"
 
 namespace kvstream {
@@ -37,6 +48,13 @@ struct EngineOptions {
   LoadFailurePolicy failure_policy = LoadFailurePolicy::kRecompute;
   // Non-zero: shuffle the free list with this seed, so requests get scattered blocks.
   uint32_t scatter_seed = 0;
+  // Pipeline stage: the model layers this engine runs (and whose caches it registers with
+  // the connector), and its link to the other stages (not owned). Unset / null: the whole
+  // model, no pipeline.
+  std::optional<LayerRange> layers;
+  StageChannel* pipeline = nullptr;
+  // How long a stage waits for its neighbours in one step (their compute and KV waits).
+  absl::Duration stage_timeout = absl::Seconds(600);
 };
 
 struct RequestSpec {
@@ -66,7 +84,8 @@ class Engine {
   absl::Status AddRequest(RequestSpec spec);
 
   // Runs one step (admission, forward, sampling, connector bookkeeping). Returns false when
-  // there was nothing to run.
+  // there was nothing to run. A pipeline stage blocks until its neighbours ran the step
+  // (bounded by stage_timeout); an error of the pipeline ends the engine's work.
   absl::StatusOr<bool> Step();
 
   // Requests queued, running, or whose blocks the connector still holds.

@@ -10,6 +10,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_join.h"
+#include "kvstream/connector/config.h"
+#include "kvstream/connector/layer_routing.h"
 #include "attention_example.h"
 #include "demo.h"
 #include "worker.h"
@@ -17,18 +21,56 @@
 namespace {
 
 // Under mpirun, the rank picks the role: ranks below --prefill-workers prefill, the others
-// decode.
-bool RoleFromMpiRank(kvstream::WorkerOptions& w) {
+// decode. With a pipeline size P (--pp-size, else pipeline_parallel_size in the config),
+// every P consecutive decode ranks form one decode worker whose pipeline stages they are.
+// Returns an empty string, or what is wrong.
+std::string RoleFromMpiRank(kvstream::WorkerOptions& w) {
   const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
   const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
-  if (rank == nullptr || size == nullptr) return false;
+  if (rank == nullptr || size == nullptr) return "--mpi needs to run under mpirun";
   const int r = std::atoi(rank), n = std::atoi(size);
-  if (n <= w.num_prefill) return false;
-  w.num_decode = n - w.num_prefill;
+  if (n <= w.num_prefill) return "--mpi needs an mpirun world larger than --prefill-workers";
+  int pp = w.pp_size.value_or(1);
+  if (!w.pp_size && !w.pp_layers.empty()) {
+    auto ranges = kvstream::ParseLayerRanges(w.pp_layers);
+    if (ranges.ok()) pp = static_cast<int>(ranges->size());
+  }
+  if (!w.pp_size && w.pp_layers.empty()) {
+    auto config = kvstream::ParseKvTransferConfig(
+        w.kv_transfer_config.empty() ? "{}" : w.kv_transfer_config);
+    if (config.ok()) pp = config->kvstream.pipeline_parallel_size;
+  }
+  const int decode_ranks = n - w.num_prefill;
+  if (pp < 1 || decode_ranks % pp != 0) {
+    return "the " + std::to_string(decode_ranks) + " decode ranks cannot form pipelines of " +
+           std::to_string(pp) + " stages";
+  }
+  w.num_decode = decode_ranks / pp;
   const bool prefill = r < w.num_prefill;
   w.role = prefill ? "prefill" : "decode";
-  w.index = prefill ? r : r - w.num_prefill;
-  return true;
+  w.index = prefill ? r : (r - w.num_prefill) / pp;
+  if (!prefill && pp > 1) {
+    w.pp_size = pp;
+    w.pp_rank = (r - w.num_prefill) % pp;
+  }
+  return "";
+}
+
+// Applies the --model preset to the shape fields whose flags were not given.
+absl::Status ApplyPreset(const CLI::App* cmd, const std::string& preset,
+                         kvstream::ToyModelConfig& m) {
+  if (preset.empty()) return absl::OkStatus();
+  const kvstream::ToyModelConfig given = m;
+  absl::Status s = kvstream::ApplyModelPreset(preset, m);
+  if (!s.ok()) return s;
+  if (cmd->count("--layers") > 0) m.num_layers = given.num_layers;
+  if (cmd->count("--heads") > 0) m.num_heads = given.num_heads;
+  if (cmd->count("--kv-heads") > 0) m.num_kv_heads = given.num_kv_heads;
+  if (cmd->count("--head-size") > 0) m.head_size = given.head_size;
+  if (cmd->count("--vocab") > 0) m.vocab_size = given.vocab_size;
+  if (cmd->count("--intermediate") > 0) m.intermediate_size = given.intermediate_size;
+  if (cmd->count("--rope-theta") > 0) m.rope_theta = given.rope_theta;
+  return absl::OkStatus();
 }
 
 // `kvstream bench NAME [flags]` runs the Google Benchmark program kvstream_bench_NAME that
@@ -59,7 +101,13 @@ int RunBench(const std::string& name, const std::vector<std::string>& args) {
   return 1;
 }
 
-void AddModelFlags(CLI::App* cmd, kvstream::ToyModelConfig& m) {
+void AddModelFlags(CLI::App* cmd, kvstream::ToyModelConfig& m, std::string& preset) {
+  cmd->add_option("--model", preset,
+                  "Model shape preset: " + absl::StrJoin(kvstream::ModelPresetNames(), ", ") +
+                      " (llama3-8b: 32 layers, hidden 4096, 32 heads, 8 KV heads of 128, MLP "
+                      "14336, vocabulary 128256, for big machines; shape flags given with it "
+                      "override it, e.g. --vocab)")
+      ->check(CLI::IsMember(kvstream::ModelPresetNames()));
   cmd->add_option("--layers", m.num_layers, "Attention layers of the model")
       ->capture_default_str()->check(CLI::Range(1, 256));
   cmd->add_option("--heads", m.num_heads, "Query heads")->capture_default_str()->check(CLI::Range(1, 256));
@@ -70,6 +118,11 @@ void AddModelFlags(CLI::App* cmd, kvstream::ToyModelConfig& m) {
   cmd->add_option("--vocab", m.vocab_size, "Vocabulary size")->capture_default_str()->check(CLI::Range(2, 1 << 20));
   cmd->add_option("--intermediate", m.intermediate_size, "MLP width")
       ->capture_default_str()->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--rope-theta", m.rope_theta, "Rotary embedding base")
+      ->capture_default_str()->check(CLI::Range(1.5, 1e9));
+  cmd->add_option("--blas-threads", m.blas_threads,
+                  "OpenBLAS threads per process (workers compared bit for bit must agree)")
+      ->capture_default_str()->check(CLI::Range(1, 1024));
   cmd->add_option("--block-size", m.block_size, "Tokens per KV-cache block")
       ->capture_default_str()->check(CLI::Range(1, 4096));
   cmd->add_option("--kv-cache-dtype", m.kv_cache_dtype,
@@ -90,16 +143,17 @@ int main(int argc, char** argv) {
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
 
   kvstream::DemoOptions demo_options;
+  std::string demo_preset;
   CLI::App* real_demo = app.add_subcommand(
       "demo",
       "Start a prefill worker process and a decode worker on this machine, serve requests of "
       "varied prompt lengths with their KV streamed layer by layer, check the tokens against "
       "a colocated run and print a report (TTFT, bytes, GB/s, exposed transfer, timeline)");
-  AddModelFlags(real_demo, demo_options.model);
+  AddModelFlags(real_demo, demo_options.model, demo_preset);
   real_demo->add_option("--requests", demo_options.num_requests, "Number of requests")
       ->capture_default_str()->check(CLI::Range(1, 10000));
   real_demo->add_option("--prompts", demo_options.prompt_lengths,
-                        "Prompt lengths (default: --requests lengths spread over 40..600)")
+                        "Prompt lengths (default: --requests lengths spread over 64..960)")
       ->delimiter(',');
   real_demo->add_option("--decode-steps", demo_options.decode_steps, "Tokens generated per request")
       ->capture_default_str()->check(CLI::Range(1, 100000));
@@ -111,6 +165,10 @@ int main(int argc, char** argv) {
                         "kv_load_failure_policy: recompute or fail")
       ->capture_default_str()->check(CLI::IsMember({"recompute", "fail"}));
   real_demo->add_option("--json", demo_options.json_path, "Write the report as JSON to this file");
+  real_demo->add_option("--timeout", demo_options.timeout_s,
+                        "Seconds each of the disaggregated and colocated runs may take (and the "
+                        "prefill worker waits idle); raise it for --model=llama3-8b")
+      ->capture_default_str()->check(CLI::Range(1.0, 1e6));
 
   kvstream::AttentionExampleOptions demo;
   CLI::App* demo_cmd = app.add_subcommand(
@@ -142,6 +200,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   kvstream::WorkerOptions worker;
+  std::string worker_preset;
   bool worker_mpi = false;
   CLI::App* worker_cmd = app.add_subcommand(
       "worker",
@@ -164,7 +223,7 @@ int main(int argc, char** argv) {
   worker_cmd->add_option("--kv-transfer-config", worker.kv_transfer_config,
                          "vLLM's kv_transfer_config JSON (kvstream settings under "
                          "kv_connector_extra_config)");
-  AddModelFlags(worker_cmd, worker.model);
+  AddModelFlags(worker_cmd, worker.model, worker_preset);
   worker_cmd->add_option("--num-blocks", worker.num_blocks, "KV-cache blocks per layer")
       ->capture_default_str()->check(CLI::Range(1, 1 << 24));
   worker_cmd->add_option("--prompts", worker.prompt_lengths, "Prompt lengths of the requests")
@@ -177,7 +236,12 @@ int main(int argc, char** argv) {
   worker_cmd->add_option("--idle-timeout", worker.idle_timeout_s,
                          "Prefill: seconds without work before exiting")->capture_default_str();
   worker_cmd->add_option("--connect-timeout", worker.connect_timeout_s,
-                         "Decode: seconds to wait for the prefill worker")->capture_default_str();
+                         "Decode: seconds to wait for the prefill worker (and pipeline stages "
+                         "for each other)")->capture_default_str();
+  worker_cmd->add_option("--run-timeout", worker.run_timeout_s,
+                         "Decode: seconds each of the disaggregated and colocated runs may take "
+                         "(0: 120 plus twice the load and send timeouts; 600 colocated)")
+      ->capture_default_str()->check(CLI::Range(0.0, 1e6));
   worker_cmd->add_option("--crash-after-layer", worker.crash_after_layer,
                          "Fault injection for tests: SIGKILL this worker after this layer's "
                          "transfer hook ran in a step with remote traffic")->capture_default_str();
@@ -187,6 +251,23 @@ int main(int argc, char** argv) {
   worker_cmd->add_option("--metrics-port", worker.metrics_port,
                          "Serve Prometheus metrics on this port (0: any free port; default off)")
       ->check(CLI::Range(0, 65535));
+  worker_cmd->add_option("--pp-size", worker.pp_size,
+                         "Decode: stages of this decode worker's pipeline (kv_connector_extra_"
+                         "config pipeline_parallel_size; under --mpi, every this many decode "
+                         "ranks form one decode worker)")
+      ->check(CLI::Range(1, 1024));
+  worker_cmd->add_option("--pp-rank", worker.pp_rank,
+                         "Decode: this worker's pipeline stage (pipeline_rank; set by --mpi)")
+      ->check(CLI::Range(0, 1023));
+  worker_cmd->add_option("--pp-layers", worker.pp_layers,
+                         "Decode: every stage's layers, in stage order (pipeline_layers, e.g. "
+                         "0-15,16-31; default: an even split)");
+  worker_cmd->add_option("--pp-rendezvous", worker.pp_rendezvous,
+                         "Decode: path prefix where pipeline stages publish their addresses "
+                         "(default: <address-file>.d<index>)");
+  worker_cmd->add_option("--pp-timeout", worker.pp_timeout_s,
+                         "Decode: seconds a pipeline stage waits for the others in one step")
+      ->capture_default_str()->check(CLI::Range(0.001, 1e6));
   worker_cmd->add_option("--address-file", worker.address_file,
                          "Rendezvous file: the prefill worker writes its control address "
                          "(host:port) there, the decode worker reads it (overrides kv_ip, "
@@ -218,12 +299,25 @@ int main(int argc, char** argv) {
   }
 
   if (real_demo->parsed()) {
+    absl::Status s = ApplyPreset(real_demo, demo_preset, demo_options.model);
+    if (!s.ok()) {
+      std::cerr << "kvstream demo: " << s << "\n";
+      return 1;
+    }
     return kvstream::RunDemo(demo_options, std::cout, std::cerr);
   }
   if (worker_cmd->parsed()) {
-    if (worker_mpi && !RoleFromMpiRank(worker)) {
-      std::cerr << "kvstream worker: --mpi needs an mpirun world larger than --prefill-workers\n";
+    absl::Status s = ApplyPreset(worker_cmd, worker_preset, worker.model);
+    if (!s.ok()) {
+      std::cerr << "kvstream worker: " << s << "\n";
       return 1;
+    }
+    if (worker_mpi) {
+      const std::string why = RoleFromMpiRank(worker);
+      if (!why.empty()) {
+        std::cerr << "kvstream worker: " << why << "\n";
+        return 1;
+      }
     }
     if (worker.serve == 0 && worker.role == "prefill" && (worker_mpi || worker.num_decode > 1)) {
       worker.serve = kvstream::RequestsServedBy(worker, worker.index);

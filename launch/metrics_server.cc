@@ -78,48 +78,99 @@ void MetricsServer::Loop() {
   }
 }
 
-std::string RenderConnectorMetrics(const ConnectorStats& s, const std::string& role,
-                                   const std::string& engine_id) {
-  const std::string l = absl::StrCat("role=\"", role, "\",engine=\"", engine_id, "\"");
+namespace {
+
+// A label value in Prometheus text format: backslash, quote and newline escaped.
+std::string LabelValue(absl::string_view v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string RenderConnectorMetrics(const std::vector<PeerConnectorStats>& peers,
+                                   const std::string& role, const std::string& engine_id) {
+  std::vector<std::string> labels;  // per peer
+  for (const PeerConnectorStats& p : peers) {
+    labels.push_back(absl::StrCat("role=\"", LabelValue(role), "\",engine=\"",
+                                  LabelValue(engine_id), "\",peer=\"", LabelValue(p.peer), "\""));
+  }
   std::string out;
   auto metric = [&](const char* name, const char* type, const char* help) {
     absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
   };
-  metric("kvstream_transfer_bytes_total", "counter", "KV bytes moved, by direction");
-  absl::StrAppend(&out, "kvstream_transfer_bytes_total{", l, ",direction=\"sent\"} ", s.bytes_sent,
-                  "\nkvstream_transfer_bytes_total{", l, ",direction=\"received\"} ",
-                  s.bytes_received, "\n");
-  metric("kvstream_layers_transferred_total", "counter", "Layer transfers completed, by direction");
-  absl::StrAppend(&out, "kvstream_layers_transferred_total{", l, ",direction=\"sent\"} ",
-                  s.layers_sent, "\nkvstream_layers_transferred_total{", l,
-                  ",direction=\"received\"} ", s.layers_received, "\n");
+  metric("kvstream_transfer_bytes_total", "counter", "KV bytes moved, by direction and peer");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    const ConnectorStats& s = peers[i].stats;
+    absl::StrAppend(&out, "kvstream_transfer_bytes_total{", labels[i], ",direction=\"sent\"} ",
+                    s.bytes_sent, "\nkvstream_transfer_bytes_total{", labels[i],
+                    ",direction=\"received\"} ", s.bytes_received, "\n");
+  }
+  metric("kvstream_layers_transferred_total", "counter",
+         "Layer transfers completed, by direction and peer");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    const ConnectorStats& s = peers[i].stats;
+    absl::StrAppend(&out, "kvstream_layers_transferred_total{", labels[i],
+                    ",direction=\"sent\"} ", s.layers_sent,
+                    "\nkvstream_layers_transferred_total{", labels[i], ",direction=\"received\"} ",
+                    s.layers_received, "\n");
+  }
   metric("kvstream_exposed_transfer_seconds_total", "counter",
          "Time attention waited for layers already in flight (not hidden by prefill compute)");
-  absl::StrAppend(&out, "kvstream_exposed_transfer_seconds_total{", l, "} ",
-                  absl::StrFormat("%.6f", s.exposed_ms / 1e3), "\n");
-  metric("kvstream_layer_wait_seconds_total", "counter", "Time attention waited for remote layers");
-  absl::StrAppend(&out, "kvstream_layer_wait_seconds_total{", l, "} ",
-                  absl::StrFormat("%.6f", s.wait_ms / 1e3), "\n");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    absl::StrAppend(&out, "kvstream_exposed_transfer_seconds_total{", labels[i], "} ",
+                    absl::StrFormat("%.6f", peers[i].stats.exposed_ms / 1e3), "\n");
+  }
+  metric("kvstream_layer_wait_seconds_total", "counter",
+         "Time attention waited for remote layers the peer still owed");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    absl::StrAppend(&out, "kvstream_layer_wait_seconds_total{", labels[i], "} ",
+                    absl::StrFormat("%.6f", peers[i].stats.wait_ms / 1e3), "\n");
+  }
   metric("kvstream_load_errors_total", "counter", "Requests whose remote KV failed to load");
-  absl::StrAppend(&out, "kvstream_load_errors_total{", l, "} ", s.load_errors, "\n");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    absl::StrAppend(&out, "kvstream_load_errors_total{", labels[i], "} ",
+                    peers[i].stats.load_errors, "\n");
+  }
   metric("kvstream_send_failures_total", "counter", "Requests whose KV sends failed");
-  absl::StrAppend(&out, "kvstream_send_failures_total{", l, "} ", s.send_failures, "\n");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    absl::StrAppend(&out, "kvstream_send_failures_total{", labels[i], "} ",
+                    peers[i].stats.send_failures, "\n");
+  }
   metric("kvstream_blocks_in_flight", "gauge", "Blocks of requests still being sent or received");
-  absl::StrAppend(&out, "kvstream_blocks_in_flight{", l, "} ", s.blocks_in_flight, "\n");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    absl::StrAppend(&out, "kvstream_blocks_in_flight{", labels[i], "} ",
+                    peers[i].stats.blocks_in_flight, "\n");
+  }
   metric("kvstream_layer_transfer_latency_seconds", "histogram",
          "Per-layer transfer latency (post to completion or arrival)");
-  uint64_t cumulative = 0;
-  for (int b = 0; b < ConnectorStats::kLatencyBuckets; ++b) {
-    cumulative += s.latency_counts[b];
-    const std::string le = b + 1 < ConnectorStats::kLatencyBuckets
-                               ? absl::StrFormat("%g", ConnectorStats::kLatencyBucketsMs[b] / 1e3)
-                               : "+Inf";
-    absl::StrAppend(&out, "kvstream_layer_transfer_latency_seconds_bucket{", l, ",le=\"", le,
-                    "\"} ", cumulative, "\n");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    const ConnectorStats& s = peers[i].stats;
+    uint64_t cumulative = 0;
+    for (int b = 0; b < ConnectorStats::kLatencyBuckets; ++b) {
+      cumulative += s.latency_counts[b];
+      const std::string le = b + 1 < ConnectorStats::kLatencyBuckets
+                                 ? absl::StrFormat("%g", ConnectorStats::kLatencyBucketsMs[b] / 1e3)
+                                 : "+Inf";
+      absl::StrAppend(&out, "kvstream_layer_transfer_latency_seconds_bucket{", labels[i],
+                      ",le=\"", le, "\"} ", cumulative, "\n");
+    }
+    absl::StrAppend(&out, "kvstream_layer_transfer_latency_seconds_sum{", labels[i], "} ",
+                    absl::StrFormat("%.6f", s.latency_sum_ms / 1e3),
+                    "\nkvstream_layer_transfer_latency_seconds_count{", labels[i], "} ",
+                    cumulative, "\n");
   }
-  absl::StrAppend(&out, "kvstream_layer_transfer_latency_seconds_sum{", l, "} ",
-                  absl::StrFormat("%.6f", s.latency_sum_ms / 1e3),
-                  "\nkvstream_layer_transfer_latency_seconds_count{", l, "} ", cumulative, "\n");
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvstream/connector/kv_connector.h"
@@ -33,9 +34,12 @@ class MetricsServer {
   std::thread thread_;
 };
 
-// The connector's counters in Prometheus text format, labelled with role and engine id.
-std::string RenderConnectorMetrics(const ConnectorStats& stats, const std::string& role,
-                                   const std::string& engine_id);
+// The connector's counters per peer (KvConnector::peer_stats) in Prometheus text format,
+// every sample labelled role="kv_producer|kv_consumer" (this worker's), engine="<this
+// worker's engine id>" and peer="<the peer's engine id>". Before any peer was seen the
+// families are declared (HELP, TYPE) without samples.
+std::string RenderConnectorMetrics(const std::vector<PeerConnectorStats>& peers,
+                                   const std::string& role, const std::string& engine_id);
 
 }  // namespace kvstream
 

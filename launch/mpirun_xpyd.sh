@@ -6,6 +6,9 @@
 #   launch/mpirun_xpyd.sh 1 1                      # 1P1D on this host
 #   launch/mpirun_xpyd.sh 1 2 --prompts=100,300    # 1P2D, extra flags go to every worker
 #   launch/mpirun_xpyd.sh 2 1
+#   launch/mpirun_xpyd.sh 1 2 --pp-size=2          # 1 prefill, 1 decode worker of 2 pipeline
+#                                                  # stages (D counts ranks: D / pp workers)
+#   launch/mpirun_xpyd.sh 1 4 --pp-layers=0,1-3    # 2 decode workers of 2 stages each
 #   HOSTFILE=hosts RENDEZVOUS=/shared/kvs launch/mpirun_xpyd.sh 2 2 \
 #       --kv-transfer-config='{"kv_ip": "0.0.0.0", "kv_port": 0,
 #                              "kv_connector_extra_config": {"ucx_tls": "tcp"}}'

@@ -1,9 +1,6 @@
 // `kvstream worker` (worker.h).
 #include "worker.h"
 
-#include <arpa/inet.h>
-#include <ifaddrs.h>
-#include <netinet/in.h>
 #include <signal.h>
 
 #include <cstdio>
@@ -21,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "engine.h"
 #include "metrics_server.h"
+#include "pipeline_link.h"
 #include "kvstream/connector/config.h"
 #include "kvstream/connector/factory.h"
 #include "kvstream/connector/layer_name.h"
@@ -70,13 +68,35 @@ std::string AddressFileOf(const WorkerOptions& o, int prefill_index) {
 // prefill worker (i + d) % num_prefill.
 }  // namespace
 
-nlohmann::json ConnectorStatsJson(const ConnectorStats& s) {
-  return {{"bytes_sent", s.bytes_sent},           {"bytes_received", s.bytes_received},
-          {"layers_sent", s.layers_sent},         {"layers_received", s.layers_received},
-          {"load_errors", s.load_errors},         {"send_failures", s.send_failures},
-          {"wait_ms", s.wait_ms},                 {"exposed_transfer_ms", s.exposed_ms},
-          {"blocks_in_flight", s.blocks_in_flight},
-          {"layer_latency_sum_ms", s.latency_sum_ms}};
+nlohmann::json ConnectorStatsJson(const ConnectorStats& s,
+                                  const std::vector<PeerConnectorStats>& peers) {
+  nlohmann::json buckets = nlohmann::json::array();
+  uint64_t count = 0;
+  for (int b = 0; b < ConnectorStats::kLatencyBuckets; ++b) {
+    count += s.latency_counts[b];
+    nlohmann::json le = b + 1 < ConnectorStats::kLatencyBuckets
+                            ? nlohmann::json(ConnectorStats::kLatencyBucketsMs[b])
+                            : nlohmann::json("+Inf");
+    buckets.push_back({{"le_ms", le}, {"count", count}});  // cumulative, as in Prometheus
+  }
+  nlohmann::json j = {{"bytes_sent", s.bytes_sent},
+                      {"bytes_received", s.bytes_received},
+                      {"layers_sent", s.layers_sent},
+                      {"layers_received", s.layers_received},
+                      {"load_errors", s.load_errors},
+                      {"send_failures", s.send_failures},
+                      {"wait_ms", s.wait_ms},
+                      {"exposed_transfer_ms", s.exposed_ms},
+                      {"blocks_in_flight", s.blocks_in_flight},
+                      {"layer_latency_sum_ms", s.latency_sum_ms},
+                      {"layer_latency_count", count},
+                      {"layer_latency_buckets", buckets}};
+  if (!peers.empty()) {
+    nlohmann::json by_peer = nlohmann::json::object();
+    for (const PeerConnectorStats& p : peers) by_peer[p.peer] = ConnectorStatsJson(p.stats);
+    j["peers"] = by_peer;
+  }
+  return j;
 }
 
 int RequestsServedBy(const WorkerOptions& o, int prefill_index) {
@@ -168,28 +188,6 @@ absl::StatusOr<std::pair<std::string, int>> ReadAddressFile(const std::string& p
       absl::StrCat("the prefill worker did not write ", path, " in time"));
 }
 
-// The address peers should dial: a wildcard listen address is replaced by this host's
-// first non-loopback IPv4 address (for runs across hosts).
-std::string DialableAddress(const std::string& address) {
-  if (address.rfind("0.0.0.0:", 0) != 0) return address;
-  const std::string port = address.substr(8);
-  struct ifaddrs* ifs = nullptr;
-  std::string ip = "127.0.0.1";
-  if (getifaddrs(&ifs) == 0) {
-    for (struct ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
-      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
-      char buf[INET_ADDRSTRLEN];
-      const auto* sin = reinterpret_cast<const struct sockaddr_in*>(i->ifa_addr);
-      if (inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf)) == nullptr) continue;
-      if (std::string(buf).rfind("127.", 0) == 0) continue;
-      ip = buf;
-      break;
-    }
-    freeifaddrs(ifs);
-  }
-  return ip + ":" + port;
-}
-
 int Fail(std::ostream& err, const absl::Status& s) {
   err << "kvstream worker: " << s << "\n";
   return 1;
@@ -208,7 +206,74 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
                          absl::StrCat("--role must be prefill or decode, not '", o.role, "'")));
   }
   config->kv_role = prefill ? KvRole::kProducer : KvRole::kConsumer;
+  // Pipeline-parallel decode: flags override the config's keys.
+  KvstreamSettings& k = config->kvstream;
+  if (prefill) {
+    // The pipeline settings describe decode workers (one mpirun passes the same flags and
+    // config to every rank): a prefill worker has every layer.
+    k.pipeline_parallel_size = 1;
+    k.pipeline_rank = 0;
+    k.pipeline_layers.clear();
+  } else {
+    if (!o.pp_layers.empty()) {
+      auto ranges = ParseLayerRanges(o.pp_layers);
+      if (!ranges.ok()) return Fail(err, ranges.status());
+      absl::Status partition = ValidatePipelinePartition(*ranges);
+      if (!partition.ok()) return Fail(err, partition);
+      k.pipeline_layers = *ranges;
+      if (!o.pp_size) k.pipeline_parallel_size = static_cast<int32_t>(ranges->size());
+    }
+    if (o.pp_size) k.pipeline_parallel_size = *o.pp_size;
+    if (o.pp_rank) k.pipeline_rank = *o.pp_rank;
+  }
+  const bool pipeline = k.pipeline_parallel_size > 1;
+  LayerRange stage_layers{0, o.model.num_layers};
+  std::string stage_name;
+  if (pipeline) {
+    if (!k.pipeline_layers.empty() &&
+        static_cast<int32_t>(k.pipeline_layers.size()) != k.pipeline_parallel_size) {
+      return Fail(err, absl::InvalidArgumentError(absl::StrCat(
+                           "pipeline layers ", FormatLayerRanges(k.pipeline_layers), " name ",
+                           k.pipeline_layers.size(), " stages, the pipeline size is ",
+                           k.pipeline_parallel_size)));
+    }
+    if (k.pipeline_rank < 0 || k.pipeline_rank >= k.pipeline_parallel_size) {
+      return Fail(err, absl::InvalidArgumentError(absl::StrCat(
+                           "pipeline rank ", k.pipeline_rank, " is not below the pipeline size ",
+                           k.pipeline_parallel_size)));
+    }
+    auto range = PipelineStageLayers(k, o.model.num_layers);
+    if (!range.ok()) return Fail(err, range.status());
+    stage_layers = *range;
+    stage_name = absl::StrCat(" stage ", k.pipeline_rank, "/", k.pipeline_parallel_size,
+                              " (layers ", FormatLayerRange(stage_layers), ")");
+  }
+  const bool last_stage = !pipeline || k.pipeline_rank + 1 == k.pipeline_parallel_size;
   absl::StrAppend(&config->engine_id, prefill ? "-prefill" : "-decode", o.index);
+  if (pipeline) absl::StrAppend(&config->engine_id, "-pp", k.pipeline_rank);
+
+  // The stages of a decode group meet before building their models (which can take long).
+  std::unique_ptr<StageChannel> stages;
+  if (pipeline) {
+    StageChannelOptions so;
+    so.stage = k.pipeline_rank;
+    so.num_stages = k.pipeline_parallel_size;
+    so.rendezvous = o.pp_rendezvous.empty() && !o.address_file.empty()
+                        ? absl::StrCat(o.address_file, ".d", o.index)
+                        : o.pp_rendezvous;
+    if (so.rendezvous.empty()) {
+      return Fail(err, absl::InvalidArgumentError(
+                           "pipeline stages meet through files: give --address-file or "
+                           "--pp-rendezvous"));
+    }
+    so.listen_host = config->kv_ip == "127.0.0.1" || config->kv_ip == "localhost"
+                         ? "127.0.0.1"
+                         : "0.0.0.0";
+    so.timeout = absl::Seconds(o.connect_timeout_s);
+    auto channel = ConnectStages(so);
+    if (!channel.ok()) return Fail(err, channel.status());
+    stages = std::move(*channel);
+  }
 
   auto connector = CreateKvConnector(*config);
   if (!connector.ok()) return Fail(err, connector.status());
@@ -219,6 +284,11 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   eo.connector = connector->get();
   eo.failure_policy = config->kv_load_failure_policy;
   eo.scatter_seed = prefill ? 11 : 23;  // different scatter on each side
+  if (pipeline) {
+    eo.layers = stage_layers;
+    eo.pipeline = stages.get();
+    eo.stage_timeout = absl::Seconds(o.pp_timeout_s);
+  }
   if (o.crash_after_layer >= 0) {
     crash = std::make_unique<CrashingHook>(connector->get(), o.crash_after_layer);
     crash->producer = prefill;
@@ -233,7 +303,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
     const std::string role(KvRoleName(config->kv_role));
     const std::string id = config->engine_id;
     auto m = MetricsServer::Start(o.metrics_port, [c, role, id] {
-      return RenderConnectorMetrics(c->stats(), role, id);
+      return RenderConnectorMetrics(c->peer_stats(), role, id);
     });
     if (!m.ok()) return Fail(err, m.status());
     metrics = std::move(*m);
@@ -300,17 +370,35 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
     absl::Status s = (*engine)->AddRequest(std::move(r));
     if (!s.ok()) return Fail(err, s);
   }
-  const absl::Duration budget = absl::Seconds(120) + absl::Milliseconds(
-      2 * (config->kvstream.load_timeout_ms + config->kvstream.send_timeout_ms));
+  const absl::Duration budget =
+      o.run_timeout_s > 0
+          ? absl::Seconds(o.run_timeout_s)
+          : absl::Seconds(120) + absl::Milliseconds(2 * (config->kvstream.load_timeout_ms +
+                                                         config->kvstream.send_timeout_ms));
   absl::Status drained = Drain(**engine, t0 + budget, o.progress, "disaggregated run");
   if (!drained.ok()) return Fail(err, drained);
   const double total_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
   std::vector<RequestResult> results = (*engine)->TakeFinished();
   std::sort(results.begin(), results.end(),
             [](const RequestResult& a, const RequestResult& b) { return a.id < b.id; });
+  // What the report needs from the disaggregated run; then its engine and connector go (the
+  // engine first: the connector provided its cache memory), so that big models need memory
+  // for one model at a time in this process.
+  const int32_t free_blocks = (*engine)->num_free_blocks();
+  const int32_t num_blocks = (*engine)->num_blocks();
+  const int64_t steps = (*engine)->steps();
+  const bool leak = free_blocks != num_blocks;
+  const ConnectorStats stats = (*connector)->stats();
+  const std::vector<PeerConnectorStats> peer_stats = (*connector)->peer_stats();
+  std::vector<RequestTransferStats> transfer_stats = (*connector)->TakeRequestStats();
+  metrics.reset();
+  engine->reset();
+  connector->reset();
 
+  // In a pipeline every stage holds the group's outputs; the last one checks them.
+  const bool check = o.check_colocated && last_stage;
   std::vector<RequestResult> colocated;
-  if (o.check_colocated) {
+  if (check) {
     EngineOptions co;
     co.model = o.model;
     co.num_blocks = o.num_blocks;
@@ -320,7 +408,9 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
       absl::Status s = (*ref)->AddRequest(r);
       if (!s.ok()) return Fail(err, s);
     }
-    absl::Status s = Drain(**ref, absl::Now() + absl::Seconds(600), o.progress, "colocated run");
+    const absl::Duration ref_budget =
+        o.run_timeout_s > 0 ? absl::Seconds(o.run_timeout_s) : absl::Seconds(600);
+    absl::Status s = Drain(**ref, absl::Now() + ref_budget, o.progress, "colocated run");
     if (!s.ok()) return Fail(err, s);
     colocated = (*ref)->TakeFinished();
     std::sort(colocated.begin(), colocated.end(),
@@ -333,7 +423,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   for (size_t i = 0; i < results.size(); ++i) {
     const RequestResult& r = results[i];
     bool match = true;
-    if (o.check_colocated) {
+    if (check) {
       const RequestResult* c = i < colocated.size() && colocated[i].id == r.id ? &colocated[i] : nullptr;
       match = c != nullptr && r.status.ok() && c->output_tokens == r.output_tokens &&
               c->logits.size() == r.logits.size() &&
@@ -346,7 +436,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
                            r.id, r.prompt_tokens, r.remote_tokens,
                            r.recomputed ? ", recomputed after a load error" : "", r.ttft_ms,
                            r.output_tokens.size(), absl::StrJoin(r.output_tokens, " "),
-                           o.check_colocated ? (match ? "  == colocated" : "  != COLOCATED") : "",
+                           check ? (match ? "  == colocated" : "  != COLOCATED") : "",
                            r.status.ok() ? "" : absl::StrCat("  FAILED: ", r.status.ToString()));
     report["requests"].push_back({{"id", r.id},
                                   {"prompt_tokens", r.prompt_tokens},
@@ -357,36 +447,46 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
                                   {"status", r.status.ToString()},
                                   {"matches_colocated", match}});
   }
-  const int32_t free_blocks = (*engine)->num_free_blocks();
-  const bool leak = free_blocks != (*engine)->num_blocks();
+  if (pipeline) {
+    out << absl::StrFormat("decode worker %d%s: received %d layer transfers, %d bytes\n",
+                           o.index, stage_name, stats.layers_received, stats.bytes_received);
+  }
   out << absl::StrFormat("decode worker: %d requests in %.1f ms, %d steps; %d/%d blocks free; %s\n",
-                         results.size(), total_ms, (*engine)->steps(), free_blocks,
-                         (*engine)->num_blocks(),
-                         o.check_colocated
-                             ? (all_match ? "outputs bit-identical to the colocated run"
-                                          : "OUTPUTS DIFFER from the colocated run")
-                             : "colocated check skipped");
+                         results.size(), total_ms, steps, free_blocks, num_blocks,
+                         check ? (all_match ? "outputs bit-identical to the colocated run"
+                                            : "OUTPUTS DIFFER from the colocated run")
+                               : o.check_colocated ? "outputs checked by the last pipeline stage"
+                                                   : "colocated check skipped");
   report["tokens_match"] = all_match;
   report["all_ok"] = all_ok;
   report["blocks_leaked"] = leak;
   report["total_ms"] = total_ms;
-  report["connector"] = ConnectorStatsJson((*connector)->stats());
+  report["engine_id"] = config->engine_id;
+  report["layers"] = FormatLayerRange(stage_layers);
+  report["pipeline_rank"] = k.pipeline_rank;
+  report["pipeline_parallel_size"] = k.pipeline_parallel_size;
+  report["colocated_checked"] = check;
+  report["connector"] = ConnectorStatsJson(stats, peer_stats);
   if (decode_report != nullptr) {
     DecodeReport& d = *decode_report;
     d.results = results;
     for (const auto& r : report["requests"]) d.matches_colocated.push_back(r["matches_colocated"]);
-    for (RequestTransferStats& t : (*connector)->TakeRequestStats()) {
+    for (RequestTransferStats& t : transfer_stats) {
       d.transfer[t.request_id] = std::move(t);
     }
-    d.stats = (*connector)->stats();
+    d.stats = stats;
+    d.peer_stats = peer_stats;
     d.total_ms = total_ms;
-    d.steps = (*engine)->steps();
+    d.steps = steps;
     d.tokens_match = all_match;
     d.all_ok = all_ok;
     d.blocks_leaked = leak;
   }
   if (!o.json_path.empty()) {
-    std::ofstream f(o.json_path);
+    std::string path = o.json_path;
+    if (o.num_decode > 1) absl::StrAppend(&path, ".d", o.index);
+    if (pipeline) absl::StrAppend(&path, ".pp", k.pipeline_rank);
+    std::ofstream f(path);
     f << report.dump(2) << "\n";
   }
   if (leak) {

@@ -2,11 +2,18 @@
 // toy model through the Engine with a LayerwiseConnector. The decode worker hands its
 // requests to the prefill worker, decodes them, then runs the same requests colocated in
 // its own process and checks that every generated token and every logit is bit-identical.
+//
+// Pipeline-parallel decode: a decode worker can be one stage of a decode group
+// (kv_connector_extra_config pipeline_parallel_size / pipeline_rank / pipeline_layers, or
+// the --pp-* flags). It builds and registers only its stage's layers, receives only their
+// KV, and runs each step together with the other stages (pipeline_link.h); the last stage
+// checks the group's outputs against a colocated run of the whole model.
 #ifndef KVSTREAM_LAUNCH_WORKER_H_
 #define KVSTREAM_LAUNCH_WORKER_H_
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -30,9 +37,14 @@ struct WorkerOptions {
   int serve = 0;                    // prefill: exit after serving this many requests (0 = run until idle)
   double idle_timeout_s = 60;       // prefill: exit after this long without work
   double connect_timeout_s = 30;    // decode: how long to wait for the prefill worker
+  // Decode: each of the disaggregated and the colocated runs must end within this (0: 120 s
+  // plus twice the load and send timeouts, and 600 s for the colocated run).
+  double run_timeout_s = 0;
   int crash_after_layer = -1;       // fault injection: SIGKILL self after this layer's hook
   bool check_colocated = true;      // decode: compare with a colocated run
-  std::string json_path;            // decode: write a JSON report here
+  // Decode: write a JSON report here. One of several decode workers appends ".d<index>", a
+  // pipeline stage ".pp<rank>" (so ranks of one mpirun can share the flag).
+  std::string json_path;
   // Rendezvous through a file: the prefill worker writes "host:port" of its control channel
   // there once it listens (so it can use port 0); the decode worker waits for it and uses it
   // instead of kv_ip/kv_port.
@@ -44,6 +56,14 @@ struct WorkerOptions {
   int num_decode = 1;
   int index = 0;  // this worker's index among its role
   int metrics_port = -1;  // >= 0: serve Prometheus metrics on this port (0 = any free port)
+  // Pipeline-parallel decode; each set value overrides the kv_transfer_config key.
+  std::optional<int> pp_size;      // pipeline_parallel_size
+  std::optional<int> pp_rank;      // pipeline_rank
+  std::string pp_layers;           // pipeline_layers, e.g. "0-15,16-31"
+  // Where the stages of decode worker `index` meet: stage s > 0 writes its address to
+  // "<pp_rendezvous>.pp<s>". Empty: "<address_file>.d<index>".
+  std::string pp_rendezvous;
+  double pp_timeout_s = 600;       // how long a stage waits for the others in one step
   std::ostream* progress = nullptr;  // decode: progress lines of long runs go here
 };
 
@@ -53,6 +73,7 @@ struct DecodeReport {
   std::vector<bool> matches_colocated;          // per result
   std::map<std::string, RequestTransferStats> transfer;  // by request id
   ConnectorStats stats;
+  std::vector<PeerConnectorStats> peer_stats;
   double total_ms = 0;
   int64_t steps = 0;
   bool tokens_match = true;
@@ -65,8 +86,10 @@ struct DecodeReport {
 int RunWorker(const WorkerOptions& options, std::ostream& out, std::ostream& err,
               DecodeReport* report = nullptr);
 
-// The connector's counters as JSON (the fields of the Prometheus metrics).
-nlohmann::json ConnectorStatsJson(const ConnectorStats& stats);
+// The connector's counters as JSON (the fields of the Prometheus metrics): the totals, and
+// with `peers` a "peers" object holding the same counters by peer.
+nlohmann::json ConnectorStatsJson(const ConnectorStats& stats,
+                                  const std::vector<PeerConnectorStats>& peers = {});
 
 // How many requests prefill worker `prefill_index` serves in an xPyD run of these options.
 int RequestsServedBy(const WorkerOptions& options, int prefill_index);

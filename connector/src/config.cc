@@ -50,6 +50,7 @@ absl::Status GetBool(const json& j, absl::string_view key, bool& out) {
 
 absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
   if (!extra.is_object()) return KeyError("kv_connector_extra_config", extra, "an object");
+  bool has_pp_size = false;
   for (auto it = extra.begin(); it != extra.end(); ++it) {
     const std::string key = absl::StrCat("kv_connector_extra_config.", it.key());
     const json& v = it.value();
@@ -73,12 +74,45 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
       RETURN_IF_ERROR(GetBool(v, key, s.verify_checksum));
     } else if (it.key() == "secret") {
       RETURN_IF_ERROR(GetString(v, key, s.secret));
+    } else if (it.key() == "pipeline_parallel_size") {
+      RETURN_IF_ERROR(GetInt32(v, key, 1, 1024, s.pipeline_parallel_size));
+      has_pp_size = true;
+    } else if (it.key() == "pipeline_rank") {
+      RETURN_IF_ERROR(GetInt32(v, key, 0, 1023, s.pipeline_rank));
+    } else if (it.key() == "pipeline_layers") {
+      std::string text;
+      RETURN_IF_ERROR(GetString(v, key, text));
+      auto ranges = ParseLayerRanges(text);
+      if (!ranges.ok()) return KeyError(key, v, absl::StrCat("valid: ", ranges.status().message()));
+      absl::Status partition = ValidatePipelinePartition(*ranges);
+      if (!partition.ok()) {
+        return KeyError(key, v, absl::StrCat("a partition of the layers: ", partition.message()));
+      }
+      s.pipeline_layers = std::move(*ranges);
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "kv_transfer_config: unknown key ", key,
           " (known: transport, ucx_tls, ucx_net_devices, load_timeout_ms, send_timeout_ms, "
-          "handshake_timeout_ms, verify_checksum, secret)"));
+          "handshake_timeout_ms, verify_checksum, secret, pipeline_parallel_size, "
+          "pipeline_rank, pipeline_layers)"));
     }
+  }
+  // pipeline_layers alone gives the number of stages.
+  const int32_t stages = static_cast<int32_t>(s.pipeline_layers.size());
+  if (!s.pipeline_layers.empty()) {
+    if (!has_pp_size) {
+      s.pipeline_parallel_size = stages;
+    } else if (s.pipeline_parallel_size != stages) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_transfer_config: kv_connector_extra_config.pipeline_layers = \"",
+          FormatLayerRanges(s.pipeline_layers), "\" has ", stages,
+          " stages but pipeline_parallel_size is ", s.pipeline_parallel_size));
+    }
+  }
+  if (s.pipeline_rank >= s.pipeline_parallel_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_transfer_config: kv_connector_extra_config.pipeline_rank ", s.pipeline_rank,
+        " must be below pipeline_parallel_size ", s.pipeline_parallel_size));
   }
   return absl::OkStatus();
 }
@@ -89,6 +123,40 @@ std::string RandomEngineId() {
 }
 
 }  // namespace
+
+absl::StatusOr<LayerRange> PipelineStageLayers(const KvstreamSettings& s, int32_t num_layers) {
+  if (s.pipeline_parallel_size <= 1) return LayerRange{0, num_layers};
+  if (s.pipeline_rank < 0 || s.pipeline_rank >= s.pipeline_parallel_size) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline_rank ", s.pipeline_rank,
+                                                   " is not below pipeline_parallel_size ",
+                                                   s.pipeline_parallel_size));
+  }
+  if (s.pipeline_layers.empty()) {
+    ASSIGN_OR_RETURN(std::vector<LayerRange> even,
+                     EvenPipelinePartition(num_layers, s.pipeline_parallel_size));
+    return even[s.pipeline_rank];
+  }
+  if (static_cast<int32_t>(s.pipeline_layers.size()) != s.pipeline_parallel_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline_layers ", FormatLayerRanges(s.pipeline_layers), " has ",
+                     s.pipeline_layers.size(), " stages, pipeline_parallel_size is ",
+                     s.pipeline_parallel_size));
+  }
+  RETURN_IF_ERROR(ValidatePipelinePartition(s.pipeline_layers));
+  const int32_t end = s.pipeline_layers.back().end;
+  if (end < num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline_layers ", FormatLayerRanges(s.pipeline_layers), " leave layers ",
+        FormatLayerRange({end, num_layers}), " of the model's ", num_layers,
+        " owned by no decode stage"));
+  }
+  if (end > num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline_layers ", FormatLayerRanges(s.pipeline_layers), " name layers up to ",
+        end - 1, " but the model has ", num_layers, " layers"));
+  }
+  return s.pipeline_layers[s.pipeline_rank];
+}
 
 absl::string_view KvRoleName(KvRole role) {
   switch (role) {

@@ -18,6 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -25,6 +26,7 @@
 #include "kvstream/common/status_macros.h"
 #include "kvstream/connector/block_copy_plan.h"
 #include "kvstream/connector/layer_name.h"
+#include "kvstream/connector/layer_routing.h"
 #include "kvstream/transfer/control_channel.h"
 #include "kvstream/transfer/wire.h"
 
@@ -115,6 +117,9 @@ struct ConsumerLink {
   std::string engine_id;
   PeerId peer = 0;
   int64_t remote_num_blocks = 0;
+  // The layers it registered, which are the layers it receives: all of ours, or one
+  // pipeline stage's range of them.
+  std::set<int32_t> layers;
   // By layer index: the consumer's K and V regions.
   std::map<int32_t, std::pair<std::unique_ptr<RemoteMemory>, std::unique_ptr<RemoteMemory>>>
       regions;
@@ -125,6 +130,7 @@ struct ConsumerLink {
 struct ProducerLink {
   std::unique_ptr<ControlConnection> conn;
   std::string address;
+  std::string engine_id;  // from its hello
   std::atomic<bool> alive{true};
 };
 
@@ -134,7 +140,8 @@ struct RecvRequest {
   std::vector<int32_t> prompt;
   std::vector<int32_t> blocks;
   int32_t num_tokens = 0;
-  std::string producer;  // address key of the ProducerLink
+  std::string producer;     // address key of the ProducerLink
+  std::string producer_id;  // its engine id once handed off (metrics label)
   std::vector<uint8_t> arrived;
   int arrived_count = 0;
   bool handed_off = false;
@@ -155,12 +162,22 @@ struct RecvRequest {
   bool stats_reported = false;
 };
 
-// Producer-side state of a request handed over by a consumer.
+// Producer side: one consumer that handed a request over, and where its blocks are.
+struct SendDestination {
+  std::shared_ptr<ConsumerLink> link;
+  std::vector<int32_t> dest_blocks;
+};
+
+// Producer-side state of a request handed over by a consumer, or by every stage of a
+// pipeline-parallel decode group (each stage hands the request over for its own layers).
 struct SendRequest {
   std::string id;
-  std::shared_ptr<ConsumerLink> link;
+  std::vector<SendDestination> dests;
+  std::map<int32_t, size_t> route;  // layer index -> index in dests
+  // Every layer has a destination, so the request was given to the engine to prefill.
+  bool released = false;
+  absl::Time gather_deadline = absl::InfiniteFuture();  // for the hand-offs still missing
   std::vector<int32_t> prompt;
-  std::vector<int32_t> dest_blocks;
   int32_t num_tokens = 0;
   std::vector<int32_t> local_blocks;
   bool save_scheduled = false;
@@ -202,6 +219,28 @@ class LayerwiseConnectorImpl final : public KvConnector {
       if (!SendDone(snd)) s.blocks_in_flight += static_cast<int64_t>(snd.local_blocks.size());
     }
     return s;
+  }
+
+  std::vector<PeerConnectorStats> peer_stats() const override {
+    absl::MutexLock lock(&mu_);
+    std::map<std::string, ConnectorStats> by_peer = peer_stats_;
+    for (auto& [peer, st] : by_peer) st.blocks_in_flight = 0;
+    for (const auto& [id, r] : recv_) {
+      if (!r.producer_stopped) {
+        by_peer[RecvPeer(r)].blocks_in_flight += static_cast<int64_t>(r.blocks.size());
+      }
+    }
+    for (const auto& [id, snd] : send_) {
+      if (SendDone(snd)) continue;
+      // Every stage of a pipeline receives some layers of all the request's blocks.
+      for (const SendDestination& d : snd.dests) {
+        by_peer[d.link->engine_id].blocks_in_flight +=
+            static_cast<int64_t>(snd.local_blocks.size());
+      }
+    }
+    std::vector<PeerConnectorStats> out;
+    for (auto& [peer, st] : by_peer) out.push_back({peer, st});
+    return out;
   }
 
   std::vector<RequestTransferStats> TakeRequestStats() override {
@@ -380,15 +419,34 @@ class LayerwiseConnectorImpl final : public KvConnector {
     }
     std::sort(layers_.begin(), layers_.end(),
               [](const LayerEntry& a, const LayerEntry& b) { return a.index < b.index; });
+    // A pipeline stage with an explicit partition knows its range now; with the even split
+    // it learns the model's layer count from the producer at handshake (CheckLayers).
+    if (config_.kvstream.pipeline_parallel_size > 1 && !config_.kvstream.pipeline_layers.empty()) {
+      const LayerRange own = config_.kvstream.pipeline_layers[config_.kvstream.pipeline_rank];
+      for (const LayerEntry& e : layers_) {
+        if (!own.Contains(e.index)) {
+          const std::string name = e.name;
+          layers_.clear();
+          return absl::InvalidArgumentError(absl::StrCat(
+              "pipeline rank ", config_.kvstream.pipeline_rank, " owns layers ",
+              FormatLayerRange(own), " (pipeline_layers ",
+              FormatLayerRanges(config_.kvstream.pipeline_layers),
+              ") but a cache was registered for layer ", e.index, " ('", name, "')"));
+        }
+      }
+    }
     const KvCacheView v = layers_[0].cache->view();
     block_size_ = v.spec.block_size;
     layer_count_ = static_cast<int>(layers_.size());
     layer_slots_ = max_index + 1;
+    for (const LayerEntry& e : layers_) layer_set_.insert(e.index);
+    // Which layers each side has is checked separately (CheckLayers), so that a pipeline
+    // stage, which has only some of the producer's layers, is compatible with it.
     description = absl::StrCat(
         "protocol ", kLayerwiseProtocolVersion, ", ", v.spec.DebugString(), ", K strides ",
         v.k_strides.block, "/", v.k_strides.token, "/", v.k_strides.head, "/", v.k_strides.dim,
         ", V strides ", v.v_strides.block, "/", v.v_strides.token, "/", v.v_strides.head, "/",
-        v.v_strides.dim, ", ", layer_count_, " layers (max index ", max_index, ")");
+        v.v_strides.dim);
     hash = XXH3_64bits_withSeed(description.data(), description.size(), hash);
     compat_hash_ = hash;
     compat_description_ = description;
@@ -451,11 +509,20 @@ class LayerwiseConnectorImpl final : public KvConnector {
       }
       return true;
     };
+    // The producers still owing this layer when the wait starts share its time.
+    std::set<std::string> owing;
+    for (const std::string& id : meta_.waits) {
+      auto r = recv_.find(id);
+      if (r != recv_.end() && !r->second.failed && !r->second.arrived[index]) {
+        owing.insert(RecvPeer(r->second));
+      }
+    }
     const absl::Time wait_start = absl::Now();
     const uint64_t wait_start_ns = MonotonicNs();
     mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
     const double waited = absl::ToDoubleMilliseconds(absl::Now() - wait_start);
     stats_.wait_ms += waited;
+    for (const std::string& peer : owing) peer_stats_[peer].wait_ms += waited;
     const bool last_layer = index == layers_.back().index;
     for (const std::string& id : meta_.waits) {
       auto r = recv_.find(id);
@@ -470,6 +537,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
           const double ms = static_cast<double>(rr.arrival_ns[index] - from) / 1e6;
           rr.exposed_ms += ms;
           stats_.exposed_ms += ms;
+          peer_stats_[RecvPeer(rr)].exposed_ms += ms;
         }
       }
       if (last_layer && rr.arrived_count == layer_count_ && !rr.stats_reported) {
@@ -518,9 +586,14 @@ class LayerwiseConnectorImpl final : public KvConnector {
       }
       for (const KvConnectorMetadata::Save& save : meta_.saves) {
         auto s = send_.find(save.request_id);
-        if (s == send_.end() || s->second.failed || !s->second.link->alive) continue;
+        if (s == send_.end() || s->second.failed) continue;
+        // Routing by layer: the layer goes to the consumer (pipeline stage) that owns it.
+        auto route = s->second.route.find(layer->index);
+        if (route == s->second.route.end()) continue;
+        const SendDestination& dest = s->second.dests[route->second];
+        if (!dest.link->alive) continue;
         if (!s->second.layers_posted.insert(layer->index).second) continue;
-        jobs.push_back({s->second.id, s->second.link, save.block_ids, s->second.dest_blocks,
+        jobs.push_back({s->second.id, dest.link, save.block_ids, dest.dest_blocks,
                         save.num_tokens});
       }
     }
@@ -606,6 +679,11 @@ class LayerwiseConnectorImpl final : public KvConnector {
   }
 
  private:
+  // Consumer: the metrics label of a request's producer.
+  static const std::string& RecvPeer(const RecvRequest& r) {
+    return r.producer_id.empty() ? r.producer : r.producer_id;
+  }
+
   bool is_producer() const { return config_.kv_role != KvRole::kConsumer; }
   bool is_consumer() const { return config_.kv_role != KvRole::kProducer; }
 
@@ -644,6 +722,47 @@ class LayerwiseConnectorImpl final : public KvConnector {
     return absl::OkStatus();
   }
 
+  // Consumer: whether the layers we registered are the ones this producer will send us: all
+  // of its layers, or, as one stage of a pipeline-parallel decode group, the stage's range
+  // of them (the partition must cover exactly the producer's layers).
+  absl::Status CheckProducerLayers(const HelloMsg& peer) {
+    std::set<int32_t> theirs;
+    for (const RegionDescriptor& r : peer.regions) theirs.insert(r.layer);
+    std::set<int32_t> mine;
+    {
+      absl::MutexLock lock(&mu_);
+      mine = layer_set_;
+    }
+    const KvstreamSettings& k = config_.kvstream;
+    if (k.pipeline_parallel_size <= 1) {
+      if (mine == theirs) return absl::OkStatus();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "KV cache compatibility mismatch with peer ", peer.engine_id, ": it has layers ",
+          FormatLayerSet(theirs), ", we have layers ", FormatLayerSet(mine),
+          " (a decode worker that is one stage of a pipeline sets pipeline_parallel_size, "
+          "pipeline_rank and pipeline_layers)"));
+    }
+    const int32_t num_layers = theirs.empty() ? 0 : *theirs.rbegin() + 1;
+    auto range = PipelineStageLayers(k, num_layers);
+    if (!range.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("producer ", peer.engine_id,
+                                                        " has layers ", FormatLayerSet(theirs),
+                                                        ": ", range.status().message()));
+    }
+    std::set<int32_t> expected;
+    for (int32_t l : theirs) {
+      if (range->Contains(l)) expected.insert(l);
+    }
+    if (mine != expected) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "pipeline rank ", k.pipeline_rank, " of ", k.pipeline_parallel_size,
+          " should receive layers ", FormatLayerSet(expected), " of producer ", peer.engine_id,
+          " (which has layers ", FormatLayerSet(theirs), "), but registered layers ",
+          FormatLayerSet(mine)));
+    }
+    return absl::OkStatus();
+  }
+
   // ---- consumer: hand-off ----
 
   absl::StatusOr<std::shared_ptr<ProducerLink>> ProducerFor(const RemotePrefill& remote) {
@@ -661,7 +780,10 @@ class LayerwiseConnectorImpl final : public KvConnector {
                                                deadline));
     hs.secret = config_.kvstream.secret;
     hs.deadline = deadline;
-    hs.check = [this](const HelloMsg& peer) { return CheckPeer(peer); };
+    hs.check = [this](const HelloMsg& peer) -> absl::Status {
+      RETURN_IF_ERROR(CheckPeer(peer));
+      return CheckProducerLayers(peer);
+    };
     auto peer = HandshakeAsClient(*conn, hs);
     if (!peer.ok()) {
       return absl::Status(peer.status().code(), absl::StrCat("handshake with producer ", key,
@@ -670,6 +792,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
     auto link = std::make_shared<ProducerLink>();
     link->conn = std::move(conn);
     link->address = key;
+    link->engine_id = peer->engine_id;
     {
       absl::MutexLock lock(&mu_);
       producers_[key] = link;
@@ -694,6 +817,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
       it->second.handoff_time = absl::Now();
       outstanding_ = true;
       it->second.producer = link->address;
+      it->second.producer_id = link->engine_id;
     }
     absl::Status s = link->conn->Send(m, absl::Now() + absl::Seconds(5));
     if (!s.ok()) {
@@ -762,6 +886,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
     if (r.failed) return;
     r.failed = true;
     ++stats_.load_errors;
+    ++peer_stats_[RecvPeer(r)].load_errors;
     r.error = std::move(status);
     r.abort_deadline = absl::Now() + absl::Milliseconds(config_.kvstream.send_timeout_ms);
     Log(LogLevel::kWarning, absl::StrCat("load error: ", r.error.ToString()));
@@ -850,7 +975,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
       } else if (auto* abort = std::get_if<AbortMsg>(&*msg)) {
         absl::MutexLock lock(&mu_);
         auto it = send_.find(abort->request_id);
-        if (it != send_.end() && it->second.link == link) {
+        if (it != send_.end() && HasDestination(it->second, link)) {
           FailSend(it->second, absl::CancelledError(absl::StrCat(
                                    "consumer aborted request ", abort->request_id, ": ",
                                    abort->reason)));
@@ -862,24 +987,40 @@ class LayerwiseConnectorImpl final : public KvConnector {
     }
   }
 
+  // Producer: the consumer's cache regions. It may have all of our layers or, as one stage
+  // of a pipeline-parallel decode group, some of them (which the consumer checks against
+  // its pipeline configuration); a layer we do not have is refused here.
   absl::Status ImportConsumer(const HelloMsg& peer, ConsumerLink& link) {
-    ASSIGN_OR_RETURN(link.peer, transport_->Connect(peer.transport_info));
     std::set<std::pair<int32_t, int>> seen;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const RegionDescriptor& r : peer.regions) {
+        if (r.tensor > 1 || !seen.insert({r.layer, r.tensor}).second) {
+          return absl::InvalidArgumentError(absl::StrCat("consumer ", peer.engine_id,
+                                                         " sent an unexpected region for layer ",
+                                                         r.layer, " tensor ", int(r.tensor)));
+        }
+        if (layer_by_index_.count(r.layer) == 0) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "KV cache compatibility mismatch with peer ", peer.engine_id,
+              ": it registered layer ", r.layer, ", which this producer does not have (it has "
+              "layers ", FormatLayerSet(layer_set_), ")"));
+        }
+        link.layers.insert(r.layer);
+      }
+      if (link.layers.empty() || seen.size() != 2 * link.layers.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("consumer ", peer.engine_id, " registered ", seen.size(),
+                         " regions for layers ", FormatLayerSet(link.layers),
+                         "; expected a K and a V region for each"));
+      }
+    }
+    ASSIGN_OR_RETURN(link.peer, transport_->Connect(peer.transport_info));
     absl::MutexLock lock(&mu_);
     for (const RegionDescriptor& r : peer.regions) {
-      if (layer_by_index_.count(r.layer) == 0 || r.tensor > 1 || !seen.insert({r.layer, r.tensor}).second) {
-        return absl::InvalidArgumentError(absl::StrCat("consumer ", peer.engine_id,
-                                                       " sent an unexpected region for layer ",
-                                                       r.layer, " tensor ", int(r.tensor)));
-      }
       ASSIGN_OR_RETURN(auto remote, transport_->ImportRemote(link.peer, r.descriptor));
       auto& slot = link.regions[r.layer];
       (r.tensor == 0 ? slot.first : slot.second) = std::move(remote);
-    }
-    if (link.regions.size() != layers_.size() || seen.size() != 2 * layers_.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("consumer ", peer.engine_id, " registered ",
-                                                     seen.size(), " regions, expected ",
-                                                     2 * layers_.size()));
     }
     // Same layout (the compatibility hash says so): the K region's size gives its blocks.
     const KvCacheView cv = layers_[0].cache->view();
@@ -914,28 +1055,75 @@ class LayerwiseConnectorImpl final : public KvConnector {
                                                   link->remote_num_blocks, ")"));
       }
     }
-    if (send_.count(req.request_id) != 0) {
-      return absl::AlreadyExistsError(absl::StrCat("request ", req.request_id, " already handed over"));
+    auto existing = send_.find(req.request_id);
+    if (existing == send_.end()) {
+      SendRequest s;
+      s.id = req.request_id;
+      s.prompt = req.prompt_token_ids;
+      s.num_tokens = static_cast<int32_t>(req.num_tokens);
+      // The other stages of a pipeline hand the request over independently; wait for them
+      // no longer than a send may take.
+      s.gather_deadline = absl::Now() + absl::Milliseconds(config_.kvstream.send_timeout_ms);
+      existing = send_.emplace(s.id, std::move(s)).first;
+    } else {
+      SendRequest& s = existing->second;
+      for (const SendDestination& d : s.dests) {
+        if (d.link == link) {
+          return absl::AlreadyExistsError(
+              absl::StrCat("request ", req.request_id, " already handed over"));
+        }
+      }
+      if (s.failed) {
+        return absl::AbortedError(absl::StrCat("request ", req.request_id,
+                                               " was already stopped: ", s.stop_reason));
+      }
+      if (s.released) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "request ", req.request_id, " already handed over by ", DestinationNames(s),
+            ", which receive all its layers"));
+      }
+      if (s.prompt != req.prompt_token_ids ||
+          s.num_tokens != static_cast<int32_t>(req.num_tokens)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "request ", req.request_id, " handed over by ", link->engine_id,
+            " has another prompt or token count than the same request handed over by ",
+            DestinationNames(s)));
+      }
+      for (int32_t l : link->layers) {
+        auto owner = s.route.find(l);
+        if (owner != s.route.end()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "request ", req.request_id, ": consumer ", link->engine_id, " asks for layers ",
+              FormatLayerSet(link->layers), " but layer ", l, " already goes to consumer ",
+              s.dests[owner->second].link->engine_id,
+              " (the pipeline stages' layer ranges overlap)"));
+        }
+      }
     }
-    SendRequest s;
-    s.id = req.request_id;
-    s.link = link;
-    s.prompt = req.prompt_token_ids;
-    s.dest_blocks = req.dest_block_ids;
-    s.num_tokens = static_cast<int32_t>(req.num_tokens);
-    send_.emplace(s.id, std::move(s));
-    KvRequest incoming;
-    incoming.request_id = req.request_id;
-    incoming.prompt_token_ids = req.prompt_token_ids;
-    incoming_.push_back(std::move(incoming));
+    SendRequest& s = existing->second;
+    s.dests.push_back({link, req.dest_block_ids});
+    for (int32_t l : link->layers) s.route[l] = s.dests.size() - 1;
+    if (s.route.size() == layer_set_.size()) {
+      s.released = true;
+      KvRequest incoming;
+      incoming.request_id = req.request_id;
+      incoming.prompt_token_ids = req.prompt_token_ids;
+      incoming_.push_back(std::move(incoming));
+    }
     return absl::OkStatus();
+  }
+
+  static std::string DestinationNames(const SendRequest& s) {
+    return absl::StrJoin(s.dests, ", ", [](std::string* out, const SendDestination& d) {
+      absl::StrAppend(out, d.link->engine_id, " (layers ", FormatLayerSet(d.link->layers), ")");
+    });
   }
 
   void ConsumerLost(const std::shared_ptr<ConsumerLink>& link, const absl::Status& why) {
     link->alive = false;
     absl::MutexLock lock(&mu_);
     for (auto& [id, s] : send_) {
-      if (s.link == link) {
+      if (HasDestination(s, link)) {
         FailSend(s, absl::UnavailableError(absl::StrCat("lost consumer ", link->engine_id, ": ",
                                                         why.message())));
       }
@@ -943,11 +1131,19 @@ class LayerwiseConnectorImpl final : public KvConnector {
     link_conns_.erase(link.get());
   }
 
+  static bool HasDestination(const SendRequest& s, const std::shared_ptr<ConsumerLink>& link) {
+    for (const SendDestination& d : s.dests) {
+      if (d.link == link) return true;
+    }
+    return false;
+  }
+
   // Stops a request's sends; CheckSends tells the consumer once its transfers have ended.
   void FailSend(SendRequest& s, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (s.failed) return;
     s.failed = true;
     ++stats_.send_failures;
+    for (const SendDestination& d : s.dests) ++peer_stats_[d.link->engine_id].send_failures;
     s.stop_reason = why.ToString();
     Log(LogLevel::kWarning, absl::StrCat("send of request ", s.id, " failed: ", s.stop_reason));
     for (TransferId t : s.pending) (void)transport_->Cancel(t);
@@ -1012,7 +1208,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
     TrackTransfer(id, v_id);
     {
       absl::MutexLock lock(&mu_);
-      layer_bytes_[v_id] = {notice.bytes, notice.post_ns};
+      layer_bytes_[v_id] = {notice.bytes, notice.post_ns, link.engine_id};
     }
     return absl::OkStatus();
   }
@@ -1085,11 +1281,13 @@ class LayerwiseConnectorImpl final : public KvConnector {
     r->second.arrived[notice->layer] = 1;
     ++r->second.arrived_count;
     r->second.bytes += notice->bytes;
+    ConnectorStats& peer = peer_stats_[RecvPeer(r->second)];
     const uint64_t now_ns = MonotonicNs();
     if (notice->post_ns != 0 && now_ns > notice->post_ns) {
       const double ms = static_cast<double>(now_ns - notice->post_ns) / 1e6;
       r->second.transfer_ms += ms;
       stats_.ObserveLatency(ms);
+      peer.ObserveLatency(ms);
     }
     if (r->second.post_ns.size() < r->second.arrived.size()) {
       r->second.post_ns.assign(r->second.arrived.size(), 0);
@@ -1104,6 +1302,8 @@ class LayerwiseConnectorImpl final : public KvConnector {
         absl::ToDoubleMilliseconds(absl::Now() - r->second.handoff_time);
     stats_.bytes_received += notice->bytes;
     ++stats_.layers_received;
+    peer.bytes_received += notice->bytes;
+    ++peer.layers_received;
     if (r->second.arrived_count == layer_count_) r->second.producer_stopped = true;
   }
 
@@ -1152,7 +1352,9 @@ class LayerwiseConnectorImpl final : public KvConnector {
     {
       absl::MutexLock lock(&mu_);
       const absl::Time now = absl::Now();
-      for (auto& [id, s] : send_) {
+      for (auto si = send_.begin(); si != send_.end();) {
+        const std::string& id = si->first;
+        SendRequest& s = si->second;
         for (auto it = s.pending.begin(); it != s.pending.end();) {
           auto state = transport_->Test(*it);
           if (state.ok() && *state == TransferState::kInProgress) {
@@ -1162,9 +1364,13 @@ class LayerwiseConnectorImpl final : public KvConnector {
           auto lb = layer_bytes_.find(*it);
           if (lb != layer_bytes_.end()) {
             if (state.ok()) {
-              stats_.bytes_sent += lb->second.first;
-              ++stats_.layers_sent;
-              stats_.ObserveLatency(static_cast<double>(MonotonicNs() - lb->second.second) / 1e6);
+              const double ms = static_cast<double>(MonotonicNs() - lb->second.post_ns) / 1e6;
+              ConnectorStats& peer = peer_stats_[lb->second.peer];
+              for (ConnectorStats* st : {&stats_, &peer}) {
+                st->bytes_sent += lb->second.bytes;
+                ++st->layers_sent;
+                st->ObserveLatency(ms);
+              }
             }
             layer_bytes_.erase(lb);
           }
@@ -1184,12 +1390,33 @@ class LayerwiseConnectorImpl final : public KvConnector {
                                        config_.kvstream.send_timeout_ms, " ms");
           for (TransferId t : s.pending) (void)transport_->Cancel(t);
         }
-        // A failed request whose transfers all ended: tell the consumer once.
+        // A request split over pipeline stages whose other stages never handed it over.
+        if (!s.failed && !s.released && now > s.gather_deadline) {
+          std::set<int32_t> missing;
+          for (int32_t l : layer_set_) {
+            if (s.route.count(l) == 0) missing.insert(l);
+          }
+          FailSend(s, absl::DeadlineExceededError(absl::StrCat(
+                          "request ", id, " was handed over by ", DestinationNames(s),
+                          " but no consumer asked for layers ", FormatLayerSet(missing),
+                          " within ", config_.kvstream.send_timeout_ms,
+                          " ms (a pipeline stage is missing, or the stages' layer ranges "
+                          "leave a gap)")));
+        }
+        // A failed request whose transfers all ended: tell its consumers once.
         if (s.failed && s.pending.empty() && !s.stop_notified) {
           s.stop_notified = true;
-          if (s.link->alive) notify.push_back({s.link, AbortMsg{id, s.stop_reason}});
+          for (const SendDestination& d : s.dests) {
+            if (d.link->alive) notify.push_back({d.link, AbortMsg{id, s.stop_reason}});
+          }
         }
         if (!s.pending.empty() || (s.save_scheduled && !SendDone(s))) outstanding = true;
+        // Never given to the engine, so the engine will not finish it: forget it here.
+        if (!s.released && s.stop_notified) {
+          si = send_.erase(si);
+        } else {
+          ++si;
+        }
       }
       for (auto it = orphans_.begin(); it != orphans_.end();) {
         auto state = transport_->Test(*it);
@@ -1291,8 +1518,15 @@ class LayerwiseConnectorImpl final : public KvConnector {
   std::map<std::string, SendRequest> send_ ABSL_GUARDED_BY(mu_);
   std::vector<TransferId> orphans_ ABSL_GUARDED_BY(mu_);
   // V transfer -> (layer bytes, post time ns)
-  std::map<TransferId, std::pair<uint64_t, uint64_t>> layer_bytes_ ABSL_GUARDED_BY(mu_);
+  struct LayerSend {
+    uint64_t bytes = 0;
+    uint64_t post_ns = 0;
+    std::string peer;  // the consumer's engine id
+  };
+  std::map<TransferId, LayerSend> layer_bytes_ ABSL_GUARDED_BY(mu_);
   ConnectorStats stats_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, ConnectorStats> peer_stats_ ABSL_GUARDED_BY(mu_);  // by peer engine id
+  std::set<int32_t> layer_set_ ABSL_GUARDED_BY(mu_);  // indices of the registered layers
   std::vector<RequestTransferStats> finished_stats_ ABSL_GUARDED_BY(mu_);
   std::vector<KvRequest> incoming_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<ProducerLink>> producers_ ABSL_GUARDED_BY(mu_);
@@ -1304,6 +1538,12 @@ class LayerwiseConnectorImpl final : public KvConnector {
 absl::StatusOr<std::unique_ptr<KvConnector>> CreateLayerwiseConnector(
     const KvTransferConfig& config, std::unique_ptr<Transport> transport) {
   if (transport == nullptr) return absl::InvalidArgumentError("LayerwiseConnector: null transport");
+  if (config.kvstream.pipeline_parallel_size > 1 && config.kv_role != KvRole::kConsumer) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LayerwiseConnector: pipeline_parallel_size ", config.kvstream.pipeline_parallel_size,
+        " needs kv_role kv_consumer (pipeline-parallel decode); this worker is ",
+        KvRoleName(config.kv_role)));
+  }
   auto c = std::make_unique<LayerwiseConnectorImpl>(config, std::move(transport));
   RETURN_IF_ERROR(c->Start());
   return c;

@@ -5,11 +5,19 @@
 #   mpirun             the same under mpirun -np 2 (rank 0 prefill, rank 1 decode)
 #   mpirun-1p2d        mpirun -np 3: one prefill worker serving two decode workers
 #   mpirun-2p1d        mpirun -np 3: two prefill workers serving one decode worker
+#   mpirun-1p2d-pp     mpirun -np 3: one prefill worker and one decode worker split into two
+#                      pipeline stages (layers 0 and 1-3): bit-identical outputs, and each
+#                      stage received exactly its layers' bytes
 #   mismatch           different block sizes: rejected at handshake, requests fail clearly
 #   kill-producer      the prefill worker dies mid-stream: load errors, recompute, correct
 #                      output, no block leaked on the decode worker
+#   kill-producer-pp   the same with a decode worker of two pipeline stages: the prefill worker
+#                      dies after sending stage 0's layers, so stage 1 sees load errors; both
+#                      stages recompute the same requests and the outputs stay bit-identical
 #   kill-consumer      the decode worker dies mid-stream: the prefill worker frees its blocks
 #   metrics            the prefill worker's Prometheus endpoint is scraped after a run
+#   metrics-pp         the same with a decode worker of two pipeline stages: one peer label
+#                      per stage, each with its own layers' transfers
 set -u
 bin=$1
 scenario=$2
@@ -18,6 +26,9 @@ trap 'kill $ppid 2>/dev/null; rm -rf "$work"' EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 model="--layers=4 --heads=4 --kv-heads=2 --head-size=16 --block-size=16 --num-blocks=128 ${KVSTREAM_TEST_BACKEND:+--backend=$KVSTREAM_TEST_BACKEND}"
 prompts="--prompts=37,120,9,64 --decode-steps=6"
+# KV bytes of one layer of these prompts: 226 remote tokens x (K + V) x 2 KV heads x 16 x 4
+# bytes (float32 cache).
+layer_bytes=$(( (36 + 119 + 8 + 63) * 2 * 2 * 16 * 4 ))
 tls=shm; extra=""
 [ "$scenario" = tcp ] && { tls=tcp; extra=', "ucx_net_devices": "lo"'; }
 policy=recompute
@@ -90,10 +101,24 @@ case "$scenario" in
       [ "$(grep -c "served 2 requests" "$work/decode.out")" -eq 2 ] || fail "prefill workers did not serve 2 each"
     fi
     ;;
-  metrics)
+  metrics|metrics-pp)
     start_prefill --metrics-port=0 --idle-timeout=4
-    run_decode --json="$work/report.json"
-    [ $drc -eq 0 ] || fail "decode worker exited $drc"
+    if [ "$scenario" = metrics ]; then
+      run_decode --json="$work/report.json"
+      [ $drc -eq 0 ] || fail "decode worker exited $drc"
+      peers="decode-decode0:16"
+    else
+      # Two pipeline stages of one decode worker: stage 0 owns layer 0, stage 1 layers 1-3.
+      "$bin" worker --role=decode --kv-transfer-config="$(cfg decode)" $model $prompts \
+          --address-file="$addr" --pp-layers=0,1-3 --pp-rank=0 --json="$work/report.json" \
+          >"$work/decode0.out" 2>&1 &
+      d0pid=$!
+      run_decode --pp-layers=0,1-3 --pp-rank=1 --json="$work/report.json"
+      wait $d0pid; d0rc=$?
+      cat "$work/decode0.out" >>"$work/decode.out"
+      [ $drc -eq 0 ] && [ $d0rc -eq 0 ] || fail "decode stages exited $d0rc and $drc"
+      peers="decode-decode0-pp0:4 decode-decode0-pp1:12"
+    fi
     mport=$(sed -n 's|^metrics on http://0.0.0.0:\([0-9]*\)/metrics$|\1|p' "$work/prefill.out")
     [ -n "$mport" ] || fail "no metrics port printed"
     exec 3<>"/dev/tcp/127.0.0.1/$mport" || fail "cannot connect to the metrics port"
@@ -101,12 +126,50 @@ case "$scenario" in
     cat <&3 >"$work/metrics.txt"; exec 3<&-
     cat "$work/metrics.txt"
     grep -q "^HTTP/1.0 200" "$work/metrics.txt" || fail "no 200 answer"
-    sent=$(sed -n 's/^kvstream_transfer_bytes_total{.*direction="sent"} \([0-9]*\)\r*$/\1/p' "$work/metrics.txt")
-    [ -n "$sent" ] && [ "$sent" -gt 0 ] || fail "no bytes sent in the metrics"
-    grep -q 'kvstream_layers_transferred_total{role="kv_producer".*direction="sent"} 16' "$work/metrics.txt" || fail "expected 16 layer transfers (4 requests x 4 layers)"
-    grep -q 'kvstream_layer_transfer_latency_seconds_count{.*} 16' "$work/metrics.txt" || fail "latency histogram count"
-    grep -q '"bytes_received": '"$sent" "$work/report.json" || fail "the decode JSON disagrees with the producer's bytes"
+    # Every sample carries the producer's role and engine and the consumer it went to.
+    for p in $peers; do
+      peer=${p%%:*}; layers=${p##*:}
+      l="role=\"kv_producer\",engine=\"prefill-prefill0\",peer=\"$peer\""
+      grep -q "^kvstream_transfer_bytes_total{$l,direction=\"sent\"} $((layers * layer_bytes / 4))" "$work/metrics.txt" || fail "bytes sent to $peer"
+      grep -q "^kvstream_layers_transferred_total{$l,direction=\"sent\"} $layers" "$work/metrics.txt" || fail "expected $layers layer transfers to $peer"
+      grep -q "^kvstream_layer_transfer_latency_seconds_count{$l} $layers" "$work/metrics.txt" || fail "latency histogram count for $peer"
+      grep -q "^kvstream_layer_transfer_latency_seconds_bucket{$l,le=\"+Inf\"} $layers" "$work/metrics.txt" || fail "latency histogram +Inf bucket for $peer"
+      for m in kvstream_exposed_transfer_seconds_total kvstream_load_errors_total kvstream_blocks_in_flight kvstream_send_failures_total; do
+        grep -q "^$m{$l} " "$work/metrics.txt" || fail "$m has no sample for $peer"
+      done
+    done
+    [ "$(grep -c '^kvstream_layers_transferred_total{.*direction="sent"}' "$work/metrics.txt")" -eq "$(echo $peers | wc -w)" ] || fail "unexpected peers"
+    # The decode side's JSON report has the same counters, by producer.
+    if [ "$scenario" = metrics ]; then reports="$work/report.json:16"; else reports="$work/report.json.pp0:4 $work/report.json.pp1:12"; fi
+    for r in $reports; do
+      f=${r%%:*}; layers=${r##*:}
+      tr -d ' \n' <"$f" >"$work/flat.json"
+      grep -q "\"peers\":{\"prefill-prefill0\":{[^}]*\"bytes_received\":$((layers * layer_bytes / 4))," "$work/flat.json" || fail "$f: bytes received from the prefill worker"
+      grep -q "\"layer_latency_count\":$layers," "$work/flat.json" || fail "$f: latency count"
+    done
     wait $ppid
+    ;;
+  mpirun-1p2d-pp)
+    mpirun -np 3 --oversubscribe --bind-to none "$bin" worker --mpi --prefill-workers=1 \
+        --pp-layers=0,1-3 --kv-transfer-config="$(cfg mpi)" $model $prompts \
+        --address-file="$addr" --json="$work/report.json" >"$work/decode.out" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || fail "mpirun exited $rc"
+    grep -q "served 4 requests" "$work/decode.out" || fail "the prefill worker did not serve the 4 requests once"
+    [ "$(grep -c "outputs bit-identical to the colocated run" "$work/decode.out")" -eq 1 ] || fail "the last stage did not match the colocated run"
+    grep -q "outputs checked by the last pipeline stage" "$work/decode.out" || fail "no first stage"
+    for stage in 0:1 1:3; do
+      s=${stage%%:*}; layers=${stage##*:}
+      f="$work/report.json.pp$s"
+      [ -f "$f" ] || fail "no report from stage $s"
+      tr -d ' \n' <"$f" >"$work/flat.json"
+      grep -q "\"pipeline_rank\":$s," "$work/flat.json" || fail "$f is not stage $s"
+      grep -q '"tokens_match":true' "$work/flat.json" || fail "stage $s: outputs differ"
+      grep -q '"blocks_leaked":false' "$work/flat.json" || fail "stage $s leaked blocks"
+      # Only the stage's own layers arrived: 4 requests x its layers, and their bytes.
+      grep -q "\"connector\":{\"blocks_in_flight\":0,\"bytes_received\":$((layers * layer_bytes))," "$work/flat.json" || fail "stage $s received other than its layers' $((layers * layer_bytes)) bytes"
+      grep -q "\"layers_received\":$((4 * layers))," "$work/flat.json" || fail "stage $s did not receive $((4 * layers)) layer transfers"
+    done
     ;;
   mismatch)
     policy=fail
@@ -125,6 +188,32 @@ case "$scenario" in
     grep -q "recomputed after a load error" "$work/decode.out" || fail "nothing was recomputed"
     grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "outputs differ"
     grep -q '"blocks_leaked": false' "$work/report.json" || fail "blocks leaked"
+    ;;
+  kill-producer-pp)
+    start_prefill --crash-after-layer=2
+    "$bin" worker --role=decode --kv-transfer-config="$(cfg decode)" $model $prompts \
+        --address-file="$addr" --pp-layers=0-1,2-3 --pp-rank=0 --json="$work/report.json" \
+        >"$work/decode0.out" 2>&1 &
+    d0pid=$!
+    run_decode --pp-layers=0-1,2-3 --pp-rank=1 --json="$work/report.json"
+    wait $d0pid; d0rc=$?
+    wait $ppid; prc=$?
+    cat "$work/decode0.out" >>"$work/decode.out"
+    [ $prc -eq 137 ] || fail "prefill worker should have been killed (exit $prc)"
+    [ $drc -eq 0 ] && [ $d0rc -eq 0 ] || fail "decode stages exited $d0rc and $drc"
+    grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "outputs differ"
+    # Stage 0's layers were sent before the crash: when all 8 (4 requests x 2 layers) arrived
+    # it had no load error of its own and recomputes only because stage 1 told it.
+    [ "$(grep -c "recomputed after a load error" "$work/decode0.out")" -eq 4 ] || fail "stage 0 did not recompute the requests stage 1 failed to load"
+    tr -d ' \n' <"$work/report.json.pp0" >"$work/flat0.json"
+    if grep -q '"layers_received":8,' "$work/flat0.json"; then
+      grep -q "W\] load error:" "$work/decode0.out" && fail "stage 0 got all its layers yet reported load errors"
+    else
+      echo "note: some of stage 0's layers were still in flight at the crash"
+    fi
+    for s in 0 1; do
+      grep -q '"blocks_leaked": false' "$work/report.json.pp$s" || fail "stage $s leaked blocks"
+    done
     ;;
   kill-consumer)
     start_prefill --serve=4 --idle-timeout=20

@@ -1,5 +1,5 @@
 # Prefill and decode workers as real processes (and under mpirun).
-foreach(scenario shm tcp mismatch kill-producer kill-consumer metrics)
+foreach(scenario shm tcp mismatch kill-producer kill-producer-pp kill-consumer metrics metrics-pp)
   add_test(NAME worker_${scenario}
     COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> ${scenario})
   set_tests_properties(worker_${scenario} PROPERTIES LABELS integration TIMEOUT 300
@@ -7,7 +7,7 @@ foreach(scenario shm tcp mismatch kill-producer kill-consumer metrics)
 endforeach()
 find_program(MPIRUN mpirun)
 if(MPIRUN)
-  foreach(scenario mpirun-1p2d mpirun-2p1d)
+  foreach(scenario mpirun-1p2d mpirun-2p1d mpirun-1p2d-pp)
     add_test(NAME worker_${scenario}
       COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> ${scenario})
     set_tests_properties(worker_${scenario} PROPERTIES LABELS "integration;mpi" TIMEOUT 300

@@ -1,9 +1,11 @@
-// Tests of kv_transfer_config parsing and of layer-name parsing.
+// Tests of kv_transfer_config parsing, of layer-name parsing and of the layer ranges of
+// pipeline-parallel decode.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "kvstream/connector/config.h"
 #include "kvstream/connector/layer_name.h"
+#include "kvstream/connector/layer_routing.h"
 
 namespace kvstream {
 namespace {
@@ -71,6 +73,19 @@ TEST(KvTransferConfigTest, ErrorsNameTheKeyAndValue) {
       {R"({"kv_connector_extra_config": {"verify_checksum": "yes"}})", "verify_checksum"},
       {R"({"kv_connector_extra_config": []})", "kv_connector_extra_config"},
       {R"({"engine_id": ""})", "engine_id"},
+      {R"({"kv_connector_extra_config": {"pipeline_parallel_size": 0}})", "pipeline_parallel_size"},
+      {R"({"kv_connector_extra_config": {"pipeline_parallel_size": 2, "pipeline_rank": 2}})",
+       "pipeline_rank 2 must be below pipeline_parallel_size 2"},
+      {R"({"kv_connector_extra_config": {"pipeline_layers": "0-15,x"}})", "\"x\""},
+      {R"({"kv_connector_extra_config": {"pipeline_layers": "0-15,12-31"}})", "overlaps stage 0"},
+      {R"({"kv_connector_extra_config": {"pipeline_layers": "0-15,17-31"}})",
+       "layers 16 are owned by no stage"},
+      {R"({"kv_connector_extra_config": {"pipeline_layers": "4-31"}})",
+       "layers 0-3 are owned by no stage"},
+      {R"({"kv_connector_extra_config": {"pipeline_layers": 7}})", "pipeline_layers"},
+      {R"({"kv_connector_extra_config":
+           {"pipeline_parallel_size": 3, "pipeline_layers": "0-1,2-3"}})",
+       "has 2 stages but pipeline_parallel_size is 3"},
       {R"([1, 2])", "object"},
       {R"({"kv_role": )", "malformed"},
   };
@@ -78,6 +93,86 @@ TEST(KvTransferConfigTest, ErrorsNameTheKeyAndValue) {
     auto r = ParseKvTransferConfig(c.json);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.json;
     EXPECT_THAT(r.status().message(), HasSubstr(c.needle)) << c.json;
+  }
+}
+
+TEST(KvTransferConfigTest, PipelineKeys) {
+  auto c = ParseKvTransferConfig(R"({"kv_role": "kv_consumer", "kv_connector_extra_config":
+      {"pipeline_parallel_size": 2, "pipeline_rank": 1, "pipeline_layers": "0-19,20-31"}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->kvstream.pipeline_parallel_size, 2);
+  EXPECT_EQ(c->kvstream.pipeline_rank, 1);
+  ASSERT_EQ(c->kvstream.pipeline_layers.size(), 2u);
+  EXPECT_EQ(c->kvstream.pipeline_layers[1], (LayerRange{20, 32}));
+  // pipeline_layers alone gives the number of stages.
+  auto d = ParseKvTransferConfig(R"({"kv_connector_extra_config":
+      {"pipeline_layers": "0-9,10-19,20-31", "pipeline_rank": 2}})");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->kvstream.pipeline_parallel_size, 3);
+  auto e = ParseKvTransferConfig("{}");
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ(e->kvstream.pipeline_parallel_size, 1);
+  EXPECT_EQ(e->kvstream.pipeline_rank, 0);
+  EXPECT_TRUE(e->kvstream.pipeline_layers.empty());
+}
+
+TEST(PipelineStageLayersTest, EvenSplitExplicitPartitionAndErrors) {
+  KvstreamSettings s;
+  EXPECT_EQ(*PipelineStageLayers(s, 32), (LayerRange{0, 32}));  // no pipeline: every layer
+  s.pipeline_parallel_size = 2;
+  s.pipeline_rank = 1;
+  EXPECT_EQ(*PipelineStageLayers(s, 32), (LayerRange{16, 32}));
+  EXPECT_EQ(*PipelineStageLayers(s, 5), (LayerRange{3, 5}));
+  EXPECT_EQ(PipelineStageLayers(s, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  s.pipeline_layers = *ParseLayerRanges("0-19,20-31");
+  EXPECT_EQ(*PipelineStageLayers(s, 32), (LayerRange{20, 32}));
+  auto short_model = PipelineStageLayers(s, 24);
+  EXPECT_EQ(short_model.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(short_model.status().message(), HasSubstr("the model has 24 layers"));
+  auto long_model = PipelineStageLayers(s, 40);
+  EXPECT_THAT(long_model.status().message(), HasSubstr("leave layers 32-39"));
+  EXPECT_THAT(long_model.status().message(), HasSubstr("owned by no decode stage"));
+}
+
+TEST(LayerRangesTest, ParseAndFormat) {
+  auto r = ParseLayerRanges("0-15,16-31");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, (std::vector<LayerRange>{{0, 16}, {16, 32}}));
+  EXPECT_EQ(FormatLayerRanges(*r), "0-15,16-31");
+  auto single = ParseLayerRanges(" 7 , 8-9 ");
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_EQ(*single, (std::vector<LayerRange>{{7, 8}, {8, 10}}));
+  EXPECT_EQ(FormatLayerRanges(*single), "7,8-9");
+  for (const char* bad :
+       {"", " ", "a-b", "5-3", "-1", "1-", "1,,2", "0-15;16-31", "+3", "99999999"}) {
+    auto p = ParseLayerRanges(bad);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_THAT(ParseLayerRanges("0-3,9-5").status().message(), HasSubstr("9-5"));
+  EXPECT_EQ(FormatLayerSet({0, 1, 2, 3, 8, 10, 11}), "0-3,8,10-11");
+  EXPECT_EQ(FormatLayerSet({}), "none");
+}
+
+TEST(LayerRangesTest, PipelinePartitions) {
+  EXPECT_TRUE(ValidatePipelinePartition({{0, 16}, {16, 32}}).ok());
+  EXPECT_TRUE(ValidatePipelinePartition({{0, 1}}).ok());
+  EXPECT_THAT(ValidatePipelinePartition({{0, 16}, {15, 32}}).message(),
+              HasSubstr("stage 1 (layers 15-31) overlaps stage 0 (layers 0-15)"));
+  EXPECT_THAT(ValidatePipelinePartition({{0, 16}, {18, 32}}).message(),
+              HasSubstr("layers 16-17 are owned by no stage"));
+  EXPECT_THAT(ValidatePipelinePartition({{2, 16}}).message(),
+              HasSubstr("layers 0-1 are owned by no stage"));
+  EXPECT_EQ(ValidatePipelinePartition({}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidatePipelinePartition({{0, 4}, {4, 4}}).code(), absl::StatusCode::kInvalidArgument);
+  // vLLM's even split: the remainder goes to the stages before the last.
+  EXPECT_EQ(*EvenPipelinePartition(32, 2), (std::vector<LayerRange>{{0, 16}, {16, 32}}));
+  EXPECT_EQ(*EvenPipelinePartition(10, 4),
+            (std::vector<LayerRange>{{0, 2}, {2, 5}, {5, 8}, {8, 10}}));
+  EXPECT_EQ(*EvenPipelinePartition(4, 1), (std::vector<LayerRange>{{0, 4}}));
+  EXPECT_EQ(EvenPipelinePartition(3, 4).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(EvenPipelinePartition(3, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  for (int stages = 1; stages <= 7; ++stages) {
+    EXPECT_TRUE(ValidatePipelinePartition(*EvenPipelinePartition(31, stages)).ok()) << stages;
   }
 }
 

@@ -2,6 +2,7 @@
 // loopback transport (data) and a real TCP control channel on 127.0.0.1.
 #include "kvstream/connector/layerwise_connector.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "kvstream/cache/kv_cache.h"
 #include "kvstream/connector/block_copy_plan.h"
 #include "kvstream/connector/factory.h"
+#include "kvstream/connector/layer_routing.h"
 #include "kvstream/transfer/loopback_transport.h"
 
 namespace kvstream {
@@ -78,12 +80,19 @@ struct NodeOptions {
   int64_t load_timeout_ms = 5000;
   int64_t send_timeout_ms = 5000;
   bool corrupt = false;
+  // The layers this node has caches for (empty: all kLayers) and its pipeline settings.
+  std::vector<int> layers;
+  int pipeline_parallel_size = 1;
+  int pipeline_rank = 0;
+  std::string pipeline_layers;  // e.g. "0,1-2"
+  bool register_may_fail = false;
 };
 
-// One worker: a connector and its layers' caches.
+// One worker: a connector and its layers' caches (null for layers it does not own).
 struct Node {
   std::unique_ptr<KvConnector> connector;
   std::vector<std::unique_ptr<KvCache>> caches;
+  absl::Status register_status;
 };
 
 std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
@@ -99,6 +108,13 @@ std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
   c.kvstream.load_timeout_ms = o.load_timeout_ms;
   c.kvstream.send_timeout_ms = o.send_timeout_ms;
   c.kvstream.handshake_timeout_ms = 2000;
+  c.kvstream.pipeline_parallel_size = o.pipeline_parallel_size;
+  c.kvstream.pipeline_rank = o.pipeline_rank;
+  if (!o.pipeline_layers.empty()) {
+    auto ranges = ParseLayerRanges(o.pipeline_layers);
+    EXPECT_TRUE(ranges.ok()) << ranges.status();
+    if (ranges.ok()) c.kvstream.pipeline_layers = *ranges;
+  }
   auto transport = fabric.CreateTransport(name);
   EXPECT_TRUE(transport.ok()) << transport.status();
   std::unique_ptr<Transport> t = std::move(transport).value();
@@ -113,13 +129,20 @@ std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
   spec.head_size_v = 4;
   spec.dtype = DType::kBFloat16;
   std::map<std::string, KvCache*> by_name;
+  node->caches.resize(kLayers);
   for (int l = 0; l < kLayers; ++l) {
+    if (!o.layers.empty() && std::find(o.layers.begin(), o.layers.end(), l) == o.layers.end()) {
+      continue;
+    }
     auto cache = KvCache::Create({spec, o.layout, 16});
     EXPECT_TRUE(cache.ok());
     by_name[LayerName(l)] = cache->get();
-    node->caches.push_back(std::move(cache).value());
+    node->caches[l] = std::move(cache).value();
   }
-  EXPECT_TRUE(node->connector->RegisterKvCaches(by_name).ok());
+  node->register_status = node->connector->RegisterKvCaches(by_name);
+  if (!o.register_may_fail) {
+    EXPECT_TRUE(node->register_status.ok()) << node->register_status;
+  }
   return node;
 }
 
@@ -182,23 +205,41 @@ class LayerwiseConnectorTest : public ::testing::TestWithParam<KvLayout> {
 
   // Consumer side: a request of `prompt_len` tokens into `blocks`, handed to the producer.
   KvRequest ConsumerAdmit(const std::string& id, int prompt_len, const std::vector<int32_t>& blocks) {
+    return AdmitOn(*d_, id, prompt_len, blocks);
+  }
+  KvRequest AdmitOn(Node& node, const std::string& id, int prompt_len,
+                    const std::vector<int32_t>& blocks) {
     KvRequest r;
     r.request_id = id;
     for (int i = 0; i < prompt_len; ++i) r.prompt_token_ids.push_back(1000 + i);
     r.remote_prefill = remote_;
-    auto m = d_->connector->GetNumNewMatchedTokens(r, 0);
+    auto m = node.connector->GetNumNewMatchedTokens(r, 0);
     EXPECT_TRUE(m.ok());
     EXPECT_EQ(m->num_tokens, prompt_len - 1);
-    EXPECT_TRUE(d_->connector->UpdateStateAfterAlloc(r, blocks, m->num_tokens).ok());
+    EXPECT_TRUE(node.connector->UpdateStateAfterAlloc(r, blocks, m->num_tokens).ok());
     return r;
   }
 
   KvConnectorMetadata ConsumerStep(const std::vector<ScheduledRequest>& scheduled) {
-    auto meta = d_->connector->BuildConnectorMeta(scheduled);
+    return StepOn(*d_, scheduled);
+  }
+  KvConnectorMetadata StepOn(Node& node, const std::vector<ScheduledRequest>& scheduled) {
+    auto meta = node.connector->BuildConnectorMeta(scheduled);
     EXPECT_TRUE(meta.ok());
-    EXPECT_TRUE(d_->connector->BindConnectorMetadata(*meta).ok());
-    EXPECT_TRUE(d_->connector->StartLoadKv().ok());
+    EXPECT_TRUE(node.connector->BindConnectorMetadata(*meta).ok());
+    EXPECT_TRUE(node.connector->StartLoadKv().ok());
     return *meta;
+  }
+
+  // Consumer side: load errors, waiting up to 10 s for the first one.
+  static std::vector<LoadError> AwaitLoadErrors(KvConnector& c) {
+    std::vector<LoadError> errors;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (errors.empty() && absl::Now() < deadline) {
+      errors = c.TakeLoadErrors();
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    return errors;
   }
 
   // Producer side: waits for `n` requests to arrive.
@@ -441,11 +482,175 @@ TEST_P(LayerwiseConnectorTest, DestinationBlocksOutsideTheCacheRejected) {
   EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
 }
 
+// Pipeline-parallel decode: stage 0 owns layer 0, stage 1 layers 1-2 (of kLayers = 3).
+NodeOptions Stage(int rank, const std::string& partition, std::vector<int> layers) {
+  NodeOptions o;
+  o.pipeline_parallel_size = 2;
+  o.pipeline_rank = rank;
+  o.pipeline_layers = partition;
+  o.layers = std::move(layers);
+  return o;
+}
+
+TEST_P(LayerwiseConnectorTest, PipelineStagesReceiveOnlyTheirLayers) {
+  Start({}, Stage(0, "0,1-2", {0}));
+  NodeOptions stage1 = Stage(1, "0,1-2", {1, 2});
+  stage1.layout = GetParam();
+  auto d1 = MakeNode(fabric_, "d1", stage1);
+  const std::vector<int32_t> b0 = {9, 2, 14}, b1 = {3, 4, 5}, pb = {5, 6, 0};
+  AdmitOn(*d_, "req", 12, b0);
+  StepOn(*d_, {{"req", 0, 12}});
+  AdmitOn(*d1, "req", 12, b1);
+  StepOn(*d1, {{"req", 0, 12}});
+
+  // One prefill serves both stages.
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  ProducerPrefill(incoming[0], pb, kLayers);
+  EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+
+  // Each stage waits for, and gets, only its own layers.
+  ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(0)).ok());
+  EXPECT_TRUE(TokensEqual(*p_->caches[0], pb, *d_->caches[0], b0, 11));
+  for (int l = 1; l < kLayers; ++l) {
+    ASSERT_TRUE(d1->connector->BeforeAttention(LayerName(l)).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], pb, *d1->caches[l], b1, 11)) << l;
+  }
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_TRUE(d1->connector->TakeLoadErrors().empty());
+  const uint64_t layer_bytes = 11u * (2 * 8 + 2 * 4) * 2;  // 11 tokens, bf16
+  EXPECT_EQ(d_->connector->stats().bytes_received, layer_bytes);
+  EXPECT_EQ(d_->connector->stats().layers_received, 1u);
+  EXPECT_EQ(d1->connector->stats().bytes_received, 2 * layer_bytes);
+  EXPECT_EQ(d1->connector->stats().layers_received, 2u);
+  EXPECT_TRUE(PollFinished(*d_->connector, "req", false).finished_recving.count("req"));
+  EXPECT_TRUE(PollFinished(*d1->connector, "req", false).finished_recving.count("req"));
+
+  auto delay = p_->connector->RequestFinished("req");
+  ASSERT_TRUE(delay.ok());
+  if (*delay) {
+    EXPECT_TRUE(PollFinished(*p_->connector, "req", true).finished_sending.count("req"));
+  }
+  // The producer's counters per consumer, and each consumer's for the producer.
+  std::vector<PeerConnectorStats> peers = p_->connector->peer_stats();
+  ASSERT_EQ(peers.size(), 2u);
+  EXPECT_EQ(peers[0].peer, "d");
+  EXPECT_EQ(peers[0].stats.bytes_sent, layer_bytes);
+  EXPECT_EQ(peers[0].stats.layers_sent, 1u);
+  EXPECT_EQ(peers[1].peer, "d1");
+  EXPECT_EQ(peers[1].stats.bytes_sent, 2 * layer_bytes);
+  EXPECT_EQ(peers[1].stats.layers_sent, 2u);
+  EXPECT_EQ(p_->connector->stats().bytes_sent, 3 * layer_bytes);
+  uint64_t observed = 0;
+  for (uint64_t c : peers[1].stats.latency_counts) observed += c;
+  EXPECT_EQ(observed, 2u);
+  std::vector<PeerConnectorStats> from = d1->connector->peer_stats();
+  ASSERT_EQ(from.size(), 1u);
+  EXPECT_EQ(from[0].peer, "p");
+  EXPECT_EQ(from[0].stats.bytes_received, 2 * layer_bytes);
+  EXPECT_EQ(from[0].stats.load_errors, 0u);
+}
+
+TEST_P(LayerwiseConnectorTest, MissingPipelineStageFailsTheRequest) {
+  NodeOptions producer;
+  producer.send_timeout_ms = 300;
+  Start(producer, Stage(0, "0,1-2", {0}));
+  AdmitOn(*d_, "req", 9, {1, 2, 3});
+  StepOn(*d_, {{"req", 0, 9}});
+  // Stage 1 never hands the request over: the producer gives up on it and says why.
+  std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].request_id, "req");
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("no consumer asked for layers 1-2"));
+  EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+  EXPECT_TRUE(PollFinished(*d_->connector, "req", false).finished_recving.count("req"));
+  std::vector<PeerConnectorStats> peers = d_->connector->peer_stats();
+  ASSERT_EQ(peers.size(), 1u);
+  EXPECT_EQ(peers[0].peer, "p");
+  EXPECT_EQ(peers[0].stats.load_errors, 1u);
+}
+
+TEST_P(LayerwiseConnectorTest, OverlappingPipelineStagesRejected) {
+  NodeOptions producer;
+  producer.send_timeout_ms = 300;
+  // Each stage's own configuration is valid, but they disagree: both claim layer 1.
+  Start(producer, Stage(0, "0-1,2", {0, 1}));
+  NodeOptions stage1 = Stage(1, "0,1-2", {1, 2});
+  stage1.layout = GetParam();
+  auto d1 = MakeNode(fabric_, "d1", stage1);
+  AdmitOn(*d_, "req", 9, {1, 2, 3});
+  StepOn(*d_, {{"req", 0, 9}});
+  AdmitOn(*d1, "req", 9, {4, 5, 6});
+  StepOn(*d1, {{"req", 0, 9}});
+  // Whichever hand-off reaches the producer second is refused; the first then misses a
+  // layer and fails at the deadline.
+  std::vector<LoadError> e0 = AwaitLoadErrors(*d_->connector);
+  std::vector<LoadError> e1 = AwaitLoadErrors(*d1->connector);
+  ASSERT_EQ(e0.size(), 1u);
+  ASSERT_EQ(e1.size(), 1u);
+  const LoadError& refused =
+      e0[0].status.code() == absl::StatusCode::kInvalidArgument ? e0[0] : e1[0];
+  const LoadError& starved =
+      e0[0].status.code() == absl::StatusCode::kInvalidArgument ? e1[0] : e0[0];
+  EXPECT_EQ(refused.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status.message(), HasSubstr("layer ranges overlap"));
+  EXPECT_THAT(starved.status.message(), HasSubstr("no consumer asked for layers"));
+  EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+}
+
+TEST_P(LayerwiseConnectorTest, EvenSplitStageWithOtherLayersRejectedAtHandshake) {
+  // pipeline_parallel_size 2 without pipeline_layers splits the producer's 3 layers as
+  // vLLM does (0-1, 2); a stage 0 with only layer 0 is misconfigured.
+  NodeOptions stage0;
+  stage0.pipeline_parallel_size = 2;
+  stage0.layers = {0};
+  Start({}, stage0);
+  AdmitOn(*d_, "req", 9, {1, 2, 3});
+  StepOn(*d_, {{"req", 0, 9}});
+  std::vector<LoadError> errors = d_->connector->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("should receive layers 0-1"));
+  EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+}
+
+TEST_P(LayerwiseConnectorTest, ConsumerWithFewerLayersRejectedAtHandshake) {
+  NodeOptions consumer;
+  consumer.layers = {0, 1};  // the producer has 0-2, and this is no pipeline stage
+  Start({}, consumer);
+  AdmitOn(*d_, "req", 9, {1, 2, 3});
+  StepOn(*d_, {{"req", 0, 9}});
+  std::vector<LoadError> errors = d_->connector->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("compatibility mismatch"));
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("it has layers 0-2, we have layers 0-1"));
+}
+
+TEST_P(LayerwiseConnectorTest, StageRegisteringLayersOutsideItsRangeRejected) {
+  NodeOptions stage0 = Stage(0, "0,1-2", {0, 1});
+  stage0.register_may_fail = true;
+  auto node = MakeNode(fabric_, "d", stage0);
+  EXPECT_EQ(node->register_status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(node->register_status.message(), HasSubstr("layer 1"));
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, LayerwiseConnectorTest,
                          ::testing::Values(KvLayout::kNHD, KvLayout::kHND),
                          [](const ::testing::TestParamInfo<KvLayout>& param_info) {
                            return std::string(KvLayoutName(param_info.param));
                          });
+
+TEST(LayerwiseConnectorConfigTest, PipelineParallelProducerRejected) {
+  LoopbackFabric fabric;
+  KvTransferConfig c;
+  c.kv_connector = "LayerwiseConnector";
+  c.kv_role = KvRole::kProducer;
+  c.kvstream.pipeline_parallel_size = 2;
+  auto connector = CreateKvConnector(c, fabric.CreateTransport("p").value());
+  EXPECT_EQ(connector.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(connector.status().message(), HasSubstr("kv_consumer"));
+}
 
 TEST(LayerwiseConnectorConfigTest, BadLayerNamesAndFactoryErrors) {
   LoopbackFabric fabric;

@@ -14,9 +14,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kvstream/connector/layer_routing.h"
 
 namespace kvstream {
 
@@ -36,6 +38,15 @@ struct KvstreamSettings {
   int64_t handshake_timeout_ms = 5000;
   bool verify_checksum = true;           // per-layer checksum checked by the consumer
   std::string secret;                    // shared secret for the control channel; empty = none
+  // Pipeline-parallel decode (consumers only): this worker is stage `pipeline_rank` of a
+  // decode group of `pipeline_parallel_size` stages. It registers, receives and waits for
+  // only its stage's layers; the producer sends each layer of a request to the stage that
+  // owns it once every stage has handed the request over. `pipeline_layers` lists every
+  // stage's layers in stage order (a partition of [0, N)); empty = vLLM's even split of the
+  // producer's N layers (EvenPipelinePartition).
+  int32_t pipeline_parallel_size = 1;
+  int32_t pipeline_rank = 0;
+  std::vector<LayerRange> pipeline_layers;
 };
 
 struct KvTransferConfig {
@@ -56,6 +67,13 @@ struct KvTransferConfig {
 // Parses the JSON text. InvalidArgument for malformed JSON (with the parser's position),
 // unknown keys (named), wrong types and bad values (named, with the value).
 absl::StatusOr<KvTransferConfig> ParseKvTransferConfig(absl::string_view json);
+
+// The layers this worker's pipeline stage owns in a model of `num_layers` layers: all of
+// them without pipeline parallelism, else stage pipeline_rank of pipeline_layers or of the
+// even split. InvalidArgument when pipeline_layers does not end at num_layers (layers no
+// stage owns, or layers the model lacks) or the model has fewer layers than stages.
+absl::StatusOr<LayerRange> PipelineStageLayers(const KvstreamSettings& settings,
+                                               int32_t num_layers);
 
 }  // namespace kvstream
 

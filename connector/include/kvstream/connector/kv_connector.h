@@ -113,6 +113,14 @@ struct ConnectorStats {
   }
 };
 
+// The counters of the traffic with one peer. On a producer the peers are its consumers, on
+// a consumer its producers, named by the engine id they gave at handshake (or by their
+// control address while no handshake succeeded).
+struct PeerConnectorStats {
+  std::string peer;
+  ConnectorStats stats;
+};
+
 // Consumer: one request's transfer, once all its layers arrived.
 struct RequestTransferStats {
   std::string request_id;
@@ -190,7 +198,12 @@ class KvConnector : public TransferHook {
   // Producer: the control address it listens on ("ip:port").
   virtual std::string control_address() const = 0;
 
+  // Totals over every peer. Thread-safe; never blocks on transfers.
   virtual ConnectorStats stats() const = 0;
+  // The same counters per peer, sorted by peer. They add up to stats(), except wait_ms (a
+  // wait for a layer that several producers still owed counts for each of them) and a
+  // producer's blocks_in_flight (a request split over pipeline stages counts for each).
+  virtual std::vector<PeerConnectorStats> peer_stats() const = 0;
   // Consumer: stats of requests whose layers all arrived, since the last call.
   virtual std::vector<RequestTransferStats> TakeRequestStats() = 0;
 };

@@ -8,6 +8,15 @@
 // size / heads / head sizes / layer count, its registered cache regions, optional shared
 // secret) and then hands requests over (id, prompt tokens, destination blocks).
 //
+// Routing by layer (pipeline-parallel decode): a consumer registers the layers it owns, and
+// its hello carries them. Each stage of a decode group hands every request over with its
+// own destination blocks; the producer gives the request to its engine once every layer has
+// a destination, then posts each layer to the stage that owns it. Stages whose ranges
+// overlap are refused at the second hand-off; layers no stage asks for fail the request
+// after send_timeout_ms (and each consumer checks at handshake that its pipeline
+// configuration and the producer's layers agree, so a consistent configuration never gets
+// there). Errors name the layers and the consumers.
+//
 // Failures: a layer that does not arrive by load_timeout_ms, a lost producer, a rejected
 // hand-off or a checksum mismatch make the request a load error (TakeLoadErrors); the engine
 // applies kv_load_failure_policy. A producer whose sends do not finish within
@@ -35,7 +44,8 @@ namespace kvstream {
 inline constexpr uint32_t kLayerwiseProtocolVersion = 1;
 
 // Creates the connector; the producer (and kv_both) starts listening at once.
-// InvalidArgument for a bad config; Unavailable when the control port cannot be bound.
+// InvalidArgument for a bad config (pipeline parallelism is for consumers only);
+// Unavailable when the control port cannot be bound.
 absl::StatusOr<std::unique_ptr<KvConnector>> CreateLayerwiseConnector(
     const KvTransferConfig& config, std::unique_ptr<Transport> transport);
 
