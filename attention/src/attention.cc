@@ -6,9 +6,14 @@
 #include <cstring>
 #include <utility>
 
+#if defined(KVSTREAM_HAVE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "kvstream/cache/cache_update.h"
+#include "kvstream/common/cuda_status.h"
 #include "kvstream/common/status_macros.h"
 
 namespace kvstream {
@@ -91,15 +96,45 @@ absl::StatusOr<TensorView> View3d(const TensorView& t, int64_t a, int64_t b,
   return v;
 }
 
-void ZeroRows(const TensorView& out3) {
+absl::Status ZeroRows(const TensorView& out3) {
   const size_t row_bytes = static_cast<size_t>(out3.size(2)) * DTypeSize(out3.dtype());
   char* base = static_cast<char*>(out3.data());
   const size_t es = DTypeSize(out3.dtype());
+  if (out3.memory() == MemoryKind::kDevice) {
+#if defined(KVSTREAM_HAVE_CUDA)
+    // Rows of heads: one 2-D memset per token (pitch = head stride).
+    for (int64_t t = 0; t < out3.size(0); ++t) {
+      RETURN_IF_ERROR(CudaErrorToStatus(
+          cudaMemset2D(base + t * out3.stride(0) * es, static_cast<size_t>(out3.stride(1)) * es,
+                       0, row_bytes, static_cast<size_t>(out3.size(1))),
+          "cudaMemset2D (attention output of a dummy step)"));
+    }
+    return absl::OkStatus();
+#else
+    return absl::FailedPreconditionError("device output in a build without CUDA");
+#endif
+  }
   for (int64_t t = 0; t < out3.size(0); ++t) {
     for (int64_t h = 0; h < out3.size(1); ++h) {
       std::memset(base + (t * out3.stride(0) + h * out3.stride(1)) * es, 0, row_bytes);
     }
   }
+  return absl::OkStatus();
+}
+
+// The slopes copied to device memory (once; the buffer lives with the layer).
+absl::Status UploadSlopes(const std::vector<float>& slopes, DeviceBuffer& buffer) {
+  if (slopes.empty() || !buffer.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(DeviceBuffer fresh,
+                   DeviceBuffer::Create(slopes.size() * sizeof(float), MemoryKind::kDevice));
+#if defined(KVSTREAM_HAVE_CUDA)
+  RETURN_IF_ERROR(CudaErrorToStatus(cudaMemcpy(fresh.data(), slopes.data(),
+                                               slopes.size() * sizeof(float),
+                                               cudaMemcpyHostToDevice),
+                                    "cudaMemcpy (ALiBi slopes to the device)"));
+#endif
+  buffer = std::move(fresh);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -229,11 +264,26 @@ absl::Status Attention::Forward(const TensorView& query, const TensorView& key,
   const ForwardContext& context = registry_->forward_context();
   if (!context.is_real()) {
     // Profiling or dummy run: no cache, no transfer, a defined output.
-    ZeroRows(out);
-    return absl::OkStatus();
+    return ZeroRows(out);
   }
   const AttentionMetadata& md = *context.metadata;
   ASSIGN_OR_RETURN(KvCache * cache, registry_->KvCacheFor(name));
+  // A device cache: kernels read the uploaded copy of the metadata, validation the host one.
+  const bool on_device = cache->view().memory == MemoryKind::kDevice;
+  const DeviceAttentionMetadata* dmd = context.device;
+  if (on_device) {
+    if (dmd == nullptr || dmd->query_start_loc == nullptr || dmd->seq_lens == nullptr ||
+        dmd->block_table == nullptr || dmd->slot_mapping == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "attention layer '", name, "': its cache is in device memory, so the forward "
+          "context needs the metadata's device copy (ForwardContext::device, every array)"));
+    }
+    absl::Status st = UploadSlopes(options_.alibi_slopes, alibi_device_);
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("attention layer '", name, "': ",
+                                                  st.message()));
+    }
+  }
   RETURN_IF_ERROR(md.Validate(spec_.block_size, cache->num_blocks()));
   if (md.num_actual_tokens > q.size(0)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -267,7 +317,8 @@ absl::Status Attention::Forward(const TensorView& query, const TensorView& key,
     update.value_token_stride = v.stride(0);
     update.value_head_stride = v.stride(1);
     update.input_dtype = k.dtype();
-    update.slot_mapping = md.slot_mapping.data();
+    update.slot_mapping = on_device ? dmd->slot_mapping : md.slot_mapping.data();
+    update.host_slot_mapping = md.slot_mapping.data();
     update.num_tokens = k.size(0);
     update.cache = cache->view();
     RETURN_IF_ERROR(backend_->UpdateCache(update));
@@ -293,9 +344,12 @@ absl::Status Attention::Forward(const TensorView& query, const TensorView& key,
   p.o_head_stride = out.stride(1);
   p.num_tokens = q.size(0);
   p.cache = cache->view();
-  p.query_start_loc = md.query_start_loc.data();
-  p.seq_lens = md.seq_lens.data();
-  p.block_table = md.block_table.data();
+  p.query_start_loc = on_device ? dmd->query_start_loc : md.query_start_loc.data();
+  p.seq_lens = on_device ? dmd->seq_lens : md.seq_lens.data();
+  p.block_table = on_device ? dmd->block_table : md.block_table.data();
+  p.host.query_start_loc = md.query_start_loc.data();
+  p.host.seq_lens = md.seq_lens.data();
+  p.host.block_table = md.block_table.data();
   p.block_table_stride = md.max_blocks_per_seq;
   p.num_seqs = md.num_seqs();
   p.max_query_len = md.max_query_len;
@@ -306,6 +360,8 @@ absl::Status Attention::Forward(const TensorView& query, const TensorView& key,
   p.sliding_window = options_.sliding_window.value_or(0);
   p.logits_soft_cap = options_.logits_soft_cap.value_or(0.0f);
   p.alibi_slopes = options_.alibi_slopes.empty() ? nullptr : options_.alibi_slopes.data();
+  p.host.alibi_slopes = p.alibi_slopes;
+  if (on_device && p.alibi_slopes != nullptr) p.alibi_slopes = alibi_device_.data_as<float>();
   absl::Status s = backend_->Forward(p);
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("layer '", name, "': ", s.message()));

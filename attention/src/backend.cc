@@ -1,4 +1,5 @@
-// The attention backends known by name, and the CPU backend classes that wrap the kernels.
+// The attention backends known by name ("cuda" lives in cuda/cuda_backend.cc), and the CPU
+// backend classes that wrap the kernels.
 #include "kvstream/attention/backend.h"
 
 #include <functional>
@@ -7,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kvstream/attention/cpu_attention.h"
+#include "kvstream/attention/cuda_attention.h"
 
 namespace kvstream {
 namespace {
@@ -33,13 +35,22 @@ class CpuBackend final : public AttentionBackend {
 
 }  // namespace
 
-std::vector<std::string> AttentionBackendNames() { return {"cpu", "cpu_reference"}; }
+std::vector<std::string> AttentionBackendNames() {
+#ifdef KVSTREAM_HAVE_CUDA
+  return {"cpu", "cpu_reference", "cuda"};
+#else
+  return {"cpu", "cpu_reference"};
+#endif
+}
 
 absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateAttentionBackend(absl::string_view name) {
   if (name == "cpu") return std::make_unique<CpuBackend>("cpu", &RunAttentionCpu);
   if (name == "cpu_reference") {
     return std::make_unique<CpuBackend>("cpu_reference", &RunAttentionReference);
   }
+  // Known in every build, so that a CPU-only build says "built without CUDA" (and a machine
+  // without a GPU says so) rather than "unknown backend". Device 0, a stream of its own.
+  if (name == "cuda") return CreateCudaAttentionBackend(CudaBackendOptions());
   return absl::NotFoundError(absl::StrCat("unknown attention backend '", name, "' (choices: ",
                                           absl::StrJoin(AttentionBackendNames(), ", "), ")"));
 }

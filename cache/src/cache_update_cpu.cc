@@ -178,18 +178,29 @@ absl::Status ValidateCacheUpdate(const CacheUpdateParams& params) {
         params.key_head_stride, "; value ", params.value_token_stride, ", ",
         params.value_head_stride, ")"));
   }
-  return ValidateSlotMapping(absl::MakeConstSpan(params.slot_mapping, params.num_tokens),
-                             cache.num_blocks, spec.block_size);
+  // A device cache's slot mapping is in device memory: check its host copy instead.
+  const int64_t* slots = params.slot_mapping;
+  if (cache.memory == MemoryKind::kDevice) {
+    if (params.host_slot_mapping == nullptr) {
+      return absl::InvalidArgumentError(
+          "cache update: a device cache needs a host copy of slot_mapping "
+          "(params.host_slot_mapping)");
+    }
+    slots = params.host_slot_mapping;
+  }
+  return ValidateSlotMapping(absl::MakeConstSpan(slots, params.num_tokens), cache.num_blocks,
+                             spec.block_size);
 }
 
 absl::Status CacheUpdateCpu(const CacheUpdateParams& params) {
-  RETURN_IF_ERROR(ValidateCacheUpdate(params));
   const KvCacheView& cache = params.cache;
+  // Checked before validation: whatever else is wrong, the CPU cannot write this cache.
   if (cache.memory == MemoryKind::kDevice) {
     return absl::FailedPreconditionError(
         "CacheUpdateCpu: the cache is in device memory, which the CPU cannot write; use the "
         "CUDA backend");
   }
+  RETURN_IF_ERROR(ValidateCacheUpdate(params));
   const KvCacheSpec& spec = cache.spec;
   const RowFn k_row = PickRowFn(params.input_dtype, spec.dtype, cache.k_strides.dim);
   const RowFn v_row = PickRowFn(params.input_dtype, spec.dtype, cache.v_strides.dim);

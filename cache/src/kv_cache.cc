@@ -1,4 +1,4 @@
-// KvCache: owned (zero-filled host tensors in NHD or HND order) or borrowed (an engine's
+// KvCache: owned (zero-filled host, pinned or device buffers in NHD or HND order) or borrowed (an engine's
 // tensors, checked against the spec at run time) K and V buffers of one layer, plus fp8
 // scales.
 #include "kvstream/cache/kv_cache.h"
@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kvstream/common/cuda_status.h"
 #include "kvstream/common/status_macros.h"
 
 namespace kvstream {
@@ -117,11 +118,12 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const Options& options)
     return absl::InvalidArgumentError(
         absl::StrCat("KvCache needs num_blocks > 0, got ", options.num_blocks));
   }
-  if (options.memory != MemoryKind::kHost) {
+  if (options.memory != MemoryKind::kHost && !BuiltWithCuda()) {
     return absl::UnimplementedError(
         absl::StrCat("KvCache::Create: ", MemoryKindName(options.memory),
-                     " memory is not available in this build; device and pinned memory arrive "
-                     "with the CUDA backend (use host memory, or Borrow() existing buffers)"));
+                     " memory is not available in this build; device and pinned memory need "
+                     "a build with CUDA (the CUDA backend); use host memory, or Borrow() "
+                     "existing buffers"));
   }
   const KvCacheSpec& spec = options.spec;
   const int64_t nb = options.num_blocks;
@@ -132,7 +134,9 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const Options& options)
     return {nb, bs, heads, head_size};
   };
   // Refuse sizes whose byte count does not fit before asking the allocator.
-  for (const int64_t head_size : {int64_t{spec.head_size}, int64_t{spec.head_size_v}}) {
+  int64_t tensor_bytes[2] = {0, 0};  // K, V
+  for (int which = 0; which < 2; ++which) {
+    const int64_t head_size = which == 0 ? spec.head_size : spec.head_size_v;
     int64_t bytes = static_cast<int64_t>(DTypeSize(spec.dtype));
     for (int64_t d : physical_shape(head_size)) {
       if (__builtin_mul_overflow(bytes, d, &bytes)) {
@@ -140,23 +144,47 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const Options& options)
             "KvCache::Create: ", nb, " blocks of ", spec.DebugString(), " overflow 64 bits"));
       }
     }
+    tensor_bytes[which] = bytes;
   }
 
   std::unique_ptr<KvCache> cache(new KvCache());
   cache->spec_ = spec;
   cache->num_blocks_ = nb;
   cache->owned_ = true;
-  cache->k_storage_ = Tensor::Zeros(physical_shape(spec.head_size), spec.dtype);
-  cache->v_storage_ = Tensor::Zeros(physical_shape(spec.head_size_v), spec.dtype);
-  if (cache->k_storage_.data() == nullptr || cache->v_storage_.data() == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("KvCache::Create: cannot allocate ", nb, " blocks of ",
-                     spec.BytesPerBlock(), " bytes (", spec.DebugString(), ")"));
+  void* k_data = nullptr;
+  void* v_data = nullptr;
+  if (options.memory == MemoryKind::kHost) {
+    cache->k_storage_ = Tensor::Zeros(physical_shape(spec.head_size), spec.dtype);
+    cache->v_storage_ = Tensor::Zeros(physical_shape(spec.head_size_v), spec.dtype);
+    if (cache->k_storage_.data() == nullptr || cache->v_storage_.data() == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("KvCache::Create: cannot allocate ", nb, " blocks of ",
+                       spec.BytesPerBlock(), " bytes (", spec.DebugString(), ")"));
+    }
+    k_data = cache->k_storage_.data();
+    v_data = cache->v_storage_.data();
+  } else {
+    for (int which = 0; which < 2; ++which) {
+      absl::StatusOr<DeviceBuffer> buffer = DeviceBuffer::CreateZeroed(
+          static_cast<size_t>(tensor_bytes[which]), options.memory);
+      if (!buffer.ok()) {
+        return absl::Status(
+            buffer.status().code(),
+            absl::StrCat("KvCache::Create: ", which == 0 ? "K" : "V", " cache of ", nb,
+                         " blocks (", spec.DebugString(), ") in ",
+                         MemoryKindName(options.memory), " memory: ", buffer.status().message()));
+      }
+      (which == 0 ? cache->k_device_ : cache->v_device_) = std::move(buffer).value();
+    }
+    k_data = cache->k_device_.data();
+    v_data = cache->v_device_.data();
   }
-  cache->k_ = TensorView(cache->k_storage_.data(), spec.dtype, {nb, bs, heads, spec.head_size},
-                         ToVector(MakeCacheStrides(spec, options.layout, /*is_value=*/false)));
-  cache->v_ = TensorView(cache->v_storage_.data(), spec.dtype, {nb, bs, heads, spec.head_size_v},
-                         ToVector(MakeCacheStrides(spec, options.layout, /*is_value=*/true)));
+  cache->k_ = TensorView(k_data, spec.dtype, {nb, bs, heads, spec.head_size},
+                         ToVector(MakeCacheStrides(spec, options.layout, /*is_value=*/false)),
+                         options.memory);
+  cache->v_ = TensorView(v_data, spec.dtype, {nb, bs, heads, spec.head_size_v},
+                         ToVector(MakeCacheStrides(spec, options.layout, /*is_value=*/true)),
+                         options.memory);
   cache->k_scale_.assign(NumScales(spec), 1.0f);
   cache->v_scale_.assign(NumScales(spec), 1.0f);
   return cache;

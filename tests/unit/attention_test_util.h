@@ -342,6 +342,12 @@ class AttnProblem {
     return stray;
   }
 
+  // The raw buffers params() points into (queries, K cache, V cache), for copies to a
+  // device.
+  const std::vector<uint8_t>& q_bytes() const { return q_; }
+  const std::vector<uint8_t>& k_bytes() const { return k_; }
+  const std::vector<uint8_t>& v_bytes() const { return v_; }
+
   const AttnCase& config() const { return c_; }
   int num_heads() const { return num_heads_; }
   int32_t query_start(size_t s) const { return query_start_loc_[s]; }

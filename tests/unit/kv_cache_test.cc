@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvstream/cache/kv_cache_spec.h"
+#include "kvstream/common/cuda_status.h"
 #include "kvstream/common/tensor.h"
 
 namespace kvstream {
@@ -130,14 +131,33 @@ TEST(KvCacheTest, CreateErrors) {
   options.spec = MakeSpec(16, 4, 64, 64, DType::kFloat8E4M3);  // fp8 without quant mode
   EXPECT_EQ(KvCache::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
 
+  // Pinned and device memory: Unimplemented without CUDA; with CUDA, allocated where a GPU
+  // can be used and FailedPrecondition (naming the kind) where none can.
   options.spec = MakeSpec(16, 4, 64, 64, DType::kBFloat16);
   for (MemoryKind kind : {MemoryKind::kPinned, MemoryKind::kDevice}) {
+    SCOPED_TRACE(MemoryKindName(kind));
     options.memory = kind;
     auto cache = KvCache::Create(options);
-    ASSERT_FALSE(cache.ok());
-    EXPECT_EQ(cache.status().code(), absl::StatusCode::kUnimplemented);
-    EXPECT_THAT(cache.status().message(), HasSubstr("CUDA backend"));
-    EXPECT_THAT(cache.status().message(), HasSubstr(std::string(MemoryKindName(kind))));
+    if (!BuiltWithCuda()) {
+      ASSERT_FALSE(cache.ok());
+      EXPECT_EQ(cache.status().code(), absl::StatusCode::kUnimplemented);
+      EXPECT_THAT(cache.status().message(), HasSubstr("CUDA backend"));
+      EXPECT_THAT(cache.status().message(), HasSubstr(std::string(MemoryKindName(kind))));
+    } else if (CudaAvailability().ok()) {
+      ASSERT_TRUE(cache.ok()) << cache.status();
+      EXPECT_EQ((*cache)->view().memory, kind);
+      EXPECT_EQ((*cache)->k().memory(), kind);
+      EXPECT_NE((*cache)->view().k, nullptr);
+      EXPECT_NE((*cache)->view().v, nullptr);
+      if (kind == MemoryKind::kPinned) {  // host-readable: check the zero fill here
+        EXPECT_TRUE(AllZero((*cache)->view().k, 4 * options.spec.KBytesPerBlock()));
+        EXPECT_TRUE(AllZero((*cache)->view().v, 4 * options.spec.VBytesPerBlock()));
+      }
+    } else {
+      ASSERT_FALSE(cache.ok());
+      EXPECT_EQ(cache.status().code(), absl::StatusCode::kFailedPrecondition) << cache.status();
+      EXPECT_THAT(cache.status().message(), HasSubstr(std::string(MemoryKindName(kind))));
+    }
   }
 
   // Sizes whose byte count does not fit in 64 bits are refused, not wrapped.

@@ -7,7 +7,10 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "cuda/kernel_params.h"
 #include "kvstream/common/dtype.h"
 
@@ -19,6 +22,39 @@ namespace internal {
 // out_dtype); cache: the same 16-bit dtype as q, or fp8 e4m3 / e5m2.
 absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dtype,
                                     DType out_dtype, DType cache_dtype, cudaStream_t stream);
+
+// Decode (max_query_len <= 1: every sequence has one query token, or none) over the paged
+// cache: split-KV flash decoding on CUDA cores, bandwidth-bound (decode_attention.cuh).
+// q and out dtypes: float32, float16 or bfloat16 (independently); cache: float32, float16,
+// bfloat16, fp8 e4m3 or e5m2; head sizes up to 512 (256 for float32 caches), any block
+// size, any strides with a unit dim stride.
+struct DecodeLaunchOptions {
+  // SMs of the device the stream runs on; decides how finely keys are split.
+  int num_sms = 132;
+  // > 0: split every sequence's keys into exactly this many parts (at most 256) instead
+  // of choosing from num_sms; for tests of the split and merge paths.
+  int num_splits = 0;
+  // Device memory for partial results, at least DecodeAttentionWorkspaceBytes() bytes and
+  // 16-byte aligned; may be null when that is 0. Must stay allocated until the kernels
+  // have run (stream order).
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// Workspace bytes LaunchDecodeAttention needs for `params` with `options` (num_sms,
+// num_splits; the workspace fields are ignored). 0 when the keys are not split.
+// InvalidArgument for what the decode kernel does not support (max_query_len > 1, head
+// sizes too large, num_splits out of range).
+absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const PagedKernelParams& params,
+                                                     DType cache_dtype,
+                                                     const DecodeLaunchOptions& options);
+
+// Enqueues the decode kernels on `stream`; returns without waiting. InvalidArgument as
+// DecodeAttentionWorkspaceBytes, for unsupported dtypes or a missing/short workspace;
+// the CUDA launch error otherwise.
+absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtype,
+                                   DType out_dtype, DType cache_dtype,
+                                   const DecodeLaunchOptions& options, cudaStream_t stream);
 
 }  // namespace internal
 }  // namespace kvstream

@@ -25,6 +25,7 @@
 #include "kvstream/attention/backend.h"
 #include "kvstream/attention/layer_registry.h"
 #include "kvstream/cache/kv_cache_spec.h"
+#include "kvstream/common/cuda_resources.h"
 #include "kvstream/common/tensor.h"
 
 namespace kvstream {
@@ -91,7 +92,9 @@ class Attention {
   // Real step: cache update (unless the layer shares KV, the key is absent, or the update is
   // bypassed; metadata.slot_mapping then has num_kv_tokens entries), then the hook's
   // BeforeAttention, the backend, the hook's AfterAttention. Dummy step: output zeroed,
-  // nothing else. Errors name the layer and the tensor at fault; on error the output is
+  // nothing else. A layer whose cache is in device memory takes device tensors and reads
+  // the context's device metadata (FailedPrecondition without it); its backend enqueues
+  // work on its stream and may return before the output is written. Errors name the layer and the tensor at fault; on error the output is
   // unspecified, and a failed cache-update validation leaves the cache unchanged.
   absl::Status Forward(const TensorView& query, const TensorView& key, const TensorView& value,
                        const TensorView& output);
@@ -125,6 +128,8 @@ class Attention {
   bool kv_cache_update_bypass_ = false;
   std::unique_ptr<AttentionBackend> backend_;
   LayerRegistry* registry_ = nullptr;
+  // The ALiBi slopes in device memory, uploaded at the first step over a device cache.
+  DeviceBuffer alibi_device_;
 };
 
 }  // namespace kvstream

@@ -1,5 +1,5 @@
 // Attention backends: the params struct every implementation takes (CPU reference, CPU
-// fast path, CUDA later), the AttentionBackend interface the Attention layer calls, and the
+// fast path, CUDA), the AttentionBackend interface the Attention layer calls, and the
 // factory by name.
 //
 // The params struct is plain data (pointers, strides in elements, sizes), so that kernels
@@ -96,7 +96,10 @@ class AttentionBackend {
 };
 
 // Backends by name: "cpu" (the fast path), "cpu_reference" (the golden reference: plain
-// loops, double accumulation; slow). NotFound for any other name, listing the choices.
+// loops, double accumulation; slow), "cuda" (cuda_attention.h: device 0, its own stream;
+// FailedPrecondition saying why in builds without CUDA or on machines without a GPU).
+// NotFound for any other name, listing the choices. AttentionBackendNames() lists "cuda"
+// only in builds with CUDA.
 absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateAttentionBackend(absl::string_view name);
 std::vector<std::string> AttentionBackendNames();
 

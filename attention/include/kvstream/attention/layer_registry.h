@@ -31,9 +31,11 @@ class Attention;
 
 // What a forward step runs with. metadata == nullptr or dummy_run marks a profiling/dummy
 // run: layers then write zeros, update no cache and call no hook.
+// Layers whose cache is in device memory also need `device`, the same metadata uploaded.
 struct ForwardContext {
   const AttentionMetadata* metadata = nullptr;
   bool dummy_run = false;
+  const DeviceAttentionMetadata* device = nullptr;
   bool is_real() const { return metadata != nullptr && !dummy_run; }
 };
 

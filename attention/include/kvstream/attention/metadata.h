@@ -56,6 +56,17 @@ struct AttentionMetadata {
   absl::Status Validate(int block_size, int64_t num_blocks) const;
 };
 
+// Device copies of a step's metadata arrays, for layers whose cache is in device memory
+// (the "cuda" backend). The engine uploads them once per step (vLLM keeps its metadata on
+// the GPU the same way) and keeps them alive for the step; the host AttentionMetadata
+// stays the source that validation reads. Pointers are not owned.
+struct DeviceAttentionMetadata {
+  const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]
+  const int32_t* seq_lens = nullptr;         // [num_seqs]
+  const int32_t* block_table = nullptr;      // [num_seqs, max_blocks_per_seq]
+  const int64_t* slot_mapping = nullptr;     // [num key tokens]
+};
+
 // One sequence of a step, for BuildAttentionMetadata.
 struct SequenceSchedule {
   int32_t context_len = 0;         // tokens already in the cache

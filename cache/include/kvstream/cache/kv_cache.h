@@ -6,7 +6,8 @@
 //   RETURN_IF_ERROR(cache->SetScales({0.02f}, {0.03f}));   // fp8, per tensor
 //
 // Borrowed caches keep whatever strides the engine's tensors have; nothing assumes a layout.
-// Device memory arrives with the CUDA backend behind the same interface.
+// Owned caches live in host, pinned-host or (with CUDA) device memory; view().memory says
+// which, and the fp8 scales stay in host memory whatever the kind.
 //
 // Thread-compatible: the buffers are written by cache updates and transfers that the caller
 // orders; SetScales() must not race with readers.
@@ -22,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kvstream/cache/kv_cache_spec.h"
+#include "kvstream/common/cuda_resources.h"
 #include "kvstream/common/dtype.h"
 #include "kvstream/common/tensor.h"
 
@@ -54,9 +56,12 @@ class KvCache {
     MemoryKind memory = MemoryKind::kHost;
   };
 
-  // Allocates zero-filled K and V buffers (64-byte aligned). InvalidArgument for a bad spec
-  // or num_blocks <= 0; ResourceExhausted when the memory cannot be had; Unimplemented for
-  // memory kinds this build cannot allocate. fp8 caches start with all scales 1.0.
+  // Allocates zero-filled K and V buffers (64-byte aligned) of options.memory: kHost
+  // (aligned_alloc), kPinned (cudaMallocHost) or kDevice (cudaMalloc on the calling
+  // thread's current device; blocks until the zero fill has finished). InvalidArgument for a
+  // bad spec or num_blocks <= 0; ResourceExhausted when the memory cannot be had;
+  // Unimplemented for pinned or device memory in builds without CUDA; FailedPrecondition
+  // when no GPU can be used. fp8 caches start with all scales 1.0.
   static absl::StatusOr<std::unique_ptr<KvCache>> Create(const Options& options);
 
   // Wraps an engine's tensors without copying. `k` and `v` must be 4-D with logical shape
@@ -93,8 +98,10 @@ class KvCache {
   KvCacheSpec spec_;
   int64_t num_blocks_ = 0;
   bool owned_ = false;
-  Tensor k_storage_;  // empty when borrowed
+  Tensor k_storage_;  // host memory; empty when borrowed or not in host memory
   Tensor v_storage_;
+  DeviceBuffer k_device_;  // pinned or device memory; empty otherwise
+  DeviceBuffer v_device_;
   TensorView k_;
   TensorView v_;
   std::vector<float> k_scale_;

@@ -1,0 +1,150 @@
+// The "cuda" attention backend (cuda_attention.h): UpdateCache -> CacheUpdateCuda; Forward
+// -> MakePagedKernelParams, then the decode kernel when max_query_len <= 1, else the varlen
+// prefill kernel. The decode kernel's split workspace is a stream-ordered device buffer
+// that grows on demand, so replacing it never waits.
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "cuda/kernel_params.h"
+#include "cuda/launchers.h"
+#include "kvstream/attention/cuda_attention.h"
+#include "kvstream/cache/cache_update.h"
+#include "kvstream/common/cuda_resources.h"
+#include "kvstream/common/cuda_status.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace {
+
+// Makes `device` current for the scope and restores the caller's device after, so that the
+// backend works whatever device the calling thread has selected.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    restore_ = cudaGetDevice(&previous_) == cudaSuccess && previous_ != device;
+    status_ = CudaErrorToStatus(static_cast<int>(cudaSetDevice(device)),
+                                absl::StrCat("cudaSetDevice(", device, ")"));
+    if (!status_.ok()) cudaGetLastError();
+  }
+  ~ScopedDevice() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  const absl::Status& status() const { return status_; }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+  absl::Status status_;
+};
+
+class CudaBackend final : public CudaAttentionBackend {
+ public:
+  CudaBackend(int device, int num_sms, CudaStream owned_stream, void* stream, CudaEvent done)
+      : device_(device),
+        num_sms_(num_sms),
+        owned_stream_(std::move(owned_stream)),
+        stream_(stream),
+        done_(std::move(done)) {}
+
+  ~CudaBackend() override {
+    // The workspace is freed in stream order on stream_, which must still exist: release
+    // it before an owned stream goes.
+    ScopedDevice scope(device_);
+    workspace_ = DeviceBuffer();
+  }
+
+  absl::string_view name() const override { return "cuda"; }
+  bool SupportsMemory(MemoryKind memory) const override { return memory == MemoryKind::kDevice; }
+  void* stream() const override { return stream_; }
+  int device() const override { return device_; }
+
+  absl::Status UpdateCache(const CacheUpdateParams& params) override {
+    ScopedDevice scope(device_);
+    RETURN_IF_ERROR(scope.status());
+    return CacheUpdateCuda(params, stream_);
+  }
+
+  absl::Status Forward(const PagedAttentionParams& params) override {
+    ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(params));
+    ScopedDevice scope(device_);
+    RETURN_IF_ERROR(scope.status());
+    const cudaStream_t stream = static_cast<cudaStream_t>(stream_);
+    const DType cache_dtype = params.cache.spec.dtype;
+    if (params.max_query_len <= 1) {
+      internal::DecodeLaunchOptions options;
+      options.num_sms = num_sms_;
+      ASSIGN_OR_RETURN(size_t bytes,
+                       internal::DecodeAttentionWorkspaceBytes(kp, cache_dtype, options));
+      if (bytes > workspace_.size()) {
+        // Grow by half again, so that a slowly growing batch does not reallocate each step.
+        ASSIGN_OR_RETURN(workspace_, DeviceBuffer::CreateAsync(bytes + bytes / 2, stream_));
+      }
+      options.workspace = workspace_.data();
+      options.workspace_bytes = workspace_.size();
+      return internal::LaunchDecodeAttention(kp, params.q_dtype, params.out_dtype, cache_dtype,
+                                             options, stream);
+    }
+    return internal::LaunchPrefillAttention(kp, params.q_dtype, params.out_dtype, cache_dtype,
+                                            stream);
+  }
+
+  absl::Status Synchronize(absl::Duration timeout) override {
+    ScopedDevice scope(device_);
+    RETURN_IF_ERROR(scope.status());
+    RETURN_IF_ERROR(done_.Record(stream_));
+    return done_.Synchronize(timeout);
+  }
+
+ private:
+  const int device_;
+  const int num_sms_;
+  CudaStream owned_stream_;  // empty when the caller supplied the stream
+  void* const stream_;
+  CudaEvent done_;
+  DeviceBuffer workspace_;  // stream-ordered on stream_; declared last, destroyed first
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateCudaAttentionBackend(
+    const CudaBackendOptions& options) {
+  const absl::Status available = CudaAvailability();
+  if (!available.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda attention backend: ", available.message()));
+  }
+  const int count = GpuCount();
+  if (options.device < 0 || options.device >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda attention backend: device ",
+                                                   options.device, " out of range (", count,
+                                                   " CUDA devices)"));
+  }
+  ScopedDevice scope(options.device);
+  RETURN_IF_ERROR(scope.status());
+  int num_sms = 0;
+  RETURN_IF_ERROR(CudaErrorToStatus(
+      static_cast<int>(
+          cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, options.device)),
+      "cuda attention backend: cudaDeviceGetAttribute(multiprocessor count)"));
+  CudaStream owned;
+  void* stream = options.stream;
+  if (stream == nullptr) {
+    ASSIGN_OR_RETURN(owned, CudaStream::Create(options.device));
+    stream = owned.get();
+  }
+  ASSIGN_OR_RETURN(CudaEvent done, CudaEvent::Create(/*enable_timing=*/false));
+  return std::unique_ptr<AttentionBackend>(
+      new CudaBackend(options.device, num_sms, std::move(owned), stream, std::move(done)));
+}
+
+CudaAttentionBackend* AsCudaAttentionBackend(AttentionBackend* backend) {
+  return dynamic_cast<CudaAttentionBackend*>(backend);
+}
+
+}  // namespace kvstream

@@ -1,0 +1,293 @@
+// LaunchDecodeAttention: plans the launch (lanes per key, head tile, shared-memory tiles,
+// copy width, split count), dispatches on cache dtype x head tile x chunks per lane, and
+// enqueues the split kernel and, when the keys are split, the merge kernel.
+//
+// Split count. A CTA streams one KV head's keys of one split; with few sequences or KV heads
+// there are too few CTAs to keep 132 SMs busy, and with CTAs of equal work a last partial
+// wave idles most of the GPU. So the keys are split into a count that gives a few waves of
+// CTAs with a full last wave (ChooseSplits), but never into splits shorter than
+// kMinTokensPerSplit keys (the pipeline's start-up and the merge would then cost more than
+// they save).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "cuda/decode_attention.cuh"
+#include "cuda/kernel_params.h"
+#include "cuda/launchers.h"
+#include "kvstream/common/cuda_status.h"
+#include "kvstream/common/dtype.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace internal {
+namespace {
+
+namespace dec = decode;
+
+constexpr int64_t kMinWaves = 2;
+constexpr int64_t kMaxWaves = 16;
+constexpr int kMinTokensPerSplit = 256;
+constexpr int kMaxDynamicSmem = 227 * 1024;  // H100/H200 per-block opt-in limit
+constexpr int kSmemPerSm = 228 * 1024;
+
+using SplitKernel = void (*)(PagedKernelParams, dec::DecodeGeometry);
+
+absl::Status Invalid(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("cuda decode attention: ", what));
+}
+
+int NextPow2(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int ActivationCode(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return dec::kActFloat32;
+    case DType::kFloat16: return dec::kActFloat16;
+    default: return dec::kActBFloat16;
+  }
+}
+
+template <typename CacheT>
+SplitKernel PickKernel(int g, int chunks) {
+  if (chunks == 1) {
+    switch (g) {
+      case 1: return &dec::DecodeSplitKernel<CacheT, 1, 1>;
+      case 2: return &dec::DecodeSplitKernel<CacheT, 2, 1>;
+      case 4: return &dec::DecodeSplitKernel<CacheT, 4, 1>;
+      case 8: return &dec::DecodeSplitKernel<CacheT, 8, 1>;
+      default: return nullptr;
+    }
+  }
+  switch (g) {
+    case 1: return &dec::DecodeSplitKernel<CacheT, 1, 2>;
+    case 2: return &dec::DecodeSplitKernel<CacheT, 2, 2>;
+    case 4: return &dec::DecodeSplitKernel<CacheT, 4, 2>;
+    default: return nullptr;
+  }
+}
+
+SplitKernel PickKernel(DType cache_dtype, int g, int chunks) {
+  switch (cache_dtype) {
+    case DType::kFloat32: return PickKernel<float>(g, chunks);
+    case DType::kFloat16: return PickKernel<__half>(g, chunks);
+    case DType::kBFloat16: return PickKernel<__nv_bfloat16>(g, chunks);
+    case DType::kFloat8E4M3: return PickKernel<__nv_fp8_e4m3>(g, chunks);
+    case DType::kFloat8E5M2: return PickKernel<__nv_fp8_e5m2>(g, chunks);
+    default: return nullptr;
+  }
+}
+
+// The split count for `base_ctas` CTAs per split on a GPU running `slots` CTAs at once:
+// at least kMinWaves waves of CTAs where the keys allow (sequences of different lengths
+// then balance out across SMs), at most kMaxWaves, and among those the count whose last
+// wave is fullest (CTAs of one call do about equal work, so a last wave one-tenth full
+// leaves nine-tenths of the GPU idle for a CTA's duration). Fewer splits win near-ties:
+// each split costs a partial result and a share of the merge.
+int64_t ChooseSplits(int64_t base_ctas, int64_t slots, int64_t max_splits) {
+  auto fill = [&](int64_t s) {
+    const double waves = static_cast<double>(base_ctas * s) / static_cast<double>(slots);
+    return waves / std::ceil(waves);
+  };
+  const int64_t lo = std::min(max_splits, std::max<int64_t>(1, CeilDiv(kMinWaves * slots, base_ctas)));
+  const int64_t hi =
+      std::min(max_splits, std::max<int64_t>(lo, (kMaxWaves * slots) / base_ctas));
+  int64_t best = lo;
+  double best_fill = fill(lo);
+  for (int64_t s = lo + 1; s <= hi; ++s) {
+    const double f = fill(s);
+    if (f > best_fill + 0.01) {
+      best = s;
+      best_fill = f;
+    }
+  }
+  return best;
+}
+
+// Everything about one launch that does not depend on the workspace address.
+struct DecodePlan {
+  dec::DecodeGeometry geo;
+  SplitKernel kernel;
+  size_t smem_bytes;
+  dim3 split_grid;
+  dim3 merge_grid;
+  size_t workspace_bytes;  // 0 when num_splits == 1
+  size_t partial_out_bytes;
+};
+
+bool Aligned(const void* p, int64_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(alignment) == 0;
+}
+
+// The widest cp.async size (16, 8, 4) that every row start and length of both caches is
+// a multiple of; 0 when none is (element-wise copies).
+int PickCopyBytes(const PagedKernelParams& p, int es) {
+  for (int cb : {16, 8, 4}) {
+    if (cb < es) break;
+    const int64_t strides[] = {p.k_block_stride, p.k_token_stride, p.k_head_stride,
+                               p.v_block_stride, p.v_token_stride, p.v_head_stride,
+                               int64_t{p.head_size}, int64_t{p.head_size_v}};
+    bool ok = Aligned(p.k_cache, cb) && Aligned(p.v_cache, cb);
+    for (int64_t s : strides) ok = ok && (s * es) % cb == 0;
+    if (ok) return cb;
+  }
+  return 0;
+}
+
+absl::StatusOr<DecodePlan> Plan(const PagedKernelParams& p, DType cache_dtype,
+                                const DecodeLaunchOptions& options) {
+  if (p.max_query_len > 1) {
+    return Invalid(absl::StrCat("the decode kernel needs max_query_len <= 1, got ",
+                                p.max_query_len));
+  }
+  const int num_sms = options.num_sms;
+  if (num_sms <= 0) return Invalid(absl::StrCat("num_sms must be positive, got ", num_sms));
+  if (options.num_splits < 0 || options.num_splits > dec::kMaxSplits) {
+    return Invalid(absl::StrCat("num_splits must be in [0, ", dec::kMaxSplits, "], got ",
+                                options.num_splits));
+  }
+  if (!IsFloatingPoint(cache_dtype)) {
+    return Invalid(absl::StrCat("unsupported cache dtype ", DTypeName(cache_dtype)));
+  }
+  const int es = static_cast<int>(DTypeSize(cache_dtype));
+  const int chunk_elems = es == 4 ? 4 : 8;
+  const int ck = static_cast<int>(CeilDiv(p.head_size, chunk_elems));
+  const int cv = static_cast<int>(CeilDiv(p.head_size_v, chunk_elems));
+  const int c = std::max(ck, cv);
+  const int lanes = std::min(32, NextPow2(c));
+  const int chunks = static_cast<int>(CeilDiv(c, lanes));
+  if (chunks > 2) {
+    return Invalid(absl::StrCat("head sizes up to ", 64 * chunk_elems, " elements for ",
+                                DTypeName(cache_dtype), " caches, got head_size ", p.head_size,
+                                " and head_size_v ", p.head_size_v));
+  }
+  const int group = p.num_heads / p.num_kv_heads;
+  const int g = std::min(NextPow2(group), chunks == 1 ? 8 : 4);
+
+  DecodePlan plan{};
+  dec::DecodeGeometry& geo = plan.geo;
+  geo.group_size = group;
+  geo.head_tiles = static_cast<int32_t>(CeilDiv(group, g));
+  geo.lanes_per_token = lanes;
+  geo.tile_tokens = (dec::kThreads / lanes) * dec::kTokensPerGroup;
+  const int row_align = 16 / es;  // elements per 16 bytes
+  geo.k_row = static_cast<int32_t>(CeilDiv(p.head_size, row_align) * row_align);
+  geo.v_row = static_cast<int32_t>(CeilDiv(p.head_size_v, row_align) * row_align);
+  const int64_t stage_bytes = int64_t{geo.tile_tokens} * (geo.k_row + geo.v_row) * es;
+  const int64_t red_bytes =
+      int64_t{dec::kWarps} * g * (int64_t{lanes} * chunks * chunk_elems + 2) * 4;
+  const int64_t smem = std::max<int64_t>(dec::kStages * stage_bytes, red_bytes);
+  if (smem > kMaxDynamicSmem) {
+    return Invalid(absl::StrCat("head sizes ", p.head_size, "/", p.head_size_v,
+                                " need ", smem, " bytes of shared memory"));
+  }
+  geo.stage_bytes = static_cast<int32_t>(stage_bytes);
+  geo.copy_bytes = PickCopyBytes(p, es);
+  const int64_t unit = geo.copy_bytes != 0 ? geo.copy_bytes : es;
+  const int64_t units = std::max(CeilDiv(int64_t{p.head_size} * es, unit),
+                                 CeilDiv(int64_t{p.head_size_v} * es, unit));
+  geo.copy_lanes = std::min(32, NextPow2(static_cast<int>(std::min<int64_t>(units, 32))));
+  geo.block_shift = -1;
+  for (int shift = 0; shift < 31; ++shift) {
+    if ((1 << shift) == p.block_size) geo.block_shift = shift;
+  }
+
+  // Split count, from the CTAs one split per (sequence, KV head, head tile) gives.
+  const int64_t base_ctas = int64_t{p.num_seqs} * p.num_kv_heads * geo.head_tiles;
+  const int ctas_per_sm = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(g * chunks >= 8 ? 2 : 3, kSmemPerSm / (smem + 1024))));
+  const int64_t visible =
+      p.sliding_window > 0 ? std::min<int64_t>(p.max_seq_len, p.sliding_window) : p.max_seq_len;
+  const int64_t max_splits = std::max<int64_t>(
+      1, std::min<int64_t>(dec::kMaxSplits,
+                           CeilDiv(std::max<int64_t>(visible, 1), kMinTokensPerSplit)));
+  const int64_t splits = options.num_splits > 0
+                       ? options.num_splits
+                       : ChooseSplits(base_ctas, int64_t{num_sms} * ctas_per_sm, max_splits);
+  geo.num_splits = static_cast<int32_t>(splits);
+
+  const int64_t grid_y = int64_t{p.num_kv_heads} * geo.head_tiles;
+  if (grid_y > 65535 || p.num_heads > 65535) {
+    return Invalid(absl::StrCat("too many heads for one launch (", p.num_heads, ")"));
+  }
+  plan.split_grid = dim3(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(grid_y),
+                         static_cast<unsigned>(splits));
+  plan.merge_grid = dim3(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_heads));
+  plan.smem_bytes = static_cast<size_t>(smem);
+  if (splits > 1) {
+    const size_t slots = static_cast<size_t>(p.num_seqs) * p.num_heads * splits;
+    plan.partial_out_bytes = (slots * p.head_size_v * sizeof(float) + 255) / 256 * 256;
+    plan.workspace_bytes = plan.partial_out_bytes + slots * 2 * sizeof(float);
+  }
+  plan.kernel = PickKernel(cache_dtype, g, chunks);
+  if (plan.kernel == nullptr) {
+    return absl::InternalError(absl::StrCat("cuda decode attention: no kernel for ",
+                                            DTypeName(cache_dtype), " with ", g, " heads x ",
+                                            chunks, " chunks"));
+  }
+  return plan;
+}
+
+}  // namespace
+
+absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const PagedKernelParams& params,
+                                                     DType cache_dtype,
+                                                     const DecodeLaunchOptions& options) {
+  ASSIGN_OR_RETURN(DecodePlan plan, Plan(params, cache_dtype, options));
+  return plan.workspace_bytes;
+}
+
+absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtype,
+                                   DType out_dtype, DType cache_dtype,
+                                   const DecodeLaunchOptions& options, cudaStream_t stream) {
+  for (DType d : {q_dtype, out_dtype}) {
+    if (d != DType::kFloat32 && d != DType::kFloat16 && d != DType::kBFloat16) {
+      return Invalid(absl::StrCat("q and out dtypes must be float32, float16 or bfloat16, got ",
+                                  DTypeName(d)));
+    }
+  }
+  ASSIGN_OR_RETURN(DecodePlan plan, Plan(params, cache_dtype, options));
+  if (plan.workspace_bytes > 0) {
+    if (options.workspace == nullptr || options.workspace_bytes < plan.workspace_bytes) {
+      return Invalid(absl::StrCat("needs ", plan.workspace_bytes,
+                                  " bytes of workspace for ", plan.geo.num_splits,
+                                  " splits, got ", options.workspace_bytes));
+    }
+    if (!Aligned(options.workspace, 16)) return Invalid("workspace must be 16-byte aligned");
+    plan.geo.partial_out = static_cast<float*>(options.workspace);
+    plan.geo.partial_ml = reinterpret_cast<float*>(static_cast<char*>(options.workspace) +
+                                                   plan.partial_out_bytes);
+  }
+  plan.geo.q_dtype = ActivationCode(q_dtype);
+  plan.geo.out_dtype = ActivationCode(out_dtype);
+
+  if (plan.smem_bytes > 48 * 1024) {
+    RETURN_IF_ERROR(CudaErrorToStatus(
+        static_cast<int>(cudaFuncSetAttribute(plan.kernel,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(plan.smem_bytes))),
+        "cuda decode attention: cudaFuncSetAttribute(max dynamic shared memory)"));
+  }
+  plan.kernel<<<plan.split_grid, dec::kThreads, plan.smem_bytes, stream>>>(params, plan.geo);
+  RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
+                                    "cuda decode attention: split kernel launch"));
+  if (plan.geo.num_splits > 1) {
+    dec::DecodeMergeKernel<<<plan.merge_grid, dec::kThreads, 0, stream>>>(params, plan.geo);
+    RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
+                                      "cuda decode attention: merge kernel launch"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+}  // namespace kvstream

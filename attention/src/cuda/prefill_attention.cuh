@@ -1,0 +1,870 @@
+// The prefill (and chunked-prefill, and any query length) flash-attention kernel over the
+// paged KV cache, on tensor cores (mma.sync m16n8k16, fp32 accumulation). Header-only;
+// prefill_attention.cu validates, picks the template and launches.
+//
+// Work decomposition. The query heads of one KV head are packed into the rows of a tile
+// ("packed GQA"): for sequence s with query_len tokens and group = num_heads / num_kv_heads,
+// packed row r = t * group + h_in_group is query token t of head kv_head * group + h_in_group.
+// One CTA owns kBlockM = 128 packed rows of one (sequence, KV head) and walks the keys in
+// tiles of kBlockN = 64, so K/V tiles are loaded once for every head of the group, and a
+// decode row (query_len 1) fills `group` rows instead of one.
+//
+//   grid  = (num_kv_heads * num_m_tiles, num_seqs); blockIdx.x = kv_head + num_kv_heads *
+//           (num_m_tiles - 1 - m_tile): the heads of one tile run together, and the last
+//           tiles (the most keys under a causal mask) are scheduled first.
+//   block = kWarps warps; warp w owns packed rows [w * 16 * kRowBlocks, +16 * kRowBlocks).
+//           D <= 128: 4 warps x 32 rows (two m16 blocks share every K/V fragment);
+//           D == 256: 8 warps x 16 rows (the fp32 output accumulators need the registers).
+//
+// Shared memory (16-bit rows of D elements, 16-byte chunks XOR-swizzled by row % 8 so that
+// ldmatrix and cp.async are free of bank conflicts):
+//   q:     [kBlockM][D]            query tile; reused to stage the output tile
+//   loc:   [2][kBlockN] int2       (block id, offset in block) of each key row of a tile
+//   kv:    [stages][2][kBlockN][D] K and V tiles in the query's 16-bit type
+//   stage: [2][kBlockN][D] bytes   fp8 only: raw K and V tiles, converted into kv[0]
+//
+// Pipeline, per key tile n: wait for tile n's copies and __syncthreads; (fp8: convert the raw
+// tile into kv[0], __syncthreads); issue tile n+1's copies (cp.async, 16 bytes, zero fill
+// past the sequence) through the page table; compute S = Q K^T, mask, online softmax in
+// base 2 with the scale * log2(e) folded in, O += P V. The page-table lookups of tile n+2
+// are read from global memory one iteration ahead of use.
+//
+// Layouts the kernel reads (all through PagedKernelParams, element strides, dim stride 1):
+//   q:       [num_tokens, num_heads, head_size]
+//   out:     [num_tokens, num_heads, head_size_v]
+//   k_cache: [num_blocks, block_size, num_kv_heads, head_size]     (any of NHD / HND)
+//   v_cache: [num_blocks, block_size, num_kv_heads, head_size_v]
+#ifndef KVSTREAM_ATTENTION_CUDA_PREFILL_ATTENTION_CUH_
+#define KVSTREAM_ATTENTION_CUDA_PREFILL_ATTENTION_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <type_traits>
+
+#include "cuda/cuda_common.cuh"
+#include "cuda/kernel_params.h"
+#include "kvstream/common/dtype.h"
+
+namespace kvstream {
+namespace internal {
+namespace cuda {
+
+// How key/value tiles reach shared memory (chosen by the launcher from alignments).
+enum PrefillLoadMode : int {
+  kPrefillAsync16 = 0,   // 16-bit cache, 16-byte aligned rows: cp.async straight into kv
+  kPrefillAsyncFp8 = 1,  // fp8 cache, 16-byte aligned rows: cp.async raw, then convert
+  kPrefillSync = 2,      // anything else: element loads (and conversion) by every thread
+};
+
+enum PrefillCacheKind : int { kPrefillCache16 = 0, kPrefillCacheE4M3 = 1, kPrefillCacheE5M2 = 2 };
+
+// Runtime choices the launcher makes once per call.
+struct PrefillOptions {
+  int load_mode;     // PrefillLoadMode
+  int cache_kind;    // PrefillCacheKind
+  int q_vectorized;  // q rows can be read in 16-byte chunks
+  int o_vectorized;  // out rows can be written in 16-byte chunks
+  int zero_fill;     // head sizes below D: shared-memory padding columns must be zeroed
+  int num_m_tiles;   // ceil(max_query_len * group / kBlockM)
+};
+
+template <int D>
+struct PrefillTraits {
+  static_assert(D == 64 || D == 128 || D == 256, "padded head sizes 64, 128 and 256");
+  static constexpr int kHeadDim = D;
+  static constexpr int kWarps = D <= 128 ? 4 : 8;
+  static constexpr int kRowBlocks = D <= 128 ? 2 : 1;  // m16 row blocks per warp
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockM = kWarps * 16 * kRowBlocks;
+  static constexpr int kBlockN = 64;
+  static constexpr int kMinBlocksPerSm = D <= 128 ? 2 : 1;
+  static constexpr int kChunks = D / 8;  // 16-byte chunks in a 16-bit row
+  static constexpr int kQBytes = kBlockM * D * 2;
+  static constexpr int kLocBytes = 2 * kBlockN * 8;
+  static constexpr int kTileBytes = kBlockN * D * 2;  // one 16-bit K or V tile
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K and V
+  static constexpr int kRawBytes = 2 * kBlockN * D;   // fp8 K and V tiles
+  static constexpr int kKvOffset = kQBytes + kLocBytes;
+  static constexpr int SmemBytes(bool fp8_async) {
+    return kKvOffset + (fp8_async ? kStageBytes + kRawBytes : 2 * kStageBytes);
+  }
+  static_assert(kBlockM == 128, "the launcher sizes the grid for 128-row tiles");
+};
+
+// ---------------------------------------------------------------------------------------
+// Host side: the template's head dimension and the runtime options of one call.
+
+// The padded head dimension (the kernel's template argument) for these head sizes.
+// REQUIRES: 0 < head_size, head_size_v <= 256.
+inline int PrefillPaddedHeadDim(int head_size, int head_size_v) {
+  const int larger = head_size > head_size_v ? head_size : head_size_v;
+  return larger <= 64 ? 64 : larger <= 128 ? 128 : 256;
+}
+
+// Whether 16-byte copies of rows of `row_elems` elements of `elem_bytes` each, at `base`
+// plus any combination of `strides` (in elements), are all 16-byte aligned.
+inline bool PrefillRowsAligned16(const void* base, int64_t elem_bytes, int64_t row_elems,
+                                 std::initializer_list<int64_t> strides) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (row_elems * elem_bytes) % 16 != 0) {
+    return false;
+  }
+  for (int64_t s : strides) {
+    if ((s * elem_bytes) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// The options of one launch: the load path from the alignment of the cache, q and out, and
+// the grid's tile count. REQUIRES: the launcher's limits hold (q dtype 16-bit, cache dtype
+// q's or fp8, head sizes in (0, 256], num_heads a multiple of num_kv_heads).
+inline PrefillOptions ChoosePrefillOptions(const PagedKernelParams& params, DType cache_dtype) {
+  const int padded = PrefillPaddedHeadDim(params.head_size, params.head_size_v);
+  const bool fp8 = IsFp8(cache_dtype);
+  const int64_t elem = fp8 ? 1 : 2;
+  const bool kv_aligned =
+      PrefillRowsAligned16(params.k_cache, elem, params.head_size,
+                           {params.k_block_stride, params.k_token_stride, params.k_head_stride}) &&
+      PrefillRowsAligned16(params.v_cache, elem, params.head_size_v,
+                           {params.v_block_stride, params.v_token_stride, params.v_head_stride});
+  PrefillOptions options{};
+  options.load_mode = !kv_aligned ? kPrefillSync : fp8 ? kPrefillAsyncFp8 : kPrefillAsync16;
+  options.cache_kind = cache_dtype == DType::kFloat8E4M3   ? kPrefillCacheE4M3
+                       : cache_dtype == DType::kFloat8E5M2 ? kPrefillCacheE5M2
+                                                           : kPrefillCache16;
+  options.q_vectorized = PrefillRowsAligned16(params.q, 2, params.head_size,
+                                              {params.q_token_stride, params.q_head_stride});
+  options.o_vectorized = PrefillRowsAligned16(params.out, 2, params.head_size_v,
+                                              {params.o_token_stride, params.o_head_stride});
+  options.zero_fill = params.head_size < padded || params.head_size_v < padded;
+  const int64_t group = params.num_heads / params.num_kv_heads;
+  const int64_t rows = static_cast<int64_t>(params.max_query_len) * group;
+  options.num_m_tiles = static_cast<int>((rows + 127) / 128);
+  return options;
+}
+
+// ---------------------------------------------------------------------------------------
+// Small device helpers: PTX wrappers and conversions.
+
+// The PTX wrappers. A host build that defines KVSTREAM_PREFILL_EMULATION provides its own
+// definitions of these functions (and of __syncthreads, __shfl_xor_sync, threadIdx, the
+// shared memory), so that the kernel below runs unchanged under a warp emulator on a CPU
+// (tests/gpu/cuda_prefill_emulation_gpu_test.cc) and its index math is checked where no
+// GPU is.
+#if !defined(KVSTREAM_PREFILL_EMULATION)
+#define KVSTREAM_PREFILL_UNROLL _Pragma("unroll")
+#define KVSTREAM_PREFILL_SHARED_MEMORY(name) extern __shared__ __align__(128) uint8_t name[]
+
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; `valid` false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void CpAsyncWaitAll() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// c += a * b for one m16n8k16 tile: a is the 16x16 A fragment, (b0, b1) the 16x8 B fragment.
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+#endif  // !defined(KVSTREAM_PREFILL_EMULATION)
+
+// The 32 bits of a pair of 16-bit values.
+template <typename Pair>
+__device__ __forceinline__ uint32_t PairBits(const Pair& v) {
+  static_assert(sizeof(Pair) == 4, "a pair of 16-bit values");
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  return bits;
+}
+
+// Two floats as a packed pair of T (the first in the low half, as mma fragments expect).
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return PairBits(__floats2bfloat162_rn(lo, hi));
+  } else {
+    return PairBits(__floats2half2_rn(lo, hi));
+  }
+}
+
+// Two fp8 codes (the first in the low byte) as a packed pair of T. Exact: every e4m3 and
+// e5m2 value is representable in float16 and in bfloat16.
+template <typename T, __nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ uint32_t Fp8PairTo(uint32_t two_codes) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes), kFormat);
+  if constexpr (std::is_same_v<T, __half>) {
+    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+  } else {
+    return PairBits(__float22bfloat162_rn(__half22float2(__half2(h))));
+  }
+}
+
+// One cache element as T (fp8 without its scale).
+template <typename T>
+__device__ __forceinline__ T CacheElementAs(const void* base, int64_t index, int cache_kind) {
+  if (cache_kind == kPrefillCache16) return static_cast<const T*>(base)[index];
+  const uint8_t code = static_cast<const uint8_t*>(base)[index];
+  float x;
+  if (cache_kind == kPrefillCacheE4M3) {
+    __nv_fp8_e4m3 v;
+    v.__x = code;
+    x = ToFloat(v);
+  } else {
+    __nv_fp8_e5m2 v;
+    v.__x = code;
+    x = ToFloat(v);
+  }
+  return FromFloat<T>(x);
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] 16-bit tile.
+template <int D>
+__device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {
+  return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
+}
+// Byte offset of element `col` of row `row` in the same tile.
+template <int D>
+__device__ __forceinline__ uint32_t SwizzledElement(int row, int col) {
+  return SwizzledChunk<D>(row, col >> 3) + static_cast<uint32_t>((col & 7) * 2);
+}
+
+// The keys a query at position qp may see: [VisibleLo, VisibleHi], both inclusive.
+__device__ __forceinline__ int VisibleLo(const PagedKernelParams& p, int qp) {
+  return p.sliding_window > 0 ? max(0, qp - p.sliding_window + 1) : 0;
+}
+__device__ __forceinline__ int VisibleHi(const PagedKernelParams& p, int qp, int seq_len) {
+  if (p.causal) return qp;
+  if (p.sliding_window > 0) return min(seq_len - 1, qp + p.sliding_window - 1);
+  return seq_len - 1;
+}
+
+__device__ __forceinline__ float ScaleOfHead(const float* scales, int num_scales, int head) {
+  return scales[num_scales == 1 ? 0 : head];
+}
+
+// ---------------------------------------------------------------------------------------
+// The kernel.
+
+template <int D, typename T>
+__global__ void __launch_bounds__(PrefillTraits<D>::kThreads, PrefillTraits<D>::kMinBlocksPerSm)
+    PrefillAttentionKernel(const __grid_constant__ PagedKernelParams p,
+                           const PrefillOptions opt) {
+  using Traits = PrefillTraits<D>;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int kRowBlocks = Traits::kRowBlocks;
+  constexpr int kChunks = Traits::kChunks;
+  constexpr int kNBlocks = kBlockN / 8;  // n8 blocks of S per m16 block
+  constexpr int kDBlocks = D / 8;        // n8 blocks of O per m16 block
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kNegInf = -INFINITY;
+
+  KVSTREAM_PREFILL_SHARED_MEMORY(smem);
+  uint8_t* const q_smem = smem;
+  int2* const loc_smem = reinterpret_cast<int2*>(smem + Traits::kQBytes);
+  uint8_t* const kv_smem = smem + Traits::kKvOffset;
+  uint8_t* const raw_smem = kv_smem + Traits::kStageBytes;  // fp8 async mode only
+  const uint32_t q_base = SmemAddress(q_smem);
+  const uint32_t kv_base = SmemAddress(kv_smem);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+
+  // ---- Which rows and keys this CTA owns.
+  const int num_kv_heads = p.num_kv_heads;
+  const int kv_head = static_cast<int>(blockIdx.x) % num_kv_heads;
+  const int m_tile = opt.num_m_tiles - 1 - static_cast<int>(blockIdx.x) / num_kv_heads;
+  const int seq = static_cast<int>(blockIdx.y);
+  const int group = p.num_heads / num_kv_heads;
+  const int q_start = p.query_start_loc[seq];
+  const int query_len = p.query_start_loc[seq + 1] - q_start;
+  const int rows_total = query_len * group;
+  const int row0 = m_tile * kBlockM;
+  if (row0 >= rows_total) return;
+  const int seq_len = p.seq_lens[seq];
+  const int context = seq_len - query_len;
+  const int last_row = min(rows_total, row0 + kBlockM) - 1;
+  const int kv_lo = VisibleLo(p, context + row0 / group);
+  const int kv_hi = VisibleHi(p, context + last_row / group, seq_len);  // inclusive
+  const int n_begin = kv_lo / kBlockN;
+  const int n_end = kv_hi / kBlockN + 1;
+
+  const int cache_kind = opt.cache_kind;
+  const int load_mode = opt.load_mode;
+  const int head_size = p.head_size;
+  const int head_size_v = p.head_size_v;
+  const int32_t* const block_row = p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
+
+  // Page-table lookup of key row `r` of tile `n`: (block id, offset), block id -1 past the end.
+  auto lookup = [&](int n, int r) -> int2 {
+    const int j = n * kBlockN + r;
+    if (j >= seq_len) return make_int2(-1, 0);
+    const int b = j / p.block_size;
+    return make_int2(block_row[b], j - b * p.block_size);
+  };
+
+  // ---- Prologue: page table of the first two tiles, zero padding, Q and tile n_begin.
+  int2 loc_ahead = make_int2(-1, 0);  // lookup of tile n+2, held by threads tid < kBlockN
+  if (tid < kBlockN) {
+    loc_smem[(n_begin & 1) * kBlockN + tid] = lookup(n_begin, tid);
+    if (n_begin + 1 < n_end) loc_smem[((n_begin + 1) & 1) * kBlockN + tid] = lookup(n_begin + 1, tid);
+    if (n_begin + 2 < n_end) loc_ahead = lookup(n_begin + 2, tid);
+  }
+  if (opt.zero_fill) {
+    const int kv_bytes = load_mode == kPrefillAsyncFp8 ? Traits::kStageBytes : 2 * Traits::kStageBytes;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int i = tid; i < Traits::kQBytes / 16; i += kThreads) {
+      reinterpret_cast<uint4*>(q_smem)[i] = zero;
+    }
+    for (int i = tid; i < kv_bytes / 16; i += kThreads) {
+      reinterpret_cast<uint4*>(kv_smem)[i] = zero;
+    }
+  }
+  __syncthreads();
+
+  // Q tile: packed row m -> token q_start + (row0 + m) / group, head kv_head * group + rest.
+  {
+    const T* const q = static_cast<const T*>(p.q);
+    if (opt.q_vectorized) {
+      const int chunks = head_size / 8;
+      for (int i = tid; i < kBlockM * kChunks; i += kThreads) {
+        const int m = i / kChunks;
+        const int c = i % kChunks;
+        if (c >= chunks) continue;
+        const int r = row0 + m;
+        const bool valid = r < rows_total;
+        const T* src = q;
+        if (valid) {
+          const int t = r / group;
+          const int h = kv_head * group + (r - t * group);
+          src = q + (static_cast<int64_t>(q_start) + t) * p.q_token_stride +
+                static_cast<int64_t>(h) * p.q_head_stride + c * 8;
+        }
+        CpAsync16(q_base + SwizzledChunk<D>(m, c), src, valid);
+      }
+    } else {
+      for (int i = tid; i < kBlockM * D; i += kThreads) {
+        const int m = i / D;
+        const int d = i % D;
+        const int r = row0 + m;
+        T value = FromFloat<T>(0.0f);
+        if (r < rows_total && d < head_size) {
+          const int t = r / group;
+          const int h = kv_head * group + (r - t * group);
+          value = q[(static_cast<int64_t>(q_start) + t) * p.q_token_stride +
+                    static_cast<int64_t>(h) * p.q_head_stride + d];
+        }
+        *reinterpret_cast<T*>(q_smem + SwizzledElement<D>(m, d)) = value;
+      }
+    }
+  }
+
+  // Issues the copies of key tile n into kv stage `stage` (or the raw fp8 area).
+  const int64_t k_head_offset = static_cast<int64_t>(kv_head) * p.k_head_stride;
+  const int64_t v_head_offset = static_cast<int64_t>(kv_head) * p.v_head_stride;
+  // Loader mapping: 8 threads per key row, 16-byte chunks lcol, lcol + 8, ...; rows
+  // lrow + pass * kRowsPerPass. Rows differ by multiples of 8, so one swizzled offset plus
+  // compile-time steps addresses every chunk (chunk c = lcol + 8 i -> (lcol ^ row % 8) + 8 i).
+  constexpr int kRowsPerPass = kThreads / 8;
+  const int lrow = tid >> 3;
+  const int lcol = tid & 7;
+  const uint32_t load_dst0 =
+      static_cast<uint32_t>(lrow * D * 2 + ((lcol ^ (lrow & 7)) << 4));
+  auto issue_tile = [&](int n, int stage) {
+    const int2* const locs = loc_smem + (n & 1) * kBlockN;
+    uint8_t* const k_tile = kv_smem + stage * Traits::kStageBytes;
+    uint8_t* const v_tile = k_tile + Traits::kTileBytes;
+KVSTREAM_PREFILL_UNROLL
+    for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
+      const int r = lrow + pass * kRowsPerPass;
+      const int2 loc = locs[r];
+      const bool valid = loc.x >= 0;
+      const int64_t k_row = valid ? static_cast<int64_t>(loc.x) * p.k_block_stride +
+                                        static_cast<int64_t>(loc.y) * p.k_token_stride +
+                                        k_head_offset
+                                  : 0;
+      const int64_t v_row = valid ? static_cast<int64_t>(loc.x) * p.v_block_stride +
+                                        static_cast<int64_t>(loc.y) * p.v_token_stride +
+                                        v_head_offset
+                                  : 0;
+      if (load_mode == kPrefillAsync16) {
+        const T* const k = static_cast<const T*>(p.k_cache);
+        const T* const v = static_cast<const T*>(p.v_cache);
+        const uint32_t k_dst =
+            SmemAddress(k_tile) + load_dst0 + pass * kRowsPerPass * D * 2;
+        const uint32_t v_dst = k_dst + Traits::kTileBytes;
+KVSTREAM_PREFILL_UNROLL
+        for (int i = 0; i < (kChunks + 7) / 8; ++i) {
+          const int c = lcol + i * 8;
+          if (c < head_size / 8) CpAsync16(k_dst + i * 128, k + k_row + c * 8, valid);
+          if (c < head_size_v / 8) CpAsync16(v_dst + i * 128, v + v_row + c * 8, valid);
+        }
+      } else if (load_mode == kPrefillAsyncFp8) {
+        const uint8_t* const k = static_cast<const uint8_t*>(p.k_cache);
+        const uint8_t* const v = static_cast<const uint8_t*>(p.v_cache);
+        const uint32_t k_dst = SmemAddress(raw_smem) + r * D;
+        const uint32_t v_dst = SmemAddress(raw_smem + kBlockN * D) + r * D;
+KVSTREAM_PREFILL_UNROLL
+        for (int i = 0; i < (D / 16 + 7) / 8; ++i) {
+          const int c = lcol + i * 8;
+          if (c < D / 16 && c < head_size / 16) {
+            CpAsync16(k_dst + c * 16, k + k_row + c * 16, valid);
+          }
+          if (c < D / 16 && c < head_size_v / 16) {
+            CpAsync16(v_dst + c * 16, v + v_row + c * 16, valid);
+          }
+        }
+      } else {
+        for (int d = lcol; d < head_size; d += 8) {
+          const T x = valid ? CacheElementAs<T>(p.k_cache, k_row + d, cache_kind)
+                            : FromFloat<T>(0.0f);
+          *reinterpret_cast<T*>(k_tile + SwizzledElement<D>(r, d)) = x;
+        }
+        for (int d = lcol; d < head_size_v; d += 8) {
+          const T x = valid ? CacheElementAs<T>(p.v_cache, v_row + d, cache_kind)
+                            : FromFloat<T>(0.0f);
+          *reinterpret_cast<T*>(v_tile + SwizzledElement<D>(r, d)) = x;
+        }
+      }
+    }
+  };
+
+  // fp8 async mode: converts the raw tiles into kv stage 0.
+  auto convert_raw = [&]() {
+    constexpr int kRawChunks = D / 16;  // 16-byte chunks of an fp8 row
+    uint8_t* const k_tile = kv_smem;
+    uint8_t* const v_tile = kv_smem + Traits::kTileBytes;
+    for (int i = tid; i < 2 * kBlockN * kRawChunks; i += kThreads) {
+      const bool is_v = i >= kBlockN * kRawChunks;
+      const int rest = is_v ? i - kBlockN * kRawChunks : i;
+      const int r = rest / kRawChunks;
+      const int c = rest % kRawChunks;
+      if (c >= (is_v ? head_size_v : head_size) / 16) continue;
+      const uint4 raw =
+          *reinterpret_cast<const uint4*>(raw_smem + (is_v ? kBlockN * D : 0) + r * D + c * 16);
+      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+      uint32_t out[8];
+      if (cache_kind == kPrefillCacheE4M3) {
+KVSTREAM_PREFILL_UNROLL
+        for (int w = 0; w < 4; ++w) {
+          out[2 * w] = Fp8PairTo<T, __NV_E4M3>(words[w] & 0xffffu);
+          out[2 * w + 1] = Fp8PairTo<T, __NV_E4M3>(words[w] >> 16);
+        }
+      } else {
+KVSTREAM_PREFILL_UNROLL
+        for (int w = 0; w < 4; ++w) {
+          out[2 * w] = Fp8PairTo<T, __NV_E5M2>(words[w] & 0xffffu);
+          out[2 * w + 1] = Fp8PairTo<T, __NV_E5M2>(words[w] >> 16);
+        }
+      }
+      uint8_t* const tile = is_v ? v_tile : k_tile;
+      *reinterpret_cast<uint4*>(tile + SwizzledChunk<D>(r, 2 * c)) =
+          make_uint4(out[0], out[1], out[2], out[3]);
+      *reinterpret_cast<uint4*>(tile + SwizzledChunk<D>(r, 2 * c + 1)) =
+          make_uint4(out[4], out[5], out[6], out[7]);
+    }
+  };
+
+  if (n_begin < n_end) issue_tile(n_begin, 0);
+  CpAsyncCommit();
+
+  // ---- Per-thread row state. Thread rows: warp_row + mb * 16 + (lane / 4) + 8 * half.
+  const int warp_row = warp * 16 * kRowBlocks;
+  const bool warp_active = row0 + warp_row < rows_total;
+  const int warp_last = min(rows_total - 1, row0 + warp_row + 16 * kRowBlocks - 1);
+  const int warp_qp_first = context + (row0 + warp_row) / group;
+  const int warp_qp_last = context + warp_last / group;
+  const int warp_lo_min = VisibleLo(p, warp_qp_first);
+  const int warp_lo_max = VisibleLo(p, warp_qp_last);
+  const int warp_hi_min = VisibleHi(p, warp_qp_first, seq_len);
+  const int warp_hi_max = VisibleHi(p, warp_qp_last, seq_len);
+
+  const float k_scale = ScaleOfHead(p.k_scale, p.num_scales, kv_head);
+  const bool soft_cap = p.logits_soft_cap > 0.0f;
+  const bool alibi = p.alibi_slopes != nullptr;
+  // Scores in base 2: s2 = scale2 * qk, or cap2 * tanh(qk * inv_cap) with a soft cap.
+  const float scale2 = p.scale * k_scale * kLog2e;
+  const float cap2 = soft_cap ? p.logits_soft_cap * kLog2e : 0.0f;
+  const float inv_cap = soft_cap ? p.scale * k_scale / p.logits_soft_cap : 0.0f;
+
+  int row_qp[kRowBlocks][2];
+  float row_slope2[kRowBlocks][2];
+KVSTREAM_PREFILL_UNROLL
+  for (int mb = 0; mb < kRowBlocks; ++mb) {
+KVSTREAM_PREFILL_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int r = min(rows_total - 1, row0 + warp_row + mb * 16 + (lane >> 2) + 8 * half);
+      const int t = r / group;
+      row_qp[mb][half] = context + t;
+      row_slope2[mb][half] =
+          alibi ? p.alibi_slopes[kv_head * group + (r - t * group)] * kLog2e : 0.0f;
+    }
+  }
+
+  float acc_o[kRowBlocks][kDBlocks][4];
+  float row_max[kRowBlocks][2];
+  float row_sum[kRowBlocks][2];
+KVSTREAM_PREFILL_UNROLL
+  for (int mb = 0; mb < kRowBlocks; ++mb) {
+KVSTREAM_PREFILL_UNROLL
+    for (int nb = 0; nb < kDBlocks; ++nb) {
+KVSTREAM_PREFILL_UNROLL
+      for (int e = 0; e < 4; ++e) acc_o[mb][nb][e] = 0.0f;
+    }
+KVSTREAM_PREFILL_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      row_max[mb][half] = kNegInf;
+      row_sum[mb][half] = 0.0f;
+    }
+  }
+
+  // ldmatrix addresses. Every row a lane addresses is lane % 8 modulo 8, so the swizzled
+  // offset of logical chunk 2 kk + s is (kk / 4) * 128 + ((kk % 4) * 32 ^ ((lane % 8 ^ s) * 16)):
+  // one XOR with a constant per load, and no per-(kk, row) address registers.
+  //   Q (A operand) and V (B operand, transposed): row lane % 16, chunk 2 kk + lane / 16.
+  //   K (B operand): row lane % 8 + 8 (lane / 16), chunk 2 kk + (lane / 8) % 2.
+  const uint32_t swz_qv = static_cast<uint32_t>(((lane & 7) ^ (lane >> 4)) << 4);
+  const uint32_t swz_k = static_cast<uint32_t>(((lane & 7) ^ ((lane >> 3) & 1)) << 4);
+  const uint32_t q_lane_addr = q_base + static_cast<uint32_t>((warp_row + (lane & 15)) * D * 2);
+  const uint32_t k_lane_off = static_cast<uint32_t>(((lane & 7) + ((lane >> 4) << 3)) * D * 2);
+  const uint32_t v_lane_off = static_cast<uint32_t>((lane & 15) * D * 2);
+  const int k_steps = (head_size + 15) / 16;    // k16 steps of Q K^T that are not padding
+  const int dv_steps = (head_size_v + 15) / 16;  // d16 steps of P V that are not padding
+  const int quad_col = 2 * (lane & 3);
+  // K and V fragments loaded ahead of their mma chains, as registers permit: at D = 128 the
+  // two m16 blocks' accumulators (192 registers) leave no room (ptxas spills with batches
+  // of 2), at D = 64 and 256 batches of 4 fit without spills.
+  constexpr int kKBatch = D == 128 ? 1 : 4;
+  constexpr int kVBatch = D == 128 ? 1 : 4;
+
+  // ---- Main loop over key tiles.
+  for (int n = n_begin; n < n_end; ++n) {
+    CpAsyncWaitAll();
+    __syncthreads();
+    if (load_mode == kPrefillAsyncFp8) {
+      convert_raw();
+      __syncthreads();
+    }
+    const int stage = load_mode == kPrefillAsyncFp8 ? 0 : ((n - n_begin) & 1);
+    if (n + 1 < n_end) {
+      issue_tile(n + 1, load_mode == kPrefillAsyncFp8 ? 0 : (stage ^ 1));
+    }
+    CpAsyncCommit();
+    if (tid < kBlockN) {
+      if (n + 2 < n_end) loc_smem[(n & 1) * kBlockN + tid] = loc_ahead;
+      if (n + 3 < n_end) loc_ahead = lookup(n + 3, tid);
+    }
+
+    const int tile_lo = n * kBlockN;
+    if (!warp_active || tile_lo > warp_hi_max || tile_lo + kBlockN - 1 < warp_lo_min) continue;
+    // Key columns [col_begin, col_end) of this tile hold keys some row of the warp may see.
+    const int col_begin = max(0, warp_lo_min - tile_lo);
+    const int col_end = min(kBlockN, min(warp_hi_max, seq_len - 1) - tile_lo + 1);
+    const uint32_t k_base = kv_base + stage * Traits::kStageBytes;
+    const uint32_t v_base = k_base + Traits::kTileBytes;
+
+    // S = Q K^T for the warp's rows.
+    float acc_s[kRowBlocks][kNBlocks][4];
+KVSTREAM_PREFILL_UNROLL
+    for (int mb = 0; mb < kRowBlocks; ++mb) {
+KVSTREAM_PREFILL_UNROLL
+      for (int nb = 0; nb < kNBlocks; ++nb) {
+KVSTREAM_PREFILL_UNROLL
+        for (int e = 0; e < 4; ++e) acc_s[mb][nb][e] = 0.0f;
+      }
+    }
+    // Which 16-key blocks of the tile hold keys the warp may see (the others stay masked).
+    bool key_block_used[kBlockN / 16];
+KVSTREAM_PREFILL_UNROLL
+    for (int kb = 0; kb < kBlockN / 16; ++kb) {
+      key_block_used[kb] = kb * 16 < col_end && kb * 16 + 16 > col_begin;
+    }
+    // Per k16 step: all fragments first, then the mma chain, so that the ldmatrix latency
+    // is paid once per step.
+KVSTREAM_PREFILL_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) {
+      if (kk < k_steps) {
+        uint32_t a[kRowBlocks][4];
+KVSTREAM_PREFILL_UNROLL
+        for (int mb = 0; mb < kRowBlocks; ++mb) {
+          LdMatrixX4(a[mb], q_lane_addr + mb * 16 * D * 2 + (kk >> 2) * 128 +
+                                (swz_qv ^ ((kk & 3) << 5)));
+        }
+KVSTREAM_PREFILL_UNROLL
+        for (int k0 = 0; k0 < kBlockN / 16; k0 += kKBatch) {
+          uint32_t b[kKBatch][4];
+KVSTREAM_PREFILL_UNROLL
+          for (int i = 0; i < kKBatch; ++i) {
+            if (key_block_used[k0 + i]) {
+              LdMatrixX4(b[i], k_base + k_lane_off + (k0 + i) * 16 * D * 2 + (kk >> 2) * 128 +
+                                   (swz_k ^ ((kk & 3) << 5)));
+            }
+          }
+KVSTREAM_PREFILL_UNROLL
+          for (int i = 0; i < kKBatch; ++i) {
+            if (key_block_used[k0 + i]) {
+KVSTREAM_PREFILL_UNROLL
+              for (int mb = 0; mb < kRowBlocks; ++mb) {
+                Mma16816<T>(acc_s[mb][2 * (k0 + i)], a[mb], b[i][0], b[i][1]);
+                Mma16816<T>(acc_s[mb][2 * (k0 + i) + 1], a[mb], b[i][2], b[i][3]);
+              }
+            }
+          }
+        }
+      }
+    }
+
+    // Scores in base 2: soft cap, then ALiBi, then the mask.
+    if (soft_cap) {
+KVSTREAM_PREFILL_UNROLL
+      for (int mb = 0; mb < kRowBlocks; ++mb) {
+KVSTREAM_PREFILL_UNROLL
+        for (int nb = 0; nb < kNBlocks; ++nb) {
+KVSTREAM_PREFILL_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7.
+            const float x = acc_s[mb][nb][e] * inv_cap;
+            const float t = 1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f);
+            acc_s[mb][nb][e] = cap2 * t;
+          }
+        }
+      }
+    } else {
+KVSTREAM_PREFILL_UNROLL
+      for (int mb = 0; mb < kRowBlocks; ++mb) {
+KVSTREAM_PREFILL_UNROLL
+        for (int nb = 0; nb < kNBlocks; ++nb) {
+KVSTREAM_PREFILL_UNROLL
+          for (int e = 0; e < 4; ++e) acc_s[mb][nb][e] *= scale2;
+        }
+      }
+    }
+    if (alibi) {
+KVSTREAM_PREFILL_UNROLL
+      for (int mb = 0; mb < kRowBlocks; ++mb) {
+KVSTREAM_PREFILL_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          // slope * (j - qp), with j - qp formed exactly in integers.
+          const float base = static_cast<float>(tile_lo + quad_col - row_qp[mb][half]);
+          const float slope = row_slope2[mb][half];
+KVSTREAM_PREFILL_UNROLL
+          for (int nb = 0; nb < kNBlocks; ++nb) {
+KVSTREAM_PREFILL_UNROLL
+            for (int e = 0; e < 2; ++e) {
+              acc_s[mb][nb][2 * half + e] +=
+                  slope * (base + static_cast<float>(nb * 8 + e));
+            }
+          }
+        }
+      }
+    }
+    if (tile_lo < warp_lo_max || tile_lo + kBlockN - 1 > warp_hi_min) {
+KVSTREAM_PREFILL_UNROLL
+      for (int mb = 0; mb < kRowBlocks; ++mb) {
+KVSTREAM_PREFILL_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          const int qp = row_qp[mb][half];
+          const int lo = VisibleLo(p, qp) - tile_lo - quad_col;
+          const int hi = VisibleHi(p, qp, seq_len) - tile_lo - quad_col;
+KVSTREAM_PREFILL_UNROLL
+          for (int nb = 0; nb < kNBlocks; ++nb) {
+KVSTREAM_PREFILL_UNROLL
+            for (int e = 0; e < 2; ++e) {
+              const int col = nb * 8 + e;
+              if (col < lo || col > hi) acc_s[mb][nb][2 * half + e] = kNegInf;
+            }
+          }
+        }
+      }
+    }
+
+    // Online softmax: running max and (per-thread partial) sum per row, O rescaled.
+KVSTREAM_PREFILL_UNROLL
+    for (int mb = 0; mb < kRowBlocks; ++mb) {
+KVSTREAM_PREFILL_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = kNegInf;
+KVSTREAM_PREFILL_UNROLL
+        for (int nb = 0; nb < kNBlocks; ++nb) {
+          tile_max = fmaxf(tile_max, fmaxf(acc_s[mb][nb][2 * half], acc_s[mb][nb][2 * half + 1]));
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float new_max = fmaxf(row_max[mb][half], tile_max);
+        // A row with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
+        const float use_max = new_max == kNegInf ? 0.0f : new_max;
+        const float alpha = FastExp2(row_max[mb][half] - use_max);
+        row_max[mb][half] = new_max;
+        float sum = 0.0f;
+KVSTREAM_PREFILL_UNROLL
+        for (int nb = 0; nb < kNBlocks; ++nb) {
+KVSTREAM_PREFILL_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const float pe = FastExp2(acc_s[mb][nb][2 * half + e] - use_max);
+            acc_s[mb][nb][2 * half + e] = pe;
+            sum += pe;
+          }
+        }
+        row_sum[mb][half] = row_sum[mb][half] * alpha + sum;
+KVSTREAM_PREFILL_UNROLL
+        for (int nb = 0; nb < kDBlocks; ++nb) {
+          if (nb < 2 * dv_steps) {
+            acc_o[mb][nb][2 * half] *= alpha;
+            acc_o[mb][nb][2 * half + 1] *= alpha;
+          }
+        }
+      }
+    }
+
+    // O += P V. P's accumulator layout is the A fragment layout of the next mma. V
+    // fragments are loaded four d16 steps at a time, then used.
+KVSTREAM_PREFILL_UNROLL
+    for (int kc = 0; kc < kBlockN / 16; ++kc) {
+      if (key_block_used[kc]) {
+        uint32_t pa[kRowBlocks][4];
+KVSTREAM_PREFILL_UNROLL
+        for (int mb = 0; mb < kRowBlocks; ++mb) {
+          pa[mb][0] = PackPair<T>(acc_s[mb][2 * kc][0], acc_s[mb][2 * kc][1]);
+          pa[mb][1] = PackPair<T>(acc_s[mb][2 * kc][2], acc_s[mb][2 * kc][3]);
+          pa[mb][2] = PackPair<T>(acc_s[mb][2 * kc + 1][0], acc_s[mb][2 * kc + 1][1]);
+          pa[mb][3] = PackPair<T>(acc_s[mb][2 * kc + 1][2], acc_s[mb][2 * kc + 1][3]);
+        }
+KVSTREAM_PREFILL_UNROLL
+        for (int d0 = 0; d0 < D / 16; d0 += kVBatch) {
+          uint32_t b[kVBatch][4];
+KVSTREAM_PREFILL_UNROLL
+          for (int i = 0; i < kVBatch; ++i) {
+            const int dd = d0 + i;
+            if (dd < dv_steps) {
+              LdMatrixX4Trans(b[i], v_base + v_lane_off + kc * 16 * D * 2 + (dd >> 2) * 128 +
+                                        (swz_qv ^ ((dd & 3) << 5)));
+            }
+          }
+KVSTREAM_PREFILL_UNROLL
+          for (int i = 0; i < kVBatch; ++i) {
+            const int dd = d0 + i;
+            if (dd < dv_steps) {
+KVSTREAM_PREFILL_UNROLL
+              for (int mb = 0; mb < kRowBlocks; ++mb) {
+                Mma16816<T>(acc_o[mb][2 * dd], pa[mb], b[i][0], b[i][1]);
+                Mma16816<T>(acc_o[mb][2 * dd + 1], pa[mb], b[i][2], b[i][3]);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  CpAsyncWaitAll();
+
+  // ---- Epilogue: normalise, fold the V scale, stage through q_smem, write the rows.
+  __syncthreads();  // every warp is done with q_smem and the kv tiles
+  if (!warp_active) return;
+  const float v_scale = ScaleOfHead(p.v_scale, p.num_scales, kv_head);
+KVSTREAM_PREFILL_UNROLL
+  for (int mb = 0; mb < kRowBlocks; ++mb) {
+KVSTREAM_PREFILL_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      float sum = row_sum[mb][half];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.0f ? v_scale / sum : 0.0f;
+      const int m = warp_row + mb * 16 + (lane >> 2) + 8 * half;
+KVSTREAM_PREFILL_UNROLL
+      for (int nb = 0; nb < kDBlocks; ++nb) {
+        if (nb < 2 * dv_steps) {
+          *reinterpret_cast<uint32_t*>(q_smem + SwizzledElement<D>(m, nb * 8 + quad_col)) =
+              PackPair<T>(acc_o[mb][nb][2 * half] * inv, acc_o[mb][nb][2 * half + 1] * inv);
+        }
+      }
+    }
+  }
+  __syncwarp();
+  T* const out = static_cast<T*>(p.out);
+  constexpr int kWarpRows = 16 * kRowBlocks;
+  if (opt.o_vectorized) {
+    const int chunks = head_size_v / 8;
+    for (int i = lane; i < kWarpRows * kChunks; i += 32) {
+      const int m = warp_row + i / kChunks;
+      const int c = i % kChunks;
+      const int r = row0 + m;
+      if (c >= chunks || r >= rows_total) continue;
+      const int t = r / group;
+      const int h = kv_head * group + (r - t * group);
+      T* const dst = out + (static_cast<int64_t>(q_start) + t) * p.o_token_stride +
+                     static_cast<int64_t>(h) * p.o_head_stride + c * 8;
+      *reinterpret_cast<uint4*>(dst) =
+          *reinterpret_cast<const uint4*>(q_smem + SwizzledChunk<D>(m, c));
+    }
+  } else {
+    for (int i = lane; i < kWarpRows * D; i += 32) {
+      const int m = warp_row + i / D;
+      const int d = i % D;
+      const int r = row0 + m;
+      if (d >= head_size_v || r >= rows_total) continue;
+      const int t = r / group;
+      const int h = kv_head * group + (r - t * group);
+      out[(static_cast<int64_t>(q_start) + t) * p.o_token_stride +
+          static_cast<int64_t>(h) * p.o_head_stride + d] =
+          *reinterpret_cast<const T*>(q_smem + SwizzledElement<D>(m, d));
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace internal
+}  // namespace kvstream
+
+#endif  // KVSTREAM_ATTENTION_CUDA_PREFILL_ATTENTION_CUH_

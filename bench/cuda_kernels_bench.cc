@@ -1,0 +1,442 @@
+// Benchmarks of the CUDA kernels, each beside the bandwidth (or nothing) it should be
+// compared with, measured in the same run on the same GPU:
+//   CacheUpdate/<tokens>/<dtype>: CacheUpdateCuda, 8 KV heads x 128, block size 16, bf16
+//     inputs into a bf16 or fp8 cache over shuffled blocks; GB/s of bytes read + written,
+//     and the ratio to cudaMemcpyAsync device-to-device of the same traffic.
+//   Decode/<seqs>/<seq_len>: the CUDA backend's decode (bf16, 32 query / 8 KV heads, head
+//     size 128, block size 16, shuffled blocks); TB/s of K and V read, and the ratio to a
+//     streaming-read kernel over the same cache buffers.
+//   Prefill/<tokens>: the backend's prefill (bf16, causal, head size 128, 32 / 8 heads, one
+//     sequence); TFLOP/s counting 4 * n^2 * d * heads / 2 for the causal half.
+// Timing: CUDA events around a batch of launches queued behind a kernel that holds the
+// stream until everything is enqueued, so host-side validation never shows up as GPU idle
+// time; each reported iteration is the mean of one batch.
+//
+//   kvstream_bench_cuda_kernels [--benchmark_filter=Decode] [--benchmark_repetitions=3]
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "bench/cuda_bench_kernels.h"
+#include "kvstream/attention/backend.h"
+#include "kvstream/attention/cuda_attention.h"
+#include "kvstream/cache/cache_update.h"
+#include "kvstream/cache/kv_cache.h"
+#include "kvstream/common/cuda_resources.h"
+#include "kvstream/common/cuda_status.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace {
+
+constexpr int kLaunchesPerBatch = 20;
+constexpr int kHoldTimeoutMs = 20000;
+
+// Process-wide GPU state, made on first use.
+struct Gpu {
+  CudaStream stream;
+  int num_sms = 0;
+  int* flag = nullptr;  // pinned host memory the hold kernel polls
+  DeviceBuffer flag_buffer;
+  DeviceBuffer sink;
+  std::unique_ptr<AttentionBackend> backend;
+};
+
+absl::StatusOr<Gpu*> GetGpu() {
+  static absl::StatusOr<Gpu*>* gpu = [] {
+    auto make = []() -> absl::StatusOr<Gpu*> {
+      RETURN_IF_ERROR(CudaAvailability());
+      auto g = std::make_unique<Gpu>();
+      ASSIGN_OR_RETURN(g->stream, CudaStream::Create(0));
+      RETURN_IF_ERROR(CudaErrorToStatus(
+          static_cast<int>(cudaDeviceGetAttribute(&g->num_sms, cudaDevAttrMultiProcessorCount, 0)),
+          "cudaDeviceGetAttribute"));
+      ASSIGN_OR_RETURN(g->flag_buffer, DeviceBuffer::CreateZeroed(sizeof(int), MemoryKind::kPinned));
+      g->flag = g->flag_buffer.data_as<int>();
+      ASSIGN_OR_RETURN(g->sink,
+                       DeviceBuffer::Create(sizeof(uint32_t) * g->num_sms * 8, MemoryKind::kDevice));
+      CudaBackendOptions options;
+      options.stream = g->stream.get();
+      ASSIGN_OR_RETURN(g->backend, CreateCudaAttentionBackend(options));
+      return g.release();  // lives for the process
+    };
+    return new absl::StatusOr<Gpu*>(make());
+  }();
+  return *gpu;
+}
+
+// Releases the hold kernel when it goes out of scope, whatever happened in between.
+class HoldRelease {
+ public:
+  explicit HoldRelease(int* flag) : flag_(flag) {}
+  ~HoldRelease() { __atomic_store_n(flag_, 1, __ATOMIC_RELEASE); }
+  HoldRelease(const HoldRelease&) = delete;
+  HoldRelease& operator=(const HoldRelease&) = delete;
+
+ private:
+  int* flag_;
+};
+
+// GPU seconds per call of `enqueue` (which enqueues on gpu.stream), over `launches` calls
+// queued behind the hold kernel and run back to back.
+absl::StatusOr<double> SecondsPerCall(Gpu& gpu, const std::function<absl::Status()>& enqueue,
+                                      int launches = kLaunchesPerBatch) {
+  ASSIGN_OR_RETURN(CudaEvent start, CudaEvent::Create(/*enable_timing=*/true));
+  ASSIGN_OR_RETURN(CudaEvent stop, CudaEvent::Create(/*enable_timing=*/true));
+  __atomic_store_n(gpu.flag, 0, __ATOMIC_RELEASE);
+  {
+    HoldRelease release(gpu.flag);
+    RETURN_IF_ERROR(CudaErrorToStatus(
+        bench::LaunchHoldStream(gpu.flag, kHoldTimeoutMs, gpu.stream.get()), "hold kernel"));
+    RETURN_IF_ERROR(start.Record(gpu.stream.get()));
+    for (int i = 0; i < launches; ++i) RETURN_IF_ERROR(enqueue());
+    RETURN_IF_ERROR(stop.Record(gpu.stream.get()));
+  }
+  RETURN_IF_ERROR(gpu.stream.Synchronize(absl::Seconds(120)));
+  ASSIGN_OR_RETURN(float ms, CudaEvent::ElapsedMilliseconds(start, stop));
+  return static_cast<double>(ms) * 1e-3 / launches;
+}
+
+// The fastest of a few batches: the reference measurements.
+absl::StatusOr<double> BestSecondsPerCall(Gpu& gpu, const std::function<absl::Status()>& enqueue) {
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    ASSIGN_OR_RETURN(double s, SecondsPerCall(gpu, enqueue));
+    best = i == 0 ? s : std::min(best, s);
+  }
+  return best;
+}
+
+void Fail(benchmark::State& state, const absl::Status& status) {
+  const std::string message = status.ToString();
+  state.SkipWithError(message.c_str());
+}
+
+bool SkipWithoutGpu(benchmark::State& state, Gpu** gpu) {
+  absl::StatusOr<Gpu*> g = GetGpu();
+  if (!g.ok()) {
+    const std::string message = absl::StrCat("no usable GPU: ", g.status().message());
+    state.SkipWithError(message.c_str());
+    return true;
+  }
+  *gpu = *g;
+  return false;
+}
+
+int DTypeCode(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return 0;
+    case DType::kFloat16: return 1;
+    case DType::kBFloat16: return 2;
+    case DType::kFloat8E4M3: return 3;
+    default: return 4;
+  }
+}
+
+absl::Status FillRandom(Gpu& gpu, void* data, size_t count, DType dtype, uint32_t seed) {
+  return CudaErrorToStatus(
+      bench::LaunchFillRandom(data, count, DTypeCode(dtype), seed, gpu.stream.get()),
+      "fill kernel");
+}
+
+template <typename T>
+absl::StatusOr<DeviceBuffer> Upload(const std::vector<T>& values) {
+  const size_t bytes = values.size() * sizeof(T);
+  ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::Create(bytes, MemoryKind::kDevice));
+  RETURN_IF_ERROR(CudaErrorToStatus(
+      static_cast<int>(cudaMemcpy(buffer.data(), values.data(), bytes, cudaMemcpyHostToDevice)),
+      "cudaMemcpy"));
+  return buffer;
+}
+
+// A device KvCache of `num_blocks` blocks of random values.
+absl::StatusOr<std::unique_ptr<KvCache>> RandomCache(Gpu& gpu, const KvCacheSpec& spec,
+                                                     int64_t num_blocks) {
+  KvCache::Options options;
+  options.spec = spec;
+  options.layout = KvLayout::kNHD;
+  options.num_blocks = num_blocks;
+  options.memory = MemoryKind::kDevice;
+  ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(options));
+  if (IsFp8(spec.dtype)) {
+    const std::vector<float> ones(spec.quant_mode == KvQuantMode::kPerHead ? spec.num_kv_heads : 1,
+                                  0.05f);
+    RETURN_IF_ERROR(cache->SetScales(ones, ones));
+  }
+  const size_t k_count = static_cast<size_t>(num_blocks * spec.KBytesPerBlock()) / DTypeSize(spec.dtype);
+  const size_t v_count = static_cast<size_t>(num_blocks * spec.VBytesPerBlock()) / DTypeSize(spec.dtype);
+  RETURN_IF_ERROR(FillRandom(gpu, cache->view().k, k_count, spec.dtype, 1));
+  RETURN_IF_ERROR(FillRandom(gpu, cache->view().v, v_count, spec.dtype, 2));
+  return cache;
+}
+
+std::vector<int32_t> ShuffledBlocks(int64_t n, uint32_t seed) {
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937 rng(seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  return ids;
+}
+
+// ---------------------------------------------------------------------------------------
+
+constexpr int kKvHeads = 8;
+constexpr int kHeads = 32;
+constexpr int kHeadSize = 128;
+constexpr int kBlockSize = 16;
+
+void BM_CacheUpdate(benchmark::State& state) {
+  Gpu* gpu = nullptr;
+  if (SkipWithoutGpu(state, &gpu)) return;
+  const int64_t tokens = state.range(0);
+  const DType cache_dtype = state.range(1) == 0 ? DType::kBFloat16 : DType::kFloat8E4M3;
+  state.SetLabel(state.range(1) == 0 ? "bf16->bf16" : "bf16->fp8_e4m3");
+  auto run = [&]() -> absl::Status {
+    KvCacheSpec spec;
+    spec.block_size = kBlockSize;
+    spec.num_kv_heads = kKvHeads;
+    spec.head_size = spec.head_size_v = kHeadSize;
+    spec.dtype = cache_dtype;
+    spec.quant_mode = IsFp8(cache_dtype) ? KvQuantMode::kPerTensor : KvQuantMode::kNone;
+    const int64_t num_blocks = 2 * tokens / kBlockSize;  // half the cache used, scattered
+    ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, RandomCache(*gpu, spec, num_blocks));
+    const size_t elements = static_cast<size_t>(tokens) * kKvHeads * kHeadSize;
+    ASSIGN_OR_RETURN(DeviceBuffer key, DeviceBuffer::Create(elements * 2, MemoryKind::kDevice));
+    ASSIGN_OR_RETURN(DeviceBuffer value, DeviceBuffer::Create(elements * 2, MemoryKind::kDevice));
+    RETURN_IF_ERROR(FillRandom(*gpu, key.data(), elements, DType::kBFloat16, 3));
+    RETURN_IF_ERROR(FillRandom(*gpu, value.data(), elements, DType::kBFloat16, 4));
+    const std::vector<int32_t> blocks = ShuffledBlocks(num_blocks, 5);
+    std::vector<int64_t> slots(static_cast<size_t>(tokens));
+    for (int64_t t = 0; t < tokens; ++t) {
+      slots[static_cast<size_t>(t)] =
+          int64_t{blocks[static_cast<size_t>(t / kBlockSize)]} * kBlockSize + t % kBlockSize;
+    }
+    ASSIGN_OR_RETURN(DeviceBuffer d_slots, Upload(slots));
+    CacheUpdateParams p;
+    p.key = key.data();
+    p.value = value.data();
+    p.key_token_stride = p.value_token_stride = kKvHeads * kHeadSize;
+    p.key_head_stride = p.value_head_stride = kHeadSize;
+    p.input_dtype = DType::kBFloat16;
+    p.slot_mapping = d_slots.data_as<int64_t>();
+    p.host_slot_mapping = slots.data();
+    p.num_tokens = tokens;
+    p.cache = cache->view();
+    const double bytes =
+        2.0 * static_cast<double>(elements) * (2.0 + static_cast<double>(DTypeSize(cache_dtype)));
+
+    // The reference: a device-to-device copy with the same read + write traffic.
+    const size_t copy_bytes = static_cast<size_t>(bytes / 2) / 16 * 16;
+    ASSIGN_OR_RETURN(DeviceBuffer src, DeviceBuffer::Create(copy_bytes, MemoryKind::kDevice));
+    ASSIGN_OR_RETURN(DeviceBuffer dst, DeviceBuffer::Create(copy_bytes, MemoryKind::kDevice));
+    ASSIGN_OR_RETURN(double copy_s, BestSecondsPerCall(*gpu, [&] {
+      return CudaErrorToStatus(
+          static_cast<int>(cudaMemcpyAsync(dst.data(), src.data(), copy_bytes,
+                                           cudaMemcpyDeviceToDevice,
+                                           static_cast<cudaStream_t>(gpu->stream.get()))),
+          "cudaMemcpyAsync");
+    }));
+    const double copy_gbps = 2.0 * static_cast<double>(copy_bytes) / copy_s * 1e-9;
+
+    double total_s = 0;
+    int64_t batches = 0;
+    for (auto _ : state) {
+      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, [&] {
+        return CacheUpdateCuda(p, gpu->stream.get());
+      }));
+      state.SetIterationTime(s);
+      total_s += s;
+      ++batches;
+    }
+    const double gbps = bytes * static_cast<double>(batches) / total_s * 1e-9;
+    state.counters["GB/s"] = gbps;
+    state.counters["memcpy_GB/s"] = copy_gbps;
+    state.counters["ratio"] = gbps / copy_gbps;
+    return absl::OkStatus();
+  };
+  const absl::Status st = run();
+  if (!st.ok()) Fail(state, st);
+}
+
+// Decode: `seqs` sequences of `seq_len` keys, one query token each.
+void BM_Decode(benchmark::State& state) {
+  Gpu* gpu = nullptr;
+  if (SkipWithoutGpu(state, &gpu)) return;
+  const int seqs = static_cast<int>(state.range(0));
+  const int seq_len = static_cast<int>(state.range(1));
+  auto run = [&]() -> absl::Status {
+    KvCacheSpec spec;
+    spec.block_size = kBlockSize;
+    spec.num_kv_heads = kKvHeads;
+    spec.head_size = spec.head_size_v = kHeadSize;
+    spec.dtype = DType::kBFloat16;
+    const int blocks_per_seq = (seq_len + kBlockSize - 1) / kBlockSize;
+    const int64_t num_blocks = int64_t{seqs} * blocks_per_seq;
+    ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, RandomCache(*gpu, spec, num_blocks));
+    const std::vector<int32_t> block_table = ShuffledBlocks(num_blocks, 6);
+    std::vector<int32_t> query_start_loc(static_cast<size_t>(seqs) + 1);
+    std::iota(query_start_loc.begin(), query_start_loc.end(), 0);
+    const std::vector<int32_t> seq_lens(static_cast<size_t>(seqs), seq_len);
+    ASSIGN_OR_RETURN(DeviceBuffer d_table, Upload(block_table));
+    ASSIGN_OR_RETURN(DeviceBuffer d_qsl, Upload(query_start_loc));
+    ASSIGN_OR_RETURN(DeviceBuffer d_lens, Upload(seq_lens));
+    const size_t q_elements = static_cast<size_t>(seqs) * kHeads * kHeadSize;
+    ASSIGN_OR_RETURN(DeviceBuffer q, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
+    ASSIGN_OR_RETURN(DeviceBuffer out, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
+    RETURN_IF_ERROR(FillRandom(*gpu, q.data(), q_elements, DType::kBFloat16, 7));
+
+    PagedAttentionParams p;
+    p.q = q.data();
+    p.q_dtype = DType::kBFloat16;
+    p.q_token_stride = kHeads * kHeadSize;
+    p.q_head_stride = kHeadSize;
+    p.out = out.data();
+    p.out_dtype = DType::kBFloat16;
+    p.o_token_stride = kHeads * kHeadSize;
+    p.o_head_stride = kHeadSize;
+    p.num_tokens = seqs;
+    p.cache = cache->view();
+    p.query_start_loc = d_qsl.data_as<int32_t>();
+    p.seq_lens = d_lens.data_as<int32_t>();
+    p.block_table = d_table.data_as<int32_t>();
+    p.block_table_stride = blocks_per_seq;
+    p.num_seqs = seqs;
+    p.max_query_len = 1;
+    p.max_seq_len = seq_len;
+    p.num_heads = kHeads;
+    p.scale = 0.08838834764f;
+    p.host.query_start_loc = query_start_loc.data();
+    p.host.seq_lens = seq_lens.data();
+    p.host.block_table = block_table.data();
+    const double kv_bytes = static_cast<double>(seqs) * seq_len * kKvHeads *
+                            (2.0 * kHeadSize) * 2.0;  // K and V, 2 bytes each
+
+    // The reference: one streaming read of the same K and V buffers.
+    const size_t k_bytes = static_cast<size_t>(num_blocks * spec.KBytesPerBlock());
+    const size_t v_bytes = static_cast<size_t>(num_blocks * spec.VBytesPerBlock());
+    ASSIGN_OR_RETURN(double read_s, BestSecondsPerCall(*gpu, [&]() -> absl::Status {
+      RETURN_IF_ERROR(CudaErrorToStatus(
+          bench::LaunchStreamingRead(cache->view().k, k_bytes, gpu->sink.data_as<uint32_t>(),
+                                     gpu->num_sms, gpu->stream.get()),
+          "streaming read"));
+      return CudaErrorToStatus(
+          bench::LaunchStreamingRead(cache->view().v, v_bytes, gpu->sink.data_as<uint32_t>(),
+                                     gpu->num_sms, gpu->stream.get()),
+          "streaming read");
+    }));
+    const double read_tbps = static_cast<double>(k_bytes + v_bytes) / read_s * 1e-12;
+
+    double total_s = 0;
+    int64_t batches = 0;
+    for (auto _ : state) {
+      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, [&] { return gpu->backend->Forward(p); }));
+      state.SetIterationTime(s);
+      total_s += s;
+      ++batches;
+    }
+    const double tbps = kv_bytes * static_cast<double>(batches) / total_s * 1e-12;
+    state.counters["TB/s"] = tbps;
+    state.counters["read_TB/s"] = read_tbps;
+    state.counters["ratio"] = tbps / read_tbps;
+    return absl::OkStatus();
+  };
+  const absl::Status st = run();
+  if (!st.ok()) Fail(state, st);
+}
+
+// Prefill: one sequence of `tokens` tokens, causal, all of them queries.
+void BM_Prefill(benchmark::State& state) {
+  Gpu* gpu = nullptr;
+  if (SkipWithoutGpu(state, &gpu)) return;
+  const int tokens = static_cast<int>(state.range(0));
+  auto run = [&]() -> absl::Status {
+    KvCacheSpec spec;
+    spec.block_size = kBlockSize;
+    spec.num_kv_heads = kKvHeads;
+    spec.head_size = spec.head_size_v = kHeadSize;
+    spec.dtype = DType::kBFloat16;
+    const int blocks = (tokens + kBlockSize - 1) / kBlockSize;
+    ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, RandomCache(*gpu, spec, blocks));
+    const std::vector<int32_t> block_table = ShuffledBlocks(blocks, 8);
+    const std::vector<int32_t> query_start_loc = {0, tokens};
+    const std::vector<int32_t> seq_lens = {tokens};
+    ASSIGN_OR_RETURN(DeviceBuffer d_table, Upload(block_table));
+    ASSIGN_OR_RETURN(DeviceBuffer d_qsl, Upload(query_start_loc));
+    ASSIGN_OR_RETURN(DeviceBuffer d_lens, Upload(seq_lens));
+    const size_t q_elements = static_cast<size_t>(tokens) * kHeads * kHeadSize;
+    ASSIGN_OR_RETURN(DeviceBuffer q, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
+    ASSIGN_OR_RETURN(DeviceBuffer out, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
+    RETURN_IF_ERROR(FillRandom(*gpu, q.data(), q_elements, DType::kBFloat16, 9));
+
+    PagedAttentionParams p;
+    p.q = q.data();
+    p.q_dtype = DType::kBFloat16;
+    p.q_token_stride = kHeads * kHeadSize;
+    p.q_head_stride = kHeadSize;
+    p.out = out.data();
+    p.out_dtype = DType::kBFloat16;
+    p.o_token_stride = kHeads * kHeadSize;
+    p.o_head_stride = kHeadSize;
+    p.num_tokens = tokens;
+    p.cache = cache->view();
+    p.query_start_loc = d_qsl.data_as<int32_t>();
+    p.seq_lens = d_lens.data_as<int32_t>();
+    p.block_table = d_table.data_as<int32_t>();
+    p.block_table_stride = blocks;
+    p.num_seqs = 1;
+    p.max_query_len = tokens;
+    p.max_seq_len = tokens;
+    p.num_heads = kHeads;
+    p.scale = 0.08838834764f;
+    p.causal = true;
+    p.host.query_start_loc = query_start_loc.data();
+    p.host.seq_lens = seq_lens.data();
+    p.host.block_table = block_table.data();
+    const double n = tokens;
+    const double flops = 4.0 * n * n * kHeadSize * kHeads / 2.0;
+
+    double total_s = 0;
+    int64_t batches = 0;
+    for (auto _ : state) {
+      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, [&] { return gpu->backend->Forward(p); },
+                                                /*launches=*/5));
+      state.SetIterationTime(s);
+      total_s += s;
+      ++batches;
+    }
+    state.counters["TFLOP/s"] = flops * static_cast<double>(batches) / total_s * 1e-12;
+    return absl::OkStatus();
+  };
+  const absl::Status st = run();
+  if (!st.ok()) Fail(state, st);
+}
+
+BENCHMARK(BM_CacheUpdate)
+    ->ArgNames({"tokens", "fp8"})
+    ->ArgsProduct({{4096, 16384, 65536}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Decode)
+    ->ArgNames({"seqs", "seq_len"})
+    ->Args({64, 4096})
+    ->Args({16, 32768})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Prefill)->ArgNames({"tokens"})->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace kvstream
+
+BENCHMARK_MAIN();

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds kvstream's compute libraries with CUDA on a GPU host, runs the GPU tests, the CUDA
+# kernel benchmarks and the comparison with torch, and leaves every log in OUT_DIR.
+#
+#   bench/gpu/run_on_gpu_host.sh BUILD_DIR OUT_DIR [cmake args...]
+#
+# Needs nvcc, CMake, a C++17 compiler, Abseil, GoogleTest and Google Benchmark (pass
+# -DCMAKE_PREFIX_PATH=... for ones outside the system paths) and Python with torch for the
+# comparison. The transfer libraries are not built (-DKVSTREAM_BUILD_TRANSFER=OFF), so UCX
+# is not needed. Exit status: non-zero when a build step, a GPU test or the torch check fails.
+set -u -o pipefail
+build=${1:?usage: run_on_gpu_host.sh BUILD_DIR OUT_DIR [cmake args...]}
+out=${2:?usage: run_on_gpu_host.sh BUILD_DIR OUT_DIR [cmake args...]}
+shift 2
+src=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$out"
+status=0
+
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSTREAM_CUDA=ON \
+  -DKVSTREAM_BUILD_TRANSFER=OFF "$@" > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+cmake --build "$build" -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -40; exit 1; }
+echo "build ok"
+
+for t in "$build"/tests/gpu/*_gpu_test; do
+  name=$(basename "$t")
+  if "$t" --gtest_brief=1 > "$out/$name.log" 2>&1; then
+    echo "$name: $(grep -E '^\[  PASSED  \]' "$out/$name.log" | tail -1)"
+  else
+    status=1
+    echo "$name: FAILED"; grep -E "FAILED|Failure|error" "$out/$name.log" | head -20
+  fi
+done
+if [ -x "$build/bench/kvstream_bench_cuda_kernels" ]; then
+  "$build/bench/kvstream_bench_cuda_kernels" --benchmark_counters_tabular=true \
+    > "$out/cuda_kernels_bench.txt" 2>&1 || status=1
+  cat "$out/cuda_kernels_bench.txt"
+fi
+shim=$(find "$build" -name 'libkvstream_torch_shim.so' | head -1)
+if [ -n "$shim" ] && python3 -c "import torch" 2> /dev/null; then
+  python3 "$src/bench/gpu/attention_vs_torch.py" --lib "$shim" --json "$out/attention_vs_torch.json" \
+    2>&1 | tee "$out/attention_vs_torch.txt" || status=1
+fi
+exit $status

@@ -1,0 +1,136 @@
+// CacheUpdateCuda: validates (ValidateCacheUpdate, through the host copy of the slot
+// mapping), flattens the params for the kernel, picks the vector or scalar variant from
+// the sizes, strides and alignment, dispatches on input dtype x cache dtype, and enqueues.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "cuda/cache_update.cuh"
+#include "kvstream/cache/cache_update.h"
+#include "kvstream/common/cuda_status.h"
+#include "kvstream/common/dtype.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace {
+
+namespace cu = internal::cache_update;
+
+bool Aligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+bool MultipleOf8(int64_t x) { return x % cu::kVecElems == 0; }
+
+// Whether every chunk of 8 elements the vector path touches is one aligned access.
+bool CanVectorize(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes) {
+  const size_t in_align = in_bytes * cu::kVecElems >= 16 ? 16 : in_bytes * cu::kVecElems;
+  const size_t out_align = out_bytes * cu::kVecElems >= 16 ? 16 : out_bytes * cu::kVecElems;
+  return MultipleOf8(p.head_size) && MultipleOf8(p.head_size_v) &&
+         MultipleOf8(p.key_token_stride) && MultipleOf8(p.key_head_stride) &&
+         MultipleOf8(p.value_token_stride) && MultipleOf8(p.value_head_stride) &&
+         MultipleOf8(p.k_block_stride) && MultipleOf8(p.k_token_stride) &&
+         MultipleOf8(p.k_head_stride) && MultipleOf8(p.v_block_stride) &&
+         MultipleOf8(p.v_token_stride) && MultipleOf8(p.v_head_stride) && p.k_dim_stride == 1 &&
+         p.v_dim_stride == 1 && Aligned(p.key, in_align) && Aligned(p.value, in_align) &&
+         Aligned(p.k_cache, out_align) && Aligned(p.v_cache, out_align);
+}
+
+template <typename In, typename Out>
+absl::Status Launch(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes,
+                    cudaStream_t stream) {
+  const int64_t ctas = (p.num_tokens + cu::kWarpsPerCta - 1) / cu::kWarpsPerCta;
+  if (ctas > int64_t{0x7fffffff}) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CacheUpdateCuda: ", p.num_tokens, " tokens exceed one launch"));
+  }
+  const dim3 grid(static_cast<unsigned>(ctas));
+  if (CanVectorize(p, in_bytes, out_bytes)) {
+    cu::CacheUpdateKernel<In, Out, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(p);
+  } else {
+    cu::CacheUpdateKernel<In, Out, false><<<grid, cu::kThreadsPerCta, 0, stream>>>(p);
+  }
+  return CudaErrorToStatus(static_cast<int>(cudaGetLastError()), "cache update kernel launch");
+}
+
+template <typename In>
+absl::Status DispatchCache(DType cache_dtype, const cu::KernelParams& p, size_t in_bytes,
+                           cudaStream_t stream) {
+  const size_t out_bytes = DTypeSize(cache_dtype);
+  switch (cache_dtype) {
+    case DType::kFloat32: return Launch<In, cu::ElemF32>(p, in_bytes, out_bytes, stream);
+    case DType::kFloat16: return Launch<In, cu::ElemF16>(p, in_bytes, out_bytes, stream);
+    case DType::kBFloat16: return Launch<In, cu::ElemBF16>(p, in_bytes, out_bytes, stream);
+    case DType::kFloat8E4M3: return Launch<In, cu::ElemE4M3>(p, in_bytes, out_bytes, stream);
+    case DType::kFloat8E5M2: return Launch<In, cu::ElemE5M2>(p, in_bytes, out_bytes, stream);
+    default: break;
+  }
+  return absl::InternalError(
+      absl::StrCat("CacheUpdateCuda: no kernel for cache dtype ", DTypeName(cache_dtype)));
+}
+
+}  // namespace
+
+absl::Status CacheUpdateCuda(const CacheUpdateParams& params, void* cuda_stream) {
+  const KvCacheView& cache = params.cache;
+  if (cache.memory != MemoryKind::kDevice) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CacheUpdateCuda: the cache is in ", MemoryKindName(cache.memory),
+                     " memory; the CUDA path writes device caches (use CacheUpdateCpu)"));
+  }
+  RETURN_IF_ERROR(ValidateCacheUpdate(params));
+  if (params.num_tokens == 0) return absl::OkStatus();
+  const KvCacheSpec& spec = cache.spec;
+  cu::KernelParams p{};
+  p.key = params.key;
+  p.value = params.value;
+  p.key_token_stride = params.key_token_stride;
+  p.key_head_stride = params.key_head_stride;
+  p.value_token_stride = params.value_token_stride;
+  p.value_head_stride = params.value_head_stride;
+  p.slot_mapping = params.slot_mapping;
+  p.num_tokens = params.num_tokens;
+  p.num_slots = cache.num_blocks * spec.block_size;
+  p.k_cache = cache.k;
+  p.v_cache = cache.v;
+  p.k_block_stride = cache.k_strides.block;
+  p.k_token_stride = cache.k_strides.token;
+  p.k_head_stride = cache.k_strides.head;
+  p.k_dim_stride = cache.k_strides.dim;
+  p.v_block_stride = cache.v_strides.block;
+  p.v_token_stride = cache.v_strides.token;
+  p.v_head_stride = cache.v_strides.head;
+  p.v_dim_stride = cache.v_strides.dim;
+  p.block_size = spec.block_size;
+  p.num_kv_heads = spec.num_kv_heads;
+  p.head_size = spec.head_size;
+  p.head_size_v = spec.head_size_v;
+  p.num_scales = 0;
+  if (IsFp8(spec.dtype)) {
+    // Validation checked the count (1 or num_kv_heads) and the values.
+    if (cache.num_scales > cu::kMaxScales) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CacheUpdateCuda: at most ", cu::kMaxScales, " per-head fp8 scales, got ",
+                       cache.num_scales));
+    }
+    p.num_scales = cache.num_scales;
+    for (int i = 0; i < cache.num_scales; ++i) {
+      p.k_scale[i] = cache.k_scale[i];
+      p.v_scale[i] = cache.v_scale[i];
+    }
+  }
+  const cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
+  const size_t in_bytes = DTypeSize(params.input_dtype);
+  switch (params.input_dtype) {
+    case DType::kFloat32: return DispatchCache<cu::ElemF32>(spec.dtype, p, in_bytes, stream);
+    case DType::kFloat16: return DispatchCache<cu::ElemF16>(spec.dtype, p, in_bytes, stream);
+    case DType::kBFloat16: return DispatchCache<cu::ElemBF16>(spec.dtype, p, in_bytes, stream);
+    default: break;
+  }
+  return absl::InternalError(absl::StrCat("CacheUpdateCuda: no kernel for input dtype ",
+                                          DTypeName(params.input_dtype)));
+}
+
+}  // namespace kvstream

@@ -1,0 +1,470 @@
+// The CUDA decode kernel (LaunchDecodeAttention) against the golden CPU reference
+// (RunAttentionReference) over the grids of the CPU tests, decode batches only: every
+// q/out dtype x cache dtype (fp8 per-tensor and per-head) x layout; block sizes 1/5/16 x
+// MHA/GQA/MQA head configurations (group tiles of 1..8, several tiles per KV head) x head
+// sizes 64..512 with head_size_v != head_size; soft cap, ALiBi, sliding window, causal or
+// not, alone and combined; padded strides (element-wise copies); every split count from 1
+// to 256, including empty splits; and the errors the launcher and validation report.
+// Each problem runs with the launcher's own split choice and with one split, so both the
+// direct write and the merge kernel are checked.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/kernel_params.h"
+#include "cuda/launchers.h"
+#include "gpu_test_util.h"
+#include "kvstream/attention/backend.h"
+#include "kvstream/common/cuda_resources.h"
+#include "kvstream/common/cuda_status.h"
+#include "tests/unit/attention_test_util.h"
+
+namespace kvstream {
+namespace {
+
+using ::kvstream::gpu_test::DeviceAttnProblem;
+using ::kvstream::gpu_test::ExpectMatchesReference;
+using ::kvstream::testing_util::AttnCase;
+using ::kvstream::testing_util::AttnProblem;
+using ::kvstream::testing_util::SeqSpec;
+using ::kvstream::testing_util::TestLayout;
+using ::kvstream::testing_util::TestLayoutName;
+using ::testing::HasSubstr;
+
+const char* ShortDType(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "f32";
+    case DType::kFloat16: return "f16";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat8E4M3: return "e4m3";
+    case DType::kFloat8E5M2: return "e5m2";
+    default: return "other";
+  }
+}
+
+// Decode batches: one query token per sequence (one sequence without any), lengths from 1
+// to past several tiles and splits.
+std::vector<SeqSpec> DecodeSeqs() {
+  return {{0, 1}, {26, 1}, {99, 1}, {6, 0}, {300, 1}, {1000, 1}, {15, 1}};
+}
+
+class CudaDecodeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const absl::Status status = CudaAvailability();
+    if (!status.ok()) GTEST_SKIP() << "no usable GPU: " << status.message();
+    auto stream = CudaStream::Create();
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    stream_ = std::move(stream).value();
+    auto sms = gpu_test::NumSms();
+    ASSERT_TRUE(sms.ok()) << sms.status();
+    num_sms_ = *sms;
+  }
+
+  // Validates, plans and launches the decode kernels for device params `p`, then waits.
+  absl::Status Launch(const PagedAttentionParams& p, int num_splits) {
+    ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
+    internal::DecodeLaunchOptions options;
+    options.num_sms = num_sms_;
+    options.num_splits = num_splits;
+    const DType cache_dtype = p.cache.spec.dtype;
+    ASSIGN_OR_RETURN(size_t bytes,
+                     internal::DecodeAttentionWorkspaceBytes(kp, cache_dtype, options));
+    ASSIGN_OR_RETURN(DeviceBuffer workspace, DeviceBuffer::Create(bytes, MemoryKind::kDevice));
+    options.workspace = workspace.data();
+    options.workspace_bytes = bytes;
+    RETURN_IF_ERROR(internal::LaunchDecodeAttention(kp, p.q_dtype, p.out_dtype, cache_dtype,
+                                                    options,
+                                                    static_cast<cudaStream_t>(stream_.get())));
+    return stream_.Synchronize(absl::Seconds(60));  // the workspace lives until then
+  }
+
+  // Runs `pb` on the GPU with the launcher's split choice (0) and with each of `splits`,
+  // and compares every output with the reference.
+  void ExpectMatches(AttnProblem& pb, const std::vector<int>& splits = {0, 1}) {
+    auto dev = DeviceAttnProblem::Create(pb);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    for (int num_splits : splits) {
+      ASSERT_TRUE((*dev)->ResetOut().ok());
+      const absl::Status st = Launch((*dev)->params(), num_splits);
+      ASSERT_TRUE(st.ok()) << st;
+      auto out = (*dev)->Out();
+      ASSERT_TRUE(out.ok()) << out.status();
+      ExpectMatchesReference(pb, *out,
+                             num_splits == 0 ? std::string("automatic splits")
+                                             : absl::StrCat(num_splits, " splits"));
+    }
+  }
+
+  CudaStream stream_;
+  int num_sms_ = 0;
+};
+
+struct CacheKind {
+  DType dtype;
+  KvQuantMode quant;
+};
+
+// ---------------------------------------------------------------------------------------
+// Every q/out dtype x cache dtype x layout.
+
+class CudaDecodeDTypeTest
+    : public CudaDecodeTest,
+      public ::testing::WithParamInterface<std::tuple<DType, CacheKind, TestLayout>> {};
+
+TEST_P(CudaDecodeDTypeTest, MatchesReference) {
+  const auto& [q_dtype, cache, layout] = GetParam();
+  AttnCase c;
+  c.q_dtype = q_dtype;
+  c.out_dtype = q_dtype;
+  c.cache_dtype = cache.dtype;
+  c.quant = cache.quant;
+  c.layout = layout;
+  c.block_size = 5;
+  c.head_size = 64;
+  c.head_size_v = 64;
+  c.seqs = DecodeSeqs();
+  c.seed = 7;
+  AttnProblem pb(c);
+  ExpectMatches(pb);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllDTypes, CudaDecodeDTypeTest,
+    ::testing::Combine(
+        ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+        ::testing::Values(CacheKind{DType::kFloat32, KvQuantMode::kNone},
+                          CacheKind{DType::kFloat16, KvQuantMode::kNone},
+                          CacheKind{DType::kBFloat16, KvQuantMode::kNone},
+                          CacheKind{DType::kFloat8E4M3, KvQuantMode::kPerTensor},
+                          CacheKind{DType::kFloat8E4M3, KvQuantMode::kPerHead},
+                          CacheKind{DType::kFloat8E5M2, KvQuantMode::kPerTensor},
+                          CacheKind{DType::kFloat8E5M2, KvQuantMode::kPerHead}),
+        ::testing::Values(TestLayout::kNHD, TestLayout::kHND)),
+    [](const auto& param_info) {
+      const CacheKind& cache = std::get<1>(param_info.param);
+      return absl::StrCat("q", ShortDType(std::get<0>(param_info.param)), "_cache",
+                          ShortDType(cache.dtype),
+                          cache.quant == KvQuantMode::kPerHead     ? "PerHead"
+                          : cache.quant == KvQuantMode::kPerTensor ? "PerTensor"
+                                                                   : "",
+                          "_", TestLayoutName(std::get<2>(param_info.param)));
+    });
+
+TEST_F(CudaDecodeTest, OutputDTypeDiffersFromQuery) {
+  for (DType q : {DType::kBFloat16, DType::kFloat32}) {
+    for (DType out : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+      SCOPED_TRACE(absl::StrCat("q ", ShortDType(q), " out ", ShortDType(out)));
+      AttnCase c;
+      c.q_dtype = q;
+      c.out_dtype = out;
+      c.cache_dtype = DType::kFloat16;
+      c.seqs = DecodeSeqs();
+      AttnProblem pb(c);
+      ExpectMatches(pb);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Block sizes x head configurations x head sizes.
+
+struct HeadConfig {
+  int num_kv_heads;
+  int group;
+};
+struct HeadSizes {
+  int k;
+  int v;
+};
+
+class CudaDecodeShapeTest
+    : public CudaDecodeTest,
+      public ::testing::WithParamInterface<std::tuple<int, HeadConfig, HeadSizes>> {};
+
+TEST_P(CudaDecodeShapeTest, MatchesReference) {
+  const auto& [block_size, heads, sizes] = GetParam();
+  AttnCase c;
+  c.block_size = block_size;
+  c.num_kv_heads = heads.num_kv_heads;
+  c.group = heads.group;
+  c.head_size = sizes.k;
+  c.head_size_v = sizes.v;
+  c.q_dtype = DType::kBFloat16;
+  c.out_dtype = DType::kFloat32;
+  c.cache_dtype = DType::kBFloat16;
+  c.layout = block_size == 5 ? TestLayout::kHND : TestLayout::kNHD;
+  c.seqs = {{0, 1}, {67, 1}, {99, 1}, {6, 1}, {600, 1}, {0, 0}};
+  c.seed = static_cast<uint32_t>(block_size * 100 + heads.group * 10 + sizes.v);
+  AttnProblem pb(c);
+  ExpectMatches(pb);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaDecodeShapeTest,
+    ::testing::Combine(::testing::Values(1, 5, 16),
+                       ::testing::Values(HeadConfig{4, 1}, HeadConfig{2, 3}, HeadConfig{2, 4},
+                                         HeadConfig{1, 8}, HeadConfig{2, 8}, HeadConfig{1, 12},
+                                         HeadConfig{1, 16}),
+                       ::testing::Values(HeadSizes{64, 64}, HeadSizes{80, 80},
+                                         HeadSizes{128, 128}, HeadSizes{256, 256},
+                                         HeadSizes{64, 32}, HeadSizes{72, 40},
+                                         HeadSizes{128, 64}, HeadSizes{40, 128},
+                                         HeadSizes{512, 512}, HeadSizes{96, 100})),
+    [](const auto& param_info) {
+      const HeadConfig& h = std::get<1>(param_info.param);
+      const HeadSizes& s = std::get<2>(param_info.param);
+      return absl::StrCat("bs", std::get<0>(param_info.param), "_kv", h.num_kv_heads, "x", h.group,
+                          h.num_kv_heads == 1 ? "MQA" : "", "_d", s.k, "_dv", s.v);
+    });
+
+// Two chunks per lane for 32-bit caches (head sizes past 128), fp8 at the largest size.
+TEST_F(CudaDecodeTest, LargeHeadsOfWideAndNarrowCaches) {
+  struct Case {
+    DType cache;
+    int d, dv;
+  };
+  for (const Case& k : {Case{DType::kFloat32, 256, 256}, Case{DType::kFloat32, 200, 136},
+                        Case{DType::kFloat8E4M3, 512, 512}, Case{DType::kFloat8E5M2, 256, 192}}) {
+    SCOPED_TRACE(absl::StrCat(ShortDType(k.cache), " d ", k.d, "/", k.dv));
+    AttnCase c;
+    c.cache_dtype = k.cache;
+    c.quant = KvQuantMode::kPerHead;
+    c.head_size = k.d;
+    c.head_size_v = k.dv;
+    c.group = 4;
+    c.seqs = DecodeSeqs();
+    AttnProblem pb(c);
+    ExpectMatches(pb);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Features alone and combined.
+
+using FeatureParam = std::tuple<bool, int, bool, bool, int, TestLayout>;
+class CudaDecodeFeatureTest : public CudaDecodeTest,
+                              public ::testing::WithParamInterface<FeatureParam> {};
+
+std::string FeatureName(const ::testing::TestParamInfo<FeatureParam>& param_info) {
+  const auto& [causal, window, alibi, cap, head_size_v, layout] = param_info.param;
+  return absl::StrCat(causal ? "causal" : "bidir", "_window", window, alibi ? "_alibi" : "",
+                      cap ? "_cap" : "", "_dv", head_size_v, "_", TestLayoutName(layout));
+}
+
+TEST_P(CudaDecodeFeatureTest, MatchesReference) {
+  const auto& [causal, window, alibi, cap, head_size_v, layout] = GetParam();
+  AttnCase c;
+  c.causal = causal;
+  c.sliding_window = window;
+  c.alibi = alibi;
+  c.soft_cap = cap ? 2.0f : 0.0f;
+  c.head_size_v = head_size_v;
+  c.layout = layout;
+  c.cache_dtype = DType::kBFloat16;
+  c.scale = 0.3f;  // a sharp softmax, so that masks and caps change the answer visibly
+  c.block_size = 16;
+  c.seqs = {{150, 1}, {200, 1}, {3, 1}, {40, 1}, {0, 1}, {69, 1}, {70, 1}, {700, 1}};
+  c.seed = 11;
+  AttnProblem pb(c);
+  ExpectMatches(pb, {0, 1, 3});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Features, CudaDecodeFeatureTest,
+    ::testing::Combine(::testing::Bool(), ::testing::Values(0, 5, 70), ::testing::Bool(),
+                       ::testing::Bool(), ::testing::Values(64, 48),
+                       ::testing::Values(TestLayout::kNHD, TestLayout::kHND)),
+    FeatureName);
+
+// fp8 with every feature at once, and a window shorter than a block.
+TEST_F(CudaDecodeTest, Fp8WithEveryFeature) {
+  for (int window : {1, 3, 100}) {
+    SCOPED_TRACE(absl::StrCat("window ", window));
+    AttnCase c;
+    c.cache_dtype = DType::kFloat8E4M3;
+    c.quant = KvQuantMode::kPerHead;
+    c.q_dtype = DType::kBFloat16;
+    c.out_dtype = DType::kBFloat16;
+    c.sliding_window = window;
+    c.alibi = true;
+    c.soft_cap = 5.0f;
+    c.head_size = 128;
+    c.head_size_v = 128;
+    c.seqs = DecodeSeqs();
+    AttnProblem pb(c);
+    ExpectMatches(pb, {0, 1, 2});
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Strides and splits.
+
+// Padded heads, tokens and blocks: no row is 4-byte aligned in 16-bit and fp8 caches, so
+// the element-wise copy path runs.
+TEST_F(CudaDecodeTest, PaddedStridesUseElementCopies) {
+  for (DType cache : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3,
+                      DType::kFloat8E5M2}) {
+    SCOPED_TRACE(ShortDType(cache));
+    AttnCase c;
+    c.layout = TestLayout::kPadded;
+    c.cache_dtype = cache;
+    c.quant = KvQuantMode::kPerHead;
+    c.head_size_v = 48;
+    c.sliding_window = 30;
+    c.seqs = DecodeSeqs();
+    AttnProblem pb(c);
+    ExpectMatches(pb);
+  }
+}
+
+TEST_F(CudaDecodeTest, EverySplitCountMatches) {
+  AttnCase c;
+  c.cache_dtype = DType::kBFloat16;
+  c.q_dtype = DType::kBFloat16;
+  c.out_dtype = DType::kFloat32;
+  c.num_kv_heads = 2;
+  c.group = 4;
+  c.head_size = 128;
+  c.head_size_v = 128;
+  c.block_size = 16;
+  // Sequences shorter than the split count leave splits empty.
+  c.seqs = {{1999, 1}, {0, 1}, {512, 1}, {254, 1}, {255, 1}, {31, 0}, {4, 1}};
+  AttnProblem pb(c);
+  ExpectMatches(pb, {1, 2, 3, 7, 64, 255, 256});
+}
+
+// A realistic decode step: 32 query heads on 8 KV heads, head size 128, 4k keys.
+TEST_F(CudaDecodeTest, LongSequencesGqa) {
+  AttnCase c;
+  c.cache_dtype = DType::kBFloat16;
+  c.q_dtype = DType::kBFloat16;
+  c.out_dtype = DType::kFloat32;
+  c.num_kv_heads = 8;
+  c.group = 4;
+  c.head_size = 128;
+  c.head_size_v = 128;
+  c.block_size = 16;
+  c.seqs = {{4095, 1}, {4000, 1}, {1234, 1}, {4096, 1}};
+  AttnProblem pb(c);
+  ExpectMatches(pb);
+}
+
+// ---------------------------------------------------------------------------------------
+// Errors: validation through the host mirrors, and what the decode kernel does not take.
+
+class CudaDecodeErrorTest : public CudaDecodeTest {
+ protected:
+  void SetUp() override {
+    CudaDecodeTest::SetUp();
+    if (IsSkipped()) return;
+    AttnCase c;
+    c.seqs = DecodeSeqs();
+    pb_ = std::make_unique<AttnProblem>(c);
+    auto dev = DeviceAttnProblem::Create(*pb_);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    dev_ = std::move(dev).value();
+  }
+
+  void ExpectInvalid(const PagedAttentionParams& p, const std::string& needle, int splits = 0) {
+    const absl::Status st = Launch(p, splits);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(needle));
+    auto out = dev_->Out();
+    ASSERT_TRUE(out.ok());
+    EXPECT_EQ(*out, pb_->NewOut()) << "wrote output despite the error";
+  }
+
+  std::unique_ptr<AttnProblem> pb_;
+  std::unique_ptr<DeviceAttnProblem> dev_;
+};
+
+TEST_F(CudaDecodeErrorTest, BadBlockIdInTheHostMirror) {
+  PagedAttentionParams p = dev_->params();
+  std::vector<int32_t> table = pb_->block_table();
+  table[static_cast<size_t>(2 * p.block_table_stride)] = static_cast<int32_t>(pb_->num_blocks());
+  p.host.block_table = table.data();
+  ExpectInvalid(p, "sequence 2 block_table[0]");
+  table = pb_->block_table();
+  table[static_cast<size_t>(5 * p.block_table_stride)] = -1;
+  p.host.block_table = table.data();
+  ExpectInvalid(p, "sequence 5 block_table[0] = -1");
+}
+
+TEST_F(CudaDecodeErrorTest, MissingHostMirror) {
+  PagedAttentionParams p = dev_->params();
+  p.host.block_table = nullptr;
+  ExpectInvalid(p, "host copies");
+  p = dev_->params();
+  p.alibi_slopes = static_cast<const float*>(p.q);  // any device pointer, never read
+  p.host.alibi_slopes = nullptr;
+  ExpectInvalid(p, "alibi");
+}
+
+TEST_F(CudaDecodeErrorTest, WhatTheDecodeKernelDoesNotTake) {
+  PagedAttentionParams p = dev_->params();
+  p.max_query_len = 2;  // a valid batch, but not a decode batch
+  ExpectInvalid(p, "max_query_len");
+  p = dev_->params();
+  // A host cache is validated through the batch arrays themselves: point them at the host
+  // copies, so that only the memory kind is wrong.
+  p.cache.memory = MemoryKind::kHost;
+  p.query_start_loc = p.host.query_start_loc;
+  p.seq_lens = p.host.seq_lens;
+  p.block_table = p.host.block_table;
+  ExpectInvalid(p, "device memory");
+  p = dev_->params();
+  ExpectInvalid(p, "num_splits", /*splits=*/257);
+}
+
+TEST_F(CudaDecodeErrorTest, DimStridedCacheIsRejected) {
+  AttnCase c;
+  c.layout = TestLayout::kDimStrided;
+  c.seqs = DecodeSeqs();
+  AttnProblem pb(c);
+  auto dev = DeviceAttnProblem::Create(pb);
+  ASSERT_TRUE(dev.ok());
+  const absl::Status st = Launch((*dev)->params(), 0);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("dim strides must be 1"));
+}
+
+TEST_F(CudaDecodeErrorTest, ShortWorkspace) {
+  auto kp = internal::MakePagedKernelParams(dev_->params());
+  ASSERT_TRUE(kp.ok()) << kp.status();
+  internal::DecodeLaunchOptions options;
+  options.num_sms = num_sms_;
+  options.num_splits = 4;
+  auto bytes = internal::DecodeAttentionWorkspaceBytes(*kp, DType::kFloat32, options);
+  ASSERT_TRUE(bytes.ok());
+  ASSERT_GT(*bytes, 0u);
+  options.workspace_bytes = *bytes - 1;
+  const absl::Status st = internal::LaunchDecodeAttention(
+      *kp, DType::kFloat32, DType::kFloat32, DType::kFloat32, options,
+      static_cast<cudaStream_t>(stream_.get()));
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("workspace"));
+}
+
+TEST_F(CudaDecodeErrorTest, HeadSizeTooLarge) {
+  AttnCase c;
+  c.head_size = 520;
+  c.head_size_v = 64;
+  c.group = 1;
+  c.seqs = {{3, 1}};
+  AttnProblem pb(c);
+  auto dev = DeviceAttnProblem::Create(pb);
+  ASSERT_TRUE(dev.ok());
+  const absl::Status st = Launch((*dev)->params(), 0);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("head sizes up to"));
+}
+
+}  // namespace
+}  // namespace kvstream
