@@ -337,12 +337,23 @@ BENCHMARK(BM_ReadBandwidth)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
+// Whether a run failed: Google Benchmark before 1.8 says so in error_occurred, later
+// versions in skipped.
+template <typename R>
+auto RunFailed(const R& run, int) -> decltype(run.error_occurred, bool()) {
+  return run.error_occurred;
+}
+template <typename R>
+bool RunFailed(const R& run, long) {
+  return static_cast<bool>(run.skipped);
+}
+
 // Passes everything to the console and keeps the per-iteration results for the table.
 class CapturingReporter : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& run : runs) {
-      if (run.run_type == Run::RT_Iteration && !run.error_occurred) captured_.push_back(run);
+      if (run.run_type == Run::RT_Iteration && !RunFailed(run, 0)) captured_.push_back(run);
     }
     ConsoleReporter::ReportRuns(runs);
   }

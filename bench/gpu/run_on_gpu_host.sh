@@ -24,11 +24,12 @@ echo "build ok"
 
 for t in "$build"/tests/gpu/*_gpu_test; do
   name=$(basename "$t")
-  if "$t" --gtest_brief=1 > "$out/$name.log" 2>&1; then
+  if timeout "${GPU_TEST_TIMEOUT:-300}" "$t" --gtest_brief=1 > "$out/$name.log" 2>&1; then
     echo "$name: $(grep -E '^\[  PASSED  \]' "$out/$name.log" | tail -1)"
   else
     status=1
-    echo "$name: FAILED"; grep -E "FAILED|Failure|error" "$out/$name.log" | head -20
+    echo "$name: FAILED ($(grep -c '^\[  FAILED  \]' "$out/$name.log") failed lines)"
+    grep -E -A6 "Failure" "$out/$name.log" | head -40
   fi
 done
 if [ -x "$build/bench/kvstream_bench_cuda_kernels" ]; then
