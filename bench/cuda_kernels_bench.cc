@@ -3,11 +3,14 @@
 //   CacheUpdate/<tokens>/<dtype>: CacheUpdateCuda, 8 KV heads x 128, block size 16, bf16
 //     inputs into a bf16 or fp8 cache over shuffled blocks; GB/s of bytes read + written,
 //     and the ratio to cudaMemcpyAsync device-to-device of the same traffic.
-//   Decode/<seqs>/<seq_len>: the CUDA backend's decode (bf16, 32 query / 8 KV heads, head
-//     size 128, block size 16, shuffled blocks); TB/s of K and V read, and the ratio to a
-//     streaming-read kernel over the same cache buffers.
-//   Prefill/<tokens>: the backend's prefill (bf16, causal, head size 128, 32 / 8 heads, one
-//     sequence); TFLOP/s counting 4 * n^2 * d * heads / 2 for the causal half.
+//   Decode/<seqs>/<seq_len>/<kernel>: LaunchDecodeAttention (bf16, 32 query / 8 KV heads,
+//     head size 128, block size 16, shuffled blocks) with kernel 0 the CUDA-core one and 1
+//     the tensor-core one (launchers.h, DecodeKernel); TB/s of K and V read, and the ratio
+//     to a streaming-read kernel over the same cache buffers.
+//   Prefill/<tokens>/<variant>: the prefill kernel (bf16, causal, head size 128, 32 / 8
+//     heads, one sequence) through LaunchPrefillAttention, variant 0 the baseline
+//     configuration and 1 the fast one (launchers.h, PrefillVariant); TFLOP/s counting
+//     4 * n^2 * d * heads / 2 for the causal half.
 // Timing: CUDA events around a batch of launches queued behind a kernel that holds the
 // stream until everything is enqueued, so host-side validation never shows up as GPU idle
 // time; each reported iteration is the mean of one batch.
@@ -30,6 +33,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "bench/cuda_bench_kernels.h"
+#include "cuda/kernel_params.h"
+#include "cuda/launchers.h"
 #include "kvstream/attention/backend.h"
 #include "kvstream/attention/cuda_attention.h"
 #include "kvstream/cache/cache_update.h"
@@ -270,12 +275,16 @@ void BM_CacheUpdate(benchmark::State& state) {
   if (!st.ok()) Fail(state, st);
 }
 
-// Decode: `seqs` sequences of `seq_len` keys, one query token each.
+// Decode: `seqs` sequences of `seq_len` keys, one query token each, on the kernel of
+// range(2) (0: CUDA cores, 1: tensor cores).
 void BM_Decode(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
   const int seqs = static_cast<int>(state.range(0));
   const int seq_len = static_cast<int>(state.range(1));
+  const internal::DecodeKernel kernel = state.range(2) != 0
+                                            ? internal::DecodeKernel::kTensorCores
+                                            : internal::DecodeKernel::kCudaCores;
   auto run = [&]() -> absl::Status {
     KvCacheSpec spec;
     spec.block_size = kBlockSize;
@@ -338,10 +347,28 @@ void BM_Decode(benchmark::State& state) {
     }));
     const double read_tbps = static_cast<double>(k_bytes + v_bytes) / read_s * 1e-12;
 
+    // The launcher directly, so that the kernel can be chosen; the workspace is allocated
+    // once, as a caller that keeps one would.
+    ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
+    internal::DecodeLaunchOptions options;
+    options.num_sms = gpu->num_sms;
+    options.kernel = kernel;
+    ASSIGN_OR_RETURN(size_t workspace_bytes,
+                     internal::DecodeAttentionWorkspaceBytes(kp, spec.dtype, options));
+    ASSIGN_OR_RETURN(DeviceBuffer workspace,
+                     DeviceBuffer::Create(std::max<size_t>(workspace_bytes, 16),
+                                          MemoryKind::kDevice));
+    options.workspace = workspace.data();
+    options.workspace_bytes = workspace_bytes;
+    auto enqueue = [&] {
+      return internal::LaunchDecodeAttention(kp, p.q_dtype, p.out_dtype, spec.dtype, options,
+                                             static_cast<cudaStream_t>(gpu->stream.get()));
+    };
+
     double total_s = 0;
     int64_t batches = 0;
     for (auto _ : state) {
-      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, [&] { return gpu->backend->Forward(p); }));
+      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, enqueue));
       state.SetIterationTime(s);
       total_s += s;
       ++batches;
@@ -361,6 +388,7 @@ void BM_Prefill(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
   const int tokens = static_cast<int>(state.range(0));
+  const bool fast = state.range(1) != 0;
   auto run = [&]() -> absl::Status {
     KvCacheSpec spec;
     spec.block_size = kBlockSize;
@@ -406,12 +434,19 @@ void BM_Prefill(benchmark::State& state) {
     p.host.block_table = block_table.data();
     const double n = tokens;
     const double flops = 4.0 * n * n * kHeadSize * kHeads / 2.0;
+    ASSIGN_OR_RETURN(const internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
+    internal::PrefillLaunchOptions options;
+    options.variant = fast ? internal::PrefillVariant::kFast : internal::PrefillVariant::kBaseline;
+    const auto enqueue = [&] {
+      return internal::LaunchPrefillAttention(kp, DType::kBFloat16, DType::kBFloat16,
+                                              DType::kBFloat16, options,
+                                              static_cast<cudaStream_t>(gpu->stream.get()));
+    };
 
     double total_s = 0;
     int64_t batches = 0;
     for (auto _ : state) {
-      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, [&] { return gpu->backend->Forward(p); },
-                                                /*launches=*/5));
+      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, enqueue, /*launches=*/5));
       state.SetIterationTime(s);
       total_s += s;
       ++batches;
@@ -429,12 +464,19 @@ BENCHMARK(BM_CacheUpdate)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Decode)
-    ->ArgNames({"seqs", "seq_len"})
-    ->Args({64, 4096})
-    ->Args({16, 32768})
+    ->ArgNames({"seqs", "seq_len", "kernel"})
+    ->Args({64, 4096, 0})
+    ->Args({64, 4096, 1})
+    ->Args({16, 32768, 0})
+    ->Args({16, 32768, 1})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Prefill)->ArgNames({"tokens"})->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Prefill)
+    ->ArgNames({"tokens", "fast"})
+    ->Args({8192, 0})
+    ->Args({8192, 1})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace kvstream

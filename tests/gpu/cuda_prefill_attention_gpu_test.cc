@@ -97,7 +97,16 @@ struct GpuIo {
   // false: the problem's own strided rows (odd token strides: unaligned, element path);
   // true: dense rows [num_tokens][num_heads][head_size] (16-byte chunks when sizes allow).
   bool dense = false;
+  // Which kernel configuration runs. kFast where it does not apply: RunOnGpu returns
+  // Unimplemented and launches nothing.
+  internal::PrefillVariant variant = internal::PrefillVariant::kAuto;
 };
+
+using internal::PrefillVariant;
+const char* VariantName(PrefillVariant v) {
+  return v == PrefillVariant::kFast ? "fast" : v == PrefillVariant::kBaseline ? "baseline"
+                                                                             : "auto";
+}
 
 // Runs the CUDA kernel on device copies of `host` (a problem's host params) and leaves the
 // result in `out`, which has the layout and contents of AttnProblem::NewOut() beforehand.
@@ -173,6 +182,13 @@ absl::Status RunOnGpu(const PagedAttentionParams& host, std::vector<uint8_t>& ou
 
   absl::StatusOr<internal::PagedKernelParams> kernel_params = internal::MakePagedKernelParams(dev);
   if (!kernel_params.ok()) return kernel_params.status();
+  if (io.variant == PrefillVariant::kFast &&
+      !internal::PrefillFastVariantApplies(*kernel_params, host.q_dtype,
+                                           host.cache.spec.dtype)) {
+    return absl::UnimplementedError("the fast variant does not apply");
+  }
+  internal::PrefillLaunchOptions launch_options;
+  launch_options.variant = io.variant;
   cudaEvent_t start = nullptr, stop = nullptr;
   if (milliseconds != nullptr) {
     cudaEventCreate(&start);
@@ -181,8 +197,8 @@ absl::Status RunOnGpu(const PagedAttentionParams& host, std::vector<uint8_t>& ou
   for (int i = 0; i < repeats; ++i) {
     if (i == 1 && start != nullptr) cudaEventRecord(start);  // the first run warms up
     if (absl::Status s = internal::LaunchPrefillAttention(*kernel_params, host.q_dtype,
-                                                          host.out_dtype,
-                                                          host.cache.spec.dtype, nullptr);
+                                                          host.out_dtype, host.cache.spec.dtype,
+                                                          launch_options, nullptr);
         !s.ok()) {
       return s;
     }
@@ -215,15 +231,41 @@ absl::Status RunOnGpu(const PagedAttentionParams& host, std::vector<uint8_t>& ou
 // 16-bit type before P V, and both sides round the output once.
 float AbsTolerance(DType dtype) { return dtype == DType::kFloat16 ? 4e-3f : 1.2e-2f; }
 
-// Runs the reference and the GPU kernel on `pb` and compares every output element; checks
-// that nothing outside the batch's rows was written and that no NaN appeared.
+// Whether the fast variant must run `c` (PrefillFastVariantApplies): the cache in q's
+// dtype, equal head sizes of 64 or 128, and a layout whose rows are 16-byte aligned.
+bool FastVariantExpected(const AttnCase& c) {
+  return c.cache_dtype == c.q_dtype && c.head_size == c.head_size_v &&
+         (c.head_size == 64 || c.head_size == 128) && c.layout != TestLayout::kPadded;
+}
+
+void ExpectVariantMatchesReference(AttnProblem& pb, const std::vector<uint8_t>& ref_out,
+                                   const GpuIo& io);
+
+// Runs the reference once and the GPU kernel on `pb` in both variants (the fast one where
+// it applies, failing if it does not where FastVariantExpected says it must) and compares
+// every output element; checks that nothing outside the batch's rows was written and that
+// no NaN appeared.
 void ExpectGpuMatchesReference(AttnProblem& pb, const GpuIo& io = {}) {
-  const AttnCase& c = pb.config();
   std::vector<uint8_t> ref_out = pb.NewOut();
   const absl::Status ref_status = RunAttentionReference(pb.params(ref_out));
   ASSERT_TRUE(ref_status.ok()) << ref_status;
+  for (PrefillVariant variant : {PrefillVariant::kBaseline, PrefillVariant::kFast}) {
+    SCOPED_TRACE(absl::StrCat(VariantName(variant), " variant"));
+    GpuIo variant_io = io;
+    variant_io.variant = variant;
+    ExpectVariantMatchesReference(pb, ref_out, variant_io);
+  }
+}
+
+void ExpectVariantMatchesReference(AttnProblem& pb, const std::vector<uint8_t>& ref_out,
+                                   const GpuIo& io) {
+  const AttnCase& c = pb.config();
   std::vector<uint8_t> out = pb.NewOut();
   const absl::Status st = RunOnGpu(pb.params(out), out, io);
+  if (io.variant == PrefillVariant::kFast && absl::IsUnimplemented(st)) {
+    EXPECT_FALSE(FastVariantExpected(c)) << "the fast variant should apply: " << st;
+    return;
+  }
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_EQ(pb.CountStrayWrites(out), 0) << "wrote outside the batch's rows";
   const float tol = AbsTolerance(c.out_dtype);
@@ -516,44 +558,48 @@ TEST(CudaPrefillMaskTest, OneKeyMovesExactlyTheRowsThatSeeIt) {
   for (MaskCase mc : {MaskCase{true, 0}, MaskCase{false, 0}, MaskCase{true, 4},
                       MaskCase{false, 4}, MaskCase{true, 70}, MaskCase{false, 65}}) {
     for (int pos : {0, 63, 64, 70, 127, 149}) {
-      SCOPED_TRACE(absl::StrCat(mc.causal ? "causal" : "bidirectional", " window ", mc.window,
-                                " key ", pos));
-      AttnCase c;
-      c.seqs = {{10, 140}};  // query positions 10 .. 149
-      c.num_kv_heads = 1;
-      c.group = 2;
-      c.causal = mc.causal;
-      c.sliding_window = mc.window;
-      // float16: an output's last place is small enough that every row that sees the
-      // changed key moves.
-      c.q_dtype = DType::kFloat16;
-      c.out_dtype = DType::kFloat16;
-      c.cache_dtype = DType::kFloat16;
-      c.pad_tokens = 1;
-      AttnProblem pb(c);
-      std::vector<uint8_t> before = pb.NewOut();
-      ASSERT_TRUE(RunOnGpu(pb.params(before), before).ok());
-      for (int d = 0; d < c.head_size; ++d) pb.SetCache(false, 0, pos, 0, d, 0.9f);
-      for (int d = 0; d < c.head_size_v; ++d) pb.SetCache(true, 0, pos, 0, d, 5.0f);
-      std::vector<uint8_t> after = pb.NewOut();
-      ASSERT_TRUE(RunOnGpu(pb.params(after), after).ok());
-      int wrong = 0;
-      for (int t = 0; t < 140; ++t) {
-        const int qp = 10 + t;
-        bool sees = !mc.causal || pos <= qp;
-        if (mc.window > 0) sees = sees && std::abs(qp - pos) <= mc.window - 1;
-        for (int h = 0; h < 2; ++h) {
-          bool moved = false;
-          for (int d = 0; d < c.head_size_v; ++d) {
-            moved |= pb.Out(before, t, h, d) != pb.Out(after, t, h, d);
-          }
-          if (moved != sees && ++wrong <= 5) {
-            ADD_FAILURE() << "query at position " << qp << " head " << h
-                          << (sees ? " should see" : " must not see") << " the key";
+      for (PrefillVariant variant : {PrefillVariant::kBaseline, PrefillVariant::kFast}) {
+        SCOPED_TRACE(absl::StrCat(mc.causal ? "causal" : "bidirectional", " window ", mc.window,
+                                  " key ", pos, " ", VariantName(variant), " variant"));
+        AttnCase c;
+        c.seqs = {{10, 140}};  // query positions 10 .. 149
+        c.num_kv_heads = 1;
+        c.group = 2;
+        c.causal = mc.causal;
+        c.sliding_window = mc.window;
+        // float16: an output's last place is small enough that every row that sees the
+        // changed key moves.
+        c.q_dtype = DType::kFloat16;
+        c.out_dtype = DType::kFloat16;
+        c.cache_dtype = DType::kFloat16;
+        c.pad_tokens = 1;
+        AttnProblem pb(c);
+        std::vector<uint8_t> before = pb.NewOut();
+        GpuIo io;
+        io.variant = variant;
+        ASSERT_TRUE(RunOnGpu(pb.params(before), before, io).ok());
+        for (int d = 0; d < c.head_size; ++d) pb.SetCache(false, 0, pos, 0, d, 0.9f);
+        for (int d = 0; d < c.head_size_v; ++d) pb.SetCache(true, 0, pos, 0, d, 5.0f);
+        std::vector<uint8_t> after = pb.NewOut();
+        ASSERT_TRUE(RunOnGpu(pb.params(after), after, io).ok());
+        int wrong = 0;
+        for (int t = 0; t < 140; ++t) {
+          const int qp = 10 + t;
+          bool sees = !mc.causal || pos <= qp;
+          if (mc.window > 0) sees = sees && std::abs(qp - pos) <= mc.window - 1;
+          for (int h = 0; h < 2; ++h) {
+            bool moved = false;
+            for (int d = 0; d < c.head_size_v; ++d) {
+              moved |= pb.Out(before, t, h, d) != pb.Out(after, t, h, d);
+            }
+            if (moved != sees && ++wrong <= 5) {
+              ADD_FAILURE() << "query at position " << qp << " head " << h
+                            << (sees ? " should see" : " must not see") << " the key";
+            }
           }
         }
+        EXPECT_EQ(wrong, 0);
       }
-      EXPECT_EQ(wrong, 0);
     }
   }
 }
@@ -605,6 +651,22 @@ TEST(CudaPrefillLimitsTest, UnsupportedCombinationsAreInvalidArgument) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     EXPECT_NE(std::string(st.message()).find(bad.names), std::string::npos) << st;
   }
+  // The fast variant, asked for where it does not apply.
+  internal::PrefillLaunchOptions fast;
+  fast.variant = PrefillVariant::kFast;
+  internal::PagedKernelParams unequal = ok;
+  unequal.head_size_v = 64;
+  for (const Bad& bad : {Bad{ok, DType::kBFloat16, DType::kBFloat16, DType::kFloat8E4M3,
+                             "fast variant"},
+                         Bad{big_head_v, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16,
+                             "head_size_v"},
+                         Bad{unequal, DType::kFloat16, DType::kFloat16, DType::kFloat16,
+                             "fast variant"}}) {
+    const absl::Status st =
+        internal::LaunchPrefillAttention(bad.params, bad.q, bad.out, bad.cache, fast, nullptr);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(std::string(st.message()).find(bad.names), std::string::npos) << st;
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -627,14 +689,24 @@ TEST(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
   c.cache_dtype = DType::kBFloat16;
   c.pad_tokens = 0;
   AttnProblem pb(c);
-  std::vector<uint8_t> out = pb.NewOut();
-  float ms = 0;
-  const absl::Status st = RunOnGpu(pb.params(out), out, GpuIo{true}, &ms, /*repeats=*/11);
-  ASSERT_TRUE(st.ok()) << st;
-  const double flops = 4.0 * kTokens * kTokens * 128.0 * 32 / 2;
-  std::printf("[ PERF     ] causal prefill 8k bf16 d128 32/8 heads bs16: %.3f ms, %.1f TFLOP/s\n",
-              ms, flops / (ms * 1e-3) / 1e12);
-  RecordProperty("tflops", static_cast<int>(flops / (ms * 1e-3) / 1e12));
+  // The baseline first, then the default (the fast variant), whose output is checked below.
+  std::vector<uint8_t> out;
+  for (PrefillVariant variant : {PrefillVariant::kBaseline, PrefillVariant::kAuto}) {
+    out = pb.NewOut();
+    float ms = 0;
+    GpuIo io;
+    io.dense = true;
+    io.variant = variant;
+    const absl::Status st = RunOnGpu(pb.params(out), out, io, &ms, /*repeats=*/11);
+    ASSERT_TRUE(st.ok()) << st;
+    const double flops = 4.0 * kTokens * kTokens * 128.0 * 32 / 2;
+    std::printf(
+        "[ PERF     ] causal prefill 8k bf16 d128 32/8 heads bs16, %s variant: %.3f ms, "
+        "%.1f TFLOP/s\n",
+        VariantName(variant), ms, flops / (ms * 1e-3) / 1e12);
+    RecordProperty(variant == PrefillVariant::kAuto ? "tflops" : "tflops_baseline",
+                   static_cast<int>(flops / (ms * 1e-3) / 1e12));
+  }
 
   // Rows at a few positions: the reference as a one-token call whose query sits at `pos`.
   PagedAttentionParams full = pb.params(out);

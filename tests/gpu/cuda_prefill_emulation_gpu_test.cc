@@ -420,16 +420,16 @@ using ::kvstream::testing_util::TestLayout;
 // Runs the kernel for padded head size D and query type T over the whole grid.
 using EmulationMode = internal::cuda::emulation::Cta::Mode;
 
-template <int D, typename T>
+template <int D, typename T, int Variant = internal::cuda::kPrefillBaseline>
 absl::Status EmulateTyped(const internal::PagedKernelParams& kp,
                           const internal::cuda::PrefillOptions& options, EmulationMode mode) {
-  using Traits = internal::cuda::PrefillTraits<D>;
+  using Traits = internal::cuda::PrefillTraits<D, Variant>;
   const bool fp8_async = options.load_mode == internal::cuda::kPrefillAsyncFp8;
   internal::cuda::emulation::Cta cta(Traits::kThreads,
                                      static_cast<size_t>(Traits::SmemBytes(fp8_async)));
   cta.set_mode(mode);
   const std::function<void()> body = [&] {
-    internal::cuda::PrefillAttentionKernel<D, T>(kp, options);
+    internal::cuda::PrefillAttentionKernel<D, T, Variant>(kp, options);
   };
   for (unsigned y = 0; y < static_cast<unsigned>(kp.num_seqs); ++y) {
     for (unsigned x = 0; x < static_cast<unsigned>(kp.num_kv_heads * options.num_m_tiles);
@@ -442,8 +442,9 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp,
   return absl::OkStatus();
 }
 
-// The launcher's dispatch, with host memory standing in for device memory.
-absl::Status Emulate(const PagedAttentionParams& host, EmulationMode mode) {
+// The launcher's dispatch, with host memory standing in for device memory. `fast`: the
+// fast variant, which must apply (PrefillFastApplies), as LaunchPrefillAttention's kFast.
+absl::Status Emulate(const PagedAttentionParams& host, EmulationMode mode, bool fast) {
   PagedAttentionParams dev = host;
   dev.cache.memory = MemoryKind::kDevice;  // host pointers play the device's
   dev.host.query_start_loc = host.query_start_loc;
@@ -455,6 +456,18 @@ absl::Status Emulate(const PagedAttentionParams& host, EmulationMode mode) {
   const internal::cuda::PrefillOptions options =
       internal::cuda::ChoosePrefillOptions(*kp, host.cache.spec.dtype);
   const bool bf16 = host.q_dtype == DType::kBFloat16;
+  if (fast) {
+    constexpr int kFast = internal::cuda::kPrefillFast;
+    if (!internal::cuda::PrefillFastApplies(*kp, options)) {
+      return absl::InvalidArgumentError("the fast variant does not apply to this case");
+    }
+    if (internal::cuda::PrefillPaddedHeadDim(kp->head_size, kp->head_size_v) == 64) {
+      return bf16 ? EmulateTyped<64, __nv_bfloat16, kFast>(*kp, options, mode)
+                  : EmulateTyped<64, __half, kFast>(*kp, options, mode);
+    }
+    return bf16 ? EmulateTyped<128, __nv_bfloat16, kFast>(*kp, options, mode)
+                : EmulateTyped<128, __half, kFast>(*kp, options, mode);
+  }
   switch (internal::cuda::PrefillPaddedHeadDim(kp->head_size, kp->head_size_v)) {
     case 64:
       return bf16 ? EmulateTyped<64, __nv_bfloat16>(*kp, options, mode)
@@ -468,7 +481,8 @@ absl::Status Emulate(const PagedAttentionParams& host, EmulationMode mode) {
   }
 }
 
-void ExpectEmulationMatchesReference(AttnProblem& pb, bool dense, EmulationMode mode) {
+void ExpectEmulationMatchesReference(AttnProblem& pb, bool dense, EmulationMode mode,
+                                     bool fast) {
   const AttnCase& c = pb.config();
   std::vector<uint8_t> ref_out = pb.NewOut();
   ASSERT_TRUE(RunAttentionReference(pb.params(ref_out)).ok());
@@ -492,7 +506,7 @@ void ExpectEmulationMatchesReference(AttnProblem& pb, bool dense, EmulationMode 
     p.out = dense_out.data();
     p.o_token_stride = o_row;
   }
-  const absl::Status st = Emulate(p, mode);
+  const absl::Status st = Emulate(p, mode, fast);
   ASSERT_TRUE(st.ok()) << st;
   if (dense) {
     for (int64_t t = 0; t < p.num_tokens; ++t) {
@@ -533,6 +547,7 @@ struct EmuCase {
   float cap;
   bool dense;
   bool long_batch = false;  // many query and key tiles
+  bool fast = false;        // the fast variant (PrefillVariant::kFast) instead of the baseline
 };
 
 class CudaPrefillEmulationTest : public ::testing::TestWithParam<EmuCase> {};
@@ -565,7 +580,7 @@ TEST_P(CudaPrefillEmulationTest, KernelMatchesReference) {
   for (EmulationMode mode : {EmulationMode{false, false}, EmulationMode{true, true}}) {
     SCOPED_TRACE(mode.copies_land_at_issue ? "copies land at issue, reverse order"
                                            : "copies land at wait, thread order");
-    ExpectEmulationMatchesReference(pb, ec.dense, mode);
+    ExpectEmulationMatchesReference(pb, ec.dense, mode, ec.fast);
   }
 }
 
@@ -600,7 +615,17 @@ INSTANTIATE_TEST_SUITE_P(
                 KvQuantMode::kNone, TestLayout::kNHD, false, 70, false, 0, false, true},
         EmuCase{"long_d256_f16_e5m2_perhead_bidir", 256, 256, 2, 1, 16, kF16,
                 DType::kFloat8E5M2, KvQuantMode::kPerHead, TestLayout::kNHD, false, 0, false, 0,
-                true, true}),
+                true, true},
+        // The fast variant (8 warps x 16 rows, unmasked blocks computed and masked).
+        EmuCase{"fast_d128_bf16_gqa4_causal", 128, 128, 2, 4, 16, kBf16, kBf16,
+                KvQuantMode::kNone, TestLayout::kNHD, true, 0, false, 0, true, false, true},
+        EmuCase{"fast_d128_f16_gqa4_window_alibi_cap_bs5", 128, 128, 1, 4, 5, kF16, kF16,
+                KvQuantMode::kNone, TestLayout::kHND, true, 20, true, 2.0f, false, false, true},
+        EmuCase{"fast_long_d128_bf16_gqa4_causal_window70_alibi_cap", 128, 128, 1, 4, 16,
+                kBf16, kBf16, KvQuantMode::kNone, TestLayout::kNHD, true, 70, true, 30.0f, true,
+                true, true},
+        EmuCase{"fast_d64_bf16_bidir_window_mqa8_bs5", 64, 64, 1, 8, 5, kBf16, kBf16,
+                KvQuantMode::kNone, TestLayout::kNHD, false, 30, false, 0, true, false, true}),
     [](const auto& test_info) { return std::string(test_info.param.name); });
 
 }  // namespace

@@ -1,6 +1,7 @@
 // LaunchPrefillAttention: checks the limits of the prefill kernel (prefill_attention.cuh),
 // chooses how key/value tiles are loaded from the alignment of the cache, and launches one
-// of six instantiations (padded head size 64 / 128 / 256 x float16 / bfloat16 queries).
+// of ten instantiations (padded head size 64 / 128 / 256 x float16 / bfloat16 queries for
+// the baseline variant, 64 / 128 x float16 / bfloat16 for the fast one).
 // Everything else (causal, window, ALiBi, soft cap, head sizes, GQA, the cache dtype and its
 // layout) is a runtime value, so that the CUDA build stays small.
 #include <cuda_runtime.h>
@@ -25,13 +26,13 @@ absl::Status Unsupported(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("cuda prefill attention: ", what));
 }
 
-template <int D, typename T>
+template <int D, typename T, int Variant>
 absl::Status LaunchTyped(const PagedKernelParams& params, const cuda::PrefillOptions& options,
                          cudaStream_t stream) {
-  using Traits = cuda::PrefillTraits<D>;
+  using Traits = cuda::PrefillTraits<D, Variant>;
   const bool fp8_async = options.load_mode == cuda::kPrefillAsyncFp8;
   const int smem = Traits::SmemBytes(fp8_async);
-  auto* kernel = &cuda::PrefillAttentionKernel<D, T>;
+  auto* kernel = &cuda::PrefillAttentionKernel<D, T, Variant>;
   // The largest of both modes, so that the attribute never has to shrink.
   const int max_smem = std::max(Traits::SmemBytes(true), Traits::SmemBytes(false));
   cudaError_t e =
@@ -44,20 +45,49 @@ absl::Status LaunchTyped(const PagedKernelParams& params, const cuda::PrefillOpt
                   static_cast<unsigned>(params.num_seqs));
   kernel<<<grid, Traits::kThreads, smem, stream>>>(params, options);
   return CudaErrorToStatus(cudaGetLastError(),
-                           absl::StrCat("prefill attention launch (head dim ", D, ")"));
+                           absl::StrCat("prefill attention launch (head dim ", D,
+                                        Variant == cuda::kPrefillFast ? ", fast" : "", ")"));
 }
 
 template <int D>
 absl::Status LaunchForDim(const PagedKernelParams& params, DType q_dtype,
-                          const cuda::PrefillOptions& options, cudaStream_t stream) {
-  if (q_dtype == DType::kBFloat16) return LaunchTyped<D, __nv_bfloat16>(params, options, stream);
-  return LaunchTyped<D, __half>(params, options, stream);
+                          const cuda::PrefillOptions& options, bool fast, cudaStream_t stream) {
+  if constexpr (D <= 128) {
+    if (fast) {
+      if (q_dtype == DType::kBFloat16) {
+        return LaunchTyped<D, __nv_bfloat16, cuda::kPrefillFast>(params, options, stream);
+      }
+      return LaunchTyped<D, __half, cuda::kPrefillFast>(params, options, stream);
+    }
+  }
+  if (q_dtype == DType::kBFloat16) {
+    return LaunchTyped<D, __nv_bfloat16, cuda::kPrefillBaseline>(params, options, stream);
+  }
+  return LaunchTyped<D, __half, cuda::kPrefillBaseline>(params, options, stream);
 }
 
 }  // namespace
 
+bool PrefillFastVariantApplies(const PagedKernelParams& params, DType q_dtype,
+                               DType cache_dtype) {
+  if ((q_dtype != DType::kFloat16 && q_dtype != DType::kBFloat16) || cache_dtype != q_dtype ||
+      params.head_size <= 0 || params.head_size_v <= 0 || params.head_size > 256 ||
+      params.head_size_v > 256 || params.num_kv_heads <= 0) {
+    return false;
+  }
+  return cuda::PrefillFastApplies(params, cuda::ChoosePrefillOptions(params, cache_dtype));
+}
+
 absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dtype,
                                     DType out_dtype, DType cache_dtype, cudaStream_t stream) {
+  return LaunchPrefillAttention(params, q_dtype, out_dtype, cache_dtype, PrefillLaunchOptions{},
+                                stream);
+}
+
+absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dtype,
+                                    DType out_dtype, DType cache_dtype,
+                                    const PrefillLaunchOptions& launch_options,
+                                    cudaStream_t stream) {
   if (q_dtype != DType::kFloat16 && q_dtype != DType::kBFloat16) {
     return Unsupported(
         absl::StrCat("q dtype must be float16 or bfloat16, got ", DTypeName(q_dtype)));
@@ -95,11 +125,20 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
   }
 
   const cuda::PrefillOptions options = cuda::ChoosePrefillOptions(params, cache_dtype);
+  const bool fast_applies = cuda::PrefillFastApplies(params, options);
+  if (launch_options.variant == PrefillVariant::kFast && !fast_applies) {
+    return Unsupported(absl::StrCat(
+        "the fast variant needs a 16-bit cache with 16-byte aligned rows and head_size == "
+        "head_size_v == 64 or 128; got cache ",
+        DTypeName(cache_dtype), " head_size=", params.head_size,
+        " head_size_v=", params.head_size_v));
+  }
+  const bool fast = fast_applies && launch_options.variant != PrefillVariant::kBaseline;
   const int padded = cuda::PrefillPaddedHeadDim(params.head_size, params.head_size_v);
   switch (padded) {
-    case 64: return LaunchForDim<64>(params, q_dtype, options, stream);
-    case 128: return LaunchForDim<128>(params, q_dtype, options, stream);
-    default: return LaunchForDim<256>(params, q_dtype, options, stream);
+    case 64: return LaunchForDim<64>(params, q_dtype, options, fast, stream);
+    case 128: return LaunchForDim<128>(params, q_dtype, options, fast, stream);
+    default: return LaunchForDim<256>(params, q_dtype, options, false, stream);
   }
 }
 

@@ -14,7 +14,8 @@
 //           tiles (the most keys under a causal mask) are scheduled first.
 //   block = kWarps warps; warp w owns packed rows [w * 16 * kRowBlocks, +16 * kRowBlocks).
 //           D <= 128: 4 warps x 32 rows (two m16 blocks share every K/V fragment);
-//           D == 256: 8 warps x 16 rows (the fp32 output accumulators need the registers).
+//           D == 256: 8 warps x 16 rows (the fp32 output accumulators need the registers);
+//           the fast variant (PrefillVariant, D 64 / 128, 16-bit cache): 8 warps x 16 rows.
 //
 // Shared memory (16-bit rows of D elements, 16-byte chunks XOR-swizzled by row % 8 so that
 // ldmatrix and cp.async are free of bank conflicts):
@@ -75,12 +76,28 @@ struct PrefillOptions {
   int num_m_tiles;   // ceil(max_query_len * group / kBlockM)
 };
 
-template <int D>
+// The kernel's two configurations (template argument). kPrefillBaseline runs every
+// supported call; kPrefillFast runs only where PrefillFastApplies (16-bit cache with
+// 16-byte aligned rows, head_size == head_size_v == D, D 64 or 128) and drops the code for
+// everything else at compile time:
+//   - 8 warps x 16 rows per 128-row tile instead of 4 x 32: half the fp32 accumulators per
+//     thread (no spills under the 128-register cap that 2 CTAs/SM of 256 threads impose),
+//     twice the warps per SM to hide ldmatrix and exp2 latency; K/V fragments are shared
+//     through shared memory by all 8 warps.
+//   - every k16 / d16 step and every 16-key block is a compile-time constant, so the
+//     fragment loads of a whole step are batched ahead of its mma chain (ldmatrix.x4)
+//     and tiles that need no mask run without any per-block branch; on diagonal and
+//     window-edge tiles the blocks no row sees are masked instead of skipped.
+enum PrefillVariant : int { kPrefillBaseline = 0, kPrefillFast = 1 };
+
+template <int D, int Variant = kPrefillBaseline>
 struct PrefillTraits {
   static_assert(D == 64 || D == 128 || D == 256, "padded head sizes 64, 128 and 256");
+  static_assert(Variant == kPrefillBaseline || D <= 128, "the fast variant: D 64 or 128");
+  static constexpr bool kFast = Variant == kPrefillFast;
   static constexpr int kHeadDim = D;
-  static constexpr int kWarps = D <= 128 ? 4 : 8;
-  static constexpr int kRowBlocks = D <= 128 ? 2 : 1;  // m16 row blocks per warp
+  static constexpr int kWarps = D <= 128 && !kFast ? 4 : 8;
+  static constexpr int kRowBlocks = D <= 128 && !kFast ? 2 : 1;  // m16 row blocks per warp
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockM = kWarps * 16 * kRowBlocks;
   static constexpr int kBlockN = 64;
@@ -147,6 +164,14 @@ inline PrefillOptions ChoosePrefillOptions(const PagedKernelParams& params, DTyp
   const int64_t rows = static_cast<int64_t>(params.max_query_len) * group;
   options.num_m_tiles = static_cast<int>((rows + 127) / 128);
   return options;
+}
+
+// Whether the fast variant can run a call with these options and head sizes (see
+// PrefillVariant).
+inline bool PrefillFastApplies(const PagedKernelParams& params, const PrefillOptions& options) {
+  const int padded = PrefillPaddedHeadDim(params.head_size, params.head_size_v);
+  return options.load_mode == kPrefillAsync16 && padded <= 128 &&
+         params.head_size == padded && params.head_size_v == padded;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -295,11 +320,14 @@ __device__ __forceinline__ float ScaleOfHead(const float* scales, int num_scales
 // ---------------------------------------------------------------------------------------
 // The kernel.
 
-template <int D, typename T>
-__global__ void __launch_bounds__(PrefillTraits<D>::kThreads, PrefillTraits<D>::kMinBlocksPerSm)
+// REQUIRES for Variant == kPrefillFast: PrefillFastApplies(p, opt).
+template <int D, typename T, int Variant = kPrefillBaseline>
+__global__ void __launch_bounds__(PrefillTraits<D, Variant>::kThreads,
+                                  PrefillTraits<D, Variant>::kMinBlocksPerSm)
     PrefillAttentionKernel(const __grid_constant__ PagedKernelParams p,
                            const PrefillOptions opt) {
-  using Traits = PrefillTraits<D>;
+  using Traits = PrefillTraits<D, Variant>;
+  constexpr bool kFast = Traits::kFast;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kThreads = Traits::kThreads;
@@ -341,10 +369,11 @@ __global__ void __launch_bounds__(PrefillTraits<D>::kThreads, PrefillTraits<D>::
   const int n_begin = kv_lo / kBlockN;
   const int n_end = kv_hi / kBlockN + 1;
 
-  const int cache_kind = opt.cache_kind;
-  const int load_mode = opt.load_mode;
-  const int head_size = p.head_size;
-  const int head_size_v = p.head_size_v;
+  // The fast variant's preconditions as constants, so that the other paths compile away.
+  const int cache_kind = kFast ? static_cast<int>(kPrefillCache16) : opt.cache_kind;
+  const int load_mode = kFast ? static_cast<int>(kPrefillAsync16) : opt.load_mode;
+  const int head_size = kFast ? D : p.head_size;
+  const int head_size_v = kFast ? D : p.head_size_v;
   const int32_t* const block_row = p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
 
   // Page-table lookup of key row `r` of tile `n`: (block id, offset), block id -1 past the end.
@@ -362,7 +391,7 @@ __global__ void __launch_bounds__(PrefillTraits<D>::kThreads, PrefillTraits<D>::
     if (n_begin + 1 < n_end) loc_smem[((n_begin + 1) & 1) * kBlockN + tid] = lookup(n_begin + 1, tid);
     if (n_begin + 2 < n_end) loc_ahead = lookup(n_begin + 2, tid);
   }
-  if (opt.zero_fill) {
+  if (!kFast && opt.zero_fill) {
     const int kv_bytes = load_mode == kPrefillAsyncFp8 ? Traits::kStageBytes : 2 * Traits::kStageBytes;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int i = tid; i < Traits::kQBytes / 16; i += kThreads) {
@@ -539,17 +568,25 @@ KVSTREAM_PREFILL_UNROLL
   const float cap2 = soft_cap ? p.logits_soft_cap * kLog2e : 0.0f;
   const float inv_cap = soft_cap ? p.scale * k_scale / p.logits_soft_cap : 0.0f;
 
+  // The query position and ALiBi slope (base 2) of each thread row. The fast variant
+  // recomputes them where used (edge tiles, ALiBi) rather than holding 4 registers across
+  // the loop, where its 128-register budget is tight.
+  auto row_of = [&](int mb, int hf) {
+    return min(rows_total - 1, row0 + warp_row + mb * 16 + (lane >> 2) + 8 * hf);
+  };
+  auto qp_of_row = [&](int r) { return context + r / group; };
+  auto slope2_of_row = [&](int r) {
+    return alibi ? p.alibi_slopes[kv_head * group + (r - (r / group) * group)] * kLog2e : 0.0f;
+  };
   int row_qp[kRowBlocks][2];
   float row_slope2[kRowBlocks][2];
 KVSTREAM_PREFILL_UNROLL
   for (int mb = 0; mb < kRowBlocks; ++mb) {
 KVSTREAM_PREFILL_UNROLL
     for (int half = 0; half < 2; ++half) {
-      const int r = min(rows_total - 1, row0 + warp_row + mb * 16 + (lane >> 2) + 8 * half);
-      const int t = r / group;
-      row_qp[mb][half] = context + t;
-      row_slope2[mb][half] =
-          alibi ? p.alibi_slopes[kv_head * group + (r - t * group)] * kLog2e : 0.0f;
+      const int r = row_of(mb, half);
+      row_qp[mb][half] = qp_of_row(r);
+      row_slope2[mb][half] = slope2_of_row(r);
     }
   }
 
@@ -586,8 +623,9 @@ KVSTREAM_PREFILL_UNROLL
   // K and V fragments loaded ahead of their mma chains, as registers permit: at D = 128 the
   // two m16 blocks' accumulators (192 registers) leave no room (ptxas spills with batches
   // of 2), at D = 64 and 256 batches of 4 fit without spills.
-  constexpr int kKBatch = D == 128 ? 1 : 4;
-  constexpr int kVBatch = D == 128 ? 1 : 4;
+  // The fast variant holds one m16 block, so batches of 4 fit at D = 128 too.
+  constexpr int kKBatch = D == 128 ? (kFast ? 2 : 1) : 4;
+  constexpr int kVBatch = D == 128 ? (kFast ? 2 : 1) : 4;
 
   // ---- Main loop over key tiles.
   for (int n = n_begin; n < n_end; ++n) {
@@ -629,7 +667,9 @@ KVSTREAM_PREFILL_UNROLL
     bool key_block_used[kBlockN / 16];
 KVSTREAM_PREFILL_UNROLL
     for (int kb = 0; kb < kBlockN / 16; ++kb) {
-      key_block_used[kb] = kb * 16 < col_end && kb * 16 + 16 > col_begin;
+      // Fast variant: every block is computed (a constant, so no branch in the mma
+      // chains); blocks no row sees lie outside every row's [lo, hi] and are masked below.
+      key_block_used[kb] = kFast || (kb * 16 < col_end && kb * 16 + 16 > col_begin);
     }
     // Per k16 step: all fragments first, then the mma chain, so that the ldmatrix latency
     // is paid once per step.
@@ -697,8 +737,10 @@ KVSTREAM_PREFILL_UNROLL
 KVSTREAM_PREFILL_UNROLL
         for (int half = 0; half < 2; ++half) {
           // slope * (j - qp), with j - qp formed exactly in integers.
-          const float base = static_cast<float>(tile_lo + quad_col - row_qp[mb][half]);
-          const float slope = row_slope2[mb][half];
+          const int r = row_of(mb, half);
+          const float base =
+              static_cast<float>(tile_lo + quad_col - (kFast ? qp_of_row(r) : row_qp[mb][half]));
+          const float slope = kFast ? slope2_of_row(r) : row_slope2[mb][half];
 KVSTREAM_PREFILL_UNROLL
           for (int nb = 0; nb < kNBlocks; ++nb) {
 KVSTREAM_PREFILL_UNROLL
@@ -715,7 +757,7 @@ KVSTREAM_PREFILL_UNROLL
       for (int mb = 0; mb < kRowBlocks; ++mb) {
 KVSTREAM_PREFILL_UNROLL
         for (int half = 0; half < 2; ++half) {
-          const int qp = row_qp[mb][half];
+          const int qp = kFast ? qp_of_row(row_of(mb, half)) : row_qp[mb][half];
           const int lo = VisibleLo(p, qp) - tile_lo - quad_col;
           const int hi = VisibleHi(p, qp, seq_len) - tile_lo - quad_col;
 KVSTREAM_PREFILL_UNROLL
