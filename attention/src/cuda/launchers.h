@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -20,14 +21,47 @@ namespace internal {
 // Varlen prefill / chunked prefill (and any query length, decode included) over the paged
 // cache: flash attention on tensor cores. q and out dtypes: float16 or bfloat16 (q_dtype ==
 // out_dtype); cache: the same 16-bit dtype as q, or fp8 e4m3 / e5m2.
+// The same with the default PrefillLaunchOptions (kAuto).
 absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dtype,
                                     DType out_dtype, DType cache_dtype, cudaStream_t stream);
 
+// Which configuration of the prefill kernel runs (prefill_attention.cuh, PrefillVariant).
+enum class PrefillVariant {
+  kAuto,      // kFast where PrefillFastVariantApplies, kBaseline otherwise
+  kBaseline,  // 4 warps x 32 rows at head sizes <= 128; every supported call
+  kFast,      // 8 warps x 16 rows; 16-bit cache only, see PrefillFastVariantApplies
+};
+struct PrefillLaunchOptions {
+  PrefillVariant variant = PrefillVariant::kAuto;
+};
+
+// Whether the fast variant runs this call: q dtype float16 / bfloat16, the cache of q's
+// dtype with 16-byte aligned rows and strides, head_size == head_size_v, 64 or 128.
+bool PrefillFastVariantApplies(const PagedKernelParams& params, DType q_dtype,
+                               DType cache_dtype);
+
+// As above with a choice of variant. InvalidArgument, in addition, for kFast where
+// PrefillFastVariantApplies is false.
+absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dtype,
+                                    DType out_dtype, DType cache_dtype,
+                                    const PrefillLaunchOptions& launch_options,
+                                    cudaStream_t stream);
+
 // Decode (max_query_len <= 1: every sequence has one query token, or none) over the paged
-// cache: split-KV flash decoding on CUDA cores, bandwidth-bound (decode_attention.cuh).
-// q and out dtypes: float32, float16 or bfloat16 (independently); cache: float32, float16,
-// bfloat16, fp8 e4m3 or e5m2; head sizes up to 512 (256 for float32 caches), any block
-// size, any strides with a unit dim stride.
+// cache: split-KV flash decoding, bandwidth-bound. Two kernels:
+//  - CUDA cores (decode_attention.cuh): q and out dtypes float32, float16 or bfloat16
+//    (independently); cache float32, float16, bfloat16, fp8 e4m3 or e5m2; head sizes up to
+//    512 (256 for float32 caches), any block size, any strides with a unit dim stride.
+//  - tensor cores (decode_tc_attention.cuh): q dtype == out dtype, float16 or bfloat16;
+//    cache of q's dtype or fp8 e4m3 / e5m2; head sizes up to 256, multiples of 8 (16 for
+//    fp8), every cache row 16-byte aligned (base pointers and strides); any block size.
+// Both take the sliding window, ALiBi, soft cap, any group size and NHD / HND strides.
+enum class DecodeKernel {
+  kAuto,         // tensor cores where they apply (DecodeTensorCoresApply), else CUDA cores
+  kCudaCores,
+  kTensorCores,  // InvalidArgument where they do not apply
+};
+
 struct DecodeLaunchOptions {
   // SMs of the device the stream runs on; decides how finely keys are split.
   int num_sms = 132;
@@ -39,10 +73,18 @@ struct DecodeLaunchOptions {
   // have run (stream order).
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // Which kernel runs.
+  DecodeKernel kernel = DecodeKernel::kAuto;
 };
 
+// Whether the tensor-core decode kernel takes this problem (see above); when it does not
+// and `why` is not null, *why says what it lacks.
+bool DecodeTensorCoresApply(const PagedKernelParams& params, DType q_dtype, DType out_dtype,
+                            DType cache_dtype, std::string* why = nullptr);
+
 // Workspace bytes LaunchDecodeAttention needs for `params` with `options` (num_sms,
-// num_splits; the workspace fields are ignored). 0 when the keys are not split.
+// num_splits, kernel; the workspace fields are ignored): enough for either kernel where
+// the choice depends on the q dtype (kAuto), 0 when the keys are not split.
 // InvalidArgument for what the decode kernel does not support (max_query_len > 1, head
 // sizes too large, num_splits out of range).
 absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const PagedKernelParams& params,
