@@ -20,7 +20,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSTREAM_CUDA=ON \
   -DKVSTREAM_BUILD_TRANSFER=OFF "$@" > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 cmake --build "$build" -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -40; exit 1; }
-echo "build ok"
+echo "build ok ($(date +%T))"
 
 for t in "$build"/tests/gpu/*_gpu_test; do
   name=$(basename "$t")
@@ -32,14 +32,16 @@ for t in "$build"/tests/gpu/*_gpu_test; do
     grep -E -A6 "Failure" "$out/$name.log" | head -40
   fi
 done
+echo "GPU tests done ($(date +%T))"
 if [ -x "$build/bench/kvstream_bench_cuda_kernels" ]; then
   "$build/bench/kvstream_bench_cuda_kernels" --benchmark_counters_tabular=true \
     > "$out/cuda_kernels_bench.txt" 2>&1 || status=1
   cat "$out/cuda_kernels_bench.txt"
 fi
+echo "kernel benchmarks done ($(date +%T))"
 shim=$(find "$build" -name 'libkvstream_torch_shim.so' | head -1)
 if [ -n "$shim" ] && python3 -c "import torch" 2> /dev/null; then
-  python3 "$src/bench/gpu/attention_vs_torch.py" --lib "$shim" --json "$out/attention_vs_torch.json" \
-    2>&1 | tee "$out/attention_vs_torch.txt" || status=1
+  timeout "${TORCH_TIMEOUT:-300}" python3 -W ignore "$src/bench/gpu/attention_vs_torch.py" --lib "$shim" \
+    --json "$out/attention_vs_torch.json" 2>&1 | tee "$out/attention_vs_torch.txt" || status=1
 fi
 exit $status
