@@ -68,11 +68,13 @@ class CudaDecodeTest : public ::testing::Test {
   }
 
   // Validates, plans and launches the decode kernels for device params `p`, then waits.
-  absl::Status Launch(const PagedAttentionParams& p, int num_splits) {
+  absl::Status Launch(const PagedAttentionParams& p, int num_splits,
+                      internal::DecodeKernel kernel = internal::DecodeKernel::kAuto) {
     ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
     internal::DecodeLaunchOptions options;
     options.num_sms = num_sms_;
     options.num_splits = num_splits;
+    options.kernel = kernel;
     const DType cache_dtype = p.cache.spec.dtype;
     ASSIGN_OR_RETURN(size_t bytes,
                      internal::DecodeAttentionWorkspaceBytes(kp, cache_dtype, options));
@@ -85,21 +87,60 @@ class CudaDecodeTest : public ::testing::Test {
     return stream_.Synchronize(absl::Seconds(60));  // the workspace lives until then
   }
 
-  // Runs `pb` on the GPU with the launcher's split choice (0) and with each of `splits`,
-  // and compares every output with the reference.
-  void ExpectMatches(AttnProblem& pb, const std::vector<int>& splits = {0, 1}) {
+  // Whether the tensor-core kernel takes device params `p`.
+  static bool TensorCoresApply(const PagedAttentionParams& p) {
+    auto kp = internal::MakePagedKernelParams(p);
+    return kp.ok() && internal::DecodeTensorCoresApply(*kp, p.q_dtype, p.out_dtype,
+                                                       p.cache.spec.dtype);
+  }
+
+  // Runs `pb` on the GPU with each kernel of `kernels` that takes it (the CUDA-core kernel
+  // takes every problem here; the tensor-core one 16-bit q == out and 16-byte rows), with
+  // the launcher's split choice (0) and with each of `splits`, and compares every output
+  // with the reference.
+  void ExpectMatches(AttnProblem& pb, const std::vector<int>& splits = {0, 1},
+                     const std::vector<internal::DecodeKernel>& kernels = {
+                         internal::DecodeKernel::kCudaCores,
+                         internal::DecodeKernel::kTensorCores}) {
     auto dev = DeviceAttnProblem::Create(pb);
     ASSERT_TRUE(dev.ok()) << dev.status();
-    for (int num_splits : splits) {
-      ASSERT_TRUE((*dev)->ResetOut().ok());
-      const absl::Status st = Launch((*dev)->params(), num_splits);
-      ASSERT_TRUE(st.ok()) << st;
-      auto out = (*dev)->Out();
-      ASSERT_TRUE(out.ok()) << out.status();
-      ExpectMatchesReference(pb, *out,
-                             num_splits == 0 ? std::string("automatic splits")
-                                             : absl::StrCat(num_splits, " splits"));
+    for (internal::DecodeKernel kernel : kernels) {
+      const bool tensor_cores = kernel == internal::DecodeKernel::kTensorCores;
+      if (tensor_cores && !TensorCoresApply((*dev)->params())) continue;
+      for (int num_splits : splits) {
+        ASSERT_TRUE((*dev)->ResetOut().ok());
+        const absl::Status st = Launch((*dev)->params(), num_splits, kernel);
+        ASSERT_TRUE(st.ok()) << st;
+        auto out = (*dev)->Out();
+        ASSERT_TRUE(out.ok()) << out.status();
+        ExpectMatchesReference(
+            pb, *out,
+            absl::StrCat(tensor_cores ? "tensor cores, " : "CUDA cores, ",
+                         num_splits == 0 ? std::string("automatic splits")
+                                         : absl::StrCat(num_splits, " splits")));
+      }
     }
+  }
+
+  // The tensor-core kernel on `c` made to suit it: q and out of one 16-bit dtype (q's, or
+  // bfloat16 for float32), a 16-bit cache of that dtype where `c`'s is float32. Fails
+  // unless the kernel takes the problem, when `must_apply`.
+  void ExpectTensorCoresMatch(AttnCase c, const std::vector<int>& splits = {0, 1, 3},
+                              bool must_apply = true) {
+    const DType act = c.q_dtype == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+    c.q_dtype = act;
+    c.out_dtype = act;
+    if (!IsFp8(c.cache_dtype)) c.cache_dtype = act;
+    SCOPED_TRACE(absl::StrCat("tensor-core variant: q/out/cache ", ShortDType(act), "/",
+                              ShortDType(act), "/", ShortDType(c.cache_dtype)));
+    AttnProblem pb(c);
+    if (must_apply) {
+      auto dev = DeviceAttnProblem::Create(pb);
+      ASSERT_TRUE(dev.ok()) << dev.status();
+      ASSERT_TRUE(TensorCoresApply((*dev)->params()))
+          << "the tensor-core kernel should take d " << c.head_size << "/" << c.head_size_v;
+    }
+    ExpectMatches(pb, splits, {internal::DecodeKernel::kTensorCores});
   }
 
   CudaStream stream_;
@@ -133,6 +174,7 @@ TEST_P(CudaDecodeDTypeTest, MatchesReference) {
   c.seed = 7;
   AttnProblem pb(c);
   ExpectMatches(pb);
+  ExpectTensorCoresMatch(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -204,6 +246,9 @@ TEST_P(CudaDecodeShapeTest, MatchesReference) {
   c.seed = static_cast<uint32_t>(block_size * 100 + heads.group * 10 + sizes.v);
   AttnProblem pb(c);
   ExpectMatches(pb);
+  // Head sizes up to 256 in multiples of 8 are the tensor-core kernel's.
+  const bool tc_sizes = sizes.k <= 256 && sizes.v <= 256 && sizes.k % 8 == 0 && sizes.v % 8 == 0;
+  ExpectTensorCoresMatch(c, {0, 1, 3}, tc_sizes);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -274,6 +319,7 @@ TEST_P(CudaDecodeFeatureTest, MatchesReference) {
   c.seed = 11;
   AttnProblem pb(c);
   ExpectMatches(pb, {0, 1, 3});
+  ExpectTensorCoresMatch(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -338,6 +384,7 @@ TEST_F(CudaDecodeTest, EverySplitCountMatches) {
   c.seqs = {{1999, 1}, {0, 1}, {512, 1}, {254, 1}, {255, 1}, {31, 0}, {4, 1}};
   AttnProblem pb(c);
   ExpectMatches(pb, {1, 2, 3, 7, 64, 255, 256});
+  ExpectTensorCoresMatch(c, {1, 2, 3, 7, 64, 255, 256});
 }
 
 // A realistic decode step: 32 query heads on 8 KV heads, head size 128, 4k keys.
@@ -354,6 +401,94 @@ TEST_F(CudaDecodeTest, LongSequencesGqa) {
   c.seqs = {{4095, 1}, {4000, 1}, {1234, 1}, {4096, 1}};
   AttnProblem pb(c);
   ExpectMatches(pb);
+  ExpectTensorCoresMatch(c);
+}
+
+// What the tensor-core kernel leaves to the CUDA-core one: kTensorCores says why, kAuto
+// falls back (and matches the reference through ExpectMatches' CUDA-core run above).
+TEST_F(CudaDecodeTest, TensorCoresRefuseWhatTheyDoNotTake) {
+  struct Case {
+    DType q, out, cache;
+    TestLayout layout;
+    int d;
+    const char* why;
+  };
+  for (const Case& k :
+       {Case{DType::kFloat32, DType::kFloat32, DType::kFloat32, TestLayout::kNHD, 64, "q dtype"},
+        Case{DType::kBFloat16, DType::kFloat32, DType::kBFloat16, TestLayout::kNHD, 64,
+             "out dtype"},
+        Case{DType::kBFloat16, DType::kBFloat16, DType::kFloat16, TestLayout::kNHD, 64,
+             "cache dtype"},
+        Case{DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, TestLayout::kPadded, 64,
+             "16-byte"},
+        Case{DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, TestLayout::kNHD, 512,
+             "above 256"}}) {
+    SCOPED_TRACE(k.why);
+    AttnCase c;
+    c.q_dtype = k.q;
+    c.out_dtype = k.out;
+    c.cache_dtype = k.cache;
+    c.layout = k.layout;
+    c.head_size = k.d;
+    c.head_size_v = k.d;
+    c.seqs = DecodeSeqs();
+    AttnProblem pb(c);
+    auto dev = DeviceAttnProblem::Create(pb);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    EXPECT_FALSE(TensorCoresApply((*dev)->params()));
+    const absl::Status st =
+        Launch((*dev)->params(), 0, internal::DecodeKernel::kTensorCores);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(k.why));
+    ASSERT_TRUE((*dev)->ResetOut().ok());
+    const absl::Status auto_st = Launch((*dev)->params(), 0, internal::DecodeKernel::kAuto);
+    ASSERT_TRUE(auto_st.ok()) << auto_st;
+    auto out = (*dev)->Out();
+    ASSERT_TRUE(out.ok()) << out.status();
+    ExpectMatchesReference(pb, *out, "automatic kernel choice");
+  }
+}
+
+// The tensor-core kernel's GQA decode shapes: group sizes 1 / 4 / 8 / 32 (two head tiles),
+// head sizes 64 / 80 / 128 / 256 and 192 / 128, fp8 per head, window + ALiBi + soft cap.
+TEST_F(CudaDecodeTest, TensorCoreShapesAndFeatures) {
+  struct Case {
+    int group, d, dv;
+    DType cache;
+    int window;
+    bool alibi;
+    float cap;
+  };
+  for (const Case& k : {Case{1, 64, 64, DType::kBFloat16, 0, false, 0},
+                        Case{4, 80, 80, DType::kFloat16, 0, false, 0},
+                        Case{8, 128, 128, DType::kBFloat16, 0, false, 0},
+                        Case{32, 128, 128, DType::kBFloat16, 0, false, 0},
+                        Case{4, 256, 256, DType::kFloat16, 0, false, 0},
+                        Case{4, 192, 128, DType::kBFloat16, 0, false, 0},
+                        Case{4, 80, 80, DType::kFloat8E4M3, 100, true, 0},
+                        Case{4, 128, 128, DType::kFloat8E5M2, 0, false, 5.0f},
+                        Case{8, 128, 128, DType::kBFloat16, 70, true, 2.0f}}) {
+    for (int block_size : {1, 5, 16}) {
+      SCOPED_TRACE(absl::StrCat("group ", k.group, " d ", k.d, "/", k.dv, " cache ",
+                                ShortDType(k.cache), " window ", k.window, " bs ", block_size));
+      AttnCase c;
+      c.num_kv_heads = 2;
+      c.group = k.group;
+      c.head_size = k.d;
+      c.head_size_v = k.dv;
+      c.q_dtype = k.cache == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+      c.cache_dtype = k.cache;
+      c.quant = IsFp8(k.cache) ? KvQuantMode::kPerHead : KvQuantMode::kNone;
+      c.sliding_window = k.window;
+      c.alibi = k.alibi;
+      c.soft_cap = k.cap;
+      c.scale = 0.3f;
+      c.block_size = block_size;
+      c.layout = block_size == 5 ? TestLayout::kHND : TestLayout::kNHD;
+      c.seqs = {{0, 1}, {67, 1}, {6, 0}, {600, 1}, {127, 1}, {1000, 1}};
+      ExpectTensorCoresMatch(c, {0, 1, 2, 5});
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 // LaunchDecodeAttention: plans the launch (lanes per key, head tile, shared-memory tiles,
 // copy width, split count), dispatches on cache dtype x head tile x chunks per lane, and
-// enqueues the split kernel and, when the keys are split, the merge kernel.
+// enqueues the split kernel and, when the keys are split, the merge kernel. Where the
+// tensor-core kernel applies (DecodeTensorCoresApply) and options.kernel allows it, its
+// split kernel (decode_tc_attention.cu) replaces the CUDA-core one; both write the same
+// partial-result layout, so the merge kernel here serves both.
 //
 // Split count. A CTA streams one KV head's keys of one split; with few sequences or KV heads
 // there are too few CTAs to keep 132 SMs busy, and with CTAs of equal work a last partial
@@ -13,11 +16,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "cuda/decode_attention.cuh"
+#include "cuda/decode_tc_launch.h"
 #include "cuda/kernel_params.h"
 #include "cuda/launchers.h"
 #include "kvstream/common/cuda_status.h"
@@ -238,13 +243,43 @@ absl::StatusOr<DecodePlan> Plan(const PagedKernelParams& p, DType cache_dtype,
   return plan;
 }
 
+// Enqueues the CUDA-core split kernel of `plan`.
+absl::Status LaunchCudaCoreSplit(const PagedKernelParams& params, const DecodePlan& plan,
+                                 cudaStream_t stream) {
+  if (plan.smem_bytes > 48 * 1024) {
+    RETURN_IF_ERROR(CudaErrorToStatus(
+        static_cast<int>(cudaFuncSetAttribute(plan.kernel,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(plan.smem_bytes))),
+        "cuda decode attention: cudaFuncSetAttribute(max dynamic shared memory)"));
+  }
+  plan.kernel<<<plan.split_grid, dec::kThreads, plan.smem_bytes, stream>>>(params, plan.geo);
+  RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
+                                    "cuda decode attention: split kernel launch"));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const PagedKernelParams& params,
                                                      DType cache_dtype,
                                                      const DecodeLaunchOptions& options) {
   ASSIGN_OR_RETURN(DecodePlan plan, Plan(params, cache_dtype, options));
-  return plan.workspace_bytes;
+  size_t bytes = plan.workspace_bytes;
+  if (options.kernel != DecodeKernel::kCudaCores) {
+    // The q dtype decides between the kernels under kAuto: enough for either.
+    const DType q_dtype = IsFp8(cache_dtype) ? DType::kBFloat16 : cache_dtype;
+    std::string why;
+    if (DecodeTensorCoresApply(params, q_dtype, q_dtype, cache_dtype, &why)) {
+      ASSIGN_OR_RETURN(DecodeTcPlan tc, PlanDecodeTc(params, cache_dtype, options));
+      bytes = options.kernel == DecodeKernel::kTensorCores
+                  ? tc.workspace_bytes
+                  : std::max(bytes, tc.workspace_bytes);
+    } else if (options.kernel == DecodeKernel::kTensorCores) {
+      return Invalid(absl::StrCat("the tensor-core kernel does not apply: ", why));
+    }
+  }
+  return bytes;
 }
 
 absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtype,
@@ -257,6 +292,19 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
     }
   }
   ASSIGN_OR_RETURN(DecodePlan plan, Plan(params, cache_dtype, options));
+  std::string why;
+  const bool tensor_cores =
+      options.kernel != DecodeKernel::kCudaCores &&
+      DecodeTensorCoresApply(params, q_dtype, out_dtype, cache_dtype, &why);
+  if (options.kernel == DecodeKernel::kTensorCores && !tensor_cores) {
+    return Invalid(absl::StrCat("the tensor-core kernel does not apply: ", why));
+  }
+  if (tensor_cores) {
+    ASSIGN_OR_RETURN(DecodeTcPlan tc, PlanDecodeTc(params, cache_dtype, options));
+    plan.geo.num_splits = tc.num_splits;
+    plan.workspace_bytes = tc.workspace_bytes;
+    plan.partial_out_bytes = tc.partial_out_bytes;
+  }
   if (plan.workspace_bytes > 0) {
     if (options.workspace == nullptr || options.workspace_bytes < plan.workspace_bytes) {
       return Invalid(absl::StrCat("needs ", plan.workspace_bytes,
@@ -271,16 +319,14 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   plan.geo.q_dtype = ActivationCode(q_dtype);
   plan.geo.out_dtype = ActivationCode(out_dtype);
 
-  if (plan.smem_bytes > 48 * 1024) {
-    RETURN_IF_ERROR(CudaErrorToStatus(
-        static_cast<int>(cudaFuncSetAttribute(plan.kernel,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(plan.smem_bytes))),
-        "cuda decode attention: cudaFuncSetAttribute(max dynamic shared memory)"));
+  if (tensor_cores) {
+    RETURN_IF_ERROR(LaunchDecodeTcSplit(params, q_dtype, cache_dtype,
+                                        DecodeTcPlan{plan.geo.num_splits, plan.workspace_bytes,
+                                                     plan.partial_out_bytes},
+                                        plan.geo.partial_out, plan.geo.partial_ml, stream));
+  } else {
+    RETURN_IF_ERROR(LaunchCudaCoreSplit(params, plan, stream));
   }
-  plan.kernel<<<plan.split_grid, dec::kThreads, plan.smem_bytes, stream>>>(params, plan.geo);
-  RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
-                                    "cuda decode attention: split kernel launch"));
   if (plan.geo.num_splits > 1) {
     dec::DecodeMergeKernel<<<plan.merge_grid, dec::kThreads, 0, stream>>>(params, plan.geo);
     RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetLastError()),

@@ -1,0 +1,217 @@
+// The tensor-core decode kernel's launcher half (decode_tc_launch.h): what the kernel
+// takes (DecodeTensorCoresApply), its split count and the dispatch over padded head size
+// (64 / 128 / 256) x activation type: six instantiations; fp8 caches are converted while
+// staging, not a template argument.
+//
+// Split count. As for the CUDA-core kernel (decode_attention.cu): a few full waves of CTAs,
+// never splits shorter than kMinTokensPerSplit keys; CTAs per SM from the kernel's shared
+// memory (3 / 2 / 1 for padded head sizes 64 / 128 / 256).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "cuda/decode_tc_attention.cuh"
+#include "cuda/decode_tc_launch.h"
+#include "cuda/kernel_params.h"
+#include "cuda/launchers.h"
+#include "kvstream/common/cuda_status.h"
+#include "kvstream/common/dtype.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace internal {
+namespace {
+
+namespace tc = decode_tc;
+
+constexpr int kMaxSplits = 256;
+constexpr int64_t kMinWaves = 2;
+constexpr int64_t kMaxWaves = 16;
+constexpr int kMinTokensPerSplit = 256;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int PaddedHeadDim(int head_size, int head_size_v) {
+  const int larger = std::max(head_size, head_size_v);
+  return larger <= 64 ? 64 : larger <= 128 ? 128 : 256;
+}
+
+bool RowsAligned16(const void* base, int64_t elem_bytes, int64_t row_elems,
+                   std::initializer_list<int64_t> strides) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (row_elems * elem_bytes) % 16 != 0) {
+    return false;
+  }
+  for (int64_t s : strides) {
+    if ((s * elem_bytes) % 16 != 0) return false;
+  }
+  return true;
+}
+
+int SmemBytes(int padded, bool fp8) {
+  switch (padded) {
+    case 64: return tc::DecodeTcTraits<64>::SmemBytes(fp8);
+    case 128: return tc::DecodeTcTraits<128>::SmemBytes(fp8);
+    default: return tc::DecodeTcTraits<256>::SmemBytes(fp8);
+  }
+}
+
+int CtasPerSm(int padded) {
+  switch (padded) {
+    case 64: return tc::DecodeTcTraits<64>::kMinBlocksPerSm;
+    case 128: return tc::DecodeTcTraits<128>::kMinBlocksPerSm;
+    default: return tc::DecodeTcTraits<256>::kMinBlocksPerSm;
+  }
+}
+
+// As ChooseSplits in decode_attention.cu: at least kMinWaves waves where the keys allow,
+// at most kMaxWaves, the fullest last wave; fewer splits win near-ties.
+int64_t ChooseSplits(int64_t base_ctas, int64_t slots, int64_t max_splits) {
+  auto fill = [&](int64_t s) {
+    const double waves = static_cast<double>(base_ctas * s) / static_cast<double>(slots);
+    return waves / std::ceil(waves);
+  };
+  const int64_t lo =
+      std::min(max_splits, std::max<int64_t>(1, CeilDiv(kMinWaves * slots, base_ctas)));
+  const int64_t hi = std::min(max_splits, std::max<int64_t>(lo, (kMaxWaves * slots) / base_ctas));
+  int64_t best = lo;
+  double best_fill = fill(lo);
+  for (int64_t s = lo + 1; s <= hi; ++s) {
+    const double f = fill(s);
+    if (f > best_fill + 0.01) {
+      best = s;
+      best_fill = f;
+    }
+  }
+  return best;
+}
+
+using TcKernel = void (*)(PagedKernelParams, tc::DecodeTcArgs);
+
+template <typename T>
+TcKernel PickKernel(int padded) {
+  switch (padded) {
+    case 64: return &tc::DecodeTcKernel<64, T>;
+    case 128: return &tc::DecodeTcKernel<128, T>;
+    default: return &tc::DecodeTcKernel<256, T>;
+  }
+}
+
+}  // namespace
+
+bool DecodeTensorCoresApply(const PagedKernelParams& p, DType q_dtype, DType out_dtype,
+                            DType cache_dtype, std::string* why) {
+  auto no = [&](std::string reason) {
+    if (why != nullptr) *why = std::move(reason);
+    return false;
+  };
+  if (q_dtype != DType::kFloat16 && q_dtype != DType::kBFloat16) {
+    return no(absl::StrCat("q dtype ", DTypeName(q_dtype), " is not float16 or bfloat16"));
+  }
+  if (out_dtype != q_dtype) return no("out dtype differs from q dtype");
+  const bool fp8 = IsFp8(cache_dtype);
+  if (cache_dtype != q_dtype && !fp8) {
+    return no(absl::StrCat("cache dtype ", DTypeName(cache_dtype), " is neither q's nor fp8"));
+  }
+  if (p.max_query_len > 1) return no("max_query_len > 1");
+  if (p.head_size <= 0 || p.head_size_v <= 0 || p.head_size > 256 || p.head_size_v > 256) {
+    return no("head sizes above 256");
+  }
+  const int64_t es = fp8 ? 1 : 2;
+  if (!RowsAligned16(p.k_cache, es, p.head_size,
+                     {p.k_block_stride, p.k_token_stride, p.k_head_stride}) ||
+      !RowsAligned16(p.v_cache, es, p.head_size_v,
+                     {p.v_block_stride, p.v_token_stride, p.v_head_stride})) {
+    return no("cache rows are not 16-byte aligned");
+  }
+  if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) {
+    return no("num_heads is not a multiple of num_kv_heads");
+  }
+  const int64_t head_tiles = CeilDiv(p.num_heads / p.num_kv_heads, 16);
+  if (int64_t{p.num_kv_heads} * head_tiles > 65535 || p.num_heads > 65535) {
+    return no("too many heads for one launch");
+  }
+  return true;
+}
+
+absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cache_dtype,
+                                          const DecodeLaunchOptions& options) {
+  if (p.head_size > 256 || p.head_size_v > 256 || p.head_size <= 0 || p.head_size_v <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda decode attention (tensor cores): head sizes up to 256, got ",
+                     p.head_size, "/", p.head_size_v));
+  }
+  if (options.num_sms <= 0 || options.num_splits < 0 || options.num_splits > kMaxSplits) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda decode attention (tensor cores): bad num_sms ", options.num_sms,
+                     " or num_splits ", options.num_splits));
+  }
+  const int padded = PaddedHeadDim(p.head_size, p.head_size_v);
+  const int group = p.num_heads / p.num_kv_heads;
+  const int64_t base_ctas = int64_t{p.num_seqs} * p.num_kv_heads * CeilDiv(group, 16);
+  const int64_t visible =
+      p.sliding_window > 0 ? std::min<int64_t>(p.max_seq_len, p.sliding_window) : p.max_seq_len;
+  const int64_t max_splits = std::max<int64_t>(
+      1, std::min<int64_t>(kMaxSplits, CeilDiv(std::max<int64_t>(visible, 1), kMinTokensPerSplit)));
+  DecodeTcPlan plan;
+  plan.num_splits = static_cast<int>(
+      options.num_splits > 0
+          ? options.num_splits
+          : ChooseSplits(std::max<int64_t>(base_ctas, 1),
+                         int64_t{options.num_sms} * CtasPerSm(padded), max_splits));
+  (void)cache_dtype;
+  if (plan.num_splits > 1) {
+    const size_t slots = static_cast<size_t>(p.num_seqs) * p.num_heads * plan.num_splits;
+    plan.partial_out_bytes = (slots * p.head_size_v * sizeof(float) + 255) / 256 * 256;
+    plan.workspace_bytes = plan.partial_out_bytes + slots * 2 * sizeof(float);
+  }
+  return plan;
+}
+
+absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DType cache_dtype,
+                                 const DecodeTcPlan& plan, float* partial_out, float* partial_ml,
+                                 cudaStream_t stream) {
+  const int padded = PaddedHeadDim(p.head_size, p.head_size_v);
+  const bool fp8 = IsFp8(cache_dtype);
+  tc::DecodeTcArgs args{};
+  args.group_size = p.num_heads / p.num_kv_heads;
+  args.head_tiles = static_cast<int32_t>(CeilDiv(args.group_size, 16));
+  args.num_splits = plan.num_splits;
+  args.cache_kind = cache_dtype == DType::kFloat8E4M3   ? tc::kCacheE4M3
+                    : cache_dtype == DType::kFloat8E5M2 ? tc::kCacheE5M2
+                                                        : tc::kCache16;
+  args.zero_fill = p.head_size < padded || p.head_size_v < padded;
+  args.partial_out = partial_out;
+  args.partial_ml = partial_ml;
+  const TcKernel kernel = q_dtype == DType::kBFloat16 ? PickKernel<__nv_bfloat16>(padded)
+                                                      : PickKernel<__half>(padded);
+  const int smem = SmemBytes(padded, fp8);
+  if (smem > 48 * 1024) {
+    RETURN_IF_ERROR(CudaErrorToStatus(
+        static_cast<int>(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)),
+        "cuda decode attention (tensor cores): cudaFuncSetAttribute(max dynamic shared memory)"));
+    // All of the unified L1 as shared memory: the tiles bypass L1 (cp.async.cg), and
+    // kMinBlocksPerSm CTAs per SM need it.
+    RETURN_IF_ERROR(CudaErrorToStatus(
+        static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                              static_cast<int>(cudaSharedmemCarveoutMaxShared))),
+        "cuda decode attention (tensor cores): cudaFuncSetAttribute(shared memory carveout)"));
+  }
+  const dim3 grid(static_cast<unsigned>(p.num_seqs),
+                  static_cast<unsigned>(p.num_kv_heads * args.head_tiles),
+                  static_cast<unsigned>(plan.num_splits));
+  kernel<<<grid, tc::DecodeTcTraits<64>::kThreads, static_cast<size_t>(smem), stream>>>(p, args);
+  return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
+                           "cuda decode attention (tensor cores): split kernel launch");
+}
+
+}  // namespace internal
+}  // namespace kvstream

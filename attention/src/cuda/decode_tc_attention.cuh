@@ -1,0 +1,658 @@
+// Paged decode attention on tensor cores (the FlashInfer GQA decode design): the kernel
+// behind LaunchDecodeAttention's tensor-core path (decode_attention.cu). Header-only
+// template over the padded head size D and the 16-bit activation type T, taking
+// PagedKernelParams (kernel_params.h) and a DecodeTcArgs by value.
+//
+// Work split. One CTA of 4 warps per (sequence, KV head, head tile, split):
+//   grid = (num_seqs, num_kv_heads * head_tiles, num_splits), block = 128
+// A head tile is up to 16 query heads of one KV head: they are the M rows of the
+// m16n8k16 mma (rows past the group are zero), so every K and V byte serves all of them.
+// A split is a contiguous range of the sequence's visible keys, a multiple of 64 keys
+// long (the last one shorter).
+//
+// Data flow inside a CTA:
+//   k_cache: [num_blocks, block_size, num_kv_heads, head_size]    (strides from params)
+//   v_cache: [num_blocks, block_size, num_kv_heads, head_size_v]
+//   -> kStages-deep cp.async pipeline of 64-key tiles, one page-table lookup per key row
+//      (looked up one iteration ahead of the copy, through a small ring in shared memory):
+//      16-bit caches straight into swizzled [64][D] K and V tiles of T; fp8 caches raw
+//      into [64][D] byte tiles, converted to T into one swizzled K/V tile per iteration
+//   -> warp w takes keys [16 w, 16 w + 16) of every tile: S = Q K^T (ldmatrix from the
+//      swizzled tiles, fp32 accumulators), base-2 online softmax per head row,
+//      O += P V (ldmatrix.trans)
+//   -> the warps' (max, sum, O) merged through shared memory
+//   -> num_splits == 1: out [num_tokens, num_heads, head_size_v] written directly; else
+//      partial_out [num_seqs, num_heads, num_splits, head_size_v] (unnormalised) and
+//      partial_ml [num_seqs, num_heads, num_splits, 2] (base-2 max, sum): the layout of
+//      decode_attention.cuh, merged by its DecodeMergeKernel (which applies the V scale).
+//
+// fp8: the K scale is folded into the softmax scale, the V scale into the output.
+//
+// Shared memory (bytes): loc [kStages][64] int2 | q [16][D] T (swizzled) |
+//   16-bit: kv [kStages][2][64][D] T  /  fp8: raw [kStages][2][64][D] bytes, kv [2][64][D] T
+//
+// A host build that defines KVSTREAM_DECODE_TC_EMULATION provides the PTX wrappers (and
+// __syncthreads, __shfl_xor_sync, threadIdx, blockIdx, shared memory) itself, so that the
+// kernel runs unchanged under the warp emulator (tests/gpu/cuda_decode_emulation_gpu_test.cc).
+#ifndef KVSTREAM_ATTENTION_CUDA_DECODE_TC_ATTENTION_CUH_
+#define KVSTREAM_ATTENTION_CUDA_DECODE_TC_ATTENTION_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cuda/kernel_params.h"
+
+namespace kvstream {
+namespace internal {
+namespace decode_tc {
+
+// How the cache's elements reach the 16-bit tiles.
+enum DecodeTcCacheKind : int { kCache16 = 0, kCacheE4M3 = 1, kCacheE5M2 = 2 };
+
+// Runtime choices the launcher makes once per call.
+struct DecodeTcArgs {
+  int32_t group_size;  // num_heads / num_kv_heads
+  int32_t head_tiles;  // ceil(group_size / 16)
+  int32_t num_splits;  // 1 .. 256
+  int32_t cache_kind;  // DecodeTcCacheKind
+  int32_t zero_fill;   // head sizes below D: the tiles' padding columns must be zeroed
+  float* partial_out;  // num_splits > 1: the workspace (see the file comment)
+  float* partial_ml;
+};
+
+template <int D>
+struct DecodeTcTraits {
+  static_assert(D == 64 || D == 128 || D == 256, "padded head sizes 64, 128 and 256");
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockN = 64;  // keys per tile: 16 per warp
+  static constexpr int kRows = 16;    // query heads per CTA (one m16 tile)
+  // Stages: 2-3 tiles in flight per CTA, and 3 / 2 / 1 CTAs per SM for D = 64 / 128 / 256.
+  static constexpr int kStages = D == 64 ? 4 : D == 128 ? 3 : 2;
+  static constexpr int kMinBlocksPerSm = D == 64 ? 3 : D == 128 ? 2 : 1;
+  static constexpr int kTileBytes = kBlockN * D * 2;     // one 16-bit K or V tile
+  static constexpr int kStageBytes = 2 * kTileBytes;     // K and V
+  static constexpr int kRawStageBytes = 2 * kBlockN * D;  // fp8 K and V
+  static constexpr int kLocBytes = kStages * kBlockN * 8;
+  static constexpr int kQOffset = kLocBytes;
+  static constexpr int kQBytes = kRows * D * 2;
+  static constexpr int kKvOffset = kQOffset + kQBytes;
+  static constexpr int SmemBytes(bool fp8) {
+    return kKvOffset + (fp8 ? kStages * kRawStageBytes + kStageBytes : kStages * kStageBytes);
+  }
+  // The warps' partial results at the end: [kWarps][kRows][D] + [kWarps][kRows][2] floats.
+  static constexpr int kMergeBytes = kWarps * kRows * (D + 2) * 4;
+  static_assert(kMergeBytes <= SmemBytes(false) && kMergeBytes <= SmemBytes(true),
+                "the merge reuses the pipeline's shared memory");
+};
+
+// ---------------------------------------------------------------------------------------
+// PTX wrappers (replaced by the emulator's under KVSTREAM_DECODE_TC_EMULATION).
+#if !defined(KVSTREAM_DECODE_TC_EMULATION)
+#define KVSTREAM_DECODE_TC_UNROLL _Pragma("unroll")
+#define KVSTREAM_DECODE_TC_SHARED_MEMORY(name) extern __shared__ __align__(128) uint8_t name[]
+
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16-byte global -> shared copy; `valid` false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWaitGroup() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+// c += a * b for one m16n8k16 tile.
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+#endif  // !defined(KVSTREAM_DECODE_TC_EMULATION)
+
+template <typename Pair>
+__device__ __forceinline__ uint32_t PairBits(const Pair& v) {
+  static_assert(sizeof(Pair) == 4, "a pair of 16-bit values");
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  return bits;
+}
+
+// Two floats as a packed pair of T (the first in the low half, as mma fragments expect).
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return PairBits(__floats2bfloat162_rn(lo, hi));
+  } else {
+    return PairBits(__floats2half2_rn(lo, hi));
+  }
+}
+
+// Two fp8 codes (the first in the low byte) as a packed pair of T; exact.
+template <typename T, __nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ uint32_t Fp8PairTo(uint32_t two_codes) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes), kFormat);
+  if constexpr (std::is_same_v<T, __half>) {
+    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+  } else {
+    return PairBits(__float22bfloat162_rn(__half22float2(__half2(h))));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float ActivationToFloat(T x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(x);
+  } else {
+    return __half2float(x);
+  }
+}
+template <typename T>
+__device__ __forceinline__ T FloatToActivation(float x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return __float2half_rn(x);
+  }
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] 16-bit tile.
+template <int D>
+__device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {
+  return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
+}
+
+// ---------------------------------------------------------------------------------------
+// The kernel.
+
+template <int D, typename T>
+__global__ void __launch_bounds__(DecodeTcTraits<D>::kThreads,
+                                  DecodeTcTraits<D>::kMinBlocksPerSm)
+    DecodeTcKernel(const __grid_constant__ PagedKernelParams p,
+                   const __grid_constant__ DecodeTcArgs a) {
+  using Traits = DecodeTcTraits<D>;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kDBlocks = D / 8;  // n8 blocks of the output
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kNegInf = -INFINITY;
+
+  KVSTREAM_DECODE_TC_SHARED_MEMORY(smem);
+  int2* const loc_smem = reinterpret_cast<int2*>(smem);
+  uint8_t* const q_smem = smem + Traits::kQOffset;
+  uint8_t* const kv_smem = smem + Traits::kKvOffset;
+  const uint32_t q_base = SmemAddress(q_smem);
+  const uint32_t kv_base = SmemAddress(kv_smem);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int seq = static_cast<int>(blockIdx.x);
+  const int kv_head = static_cast<int>(blockIdx.y) / a.head_tiles;
+  const int head_tile = static_cast<int>(blockIdx.y) - kv_head * a.head_tiles;
+  const int split = static_cast<int>(blockIdx.z);
+  const int q_row = p.query_start_loc[seq];
+  if (p.query_start_loc[seq + 1] - q_row <= 0) return;  // no query: nothing to write
+  const int seq_len = p.seq_lens[seq];
+  const int first_head = kv_head * a.group_size + head_tile * kRows;
+  const int heads_here = min(kRows, a.group_size - head_tile * kRows);
+  const bool fp8 = a.cache_kind != kCache16;
+  const int head_size = p.head_size;
+  const int head_size_v = p.head_size_v;
+
+  // The decode query sits at position seq_len - 1: every key before it is visible, a
+  // window keeps the last sliding_window keys. Splits are whole tiles but the last.
+  const int q_pos = seq_len - 1;
+  const int kv_begin = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
+  const int kv_len = seq_len - kv_begin;
+  const int per_split =
+      ((kv_len + a.num_splits - 1) / a.num_splits + kBlockN - 1) / kBlockN * kBlockN;
+  const int s_begin = kv_begin + min(kv_len, split * per_split);
+  const int s_end = kv_begin + min(kv_len, (split + 1) * per_split);
+  const int num_tiles = (s_end - s_begin + kBlockN - 1) / kBlockN;
+
+  const int32_t* const block_row = p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
+  // Page-table lookup of key row r of tile n: (block id, offset); block -1 past the split
+  // (the copy then writes zeros) or for an id outside the cache (validation checked the
+  // host mirror; a device table that disagrees leaves the row zero, not read out of bounds).
+  auto lookup = [&](int n, int r) -> int2 {
+    const int j = s_begin + n * kBlockN + r;
+    if (j >= s_end) return make_int2(-1, 0);
+    const int b = j / p.block_size;
+    const int block = block_row[b];
+    if (block < 0 || block >= p.num_blocks) return make_int2(-1, 0);
+    return make_int2(block, j - b * p.block_size);
+  };
+
+  // ---- Prologue: zero padding, page table of the first kStages tiles, Q.
+  if (a.zero_fill) {
+    const int bytes = fp8 ? Traits::kStageBytes : kStages * Traits::kStageBytes;
+    uint8_t* const tiles = fp8 ? kv_smem + kStages * Traits::kRawStageBytes : kv_smem;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int i = tid; i < bytes / 16; i += kThreads) reinterpret_cast<uint4*>(tiles)[i] = zero;
+  }
+  int2 loc_ahead = make_int2(-1, 0);  // threads tid < kBlockN: lookup of tile t + kStages + 1
+  if (tid < kBlockN) {
+KVSTREAM_DECODE_TC_UNROLL
+    for (int st = 0; st < kStages; ++st) loc_smem[st * kBlockN + tid] = lookup(st, tid);
+    loc_ahead = lookup(kStages, tid);
+  }
+  {
+    // Q tile: row m is head first_head + m; rows past the group and columns past
+    // head_size are zero. Element loads: 16 rows, any alignment.
+    const T* const q = static_cast<const T*>(p.q);
+    for (int i = tid; i < kRows * D; i += kThreads) {
+      const int m = i / D;
+      const int d = i - m * D;
+      T value = FloatToActivation<T>(0.0f);
+      if (m < heads_here && d < head_size) {
+        value = q[static_cast<int64_t>(q_row) * p.q_token_stride +
+                  static_cast<int64_t>(first_head + m) * p.q_head_stride + d];
+      }
+      *reinterpret_cast<T*>(q_smem + SwizzledChunk<D>(m, d >> 3) + (d & 7) * 2) = value;
+    }
+  }
+  __syncthreads();
+
+  // Issues the copies of tile n into stage `stage` (16-bit tiles, or raw fp8 tiles).
+  const int64_t k_head_offset = static_cast<int64_t>(kv_head) * p.k_head_stride;
+  const int64_t v_head_offset = static_cast<int64_t>(kv_head) * p.v_head_stride;
+  // kFp8Tag: std::true_type for raw fp8 tiles, so that the loop bounds are constants.
+  auto issue_tile_as = [&](auto fp8_tag, int n, int stage) {
+    constexpr bool kFp8 = decltype(fp8_tag)::value;
+    const int2* const locs = loc_smem + (n % kStages) * kBlockN;
+    // 16-byte chunks per row: D / 8 of T, or D / 16 of fp8. Up to 16 threads per row, so
+    // that a warp's copies cover whole 256-byte row segments.
+    constexpr int kChunks = kFp8 ? D / 16 : D / 8;
+    constexpr int kPerRow = kChunks < 16 ? kChunks : 16;
+    constexpr int kRowsPerPass = kThreads / kPerRow;
+    constexpr int kElems = kFp8 ? 16 : 8;
+    constexpr int kEs = kFp8 ? 1 : 2;
+    const int lrow = tid / kPerRow;
+    const int lcol = tid % kPerRow;
+    const int k_chunks = head_size / kElems;
+    const int v_chunks = head_size_v / kElems;
+    const uint8_t* const k = static_cast<const uint8_t*>(p.k_cache);
+    const uint8_t* const v = static_cast<const uint8_t*>(p.v_cache);
+KVSTREAM_DECODE_TC_UNROLL
+    for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
+      const int r = lrow + pass * kRowsPerPass;
+      const int2 loc = locs[r];
+      const bool valid = loc.x >= 0;
+      const int64_t k_row = valid ? static_cast<int64_t>(loc.x) * p.k_block_stride +
+                                        static_cast<int64_t>(loc.y) * p.k_token_stride +
+                                        k_head_offset
+                                  : 0;
+      const int64_t v_row = valid ? static_cast<int64_t>(loc.x) * p.v_block_stride +
+                                        static_cast<int64_t>(loc.y) * p.v_token_stride +
+                                        v_head_offset
+                                  : 0;
+KVSTREAM_DECODE_TC_UNROLL
+      for (int i = 0; i < kChunks / kPerRow; ++i) {
+        const int c = lcol + i * kPerRow;
+        uint32_t k_dst, v_dst;
+        if constexpr (kFp8) {
+          k_dst = kv_base + stage * Traits::kRawStageBytes + r * D + c * 16;
+          v_dst = k_dst + kBlockN * D;
+        } else {
+          k_dst = kv_base + stage * Traits::kStageBytes + SwizzledChunk<D>(r, c);
+          v_dst = k_dst + Traits::kTileBytes;
+        }
+        if (c < k_chunks) CpAsync16(k_dst, k + (k_row + c * kElems) * kEs, valid);
+        if (c < v_chunks) CpAsync16(v_dst, v + (v_row + c * kElems) * kEs, valid);
+      }
+    }
+  };
+  auto issue_tile = [&](int n, int stage) {
+    if (fp8) {
+      issue_tile_as(std::true_type(), n, stage);
+    } else {
+      issue_tile_as(std::false_type(), n, stage);
+    }
+  };
+
+  // fp8: converts raw stage `stage` into the 16-bit K and V tiles.
+  uint8_t* const conv_tiles = kv_smem + kStages * Traits::kRawStageBytes;
+  auto convert_raw = [&](int stage) {
+    constexpr int kRawChunks = D / 16;
+    const uint8_t* const raw = kv_smem + stage * Traits::kRawStageBytes;
+    for (int i = tid; i < 2 * kBlockN * kRawChunks; i += kThreads) {
+      const bool is_v = i >= kBlockN * kRawChunks;
+      const int rest = is_v ? i - kBlockN * kRawChunks : i;
+      const int r = rest / kRawChunks;
+      const int c = rest - r * kRawChunks;
+      if (c >= (is_v ? head_size_v : head_size) / 16) continue;
+      const uint4 bits =
+          *reinterpret_cast<const uint4*>(raw + (is_v ? kBlockN * D : 0) + r * D + c * 16);
+      const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
+      uint32_t out[8];
+      if (a.cache_kind == kCacheE4M3) {
+KVSTREAM_DECODE_TC_UNROLL
+        for (int w = 0; w < 4; ++w) {
+          out[2 * w] = Fp8PairTo<T, __NV_E4M3>(words[w] & 0xffffu);
+          out[2 * w + 1] = Fp8PairTo<T, __NV_E4M3>(words[w] >> 16);
+        }
+      } else {
+KVSTREAM_DECODE_TC_UNROLL
+        for (int w = 0; w < 4; ++w) {
+          out[2 * w] = Fp8PairTo<T, __NV_E5M2>(words[w] & 0xffffu);
+          out[2 * w + 1] = Fp8PairTo<T, __NV_E5M2>(words[w] >> 16);
+        }
+      }
+      uint8_t* const tile = conv_tiles + (is_v ? Traits::kTileBytes : 0);
+      *reinterpret_cast<uint4*>(tile + SwizzledChunk<D>(r, 2 * c)) =
+          make_uint4(out[0], out[1], out[2], out[3]);
+      *reinterpret_cast<uint4*>(tile + SwizzledChunk<D>(r, 2 * c + 1)) =
+          make_uint4(out[4], out[5], out[6], out[7]);
+    }
+  };
+
+KVSTREAM_DECODE_TC_UNROLL
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < num_tiles) issue_tile(st, st);
+    CpAsyncCommit();
+  }
+
+  // ---- Per-thread state. Rows (heads) lane / 4 and lane / 4 + 8; keys of the warp's
+  // slice 2 (lane % 4) + {0, 1} and + 8.
+  const float k_scale = p.k_scale[p.num_scales == 1 ? 0 : kv_head];
+  const float v_scale = p.v_scale[p.num_scales == 1 ? 0 : kv_head];
+  const bool soft_cap = p.logits_soft_cap > 0.0f;
+  const bool alibi = p.alibi_slopes != nullptr;
+  // Scores in base 2: s2 = scale2 * qk, or cap2 * tanh(qk * inv_cap) with a soft cap.
+  const float scale2 = p.scale * k_scale * kLog2e;
+  const float cap2 = soft_cap ? p.logits_soft_cap * kLog2e : 0.0f;
+  const float inv_cap = soft_cap ? p.scale * k_scale / p.logits_soft_cap : 0.0f;
+  float row_slope2[2];
+KVSTREAM_DECODE_TC_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int m = (lane >> 2) + 8 * half;
+    row_slope2[half] = alibi && m < heads_here ? p.alibi_slopes[first_head + m] * kLog2e : 0.0f;
+  }
+  float acc_o[kDBlocks][4];
+KVSTREAM_DECODE_TC_UNROLL
+  for (int nb = 0; nb < kDBlocks; ++nb) {
+KVSTREAM_DECODE_TC_UNROLL
+    for (int e = 0; e < 4; ++e) acc_o[nb][e] = 0.0f;
+  }
+  float row_max[2] = {kNegInf, kNegInf};
+  float row_sum[2] = {0.0f, 0.0f};
+
+  // ldmatrix addresses (as in prefill_attention.cuh): every row a lane addresses is
+  // lane % 8 modulo 8, so logical chunk 2 kk + s sits at (kk / 4) * 128 +
+  // ((kk % 4) * 32 ^ ((lane % 8 ^ s) * 16)).
+  //   Q (A operand) and V (B operand, transposed): row lane % 16, chunk 2 kk + lane / 16.
+  //   K (B operand): row lane % 8 + 8 (lane / 16), chunk 2 kk + (lane / 8) % 2.
+  const uint32_t swz_qv = static_cast<uint32_t>(((lane & 7) ^ (lane >> 4)) << 4);
+  const uint32_t swz_k = static_cast<uint32_t>(((lane & 7) ^ ((lane >> 3) & 1)) << 4);
+  const uint32_t q_lane_addr = q_base + static_cast<uint32_t>((lane & 15) * D * 2);
+  const uint32_t k_lane_off =
+      static_cast<uint32_t>((16 * warp + (lane & 7) + ((lane >> 4) << 3)) * D * 2);
+  const uint32_t v_lane_off = static_cast<uint32_t>((16 * warp + (lane & 15)) * D * 2);
+  const int k_steps = (head_size + 15) / 16;     // k16 steps of Q K^T that are not padding
+  const int dv_steps = (head_size_v + 15) / 16;  // d16 steps of P V that are not padding
+  const int quad_col = 2 * (lane & 3);
+  constexpr int kBatch = 4;  // K / V fragments loaded ahead of their mma chains
+  // Q fragments stay in registers up to D = 128 (32 registers); at 256 the output
+  // accumulators need them, and Q is read from shared memory per step.
+  constexpr bool kQInRegisters = D <= 128;
+  uint32_t q_frag[kQInRegisters ? D / 16 : 1][4];
+  if constexpr (kQInRegisters) {
+KVSTREAM_DECODE_TC_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) {
+      if (kk < k_steps) {
+        LdMatrixX4(q_frag[kk], q_lane_addr + (kk >> 2) * 128 + (swz_qv ^ ((kk & 3) << 5)));
+      }
+    }
+  }
+
+  // ---- Main loop over key tiles.
+  for (int t = 0; t < num_tiles; ++t) {
+    CpAsyncWaitGroup<kStages - 2>();
+    __syncthreads();  // tile t landed for every thread; tile t - 1 is consumed
+    uint32_t k_base, v_base;
+    if (fp8) {
+      convert_raw(t % kStages);
+      __syncthreads();
+      k_base = kv_base + kStages * Traits::kRawStageBytes;
+    } else {
+      k_base = kv_base + (t % kStages) * Traits::kStageBytes;
+    }
+    v_base = k_base + Traits::kTileBytes;
+    if (t + kStages - 1 < num_tiles) issue_tile(t + kStages - 1, (t + kStages - 1) % kStages);
+    CpAsyncCommit();
+    if (tid < kBlockN) {
+      // Slot t % kStages held tile t's rows (issued long ago); it now takes tile
+      // t + kStages, read by the issue of the next iteration after its barrier.
+      loc_smem[(t % kStages) * kBlockN + tid] = loc_ahead;
+      loc_ahead = lookup(t + kStages + 1, tid);
+    }
+
+    const int tile_lo = s_begin + t * kBlockN;
+    const int n_valid = min(kBlockN, s_end - tile_lo);
+    if (16 * warp >= n_valid) continue;  // warp-uniform: none of the warp's keys exist
+
+    // S = Q K^T for the warp's 16 keys: acc_s[nb] holds keys nb * 8 + quad_col + {0, 1}.
+    float acc_s[2][4];
+KVSTREAM_DECODE_TC_UNROLL
+    for (int nb = 0; nb < 2; ++nb) {
+KVSTREAM_DECODE_TC_UNROLL
+      for (int e = 0; e < 4; ++e) acc_s[nb][e] = 0.0f;
+    }
+KVSTREAM_DECODE_TC_UNROLL
+    for (int k0 = 0; k0 < D / 16; k0 += kBatch) {
+      uint32_t b[kBatch][4];
+      uint32_t qa[kQInRegisters ? 1 : kBatch][4];
+KVSTREAM_DECODE_TC_UNROLL
+      for (int i = 0; i < kBatch; ++i) {
+        const int kk = k0 + i;
+        if (kk < k_steps) {
+          LdMatrixX4(b[i], k_base + k_lane_off + (kk >> 2) * 128 + (swz_k ^ ((kk & 3) << 5)));
+          if constexpr (!kQInRegisters) {
+            LdMatrixX4(qa[i], q_lane_addr + (kk >> 2) * 128 + (swz_qv ^ ((kk & 3) << 5)));
+          }
+        }
+      }
+KVSTREAM_DECODE_TC_UNROLL
+      for (int i = 0; i < kBatch; ++i) {
+        const int kk = k0 + i;
+        if (kk < k_steps) {
+          const uint32_t(&af)[4] = kQInRegisters ? q_frag[kQInRegisters ? kk : 0]
+                                                 : qa[kQInRegisters ? 0 : i];
+          Mma16816<T>(acc_s[0], af, b[i][0], b[i][1]);
+          Mma16816<T>(acc_s[1], af, b[i][2], b[i][3]);
+        }
+      }
+    }
+
+    // Scores in base 2: soft cap, then ALiBi, then the end of the split.
+    const int key0 = tile_lo + 16 * warp + quad_col;  // key of acc_s[0][0]
+KVSTREAM_DECODE_TC_UNROLL
+    for (int nb = 0; nb < 2; ++nb) {
+KVSTREAM_DECODE_TC_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        float s = acc_s[nb][e];
+        if (soft_cap) {
+          // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7.
+          const float x = s * inv_cap;
+          s = cap2 * (1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f));
+        } else {
+          s *= scale2;
+        }
+        const int key = key0 + nb * 8 + (e & 1);
+        // slope * (key - q_pos), with key - q_pos formed exactly in integers.
+        if (alibi) s += row_slope2[e >> 1] * static_cast<float>(key - q_pos);
+        acc_s[nb][e] = key < s_end ? s : kNegInf;
+      }
+    }
+
+    // Online softmax per row: running max and (per-thread partial) sum, O rescaled.
+KVSTREAM_DECODE_TC_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      float tile_max = fmaxf(fmaxf(acc_s[0][2 * half], acc_s[0][2 * half + 1]),
+                             fmaxf(acc_s[1][2 * half], acc_s[1][2 * half + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(row_max[half], tile_max);
+      // A row with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
+      const float use_max = new_max == kNegInf ? 0.0f : new_max;
+      const float alpha = FastExp2(row_max[half] - use_max);
+      row_max[half] = new_max;
+      float sum = 0.0f;
+KVSTREAM_DECODE_TC_UNROLL
+      for (int nb = 0; nb < 2; ++nb) {
+KVSTREAM_DECODE_TC_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          const float pe = FastExp2(acc_s[nb][2 * half + e] - use_max);
+          acc_s[nb][2 * half + e] = pe;
+          sum += pe;
+        }
+      }
+      row_sum[half] = row_sum[half] * alpha + sum;
+KVSTREAM_DECODE_TC_UNROLL
+      for (int nb = 0; nb < kDBlocks; ++nb) {
+        if (nb < 2 * dv_steps) {
+          acc_o[nb][2 * half] *= alpha;
+          acc_o[nb][2 * half + 1] *= alpha;
+        }
+      }
+    }
+
+    // O += P V: P's accumulator layout is the A fragment layout of the next mma.
+    uint32_t pa[4];
+    pa[0] = PackPair<T>(acc_s[0][0], acc_s[0][1]);
+    pa[1] = PackPair<T>(acc_s[0][2], acc_s[0][3]);
+    pa[2] = PackPair<T>(acc_s[1][0], acc_s[1][1]);
+    pa[3] = PackPair<T>(acc_s[1][2], acc_s[1][3]);
+KVSTREAM_DECODE_TC_UNROLL
+    for (int d0 = 0; d0 < D / 16; d0 += kBatch) {
+      uint32_t b[kBatch][4];
+KVSTREAM_DECODE_TC_UNROLL
+      for (int i = 0; i < kBatch; ++i) {
+        const int dd = d0 + i;
+        if (dd < dv_steps) {
+          LdMatrixX4Trans(b[i], v_base + v_lane_off + (dd >> 2) * 128 +
+                                    (swz_qv ^ ((dd & 3) << 5)));
+        }
+      }
+KVSTREAM_DECODE_TC_UNROLL
+      for (int i = 0; i < kBatch; ++i) {
+        const int dd = d0 + i;
+        if (dd < dv_steps) {
+          Mma16816<T>(acc_o[2 * dd], pa, b[i][0], b[i][1]);
+          Mma16816<T>(acc_o[2 * dd + 1], pa, b[i][2], b[i][3]);
+        }
+      }
+    }
+  }
+  CpAsyncWaitGroup<0>();  // only empty groups are pending; shared memory is reused below
+  __syncthreads();
+
+  // ---- The warps' partial results through shared memory:
+  //   red [kWarps][kRows][D] floats, ml [kWarps][kRows][2] (max, sum).
+  float* const red = reinterpret_cast<float*>(smem);
+  float* const ml = red + Traits::kWarps * kRows * D;
+KVSTREAM_DECODE_TC_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    float sum = row_sum[half];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int m = (lane >> 2) + 8 * half;
+    float* const row = red + (warp * kRows + m) * D;
+KVSTREAM_DECODE_TC_UNROLL
+    for (int nb = 0; nb < kDBlocks; ++nb) {
+      if (nb < 2 * dv_steps) {
+        row[nb * 8 + quad_col] = acc_o[nb][2 * half];
+        row[nb * 8 + quad_col + 1] = acc_o[nb][2 * half + 1];
+      }
+    }
+    if ((lane & 3) == 0) {
+      ml[(warp * kRows + m) * 2] = row_max[half];
+      ml[(warp * kRows + m) * 2 + 1] = sum;
+    }
+  }
+  __syncthreads();
+
+  T* const out = static_cast<T*>(p.out);
+  for (int idx = tid; idx < heads_here * head_size_v; idx += kThreads) {
+    const int m = idx / head_size_v;
+    const int d = idx - m * head_size_v;
+    float big = kNegInf;
+KVSTREAM_DECODE_TC_UNROLL
+    for (int w = 0; w < Traits::kWarps; ++w) big = fmaxf(big, ml[(w * kRows + m) * 2]);
+    float sum = 0.0f;
+    float o = 0.0f;
+KVSTREAM_DECODE_TC_UNROLL
+    for (int w = 0; w < Traits::kWarps; ++w) {
+      const float mw = ml[(w * kRows + m) * 2];
+      if (mw != kNegInf) {
+        const float f = FastExp2(mw - big);
+        sum = fmaf(ml[(w * kRows + m) * 2 + 1], f, sum);
+        o = fmaf(red[(w * kRows + m) * D + d], f, o);
+      }
+    }
+    const int h = first_head + m;
+    if (a.num_splits == 1) {
+      const float value = sum > 0.0f ? o / sum * v_scale : 0.0f;
+      out[static_cast<int64_t>(q_row) * p.o_token_stride +
+          static_cast<int64_t>(h) * p.o_head_stride + d] = FloatToActivation<T>(value);
+    } else {
+      const int64_t slot = (static_cast<int64_t>(seq) * p.num_heads + h) * a.num_splits + split;
+      a.partial_out[slot * head_size_v + d] = o;
+      if (d == 0) {
+        a.partial_ml[slot * 2] = big;
+        a.partial_ml[slot * 2 + 1] = sum;
+      }
+    }
+  }
+}
+
+}  // namespace decode_tc
+}  // namespace internal
+}  // namespace kvstream
+
+#endif  // KVSTREAM_ATTENTION_CUDA_DECODE_TC_ATTENTION_CUH_

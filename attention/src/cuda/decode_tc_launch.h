@@ -1,0 +1,43 @@
+// The tensor-core decode kernel's half of LaunchDecodeAttention (decode_tc_attention.cu):
+// its plan (split count, workspace) and the launch of its split kernel. The merge kernel
+// it shares with the CUDA-core kernel is launched by decode_attention.cu. Private to the
+// CUDA backend.
+#ifndef KVSTREAM_ATTENTION_CUDA_DECODE_TC_LAUNCH_H_
+#define KVSTREAM_ATTENTION_CUDA_DECODE_TC_LAUNCH_H_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cuda/kernel_params.h"
+#include "cuda/launchers.h"
+#include "kvstream/common/dtype.h"
+
+namespace kvstream {
+namespace internal {
+
+struct DecodeTcPlan {
+  int num_splits = 1;
+  size_t workspace_bytes = 0;    // 0 when num_splits == 1
+  size_t partial_out_bytes = 0;  // partial_ml follows at this offset
+};
+
+// The split count and workspace of the tensor-core kernel (options.num_sms, num_splits).
+// REQUIRES: DecodeTensorCoresApply(params, ...) for some 16-bit q dtype, or it returns
+// InvalidArgument.
+absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& params, DType cache_dtype,
+                                          const DecodeLaunchOptions& options);
+
+// Enqueues the tensor-core split kernel. `partial_out` / `partial_ml` point into the
+// workspace when plan.num_splits > 1 (then the caller launches the merge kernel).
+// REQUIRES: DecodeTensorCoresApply(params, q_dtype, q_dtype, cache_dtype).
+absl::Status LaunchDecodeTcSplit(const PagedKernelParams& params, DType q_dtype,
+                                 DType cache_dtype, const DecodeTcPlan& plan, float* partial_out,
+                                 float* partial_ml, cudaStream_t stream);
+
+}  // namespace internal
+}  // namespace kvstream
+
+#endif  // KVSTREAM_ATTENTION_CUDA_DECODE_TC_LAUNCH_H_

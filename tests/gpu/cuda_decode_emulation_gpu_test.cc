@@ -1,0 +1,314 @@
+// The tensor-core decode kernel (attention/src/cuda/decode_tc_attention.cuh) compiled by the
+// host compiler and run under the warp emulator (warp_emulator.h), against the golden CPU
+// reference. Needs no GPU: it checks the kernel's index math (head rows of the m16 tile,
+// the warps' key slices, page-table walks through the lookup ring, swizzled tiles, the
+// ldmatrix / mma fragment layouts as the PTX ISA defines them, fp8 staging, the end of a
+// split, the warps' merge) and the cp.async pipeline's commit groups: copies land only at
+// the cp.async.wait_group that covers them, or (second mode) at issue with the threads run
+// in reverse order, which exposes copies into a stage still being read. Split partials are
+// merged on the host with the formula of DecodeMergeKernel.
+#define KVSTREAM_DECODE_TC_EMULATION 1
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "attention_test_util.h"
+#include "cuda/kernel_params.h"
+#include "cuda/launchers.h"
+#include "kvstream/attention/backend.h"
+#include "kvstream/attention/cpu_attention.h"
+#include "kvstream/common/dtype.h"
+#include "warp_emulator.h"
+
+// What a host compiler lacks of CUDA's device dialect.
+#ifndef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
+
+namespace kvstream {
+namespace internal {
+namespace decode_tc {
+
+namespace emu = ::kvstream::gpu_test::emulation;
+
+// ---- The PTX wrappers the kernel calls, emulated (see decode_tc_attention.cuh).
+#define KVSTREAM_DECODE_TC_UNROLL
+#define KVSTREAM_DECODE_TC_SHARED_MEMORY(name) \
+  uint8_t* const name = ::kvstream::gpu_test::emulation::SharedMemory()
+
+inline uint32_t SmemAddress(const void* p) { return emu::SmemAddress(p); }
+inline void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  emu::CpAsync16(dst, src, valid);
+}
+inline void CpAsyncCommit() { emu::CpAsyncCommit(); }
+template <int kPending>
+void CpAsyncWaitGroup() {
+  emu::CpAsyncWaitGroup(kPending);
+}
+inline void LdMatrixX4(uint32_t (&r)[4], uint32_t address) { emu::LdMatrixX4(r, address, false); }
+inline void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t address) {
+  emu::LdMatrixX4(r, address, true);
+}
+template <typename T>
+void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  emu::Mma16816<T>(c, a, b0, b1);
+}
+inline float FastExp2(float x) { return std::exp2(x); }
+
+}  // namespace decode_tc
+}  // namespace internal
+}  // namespace kvstream
+
+// CUDA built-ins the kernel uses, for the emulator.
+inline void __syncthreads() { kvstream::gpu_test::emulation::SyncThreads(); }
+inline float __shfl_xor_sync(unsigned /*mask*/, float value, int lane_mask) {
+  return kvstream::gpu_test::emulation::ShflXor(value, lane_mask);
+}
+inline float __fdividef(float a, float b) { return a / b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+#define threadIdx \
+  (dim3(static_cast<unsigned>(::kvstream::gpu_test::emulation::Cta::current->thread())))
+#define blockIdx (::kvstream::gpu_test::emulation::Cta::current->block())
+
+#include "cuda/decode_tc_attention.cuh"  // NOLINT(build/include_order): after the emulation
+
+#undef threadIdx
+#undef blockIdx
+
+namespace kvstream {
+namespace {
+
+using ::kvstream::testing_util::AttnCase;
+using ::kvstream::testing_util::AttnProblem;
+using ::kvstream::testing_util::SeqSpec;
+using ::kvstream::testing_util::TestLayout;
+using EmulationMode = ::kvstream::gpu_test::emulation::Cta::Mode;
+namespace tc = ::kvstream::internal::decode_tc;
+
+int PaddedHeadDim(int head_size, int head_size_v) {
+  const int larger = std::max(head_size, head_size_v);
+  return larger <= 64 ? 64 : larger <= 128 ? 128 : 256;
+}
+
+// Runs every CTA of the split grid for padded head size D and activation type T, then
+// merges the splits on the host as DecodeMergeKernel does.
+template <int D, typename T>
+absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dtype,
+                          int num_splits, EmulationMode mode) {
+  using Traits = tc::DecodeTcTraits<D>;
+  const bool fp8 = IsFp8(cache_dtype);
+  const int group = kp.num_heads / kp.num_kv_heads;
+  const size_t slots = static_cast<size_t>(kp.num_seqs) * kp.num_heads * num_splits;
+  std::vector<float> partial_out(slots * kp.head_size_v, std::nanf(""));
+  std::vector<float> partial_ml(slots * 2, std::nanf(""));
+  tc::DecodeTcArgs args{};
+  args.group_size = group;
+  args.head_tiles = (group + 15) / 16;
+  args.num_splits = num_splits;
+  args.cache_kind = cache_dtype == DType::kFloat8E4M3   ? tc::kCacheE4M3
+                    : cache_dtype == DType::kFloat8E5M2 ? tc::kCacheE5M2
+                                                        : tc::kCache16;
+  args.zero_fill = kp.head_size < D || kp.head_size_v < D;
+  args.partial_out = num_splits > 1 ? partial_out.data() : nullptr;
+  args.partial_ml = num_splits > 1 ? partial_ml.data() : nullptr;
+
+  gpu_test::emulation::Cta cta(Traits::kThreads, static_cast<size_t>(Traits::SmemBytes(fp8)));
+  cta.set_mode(mode);
+  const std::function<void()> body = [&] { tc::DecodeTcKernel<D, T>(kp, args); };
+  for (unsigned z = 0; z < static_cast<unsigned>(num_splits); ++z) {
+    for (unsigned y = 0; y < static_cast<unsigned>(kp.num_kv_heads * args.head_tiles); ++y) {
+      for (unsigned x = 0; x < static_cast<unsigned>(kp.num_seqs); ++x) {
+        if (!cta.Run(dim3(x, y, z), body)) {
+          return absl::InternalError(
+              absl::StrCat("block (", x, ", ", y, ", ", z, "): ", cta.error()));
+        }
+      }
+    }
+  }
+  if (num_splits == 1) return absl::OkStatus();
+
+  // DecodeMergeKernel on the host (it also applies the V scale).
+  T* const out = static_cast<T*>(kp.out);
+  for (int seq = 0; seq < kp.num_seqs; ++seq) {
+    const int q_row = kp.query_start_loc[seq];
+    if (kp.query_start_loc[seq + 1] - q_row <= 0) continue;
+    for (int h = 0; h < kp.num_heads; ++h) {
+      const size_t first = (static_cast<size_t>(seq) * kp.num_heads + h) * num_splits;
+      float big = -INFINITY;
+      for (int i = 0; i < num_splits; ++i) big = std::max(big, partial_ml[(first + i) * 2]);
+      float sum = 0.0f;
+      std::vector<float> weight(static_cast<size_t>(num_splits));
+      for (int i = 0; i < num_splits; ++i) {
+        const float mi = partial_ml[(first + i) * 2];
+        if (std::isnan(mi) || std::isnan(partial_ml[(first + i) * 2 + 1])) {
+          return absl::InternalError(absl::StrCat("seq ", seq, " head ", h, " split ", i,
+                                                  ": partial (max, sum) never written"));
+        }
+        weight[i] = mi == -INFINITY ? 0.0f : std::exp2(mi - big);
+        sum += partial_ml[(first + i) * 2 + 1] * weight[i];
+      }
+      const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float v_scale = kp.v_scale[kp.num_scales == 1 ? 0 : h / group];
+      for (int d = 0; d < kp.head_size_v; ++d) {
+        float o = 0.0f;
+        for (int i = 0; i < num_splits; ++i) {
+          const float part = partial_out[(first + i) * kp.head_size_v + d];
+          if (std::isnan(part)) {
+            return absl::InternalError(absl::StrCat("seq ", seq, " head ", h, " split ", i,
+                                                    " d ", d, ": partial output never written"));
+          }
+          o += part * weight[i];
+        }
+        out[static_cast<int64_t>(q_row) * kp.o_token_stride +
+            static_cast<int64_t>(h) * kp.o_head_stride + d] =
+            tc::FloatToActivation<T>(o * inv_sum * v_scale);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The launcher's dispatch, with host memory standing in for device memory.
+absl::Status Emulate(const PagedAttentionParams& host, int num_splits, EmulationMode mode) {
+  PagedAttentionParams dev = host;
+  dev.cache.memory = MemoryKind::kDevice;  // host pointers play the device's
+  dev.host.query_start_loc = host.query_start_loc;
+  dev.host.seq_lens = host.seq_lens;
+  dev.host.block_table = host.block_table;
+  dev.host.alibi_slopes = host.alibi_slopes;
+  absl::StatusOr<internal::PagedKernelParams> kp = internal::MakePagedKernelParams(dev);
+  if (!kp.ok()) return kp.status();
+  const DType cache = host.cache.spec.dtype;
+  // The launcher's predicate must take every case here (host vectors are 16-byte aligned).
+  std::string why;
+  if (!internal::DecodeTensorCoresApply(*kp, host.q_dtype, host.out_dtype, cache, &why)) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor cores do not apply: ", why));
+  }
+  const bool bf16 = host.q_dtype == DType::kBFloat16;
+  switch (PaddedHeadDim(kp->head_size, kp->head_size_v)) {
+    case 64:
+      return bf16 ? EmulateTyped<64, __nv_bfloat16>(*kp, cache, num_splits, mode)
+                  : EmulateTyped<64, __half>(*kp, cache, num_splits, mode);
+    case 128:
+      return bf16 ? EmulateTyped<128, __nv_bfloat16>(*kp, cache, num_splits, mode)
+                  : EmulateTyped<128, __half>(*kp, cache, num_splits, mode);
+    default:
+      return bf16 ? EmulateTyped<256, __nv_bfloat16>(*kp, cache, num_splits, mode)
+                  : EmulateTyped<256, __half>(*kp, cache, num_splits, mode);
+  }
+}
+
+void ExpectEmulationMatchesReference(AttnProblem& pb, int num_splits, EmulationMode mode) {
+  const AttnCase& c = pb.config();
+  std::vector<uint8_t> ref_out = pb.NewOut();
+  ASSERT_TRUE(RunAttentionReference(pb.params(ref_out)).ok());
+  std::vector<uint8_t> out = pb.NewOut();
+  const absl::Status st = Emulate(pb.params(out), num_splits, mode);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(pb.CountStrayWrites(out), 0);
+  // The GPU tests' tolerances (gpu_test_util.h GpuTolerance), absolute plus as much
+  // relative: P is rounded to the 16-bit type before P V, as on the GPU.
+  const float tol = c.out_dtype == DType::kFloat16 ? 2.5e-3f : 1.5e-2f;
+  int failures = 0;
+  for (size_t s = 0; s < c.seqs.size(); ++s) {
+    for (int t = 0; t < c.seqs[s].query_len; ++t) {
+      const int64_t row = pb.query_start(s) + t;
+      for (int h = 0; h < pb.num_heads(); ++h) {
+        for (int d = 0; d < c.head_size_v; ++d) {
+          const float want = pb.Out(ref_out, row, h, d);
+          const float got = pb.Out(out, row, h, d);
+          if (!(std::fabs(want - got) <= tol + tol * std::fabs(want)) && ++failures <= 5) {
+            ADD_FAILURE() << "seq " << s << " head " << h << " d " << d << ": reference "
+                          << want << " emulated kernel " << got;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(failures, 0);
+}
+
+struct EmuCase {
+  const char* name;
+  int head_size, head_size_v, kv_heads, group, block_size;
+  DType q_dtype, cache_dtype;
+  KvQuantMode quant;
+  TestLayout layout;
+  int window;
+  bool alibi;
+  float cap;
+  int num_splits;
+};
+
+class CudaDecodeEmulationTest : public ::testing::TestWithParam<EmuCase> {};
+
+TEST_P(CudaDecodeEmulationTest, KernelMatchesReference) {
+  const EmuCase& ec = GetParam();
+  AttnCase c;
+  c.head_size = ec.head_size;
+  c.head_size_v = ec.head_size_v;
+  c.num_kv_heads = ec.kv_heads;
+  c.group = ec.group;
+  c.block_size = ec.block_size;
+  c.q_dtype = ec.q_dtype;
+  c.out_dtype = ec.q_dtype;
+  c.cache_dtype = ec.cache_dtype;
+  c.quant = ec.quant;
+  c.layout = ec.layout;
+  c.causal = true;
+  c.sliding_window = ec.window;
+  c.alibi = ec.alibi;
+  c.soft_cap = ec.cap;
+  c.scale = 0.3f;
+  // Decode rows: one key, a partial tile, several tiles (and, split, several splits of
+  // whole 64-key tiles with a short last one), a sequence without a query.
+  c.seqs = {{0, 1}, {26, 1}, {6, 0}, {200, 1}, {64, 1}, {700, 1}};
+  c.pad_tokens = 2;
+  c.seed = 11;
+  AttnProblem pb(c);
+  for (EmulationMode mode : {EmulationMode{false, false}, EmulationMode{true, true}}) {
+    SCOPED_TRACE(mode.copies_land_at_issue ? "copies land at issue, reverse order"
+                                           : "copies land at wait, thread order");
+    ExpectEmulationMatchesReference(pb, ec.num_splits, mode);
+  }
+}
+
+constexpr DType kBf16 = DType::kBFloat16;
+constexpr DType kF16 = DType::kFloat16;
+INSTANTIATE_TEST_SUITE_P(
+    Cases, CudaDecodeEmulationTest,
+    ::testing::Values(
+        EmuCase{"d128_bf16_gqa4_bs16_one_split", 128, 128, 2, 4, 16, kBf16, kBf16,
+                KvQuantMode::kNone, TestLayout::kNHD, 0, false, 0, 1},
+        EmuCase{"d128_bf16_gqa4_bs16_three_splits", 128, 128, 2, 4, 16, kBf16, kBf16,
+                KvQuantMode::kNone, TestLayout::kNHD, 0, false, 0, 3},
+        EmuCase{"d80_f16_e4m3_perhead_gqa4_hnd_bs5_two_splits", 80, 80, 2, 4, 5, kF16,
+                DType::kFloat8E4M3, KvQuantMode::kPerHead, TestLayout::kHND, 0, false, 0, 2},
+        EmuCase{"d64_bf16_mha_window_alibi_cap_bs1_two_splits", 64, 64, 2, 1, 1, kBf16, kBf16,
+                KvQuantMode::kNone, TestLayout::kNHD, 70, true, 2.0f, 2},
+        EmuCase{"d192_128_f16_e5m2_group8", 192, 128, 1, 8, 16, kF16, DType::kFloat8E5M2,
+                KvQuantMode::kPerTensor, TestLayout::kNHD, 0, false, 0, 1},
+        EmuCase{"d64_f16_group20_two_head_tiles_four_splits", 64, 64, 1, 20, 16, kF16, kF16,
+                KvQuantMode::kNone, TestLayout::kHND, 0, true, 0, 4}),
+    [](const auto& test_info) { return std::string(test_info.param.name); });
+
+}  // namespace
+}  // namespace kvstream
