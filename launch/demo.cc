@@ -235,6 +235,18 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
                                 "the colocated run\n"
                               : "check: FAILED: disaggregated outputs differ from the colocated run\n");
   out << (report.blocks_leaked ? "check: FAILED: blocks leaked\n" : "check: no block leaked\n");
+  // The demo exists to show KV arriving from the prefill worker: a request that had to be
+  // recomputed locally (its KV late or lost) is a failure here, even though the recompute
+  // policy kept its output right.
+  int recomputed = 0;
+  for (const auto& r : report.results) recomputed += r.recomputed ? 1 : 0;
+  if (recomputed > 0) {
+    out << "check: FAILED: " << recomputed << " of " << report.results.size()
+        << " requests did not receive their KV from the prefill worker and were recomputed "
+           "(see the load errors above)\n";
+  } else {
+    out << "check: every request's KV came from the prefill worker\n";
+  }
 
   if (!o.json_path.empty()) {
     nlohmann::json j;
@@ -248,6 +260,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     j["transport"] = absl::StrCat("ucx-", tls);
     j["backend"] = o.model.backend;
     j["load_errors"] = report.stats.load_errors;
+    j["requests_recomputed"] = recomputed;
     j["connector"] = ConnectorStatsJson(report.stats, report.peer_stats);
     std::ofstream f(o.json_path);
     f << j.dump(2) << "\n";
@@ -256,6 +269,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     err << "kvstream demo: the prefill worker exited with status " << prc << "\n";
     return prc < 0 ? 1 : prc;
   }
+  if (rc == 0 && recomputed > 0) return 3;  // as a failed request (demo.h)
   return rc;
 }
 

@@ -40,7 +40,8 @@ struct DemoOptions {
   double timeout_s = 600;
 };
 
-// Exit status as `kvstream worker` (0 ok; 2 tokens differ; 3 a request failed; ...).
+// Exit status as `kvstream worker` (0 ok; 2 tokens differ; 3 a request failed; ...); a
+// request whose KV did not arrive and was recomputed counts as failed (3) here.
 int RunDemo(const DemoOptions& options, std::ostream& out, std::ostream& err);
 
 }  // namespace kvstream

@@ -602,11 +602,16 @@ class LayerwiseConnectorImpl final : public KvConnector {
     for (Job& job : jobs) {
       absl::Status status = PostLayer(*layer, cv, es, job.id, *job.link, job.local_blocks,
                                       job.dest_blocks, job.num_tokens);
+      absl::MutexLock lock(&mu_);
+      auto s = send_.find(job.id);
       if (!status.ok()) {
-        absl::MutexLock lock(&mu_);
-        auto s = send_.find(job.id);
         if (s != send_.end()) FailSend(s->second, status);
         if (step_error_.ok()) step_error_ = status;
+      } else if (s != send_.end()) {
+        // The deadline measures the transfers, not the prefill: it restarts with every
+        // layer posted, so a long prefill (a big model on a CPU) is not mistaken for a
+        // consumer that stopped taking data.
+        s->second.deadline = absl::Now() + absl::Milliseconds(config_.kvstream.send_timeout_ms);
       }
     }
     return absl::OkStatus();
@@ -1384,7 +1389,10 @@ class LayerwiseConnectorImpl final : public KvConnector {
           transport_->Release(*it);
           it = s.pending.erase(it);
         }
-        if (!s.failed && s.save_scheduled && now > s.deadline && !SendDone(s)) {
+        // Only transfers in flight can be late: while none is, the engine is still computing
+        // the next layer (the consumer's own deadlines cover a producer that stops).
+        if (!s.failed && s.save_scheduled && !s.pending.empty() && now > s.deadline &&
+            !SendDone(s)) {
           s.failed = true;
           s.stop_reason = absl::StrCat("sends did not finish within ",
                                        config_.kvstream.send_timeout_ms, " ms");

@@ -374,6 +374,34 @@ TEST_P(LayerwiseConnectorTest, SeveralRequestsInFlight) {
   EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
 }
 
+TEST_P(LayerwiseConnectorTest, PrefillSlowerThanTheSendTimeoutStillStreams) {
+  // The send timeout bounds transfers in flight, not the prefill's compute: layers posted
+  // 300 ms apart under a 100 ms send timeout all arrive.
+  NodeOptions producer;
+  producer.send_timeout_ms = 100;
+  Start(producer, {});
+  const std::vector<int32_t> d_blocks = {3, 8, 1}, p_blocks = {0, 7, 12};
+  ConsumerAdmit("slow-prefill", 10, d_blocks);
+  ConsumerStep({{"slow-prefill", 0, 10}});
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], p_blocks, 0).ok());
+  auto meta = p_->connector->BuildConnectorMeta({{"slow-prefill", 0, 10}});
+  ASSERT_TRUE(meta.ok());
+  ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
+  AttentionMetadata unused;
+  for (int l = 0; l < kLayers; ++l) {
+    absl::SleepFor(absl::Milliseconds(300));  // the layer's compute
+    ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused).ok());
+  }
+  EXPECT_TRUE(p_->connector->WaitForSave().ok());
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l)).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p_blocks, *d_->caches[l], d_blocks, 9)) << l;
+  }
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+}
+
 TEST_P(LayerwiseConnectorTest, LayerThatNeverArrivesIsALoadErrorAtTheDeadline) {
   NodeOptions consumer;
   consumer.load_timeout_ms = 200;
