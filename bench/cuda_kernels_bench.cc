@@ -1,8 +1,10 @@
 // Benchmarks of the CUDA kernels, each beside the bandwidth (or nothing) it should be
 // compared with, measured in the same run on the same GPU:
-//   CacheUpdate/<tokens>/<dtype>: CacheUpdateCuda, 8 KV heads x 128, block size 16, bf16
-//     inputs into a bf16 or fp8 cache over shuffled blocks; GB/s of bytes read + written,
-//     and the ratio to cudaMemcpyAsync device-to-device of the same traffic.
+//   CacheUpdate/<tokens>/<fp8>/<division>: CacheUpdateCuda, 8 KV heads x 128, block size
+//     16, bf16 inputs into a bf16 or fp8 e4m3 cache over shuffled blocks, fp8 through the
+//     reciprocal method (division 0, the default) or the per-element division (1;
+//     cache_update.cuh, CacheUpdateFp8Method); GB/s of bytes read + written, and the ratio
+//     to cudaMemcpyAsync device-to-device of the same traffic.
 //   Decode/<seqs>/<seq_len>/<kernel>: LaunchDecodeAttention (bf16, 32 query / 8 KV heads,
 //     head size 128, block size 16, shuffled blocks) with kernel 0 the CUDA-core one and 1
 //     the tensor-core one (launchers.h, DecodeKernel); TB/s of K and V read, and the ratio
@@ -33,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "bench/cuda_bench_kernels.h"
+#include "cache/src/cuda/cache_update.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/launchers.h"
 #include "kvstream/attention/backend.h"
@@ -207,7 +210,12 @@ void BM_CacheUpdate(benchmark::State& state) {
   if (SkipWithoutGpu(state, &gpu)) return;
   const int64_t tokens = state.range(0);
   const DType cache_dtype = state.range(1) == 0 ? DType::kBFloat16 : DType::kFloat8E4M3;
-  state.SetLabel(state.range(1) == 0 ? "bf16->bf16" : "bf16->fp8_e4m3");
+  const internal::CacheUpdateFp8Method method = state.range(2) != 0
+                                                    ? internal::CacheUpdateFp8Method::kDivision
+                                                    : internal::CacheUpdateFp8Method::kReciprocal;
+  state.SetLabel(state.range(1) == 0   ? "bf16->bf16"
+                 : state.range(2) != 0 ? "bf16->fp8_e4m3 division"
+                                       : "bf16->fp8_e4m3 reciprocal");
   auto run = [&]() -> absl::Status {
     KvCacheSpec spec;
     spec.block_size = kBlockSize;
@@ -259,7 +267,7 @@ void BM_CacheUpdate(benchmark::State& state) {
     int64_t batches = 0;
     for (auto _ : state) {
       ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, [&] {
-        return CacheUpdateCuda(p, gpu->stream.get());
+        return internal::CacheUpdateCudaWithMethod(p, gpu->stream.get(), method);
       }));
       state.SetIterationTime(s);
       total_s += s;
@@ -459,8 +467,14 @@ void BM_Prefill(benchmark::State& state) {
 }
 
 BENCHMARK(BM_CacheUpdate)
-    ->ArgNames({"tokens", "fp8"})
-    ->ArgsProduct({{4096, 16384, 65536}, {0, 1}})
+    ->ArgNames({"tokens", "fp8", "division"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (const int64_t tokens : {4096, 16384, 65536}) {
+        b->Args({tokens, 0, 0});  // bf16 cache (the method does not apply)
+        b->Args({tokens, 1, 0});  // fp8, reciprocal
+        b->Args({tokens, 1, 1});  // fp8, division
+      }
+    })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Decode)

@@ -2,8 +2,8 @@
 // (fp8 with per-tensor and per-head scales), NHD, HND and two layouts the vector path cannot
 // take (padded heads, strided head dimension), odd block and head sizes, odd token counts,
 // padding slots, inputs with special values (NaN payloads, infinities, subnormals, values
-// past the fp8/fp16 range); a device KvCache; and every rejected input leaving the cache
-// untouched.
+// past the fp8/fp16 range); both fp8 methods on every 16-bit input bit pattern; a device
+// KvCache; and every rejected input leaving the cache untouched.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "cuda/cache_update.cuh"
 #include "gpu_test_util.h"
 #include "kvstream/cache/cache_update.h"
 #include "kvstream/cache/kv_cache.h"
@@ -165,6 +166,35 @@ class UpdateProblem {
     return ToHost(d_v_.data(), v.size(), v.data());
   }
 
+  // Replaces the fp8 scales (sizes as the quant mode wants: 1 or heads).
+  void SetScales(std::vector<float> k, std::vector<float> v) {
+    k_scale_ = std::move(k);
+    v_scale_ = std::move(v);
+  }
+
+  // Replaces the inputs: 16-bit inputs get every bit pattern in K (element i holds i mod
+  // 2^16) and in V (a permutation of them), 32-bit inputs random bit patterns (every
+  // exponent); every token goes to slot t (no padding).
+  void FillEveryBitPattern() {
+    const size_t es = DTypeSize(input_);
+    for (std::vector<uint8_t>* bytes : {&key_, &value_}) {
+      const bool is_value = bytes == &value_;
+      const size_t n = bytes->size() / es;
+      for (size_t i = 0; i < n; ++i) {
+        uint8_t* at = bytes->data() + i * es;
+        if (es == 2) {
+          const uint16_t bits =
+              static_cast<uint16_t>(is_value ? i * 40503u + 12345u : i);  // 40503 is odd
+          std::memcpy(at, &bits, 2);
+        } else {
+          const uint32_t bits = static_cast<uint32_t>(rng_());
+          std::memcpy(at, &bits, 4);
+        }
+      }
+    }
+    for (size_t t = 0; t < slots_.size(); ++t) slots_[t] = static_cast<int64_t>(t);
+  }
+
   const std::vector<uint8_t>& initial_k() const { return k_cache_; }
   const std::vector<uint8_t>& initial_v() const { return v_cache_; }
   std::vector<int64_t>& slots() { return slots_; }
@@ -305,6 +335,64 @@ INSTANTIATE_TEST_SUITE_P(
                                                                   : "",
                           "_", TestLayoutName(std::get<2>(param_info.param)));
     });
+
+// The fp8 methods (cache_update.cuh: reciprocal + correction, and the per-element
+// division) against the CPU, byte for byte, on every 16-bit input bit pattern (and random
+// 32-bit ones) under scales that stress the quotient: 1, small, tiny, odd, 448/65504 (the
+// fp16 range mapped onto e4m3's), and scales outside the reciprocal's range, which fall back
+// to the division.
+TEST_F(CudaCacheUpdateTest, Fp8MethodsMatchCpuOnEveryInputBitPattern) {
+  using internal::CacheUpdateFp8Method;
+  struct ScaleSet {
+    KvQuantMode quant;
+    std::vector<float> k, v;
+  };
+  const float kF16OntoE4m3 = 448.0f / 65504.0f;
+  const std::vector<ScaleSet> scale_sets = {
+      {KvQuantMode::kPerTensor, {1.0f}, {0.01f}},
+      {KvQuantMode::kPerTensor, {3e-5f}, {7.3f}},
+      {KvQuantMode::kPerTensor, {kF16OntoE4m3}, {57344.0f / 65504.0f}},
+      {KvQuantMode::kPerTensor, {0.3333333f}, {1.7e-3f}},
+      {KvQuantMode::kPerTensor, {0x1p-40f}, {3e9f}},  // outside [2^-30, 2^30]: division
+      {KvQuantMode::kPerHead, {1.0f, 0.01f, 3e-5f, 7.3f}, {kF16OntoE4m3, 0.37f, 1e-3f, 9.9e8f}},
+      {KvQuantMode::kPerHead, {0x1p-30f, 0x1p30f, 0.1f, 1.1f}, {0.7f, 13.0f, 2.5e-4f, 5.0f}},
+      {KvQuantMode::kPerHead, {1.0f, 0x1p-35f, 0.5f, 3.0f}, {1.0f, 1.0f, 1.0f, 1.0f}},
+  };
+  const Shape shape{16, 4, 128, 128};
+  const int64_t tokens = 65536 / (4 * 128);
+  for (const DType input : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (const DType cache : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+      for (const TestLayout layout : {TestLayout::kNHD, TestLayout::kHND}) {
+        for (size_t si = 0; si < scale_sets.size(); ++si) {
+          const ScaleSet& set = scale_sets[si];
+          UpdateProblem pb(shape, input, CacheKind{cache, set.quant}, layout, tokens,
+                           /*input_pad=*/0, /*seed=*/static_cast<uint32_t>(si + 11));
+          pb.SetScales(set.k, set.v);
+          pb.FillEveryBitPattern();
+          std::vector<uint8_t> cpu_k, cpu_v;
+          pb.CpuResult(cpu_k, cpu_v);
+          for (const CacheUpdateFp8Method method :
+               {CacheUpdateFp8Method::kReciprocal, CacheUpdateFp8Method::kDivision}) {
+            SCOPED_TRACE(absl::StrCat(ShortDType(input), "->", ShortDType(cache), " ",
+                                      TestLayoutName(layout), " scale set ", si, " method ",
+                                      method == CacheUpdateFp8Method::kReciprocal
+                                          ? "reciprocal"
+                                          : "division"));
+            ASSERT_TRUE(pb.Upload().ok());
+            const absl::Status st =
+                internal::CacheUpdateCudaWithMethod(pb.DeviceParams(), stream_.get(), method);
+            ASSERT_TRUE(st.ok()) << st;
+            ASSERT_TRUE(stream_.Synchronize(absl::Seconds(30)).ok());
+            std::vector<uint8_t> gpu_k, gpu_v;
+            ASSERT_TRUE(pb.Download(gpu_k, gpu_v).ok());
+            ExpectSameBytes(cpu_k, gpu_k, "K cache");
+            ExpectSameBytes(cpu_v, gpu_v, "V cache");
+          }
+        }
+      }
+    }
+  }
+}
 
 // Shapes: block size 1, odd head sizes (scalar path), one KV head, odd input strides, token
 // counts from 1 to several thousand.

@@ -1,6 +1,7 @@
 // CacheUpdateCuda: validates (ValidateCacheUpdate, through the host copy of the slot
 // mapping), flattens the params for the kernel, picks the vector or scalar variant from
 // the sizes, strides and alignment, dispatches on input dtype x cache dtype, and enqueues.
+// fp8 caches take the reciprocal kernel (cache_update.cuh, FastQuotient) where it applies.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -38,16 +39,58 @@ bool CanVectorize(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes) 
          Aligned(p.k_cache, out_align) && Aligned(p.v_cache, out_align);
 }
 
+// FastQuotient's proof covers scales in [2^-30, 2^30].
+bool ScalesAllowReciprocal(const cu::KernelParams& p) {
+  for (int i = 0; i < p.num_scales; ++i) {
+    for (const float s : {p.k_scale[i], p.v_scale[i]}) {
+      if (!(s >= 0x1p-30f && s <= 0x1p30f)) return false;
+    }
+  }
+  return true;
+}
+
+// UpdateTokenVecFp8 adds offsets within a token's row in int32.
+bool HeadOffsetsFitInt32(const cu::KernelParams& p) {
+  const int64_t heads = p.num_kv_heads;
+  const int64_t d = p.head_size > p.head_size_v ? p.head_size : p.head_size_v;
+  for (const int64_t stride :
+       {p.key_head_stride, p.value_head_stride, p.k_head_stride, p.v_head_stride}) {
+    if (stride < 0 || stride > int64_t{0x7fffffff} ||
+        (heads - 1) * stride + d > int64_t{0x7fffffff}) {
+      return false;
+    }
+  }
+  return true;
+}
+
 template <typename In, typename Out>
 absl::Status Launch(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes,
-                    cudaStream_t stream) {
+                    internal::CacheUpdateFp8Method method, cudaStream_t stream) {
   const int64_t ctas = (p.num_tokens + cu::kWarpsPerCta - 1) / cu::kWarpsPerCta;
   if (ctas > int64_t{0x7fffffff}) {
     return absl::InvalidArgumentError(
         absl::StrCat("CacheUpdateCuda: ", p.num_tokens, " tokens exceed one launch"));
   }
   const dim3 grid(static_cast<unsigned>(ctas));
-  if (CanVectorize(p, in_bytes, out_bytes)) {
+  const bool vectorize = CanVectorize(p, in_bytes, out_bytes);
+  if constexpr (Out::kFp8) {
+    if (vectorize && method == internal::CacheUpdateFp8Method::kReciprocal &&
+        ScalesAllowReciprocal(p) && HeadOffsetsFitInt32(p)) {
+      cu::KernelParams fast = p;
+      for (int i = 0; i < p.num_scales; ++i) {
+        fast.k_recip[i] = 1.0f / p.k_scale[i];  // IEEE division on the host: RN(1 / s)
+        fast.v_recip[i] = 1.0f / p.v_scale[i];
+      }
+      fast.k_chunks_per_head =
+          internal::MakeDivMagic(static_cast<uint32_t>(p.head_size / cu::kVecElems));
+      fast.v_chunks_per_head =
+          internal::MakeDivMagic(static_cast<uint32_t>(p.head_size_v / cu::kVecElems));
+      cu::CacheUpdateKernel<In, Out, true, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(fast);
+      return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
+                               "cache update kernel launch");
+    }
+  }
+  if (vectorize) {
     cu::CacheUpdateKernel<In, Out, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(p);
   } else {
     cu::CacheUpdateKernel<In, Out, false><<<grid, cu::kThreadsPerCta, 0, stream>>>(p);
@@ -57,14 +100,16 @@ absl::Status Launch(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes
 
 template <typename In>
 absl::Status DispatchCache(DType cache_dtype, const cu::KernelParams& p, size_t in_bytes,
-                           cudaStream_t stream) {
+                           internal::CacheUpdateFp8Method method, cudaStream_t stream) {
   const size_t out_bytes = DTypeSize(cache_dtype);
   switch (cache_dtype) {
-    case DType::kFloat32: return Launch<In, cu::ElemF32>(p, in_bytes, out_bytes, stream);
-    case DType::kFloat16: return Launch<In, cu::ElemF16>(p, in_bytes, out_bytes, stream);
-    case DType::kBFloat16: return Launch<In, cu::ElemBF16>(p, in_bytes, out_bytes, stream);
-    case DType::kFloat8E4M3: return Launch<In, cu::ElemE4M3>(p, in_bytes, out_bytes, stream);
-    case DType::kFloat8E5M2: return Launch<In, cu::ElemE5M2>(p, in_bytes, out_bytes, stream);
+    case DType::kFloat32: return Launch<In, cu::ElemF32>(p, in_bytes, out_bytes, method, stream);
+    case DType::kFloat16: return Launch<In, cu::ElemF16>(p, in_bytes, out_bytes, method, stream);
+    case DType::kBFloat16: return Launch<In, cu::ElemBF16>(p, in_bytes, out_bytes, method, stream);
+    case DType::kFloat8E4M3:
+      return Launch<In, cu::ElemE4M3>(p, in_bytes, out_bytes, method, stream);
+    case DType::kFloat8E5M2:
+      return Launch<In, cu::ElemE5M2>(p, in_bytes, out_bytes, method, stream);
     default: break;
   }
   return absl::InternalError(
@@ -74,6 +119,14 @@ absl::Status DispatchCache(DType cache_dtype, const cu::KernelParams& p, size_t 
 }  // namespace
 
 absl::Status CacheUpdateCuda(const CacheUpdateParams& params, void* cuda_stream) {
+  return internal::CacheUpdateCudaWithMethod(params, cuda_stream,
+                                             internal::CacheUpdateFp8Method::kReciprocal);
+}
+
+namespace internal {
+
+absl::Status CacheUpdateCudaWithMethod(const CacheUpdateParams& params, void* cuda_stream,
+                                       CacheUpdateFp8Method method) {
   const KvCacheView& cache = params.cache;
   if (cache.memory != MemoryKind::kDevice) {
     return absl::FailedPreconditionError(
@@ -124,13 +177,17 @@ absl::Status CacheUpdateCuda(const CacheUpdateParams& params, void* cuda_stream)
   const cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
   const size_t in_bytes = DTypeSize(params.input_dtype);
   switch (params.input_dtype) {
-    case DType::kFloat32: return DispatchCache<cu::ElemF32>(spec.dtype, p, in_bytes, stream);
-    case DType::kFloat16: return DispatchCache<cu::ElemF16>(spec.dtype, p, in_bytes, stream);
-    case DType::kBFloat16: return DispatchCache<cu::ElemBF16>(spec.dtype, p, in_bytes, stream);
+    case DType::kFloat32:
+      return DispatchCache<cu::ElemF32>(spec.dtype, p, in_bytes, method, stream);
+    case DType::kFloat16:
+      return DispatchCache<cu::ElemF16>(spec.dtype, p, in_bytes, method, stream);
+    case DType::kBFloat16:
+      return DispatchCache<cu::ElemBF16>(spec.dtype, p, in_bytes, method, stream);
     default: break;
   }
   return absl::InternalError(absl::StrCat("CacheUpdateCuda: no kernel for input dtype ",
                                           DTypeName(params.input_dtype)));
 }
 
+}  // namespace internal
 }  // namespace kvstream
