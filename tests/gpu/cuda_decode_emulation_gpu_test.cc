@@ -312,3 +312,27 @@ INSTANTIATE_TEST_SUITE_P(
 
 }  // namespace
 }  // namespace kvstream
+
+namespace kvstream {
+namespace {
+// One sequence of the decode benchmark's shape (4096 keys, 32/8 heads, d128, bf16, block
+// size 16) with the two splits the launcher picks for 64 such sequences on an H200.
+TEST(CudaDecodeEmulationLongTest, BenchShapeOneSequence) {
+  AttnCase c;
+  c.head_size = 128;
+  c.head_size_v = 128;
+  c.num_kv_heads = 8;
+  c.group = 4;
+  c.block_size = 16;
+  c.q_dtype = DType::kBFloat16;
+  c.out_dtype = DType::kBFloat16;
+  c.cache_dtype = DType::kBFloat16;
+  c.causal = true;
+  c.scale = 0.0883883f;
+  c.seqs = {{4095, 1}};
+  c.seed = 5;
+  AttnProblem pb(c);
+  ExpectEmulationMatchesReference(pb, 2, EmulationMode{false, false});
+}
+}  // namespace
+}  // namespace kvstream

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -175,6 +177,31 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cach
   return plan;
 }
 
+// Sets a kernel's shared-memory attributes once per device: a carveout change can wait for
+// the device to go idle, which must never happen per launch (it would serialise the caller's
+// streams, and deadlock a caller that holds its stream behind a host-released kernel).
+static absl::Status ConfigureKernelOnce(TcKernel kernel, int smem) {
+  static std::mutex mu;
+  static auto* configured = new std::set<std::pair<int, TcKernel>>();
+  int device = 0;
+  RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetDevice(&device)),
+                                    "cuda decode attention (tensor cores): cudaGetDevice"));
+  std::lock_guard<std::mutex> lock(mu);
+  if (configured->count({device, kernel}) != 0) return absl::OkStatus();
+  RETURN_IF_ERROR(CudaErrorToStatus(
+      static_cast<int>(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)),
+      "cuda decode attention (tensor cores): cudaFuncSetAttribute(max dynamic shared memory)"));
+  // All of the unified L1 as shared memory: the tiles bypass L1 (cp.async.cg), and
+  // kMinBlocksPerSm CTAs per SM need it.
+  RETURN_IF_ERROR(CudaErrorToStatus(
+      static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            static_cast<int>(cudaSharedmemCarveoutMaxShared))),
+      "cuda decode attention (tensor cores): cudaFuncSetAttribute(shared memory carveout)"));
+  configured->insert({device, kernel});
+  return absl::OkStatus();
+}
+
 absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DType cache_dtype,
                                  const DecodeTcPlan& plan, float* partial_out, float* partial_ml,
                                  cudaStream_t stream) {
@@ -193,18 +220,7 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
   const TcKernel kernel = q_dtype == DType::kBFloat16 ? PickKernel<__nv_bfloat16>(padded)
                                                       : PickKernel<__half>(padded);
   const int smem = SmemBytes(padded, fp8);
-  if (smem > 48 * 1024) {
-    RETURN_IF_ERROR(CudaErrorToStatus(
-        static_cast<int>(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)),
-        "cuda decode attention (tensor cores): cudaFuncSetAttribute(max dynamic shared memory)"));
-    // All of the unified L1 as shared memory: the tiles bypass L1 (cp.async.cg), and
-    // kMinBlocksPerSm CTAs per SM need it.
-    RETURN_IF_ERROR(CudaErrorToStatus(
-        static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                              static_cast<int>(cudaSharedmemCarveoutMaxShared))),
-        "cuda decode attention (tensor cores): cudaFuncSetAttribute(shared memory carveout)"));
-  }
+  if (smem > 48 * 1024) RETURN_IF_ERROR(ConfigureKernelOnce(kernel, smem));
   const dim3 grid(static_cast<unsigned>(p.num_seqs),
                   static_cast<unsigned>(p.num_kv_heads * args.head_tiles),
                   static_cast<unsigned>(plan.num_splits));
