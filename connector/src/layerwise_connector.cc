@@ -382,7 +382,26 @@ class LayerwiseConnectorImpl final : public KvConnector {
 
   absl::Status RegisterKvCaches(const std::map<std::string, KvCache*>& caches) override {
     absl::MutexLock lock(&mu_);
-    if (!layers_.empty()) return absl::FailedPreconditionError("KV caches already registered");
+    if (registered_) return absl::FailedPreconditionError("KV caches already registered");
+    absl::Status status = RegisterLocked(caches);
+    if (!status.ok()) {
+      // Nothing of a failed registration stays: a handshake must never see layers without
+      // their memory registrations, and the caller may register again.
+      layers_.clear();
+      layer_set_.clear();
+      layer_by_name_.clear();
+      layer_by_index_.clear();
+      compat_hash_ = 0;
+      compat_description_.clear();
+      block_size_ = 0;
+      layer_count_ = 0;
+      layer_slots_ = 0;
+    }
+    return status;
+  }
+
+  absl::Status RegisterLocked(const std::map<std::string, KvCache*>& caches)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (caches.empty()) return absl::InvalidArgumentError("no KV caches to register");
     std::string description;
     uint64_t hash = XXH3_64bits_withSeed("kvstream-layerwise", 18, kLayerwiseProtocolVersion);
@@ -1546,6 +1565,24 @@ class LayerwiseConnectorImpl final : public KvConnector {
 absl::StatusOr<std::unique_ptr<KvConnector>> CreateLayerwiseConnector(
     const KvTransferConfig& config, std::unique_ptr<Transport> transport) {
   if (transport == nullptr) return absl::InvalidArgumentError("LayerwiseConnector: null transport");
+  // The pipeline settings as ParseKvTransferConfig checks them, for configs built in code.
+  const KvstreamSettings& k = config.kvstream;
+  if (k.pipeline_parallel_size < 1 || k.pipeline_rank < 0 ||
+      k.pipeline_rank >= k.pipeline_parallel_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LayerwiseConnector: pipeline_rank ", k.pipeline_rank,
+        " must be in [0, pipeline_parallel_size) with pipeline_parallel_size >= 1, got size ",
+        k.pipeline_parallel_size));
+  }
+  if (!k.pipeline_layers.empty()) {
+    if (static_cast<int32_t>(k.pipeline_layers.size()) != k.pipeline_parallel_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "LayerwiseConnector: pipeline_layers ", FormatLayerRanges(k.pipeline_layers), " has ",
+          k.pipeline_layers.size(), " stages but pipeline_parallel_size is ",
+          k.pipeline_parallel_size));
+    }
+    RETURN_IF_ERROR(ValidatePipelinePartition(k.pipeline_layers));
+  }
   if (config.kvstream.pipeline_parallel_size > 1 && config.kv_role != KvRole::kConsumer) {
     return absl::InvalidArgumentError(absl::StrCat(
         "LayerwiseConnector: pipeline_parallel_size ", config.kvstream.pipeline_parallel_size,

@@ -424,6 +424,35 @@ TEST_F(CudaCacheUpdateTest, OddShapesAndTokenCounts) {
   }
 }
 
+// Rejected before any device work, so this needs no GPU: a spec whose per-token element
+// count the kernels' 32-bit counters cannot hold.
+TEST(CudaCacheUpdateLimitsTest, TooManyElementsPerTokenIsInvalid) {
+  KvCacheSpec spec;
+  spec.block_size = 1;
+  spec.num_kv_heads = 65536;
+  spec.head_size = spec.head_size_v = 32768;
+  spec.dtype = DType::kBFloat16;
+  CacheUpdateParams p;
+  alignas(16) static uint16_t fake[8];  // never dereferenced: the call fails first
+  p.key = p.value = fake;
+  p.key_head_stride = p.value_head_stride = spec.head_size;
+  p.key_token_stride = p.value_token_stride = int64_t{spec.num_kv_heads} * spec.head_size;
+  p.input_dtype = DType::kBFloat16;
+  const int64_t slot = -1;
+  p.slot_mapping = &slot;
+  p.host_slot_mapping = &slot;
+  p.num_tokens = 1;
+  p.cache.k = p.cache.v = fake;
+  p.cache.spec = spec;
+  p.cache.num_blocks = 1;
+  p.cache.k_strides = MakeCacheStrides(spec, KvLayout::kNHD, false);
+  p.cache.v_strides = MakeCacheStrides(spec, KvLayout::kNHD, true);
+  p.cache.memory = MemoryKind::kDevice;
+  const absl::Status st = CacheUpdateCuda(p, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("elements per token"));
+}
+
 TEST_F(CudaCacheUpdateTest, AllPaddingAndZeroTokensWriteNothing) {
   UpdateProblem pb({16, 2, 64, 64}, DType::kBFloat16, {DType::kBFloat16, KvQuantMode::kNone},
                    TestLayout::kNHD, 20, 0, 3);

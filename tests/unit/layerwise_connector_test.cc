@@ -701,5 +701,55 @@ TEST(LayerwiseConnectorConfigTest, BadLayerNamesAndFactoryErrors) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(LayerwiseConnectorConfigTest, FailedRegistrationLeavesNothingBehind) {
+  // A registration that fails after some layers were taken (here: the second layer's cache
+  // differs) leaves no half-registered layers: registering again with good caches works.
+  LoopbackFabric fabric;
+  KvTransferConfig c;
+  c.kv_connector = "LayerwiseConnector";
+  c.kv_role = KvRole::kProducer;
+  auto connector = CreateKvConnector(c, fabric.CreateTransport("p").value());
+  ASSERT_TRUE(connector.ok()) << connector.status();
+  KvCacheSpec spec;
+  spec.num_kv_heads = 1;
+  spec.head_size = spec.head_size_v = 4;
+  KvCacheSpec other = spec;
+  other.head_size = other.head_size_v = 8;
+  auto a = KvCache::Create({spec, KvLayout::kNHD, 4});
+  auto b = KvCache::Create({other, KvLayout::kNHD, 4});
+  auto b_good = KvCache::Create({spec, KvLayout::kNHD, 4});
+  absl::Status s = (*connector)->RegisterKvCaches(
+      {{"model.layers.0.attn", a->get()}, {"model.layers.1.attn", b->get()}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  s = (*connector)->RegisterKvCaches(
+      {{"model.layers.0.attn", a->get()}, {"model.layers.1.attn", b_good->get()}});
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ((*connector)->RegisterKvCaches({{"model.layers.0.attn", a->get()}}).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(LayerwiseConnectorConfigTest, PipelineSettingsBuiltInCodeAreChecked) {
+  LoopbackFabric fabric;
+  KvTransferConfig c;
+  c.kv_connector = "LayerwiseConnector";
+  c.kv_role = KvRole::kConsumer;
+  c.kvstream.pipeline_parallel_size = 2;
+  c.kvstream.pipeline_layers = {{0, 2}, {2, 4}};
+  c.kvstream.pipeline_rank = 3;  // past the two stages
+  auto bad_rank = CreateKvConnector(c, fabric.CreateTransport("d1").value());
+  EXPECT_EQ(bad_rank.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad_rank.status().message(), HasSubstr("pipeline_rank 3"));
+  c.kvstream.pipeline_rank = 1;
+  c.kvstream.pipeline_layers = {{0, 2}, {2, 4}, {4, 6}};  // three ranges, two stages
+  auto bad_ranges = CreateKvConnector(c, fabric.CreateTransport("d2").value());
+  EXPECT_EQ(bad_ranges.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad_ranges.status().message(), HasSubstr("pipeline_layers"));
+  c.kvstream.pipeline_layers = {{0, 2}, {1, 4}};  // overlapping
+  EXPECT_EQ(CreateKvConnector(c, fabric.CreateTransport("d3").value()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  c.kvstream.pipeline_layers = {{0, 2}, {2, 4}};
+  EXPECT_TRUE(CreateKvConnector(c, fabric.CreateTransport("d4").value()).ok());
+}
+
 }  // namespace
 }  // namespace kvstream

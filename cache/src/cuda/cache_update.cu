@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -136,6 +137,14 @@ absl::Status CacheUpdateCudaWithMethod(const CacheUpdateParams& params, void* cu
   RETURN_IF_ERROR(ValidateCacheUpdate(params));
   if (params.num_tokens == 0) return absl::OkStatus();
   const KvCacheSpec& spec = cache.spec;
+  // The kernels count a token's elements in 32-bit integers (lanes step by up to 256).
+  const int64_t token_elements =
+      int64_t{spec.num_kv_heads} * (int64_t{spec.head_size} + int64_t{spec.head_size_v});
+  if (token_elements > int64_t{std::numeric_limits<int32_t>::max()} - 256) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CacheUpdateCuda: ", spec.num_kv_heads, " KV heads x (", spec.head_size, " + ",
+        spec.head_size_v, ") elements per token is more than the kernel can count"));
+  }
   cu::KernelParams p{};
   p.key = params.key;
   p.value = params.value;
