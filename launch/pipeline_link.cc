@@ -28,9 +28,12 @@ namespace {
 constexpr uint32_t kFrameMagic = 0x4650564B;  // "KVPF"
 constexpr uint32_t kHelloMagic = 0x4850564B;  // "KVPH"
 constexpr uint32_t kVersion = 1;
-constexpr uint64_t kMaxPayload = 1ull << 30;
-constexpr uint32_t kMaxIdBytes = 256;
-constexpr uint32_t kMaxMessageBytes = 4096;
+constexpr size_t kFrameHeaderBytes = 12;  // magic, payload length
+// step, schedule, value count, error count: the payload of an empty message.
+constexpr uint64_t kMinPayload = 8 + 8 + 8 + 4;
+// Receive grows its payload buffer by at most this much ahead of the bytes that arrived.
+constexpr size_t kReadChunkBytes = size_t{4} << 20;
+constexpr uint64_t kLastCode = static_cast<uint64_t>(absl::StatusCode::kUnauthenticated);
 
 static_assert(sizeof(float) == 4, "floats travel as 4 bytes");
 
@@ -104,15 +107,21 @@ absl::Status WaitFor(int fd, short events, absl::Time deadline, absl::string_vie
       return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
     }
     pollfd p{fd, events, 0};
-    const int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000));
+    // Clamped before converting: `left` is infinite for absl::InfiniteFuture(). Rounded up so
+    // that poll does not return just before the deadline.
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(
+        absl::Ceil(std::min(left, absl::Seconds(1)), absl::Milliseconds(1))));
     const int r = poll(&p, 1, ms);
     if (r > 0) return absl::OkStatus();
     if (r < 0 && errno != EINTR) return Errno(what);
   }
 }
 
-absl::Status SendAll(int fd, const std::string& data, absl::Time deadline, absl::string_view what) {
-  size_t off = 0;
+// Sends all of `data`; `*off` counts the bytes sent, also on failure.
+absl::Status SendAll(int fd, const std::string& data, absl::Time deadline, absl::string_view what,
+                     size_t* off_out) {
+  size_t& off = *off_out;
+  off = 0;
   while (off < data.size()) {
     RETURN_IF_ERROR(WaitFor(fd, POLLOUT, deadline, what));
     const ssize_t n = send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -125,8 +134,11 @@ absl::Status SendAll(int fd, const std::string& data, absl::Time deadline, absl:
   return absl::OkStatus();
 }
 
-absl::Status RecvAll(int fd, char* out, size_t len, absl::Time deadline, absl::string_view what) {
-  size_t off = 0;
+// Receives exactly `len` bytes; `*off` counts the bytes received, also on failure.
+absl::Status RecvAll(int fd, char* out, size_t len, absl::Time deadline, absl::string_view what,
+                     size_t* off_out) {
+  size_t& off = *off_out;
+  off = 0;
   while (off < len) {
     RETURN_IF_ERROR(WaitFor(fd, POLLIN, deadline, what));
     const ssize_t n = recv(fd, out + off, len - off, MSG_DONTWAIT);
@@ -152,7 +164,8 @@ std::string EncodeHello(int stage, int num_stages) {
 // Receives the other side's hello and checks it is `want_stage` of `num_stages`.
 absl::Status ExpectHello(int fd, int want_stage, int num_stages, absl::Time deadline) {
   std::string buf(16, '\0');
-  RETURN_IF_ERROR(RecvAll(fd, buf.data(), buf.size(), deadline, "pipeline stage hello"));
+  size_t got = 0;
+  RETURN_IF_ERROR(RecvAll(fd, buf.data(), buf.size(), deadline, "pipeline stage hello", &got));
   Reader r(buf);
   uint64_t magic = 0, version = 0, stage = 0, stages = 0;
   r.Get(4, magic);
@@ -259,10 +272,28 @@ void NoDelay(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
+// Bytes of the payload EncodeStageMessage produces for `m` (when it succeeds).
+uint64_t EncodedSize(const StageMessage& m) {
+  uint64_t size = kMinPayload + uint64_t{m.values.size()} * sizeof(float);
+  for (const StageError& e : m.errors) {
+    size += 12 + e.request_id.size() + std::min(e.message.size(), kMaxStageErrorMessageBytes);
+  }
+  return size;
+}
+
+// One neighbour: the socket to it and, once a failure has left the stream out of step, why.
+struct Link {
+  Fd fd;
+  std::string broken;  // empty while the link is usable
+};
+
 class TcpStageChannel final : public StageChannel {
  public:
-  TcpStageChannel(int stage, int num_stages, Fd prev, Fd next)
-      : stage_(stage), num_stages_(num_stages), prev_(std::move(prev)), next_(std::move(next)) {}
+  TcpStageChannel(int stage, int num_stages, uint64_t max_frame_bytes, Fd prev, Fd next)
+      : stage_(stage), num_stages_(num_stages), max_frame_bytes_(max_frame_bytes) {
+    prev_.fd = std::move(prev);
+    next_.fd = std::move(next);
+  }
 
   int stage() const override { return stage_; }
   int num_stages() const override { return num_stages_; }
@@ -281,44 +312,130 @@ class TcpStageChannel final : public StageChannel {
   }
 
  private:
-  static absl::Status Send(const Fd& fd, const StageMessage& m, absl::Time deadline,
-                           absl::string_view what) {
-    if (!fd.valid()) return absl::FailedPreconditionError(absl::StrCat(what, ": no such stage"));
-    const std::string payload = EncodeStageMessage(m);
-    std::string frame;
-    Put(frame, kFrameMagic, 4);
-    Put(frame, payload.size(), 8);
-    frame += payload;
-    return SendAll(fd.get(), frame, deadline, what);
+  // OK when `link` can carry a frame.
+  static absl::Status Usable(const Link& link, absl::string_view what) {
+    if (!link.broken.empty()) {
+      return absl::UnavailableError(
+          absl::StrCat(what, ": the link was closed after an earlier failure: ", link.broken));
+    }
+    if (!link.fd.valid()) {
+      return absl::FailedPreconditionError(absl::StrCat(what, ": no such stage"));
+    }
+    return absl::OkStatus();
   }
-  static absl::StatusOr<StageMessage> Receive(const Fd& fd, absl::Time deadline,
-                                              absl::string_view what) {
-    if (!fd.valid()) return absl::FailedPreconditionError(absl::StrCat(what, ": no such stage"));
-    std::string header(12, '\0');
-    RETURN_IF_ERROR(RecvAll(fd.get(), header.data(), header.size(), deadline, what));
+
+  // Closes `link`, whose stream is out of step after `status` (`moved` bytes of the frame had
+  // gone through), and returns `status` saying so.
+  static absl::Status Break(Link& link, const absl::Status& status, size_t moved) {
+    link.fd.Reset();
+    std::string why(status.message());
+    if (moved > 0) absl::StrAppend(&why, " (after ", moved, " bytes of a frame)");
+    link.broken = absl::StrCat(absl::StatusCodeToString(status.code()), ": ", why);
+    return absl::Status(status.code(), absl::StrCat(why, "; the link is closed"));
+  }
+
+  absl::Status Send(Link& link, const StageMessage& m, absl::Time deadline,
+                    absl::string_view what) {
+    RETURN_IF_ERROR(Usable(link, what));
+    // Checked before encoding, so that an oversized message is not copied first.
+    const uint64_t size = EncodedSize(m);
+    if (size > max_frame_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": the message is ", size, " bytes (", m.values.size(), " values, ",
+          m.errors.size(), " errors), over the frame limit of ", max_frame_bytes_,
+          " bytes (StageChannelOptions::max_frame_bytes)"));
+    }
+    absl::StatusOr<std::string> payload = EncodeStageMessage(m);
+    if (!payload.ok()) {
+      return absl::Status(payload.status().code(),
+                          absl::StrCat(what, ": ", payload.status().message()));
+    }
+    std::string frame;
+    frame.reserve(kFrameHeaderBytes + payload->size());
+    Put(frame, kFrameMagic, 4);
+    Put(frame, payload->size(), 8);
+    frame += *payload;
+    size_t sent = 0;
+    const absl::Status status = SendAll(link.fd.get(), frame, deadline, what, &sent);
+    if (status.ok()) return status;
+    if (absl::IsDeadlineExceeded(status) && sent == 0) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(status.message(), " (nothing sent; the link is intact)"));
+    }
+    return Break(link, status, sent);
+  }
+
+  absl::StatusOr<StageMessage> Receive(Link& link, absl::Time deadline, absl::string_view what) {
+    RETURN_IF_ERROR(Usable(link, what));
+    std::string header(kFrameHeaderBytes, '\0');
+    size_t got = 0;
+    absl::Status status =
+        RecvAll(link.fd.get(), header.data(), header.size(), deadline, what, &got);
+    if (!status.ok()) {
+      if (absl::IsDeadlineExceeded(status) && got == 0) {
+        return absl::DeadlineExceededError(
+            absl::StrCat(status.message(), " (no frame begun; the link is intact)"));
+      }
+      return Break(link, status, got);
+    }
     Reader r(header);
     uint64_t magic = 0, len = 0;
     r.Get(4, magic);
     r.Get(8, len);
-    if (magic != kFrameMagic || len > kMaxPayload) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": bad frame header (magic ",
-                                                     absl::Hex(magic), ", length ", len, ")"));
+    if (magic != kFrameMagic) {
+      return Break(link,
+                   absl::InvalidArgumentError(absl::StrCat(what, ": bad frame header (magic ",
+                                                           absl::Hex(magic), ", length ", len,
+                                                           ")")),
+                   got);
     }
-    std::string payload(len, '\0');
-    RETURN_IF_ERROR(RecvAll(fd.get(), payload.data(), payload.size(), deadline, what));
-    return DecodeStageMessage(payload);
+    if (len > max_frame_bytes_) {
+      return Break(link,
+                   absl::InvalidArgumentError(absl::StrCat(
+                       what, ": the frame announces ", len, " bytes, over the limit of ",
+                       max_frame_bytes_, " (StageChannelOptions::max_frame_bytes)")),
+                   got);
+    }
+    // Grown as bytes arrive, never far ahead of them (see max_frame_bytes).
+    std::string payload;
+    while (payload.size() < len) {
+      const size_t at = payload.size();
+      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(len - at, kReadChunkBytes));
+      payload.resize(at + chunk);
+      size_t chunk_got = 0;
+      status = RecvAll(link.fd.get(), &payload[at], chunk, deadline, what, &chunk_got);
+      got += chunk_got;
+      if (!status.ok()) {
+        return Break(link, absl::Status(status.code(),
+                                        absl::StrCat(status.message(), " in a frame of ",
+                                                     kFrameHeaderBytes + len, " bytes")),
+                     got);
+      }
+    }
+    absl::StatusOr<StageMessage> message = DecodeStageMessage(payload);
+    if (!message.ok()) {
+      // The stream is still in step, but a peer that encodes differently cannot be trusted
+      // with the next frame either.
+      return Break(link,
+                   absl::Status(message.status().code(),
+                                absl::StrCat(what, ": ", message.status().message())),
+                   0);
+    }
+    return message;
   }
 
-  int stage_;
-  int num_stages_;
-  Fd prev_;
-  Fd next_;
+  const int stage_;
+  const int num_stages_;
+  const uint64_t max_frame_bytes_;
+  Link prev_;
+  Link next_;
 };
 
 }  // namespace
 
-std::string EncodeStageMessage(const StageMessage& m) {
+absl::StatusOr<std::string> EncodeStageMessage(const StageMessage& m) {
   std::string out;
+  out.reserve(EncodedSize(m));
   Put(out, m.step, 8);
   Put(out, m.schedule, 8);
   Put(out, m.values.size(), 8);
@@ -328,13 +445,23 @@ std::string EncodeStageMessage(const StageMessage& m) {
   if (!m.values.empty()) std::memcpy(&out[at], m.values.data(), m.values.size() * sizeof(float));
   Put(out, m.errors.size(), 4);
   for (const StageError& e : m.errors) {
-    const std::string id = e.request_id.substr(0, kMaxIdBytes);
-    const std::string msg = e.message.substr(0, kMaxMessageBytes);
-    Put(out, id.size(), 4);
-    out += id;
+    // Truncating an id could make the stages disagree about which request failed.
+    if (e.request_id.size() > kMaxStageRequestIdBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "pipeline stage message: request id '", e.request_id.substr(0, 32), "...' is ",
+          e.request_id.size(), " bytes, over the limit of ", kMaxStageRequestIdBytes));
+    }
+    if (e.code <= 0 || static_cast<uint64_t>(e.code) > kLastCode) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pipeline stage message: the error of request '", e.request_id,
+                       "' has code ", e.code, ", not an error code (1..", kLastCode, ")"));
+    }
+    const size_t msg_len = std::min(e.message.size(), kMaxStageErrorMessageBytes);
+    Put(out, e.request_id.size(), 4);
+    out += e.request_id;
     Put(out, static_cast<uint32_t>(e.code), 4);
-    Put(out, msg.size(), 4);
-    out += msg;
+    Put(out, msg_len, 4);
+    out.append(e.message, 0, msg_len);
   }
   return out;
 }
@@ -358,11 +485,16 @@ absl::StatusOr<StageMessage> DecodeStageMessage(const std::string& payload) {
   for (uint64_t i = 0; i < errors; ++i) {
     StageError e;
     uint64_t id_len = 0, code = 0, msg_len = 0;
-    if (!r.Get(4, id_len) || id_len > kMaxIdBytes || !r.Bytes(id_len, e.request_id) ||
-        !r.Get(4, code) || code > 16 || !r.Get(4, msg_len) || msg_len > kMaxMessageBytes ||
+    if (!r.Get(4, id_len) || id_len > kMaxStageRequestIdBytes || !r.Bytes(id_len, e.request_id) ||
+        !r.Get(4, code) || !r.Get(4, msg_len) || msg_len > kMaxStageErrorMessageBytes ||
         !r.Bytes(msg_len, e.message)) {
       return absl::InvalidArgumentError(
           absl::StrCat("pipeline stage message: error ", i, " is truncated or out of bounds"));
+    }
+    if (code == 0 || code > kLastCode) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pipeline stage message: error ", i, " (request '", e.request_id,
+                       "') has code ", code, ", not an error code (1..", kLastCode, ")"));
     }
     e.code = static_cast<int32_t>(code);
     m.errors.push_back(std::move(e));
@@ -402,6 +534,11 @@ absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOp
   if (o.num_stages > 1 && o.rendezvous.empty()) {
     return absl::InvalidArgumentError("pipeline stages need a rendezvous path");
   }
+  if (o.max_frame_bytes < kMinPayload) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline stage frames of at most ",
+                                                   o.max_frame_bytes, " bytes cannot hold a ",
+                                                   kMinPayload, "-byte empty message"));
+  }
   const absl::Time deadline = absl::Now() + o.timeout;
   Fd listener, prev, next;
   if (o.stage > 0) {
@@ -413,8 +550,9 @@ absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOp
   if (o.stage + 1 < o.num_stages) {
     ASSIGN_OR_RETURN(next, ConnectNext(absl::StrCat(o.rendezvous, ".pp", o.stage + 1), deadline));
     NoDelay(next.get());
+    size_t sent = 0;
     RETURN_IF_ERROR(SendAll(next.get(), EncodeHello(o.stage, o.num_stages), deadline,
-                            "pipeline stage hello"));
+                            "pipeline stage hello", &sent));
     RETURN_IF_ERROR(ExpectHello(next.get(), o.stage + 1, o.num_stages, deadline));
   }
   if (o.stage > 0) {
@@ -424,11 +562,13 @@ absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOp
     if (!prev.valid()) return Errno("accepting the previous pipeline stage");
     NoDelay(prev.get());
     RETURN_IF_ERROR(ExpectHello(prev.get(), o.stage - 1, o.num_stages, deadline));
+    size_t sent = 0;
     RETURN_IF_ERROR(SendAll(prev.get(), EncodeHello(o.stage, o.num_stages), deadline,
-                            "pipeline stage hello"));
+                            "pipeline stage hello", &sent));
   }
   return std::unique_ptr<StageChannel>(
-      new TcpStageChannel(o.stage, o.num_stages, std::move(prev), std::move(next)));
+      new TcpStageChannel(o.stage, o.num_stages, o.max_frame_bytes, std::move(prev),
+                          std::move(next)));
 }
 
 }  // namespace kvstream

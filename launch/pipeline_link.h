@@ -12,11 +12,17 @@
 //
 // ConnectStages joins the stages over TCP: stage s > 0 listens and publishes its address in
 // the file "<rendezvous>.pp<s>"; stage s < last connects to stage s + 1. Frames are
-// length-prefixed and decoded strictly; every wait has a deadline. Thread safety: one
+// length-prefixed, capped in size and decoded strictly; every wait has a deadline.
+//
+// A link to a neighbour carries a byte stream, so a frame cut short leaves it out of step:
+// once any byte of a frame has moved, a failure (deadline, socket error, malformed frame)
+// breaks that link for good. Its socket is closed (the neighbour sees it gone) and every
+// later call on it answers Unavailable naming the failure that broke it. Thread safety: one
 // thread uses a channel.
 #ifndef KVSTREAM_LAUNCH_PIPELINE_LINK_H_
 #define KVSTREAM_LAUNCH_PIPELINE_LINK_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -28,11 +34,15 @@
 
 namespace kvstream {
 
+// Limits of a StageError on the wire.
+inline constexpr size_t kMaxStageRequestIdBytes = 256;
+inline constexpr size_t kMaxStageErrorMessageBytes = 4096;
+
 // A request that failed on some stage during the step.
 struct StageError {
-  std::string request_id;
-  int32_t code = 0;  // absl::StatusCode
-  std::string message;
+  std::string request_id;  // at most kMaxStageRequestIdBytes, or the message is not sent
+  int32_t code = 0;        // an absl::StatusCode other than kOk (1..16)
+  std::string message;     // truncated to kMaxStageErrorMessageBytes when sent
 };
 
 struct StageMessage {
@@ -49,8 +59,18 @@ class StageChannel {
   virtual int stage() const = 0;
   virtual int num_stages() const = 0;
   // To stage + 1 / from stage - 1 / to stage - 1 / from stage + 1. Block until done or the
-  // deadline (DeadlineExceeded); Unavailable when the neighbour is gone; FailedPrecondition
-  // when there is no such neighbour; InvalidArgument for a malformed frame.
+  // deadline (absl::InfiniteFuture() waits as long as it takes). On failure:
+  //   DeadlineExceeded: retryable only when no byte of the frame had moved (the link is
+  //     intact; the message says so). When the deadline passed in the middle of a frame the
+  //     link is broken (see above) and the message says how many bytes had moved.
+  //   Unavailable: the neighbour is gone, a socket error, or the link was broken by an
+  //     earlier failure (named in the message). The link is closed.
+  //   FailedPrecondition: there is no such neighbour.
+  //   InvalidArgument from Send: the message cannot be sent (over the frame size limit, a
+  //     request id too long, an error code that is not an error); nothing was written and
+  //     the link is intact.
+  //   InvalidArgument from Receive: a malformed frame (bad header, announced length over the
+  //     limit, payload that does not decode). The link is broken.
   virtual absl::Status SendForward(const StageMessage& message, absl::Time deadline) = 0;
   virtual absl::StatusOr<StageMessage> ReceiveForward(absl::Time deadline) = 0;
   virtual absl::Status SendBackward(const StageMessage& message, absl::Time deadline) = 0;
@@ -67,9 +87,15 @@ struct StageChannelOptions {
   // holds this host's first non-loopback address).
   std::string listen_host = "127.0.0.1";
   absl::Duration timeout = absl::Seconds(60);  // for the whole setup
+  // Largest payload of one frame, either way. Send refuses bigger messages; Receive refuses a
+  // bigger announced length before reading its payload, and grows its buffer only as bytes
+  // arrive, so a peer announcing a large frame and stalling costs little memory. The default
+  // holds float logits of 256 rows over a 152k vocabulary (about 150 MiB) with room to spare.
+  uint64_t max_frame_bytes = uint64_t{256} << 20;
 };
 
-// Connects this stage to its neighbours (see above). InvalidArgument for bad options;
+// Connects this stage to its neighbours (see above). InvalidArgument for bad options
+// (including a max_frame_bytes too small for an empty message);
 // DeadlineExceeded when a neighbour does not show up in time; Unavailable for socket errors;
 // FailedPrecondition when the peer is not the expected stage of as many stages.
 absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOptions& options);
@@ -78,9 +104,12 @@ absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOp
 // this host's first non-loopback IPv4 address.
 std::string DialableAddress(const std::string& address);
 
-// Frames, exposed for tests: encoding, and strict decoding (InvalidArgument saying what is
-// wrong for a truncated frame, trailing bytes or a count running past the end).
-std::string EncodeStageMessage(const StageMessage& message);
+// Frames, exposed for tests. Encoding fails with InvalidArgument for a request id over
+// kMaxStageRequestIdBytes (truncating it could make stages disagree about which request
+// failed) or a code outside 1..16; error messages are truncated to kMaxStageErrorMessageBytes.
+// Decoding is strict: InvalidArgument saying what is wrong for a truncated frame, trailing
+// bytes, a count running past the end, a field over its limit or an error code outside 1..16.
+absl::StatusOr<std::string> EncodeStageMessage(const StageMessage& message);
 absl::StatusOr<StageMessage> DecodeStageMessage(const std::string& payload);
 
 }  // namespace kvstream

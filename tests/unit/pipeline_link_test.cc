@@ -1,11 +1,22 @@
 // Tests of the pipeline stage link: frames decoded strictly, stages joined over TCP through
-// rendezvous files, and the errors of a wrong or missing neighbour.
+// rendezvous files, the errors of a wrong or missing neighbour, and a link to a hand-played
+// neighbour that sends partial, oversized or late frames.
 #include "launch/pipeline_link.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,10 +26,83 @@
 
 #include "absl/time/clock.h"
 
+// The largest single allocation made by a thread while it tracks them, to check that Receive
+// does not allocate what a peer merely announces. Replacing the global operator new is the
+// one way to see allocations made inside the library.
+namespace {
+thread_local bool tracking_allocations = false;
+std::atomic<size_t> largest_allocation{0};
+}  // namespace
+
+void* operator new(std::size_t n) {
+  if (tracking_allocations) {
+    size_t seen = largest_allocation.load();
+    while (n > seen && !largest_allocation.compare_exchange_weak(seen, n)) {
+    }
+  }
+  void* p = std::malloc(n == 0 ? 1 : n);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+// Out of line: inlined into a caller, GCC pairs the free() with the caller's operator new
+// and warns of a mismatch (-Wmismatched-new-delete), though the two are replaced together.
+__attribute__((noinline)) void operator delete(void* p) noexcept { std::free(p); }
+__attribute__((noinline)) void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
 namespace kvstream {
 namespace {
 
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
+
+// Tracks the largest allocation of this thread while in scope.
+class AllocationTracker {
+ public:
+  AllocationTracker() {
+    largest_allocation = 0;
+    tracking_allocations = true;
+  }
+  ~AllocationTracker() { tracking_allocations = false; }
+  size_t largest() const { return largest_allocation.load(); }
+};
+
+void Put(std::string& out, uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+std::string FrameHeader(uint64_t payload_len) {
+  std::string out;
+  Put(out, 0x4650564B, 4);  // "KVPF"
+  Put(out, payload_len, 8);
+  return out;
+}
+
+std::string Frame(const StageMessage& m) {
+  absl::StatusOr<std::string> payload = EncodeStageMessage(m);
+  EXPECT_TRUE(payload.ok()) << payload.status();
+  return FrameHeader(payload->size()) + *payload;
+}
+
+// A payload with no values and one error of `code` for request "r", built by hand so that it
+// can carry codes the encoder refuses.
+std::string PayloadWithCode(uint32_t code) {
+  std::string out;
+  Put(out, 1, 8);  // step
+  Put(out, 2, 8);  // schedule
+  Put(out, 0, 8);  // values
+  Put(out, 1, 4);  // errors
+  Put(out, 1, 4);
+  out += "r";
+  Put(out, code, 4);
+  Put(out, 0, 4);  // message
+  return out;
+}
+
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
 
 StageMessage Sample() {
   StageMessage m;
@@ -32,7 +116,9 @@ StageMessage Sample() {
 
 TEST(StageMessageTest, RoundTripAndStrictDecoding) {
   const StageMessage m = Sample();
-  const std::string frame = EncodeStageMessage(m);
+  absl::StatusOr<std::string> encoded = EncodeStageMessage(m);
+  ASSERT_TRUE(encoded.ok()) << encoded.status();
+  const std::string& frame = *encoded;
   auto back = DecodeStageMessage(frame);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->step, m.step);
@@ -53,10 +139,51 @@ TEST(StageMessageTest, RoundTripAndStrictDecoding) {
   std::string huge = frame;
   huge[16 + 7] = '\x7f';  // the value count's top byte
   EXPECT_THAT(DecodeStageMessage(huge).status().message(), HasSubstr("past the end"));
-  StageMessage bad_code = Sample();
-  bad_code.errors[0].code = 17;
-  EXPECT_EQ(DecodeStageMessage(EncodeStageMessage(bad_code)).status().code(),
-            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(StageMessageTest, RequestIdsOverTheLimitAreRefusedNotTruncated) {
+  StageMessage m = Sample();
+  m.errors[1].request_id = std::string(kMaxStageRequestIdBytes + 1, 'x');
+  absl::StatusOr<std::string> encoded = EncodeStageMessage(m);
+  EXPECT_EQ(encoded.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(encoded.status().message(), HasSubstr("257 bytes, over the limit of 256"));
+
+  m.errors[1].request_id = std::string(kMaxStageRequestIdBytes, 'x');
+  encoded = EncodeStageMessage(m);
+  ASSERT_TRUE(encoded.ok()) << encoded.status();
+  auto back = DecodeStageMessage(*encoded);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->errors[1].request_id, m.errors[1].request_id);
+}
+
+TEST(StageMessageTest, LongErrorMessagesAreTruncated) {
+  StageMessage m = Sample();
+  m.errors[0].message = std::string(kMaxStageErrorMessageBytes, 'a') + "tail";
+  absl::StatusOr<std::string> encoded = EncodeStageMessage(m);
+  ASSERT_TRUE(encoded.ok()) << encoded.status();
+  auto back = DecodeStageMessage(*encoded);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->errors[0].message, std::string(kMaxStageErrorMessageBytes, 'a'));
+}
+
+TEST(StageMessageTest, OnlyErrorCodesTravel) {
+  for (int32_t code : {0, -1, 17}) {
+    StageMessage m = Sample();
+    m.errors[0].code = code;
+    absl::StatusOr<std::string> encoded = EncodeStageMessage(m);
+    EXPECT_EQ(encoded.status().code(), absl::StatusCode::kInvalidArgument) << code;
+    EXPECT_THAT(encoded.status().message(), HasSubstr("not an error code")) << code;
+  }
+  for (uint32_t code : {0u, 17u, 0xffffffffu}) {
+    absl::StatusOr<StageMessage> back = DecodeStageMessage(PayloadWithCode(code));
+    EXPECT_EQ(back.status().code(), absl::StatusCode::kInvalidArgument) << code;
+    EXPECT_THAT(back.status().message(), HasSubstr(absl::StrCat("has code ", code))) << code;
+  }
+  for (uint32_t code : {1u, 16u}) {
+    absl::StatusOr<StageMessage> back = DecodeStageMessage(PayloadWithCode(code));
+    ASSERT_TRUE(back.ok()) << code << ": " << back.status();
+    EXPECT_EQ(back->errors[0].code, static_cast<int32_t>(code));
+  }
 }
 
 class StageLinkTest : public ::testing::Test {
@@ -80,8 +207,212 @@ class StageLinkTest : public ::testing::Test {
     return o;
   }
 
+  // Connects stage 0 of 2 to a stage 1 played by hand through peer_, a blocking socket with
+  // a 2 s receive timeout, so that a test controls every byte stage 0 receives.
+  std::unique_ptr<StageChannel> ConnectToHandPlayedStage(
+      uint64_t max_frame_bytes = StageChannelOptions().max_frame_bytes) {
+    const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    EXPECT_GE(listener, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    EXPECT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(listen(listener, 1), 0);
+    EXPECT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+    std::ofstream(Prefix() + ".pp1") << "127.0.0.1:" << ntohs(addr.sin_port) << "\n";
+
+    absl::StatusOr<std::unique_ptr<StageChannel>> channel = absl::UnknownError("unset");
+    StageChannelOptions o = Options(0, 2, absl::Seconds(10));
+    o.max_frame_bytes = max_frame_bytes;
+    std::thread connect([&] { channel = ConnectStages(o); });
+    pollfd p{listener, POLLIN, 0};
+    EXPECT_EQ(poll(&p, 1, 10000), 1);
+    peer_ = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    close(listener);
+    EXPECT_GE(peer_, 0);
+    const timeval two_seconds{2, 0};
+    setsockopt(peer_, SOL_SOCKET, SO_RCVTIMEO, &two_seconds, sizeof(two_seconds));
+    std::string hello(16, '\0');
+    EXPECT_EQ(recv(peer_, hello.data(), hello.size(), MSG_WAITALL), 16);
+    hello.clear();
+    Put(hello, 0x4850564B, 4);  // "KVPH"
+    Put(hello, 1, 4);           // version
+    Put(hello, 1, 4);           // stage 1
+    Put(hello, 2, 4);           // of 2
+    Write(hello);
+    connect.join();
+    EXPECT_TRUE(channel.ok()) << channel.status();
+    return channel.ok() ? std::move(*channel) : nullptr;
+  }
+  // Writes to the hand-played stage's socket; errors (the link closed) are ignored.
+  void Write(const std::string& bytes) {
+    size_t off = 0;
+    while (off < bytes.size()) {
+      const ssize_t n = send(peer_, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
+      if (n <= 0) return;
+      off += static_cast<size_t>(n);
+    }
+  }
+  // True when the hand-played stage sees its link closed within 2 s.
+  bool PeerSeesClose() {
+    char c;
+    const ssize_t n = recv(peer_, &c, 1, 0);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+  }
+
   std::string dir_;
+  int peer_ = -1;
 };
+
+TEST_F(StageLinkTest, DeadlineBeforeAFrameBeginsLeavesTheLinkIntact) {
+  std::unique_ptr<StageChannel> ch = ConnectToHandPlayedStage();
+  ASSERT_NE(ch, nullptr);
+  absl::StatusOr<StageMessage> early = ch->ReceiveBackward(absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(early.status().message(), HasSubstr("intact"));
+  Write(Frame(Sample()));
+  absl::StatusOr<StageMessage> later = ch->ReceiveBackward(absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(later.ok()) << later.status();
+  EXPECT_EQ(later->step, 7u);
+
+  absl::Status late = ch->SendForward(Sample(), absl::Now() - absl::Seconds(1));
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(ch->SendForward(Sample(), absl::Now() + absl::Seconds(5)).ok());
+  const std::string want = Frame(Sample());
+  std::string got(want.size(), '\0');
+  ASSERT_EQ(recv(peer_, got.data(), got.size(), MSG_WAITALL), static_cast<ssize_t>(want.size()));
+  EXPECT_EQ(got, want);
+  close(peer_);
+}
+
+TEST_F(StageLinkTest, DeadlineInTheMiddleOfAFrameBreaksTheLink) {
+  std::unique_ptr<StageChannel> ch = ConnectToHandPlayedStage();
+  ASSERT_NE(ch, nullptr);
+  StageMessage m = Sample();
+  m.values.assign(1000, 0.5f);
+  const std::string frame = Frame(m);
+  Write(frame.substr(0, frame.size() / 2));
+  absl::StatusOr<StageMessage> cut = ch->ReceiveBackward(absl::Now() + absl::Milliseconds(200));
+  EXPECT_EQ(cut.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(cut.status().message(), HasSubstr("the link is closed"));
+  EXPECT_TRUE(PeerSeesClose());
+
+  // The rest of the frame and a whole one arrive too late: the stream is out of step, and
+  // the link says why instead of parsing payload bytes as a header.
+  Write(frame.substr(frame.size() / 2) + Frame(Sample()));
+  absl::StatusOr<StageMessage> after = ch->ReceiveBackward(absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(after.status().message(), HasSubstr("earlier failure"));
+  EXPECT_THAT(after.status().message(), HasSubstr("timed out"));
+  absl::Status send = ch->SendForward(Sample(), absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(send.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(send.message(), HasSubstr("earlier failure"));
+  close(peer_);
+}
+
+TEST_F(StageLinkTest, DeadlineInTheMiddleOfAHeaderBreaksTheLink) {
+  std::unique_ptr<StageChannel> ch = ConnectToHandPlayedStage();
+  ASSERT_NE(ch, nullptr);
+  const std::string frame = Frame(Sample());
+  Write(frame.substr(0, 5));
+  EXPECT_EQ(ch->ReceiveBackward(absl::Now() + absl::Milliseconds(100)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  Write(frame.substr(5));
+  EXPECT_EQ(ch->ReceiveBackward(absl::Now() + absl::Seconds(2)).status().code(),
+            absl::StatusCode::kUnavailable);
+  close(peer_);
+}
+
+TEST_F(StageLinkTest, SendCutShortByItsDeadlineBreaksTheLink) {
+  std::unique_ptr<StageChannel> ch = ConnectToHandPlayedStage();
+  ASSERT_NE(ch, nullptr);
+  StageMessage big;
+  big.values.assign(size_t{16} << 20, 1.0f);  // 64 MiB: more than the socket buffers hold
+  absl::Status cut = ch->SendForward(big, absl::Now() + absl::Milliseconds(300));
+  EXPECT_EQ(cut.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(cut.message(), HasSubstr("the link is closed"));
+  absl::Status next = ch->SendForward(Sample(), absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(next.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(next.message(), HasSubstr("earlier failure"));
+  EXPECT_EQ(ch->ReceiveBackward(absl::Now() + absl::Seconds(2)).status().code(),
+            absl::StatusCode::kUnavailable);
+  close(peer_);
+}
+
+TEST_F(StageLinkTest, FramesOverTheLimitAreRefused) {
+  std::unique_ptr<StageChannel> ch = ConnectToHandPlayedStage(/*max_frame_bytes=*/1 << 20);
+  ASSERT_NE(ch, nullptr);
+  StageMessage big;
+  big.values.assign(300000, 1.0f);
+  absl::Status refused = ch->SendForward(big, absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("1200028 bytes"));
+  EXPECT_THAT(refused.message(), HasSubstr("limit of 1048576"));
+  StageMessage long_id = Sample();
+  long_id.errors[0].request_id = std::string(300, 'i');
+  EXPECT_EQ(ch->SendForward(long_id, absl::Now() + absl::Seconds(2)).code(),
+            absl::StatusCode::kInvalidArgument);
+  // Nothing of either was written: the link carries the next message intact.
+  ASSERT_TRUE(ch->SendForward(Sample(), absl::Now() + absl::Seconds(2)).ok());
+  const std::string want = Frame(Sample());
+  std::string got(want.size(), '\0');
+  ASSERT_EQ(recv(peer_, got.data(), got.size(), MSG_WAITALL), static_cast<ssize_t>(want.size()));
+  EXPECT_EQ(got, want);
+
+  Write(FrameHeader(2 << 20));
+  absl::StatusOr<StageMessage> announced = ch->ReceiveBackward(absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(announced.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(announced.status().message(), HasSubstr("announces 2097152 bytes"));
+  EXPECT_THAT(announced.status().message(), HasSubstr("limit of 1048576"));
+  EXPECT_EQ(ch->ReceiveBackward(absl::Now() + absl::Seconds(2)).status().code(),
+            absl::StatusCode::kUnavailable);
+  close(peer_);
+}
+
+TEST_F(StageLinkTest, AnnouncedLengthsAreNotAllocatedUpFront) {
+  {
+    // Over the default limit: refused at once, before any payload buffer.
+    std::unique_ptr<StageChannel> ch = ConnectToHandPlayedStage();
+    ASSERT_NE(ch, nullptr);
+    Write(FrameHeader(uint64_t{512} << 20));
+    AllocationTracker allocations;
+    absl::StatusOr<StageMessage> m = ch->ReceiveBackward(absl::Now() + absl::Seconds(2));
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_LT(allocations.largest(), size_t{1} << 20);
+    close(peer_);
+  }
+  unlink((Prefix() + ".pp1").c_str());
+  {
+    // Under the limit but stalling after 64 KiB: the buffer stays near what arrived.
+    std::unique_ptr<StageChannel> ch = ConnectToHandPlayedStage();
+    ASSERT_NE(ch, nullptr);
+    Write(FrameHeader(uint64_t{200} << 20) + std::string(64 << 10, '\0'));
+    AllocationTracker allocations;
+    absl::StatusOr<StageMessage> m = ch->ReceiveBackward(absl::Now() + absl::Milliseconds(300));
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_LT(allocations.largest(), size_t{16} << 20);
+    close(peer_);
+  }
+}
+
+TEST_F(StageLinkTest, InfiniteDeadlineWaitsWithoutSpinning) {
+  std::unique_ptr<StageChannel> ch = ConnectToHandPlayedStage();
+  ASSERT_NE(ch, nullptr);
+  std::thread late([&] {
+    absl::SleepFor(absl::Milliseconds(150));
+    Write(Frame(Sample()));
+  });
+  const double cpu_before = ThreadCpuSeconds();
+  absl::StatusOr<StageMessage> m = ch->ReceiveBackward(absl::InfiniteFuture());
+  const double cpu = ThreadCpuSeconds() - cpu_before;
+  late.join();
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->step, 7u);
+  EXPECT_LT(cpu, 0.05) << "the wait spun";
+  EXPECT_TRUE(ch->SendForward(Sample(), absl::InfiniteFuture()).ok());
+  close(peer_);
+}
 
 TEST_F(StageLinkTest, ThreeStagesPassMessagesBothWays) {
   std::vector<absl::StatusOr<std::unique_ptr<StageChannel>>> ch;
