@@ -34,7 +34,8 @@ struct KvstreamSettings {
   std::string ucx_tls = "shm";    // UcxTransportOptions::tls
   std::string ucx_net_devices;    // UcxTransportOptions::net_devices
   int64_t load_timeout_ms = 10000;       // consumer: a layer must arrive within this
-  int64_t send_timeout_ms = 10000;       // producer: a request's sends must finish within this
+  int64_t send_timeout_ms = 10000;       // producer: transfers in flight must finish within
+                                         // this of the last layer posted
   int64_t handshake_timeout_ms = 5000;
   bool verify_checksum = true;           // per-layer checksum checked by the consumer
   std::string secret;                    // shared secret for the control channel; empty = none
