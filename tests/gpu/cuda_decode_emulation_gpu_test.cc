@@ -7,7 +7,7 @@
 // the cp.async.wait_group that covers them, or (second mode) at issue with the threads run
 // in reverse order, which exposes copies into a stage still being read. Split partials are
 // merged on the host with the formula of DecodeMergeKernel.
-#define KVSTREAM_DECODE_TC_EMULATION 1
+#define KVSTREAM_CUDA_EMULATION 1
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -41,40 +41,6 @@
 #ifndef __grid_constant__
 #define __grid_constant__
 #endif
-
-namespace kvstream {
-namespace internal {
-namespace decode_tc {
-
-namespace emu = ::kvstream::gpu_test::emulation;
-
-// ---- The PTX wrappers the kernel calls, emulated (see decode_tc_attention.cuh).
-#define KVSTREAM_DECODE_TC_UNROLL
-#define KVSTREAM_DECODE_TC_SHARED_MEMORY(name) \
-  uint8_t* const name = ::kvstream::gpu_test::emulation::SharedMemory()
-
-inline uint32_t SmemAddress(const void* p) { return emu::SmemAddress(p); }
-inline void CpAsync16(uint32_t dst, const void* src, bool valid) {
-  emu::CpAsync16(dst, src, valid);
-}
-inline void CpAsyncCommit() { emu::CpAsyncCommit(); }
-template <int kPending>
-void CpAsyncWaitGroup() {
-  emu::CpAsyncWaitGroup(kPending);
-}
-inline void LdMatrixX4(uint32_t (&r)[4], uint32_t address) { emu::LdMatrixX4(r, address, false); }
-inline void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t address) {
-  emu::LdMatrixX4(r, address, true);
-}
-template <typename T>
-void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  emu::Mma16816<T>(c, a, b0, b1);
-}
-inline float FastExp2(float x) { return std::exp2(x); }
-
-}  // namespace decode_tc
-}  // namespace internal
-}  // namespace kvstream
 
 // CUDA built-ins the kernel uses, for the emulator.
 inline void __syncthreads() { kvstream::gpu_test::emulation::SyncThreads(); }

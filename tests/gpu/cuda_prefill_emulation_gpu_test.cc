@@ -10,7 +10,7 @@
 // cp.async.wait_group, so a read of a tile before its wait sees stale data. Misaligned
 // cp.async / ldmatrix addresses, out-of-bounds shared memory and divergent barriers
 // (deadlock) are reported as failures.
-#define KVSTREAM_PREFILL_EMULATION 1
+#define KVSTREAM_CUDA_EMULATION 1
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -64,37 +64,6 @@ inline __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) { return __float2bfloat16
 #ifndef __grid_constant__
 #define __grid_constant__
 #endif
-
-namespace kvstream {
-namespace internal {
-namespace cuda {
-
-namespace emu = ::kvstream::gpu_test::emulation;
-
-// ---- The PTX wrappers the kernel calls, emulated (see prefill_attention.cuh).
-#define KVSTREAM_PREFILL_UNROLL
-#define KVSTREAM_PREFILL_SHARED_MEMORY(name) \
-  uint8_t* const name = ::kvstream::gpu_test::emulation::SharedMemory()
-
-inline uint32_t SmemAddress(const void* p) { return emu::SmemAddress(p); }
-inline void CpAsync16(uint32_t dst, const void* src, bool valid) {
-  emu::CpAsync16(dst, src, valid);
-}
-inline void CpAsyncCommit() { emu::CpAsyncCommit(); }
-inline void CpAsyncWaitAll() { emu::CpAsyncWaitGroup(0); }
-inline void LdMatrixX4(uint32_t (&r)[4], uint32_t address) { emu::LdMatrixX4(r, address, false); }
-inline void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t address) {
-  emu::LdMatrixX4(r, address, true);
-}
-template <typename T>
-void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  emu::Mma16816<T>(c, a, b0, b1);
-}
-inline float FastExp2(float x) { return std::exp2(x); }
-
-}  // namespace cuda
-}  // namespace internal
-}  // namespace kvstream
 
 // CUDA built-ins the kernel uses, for the emulator.
 inline void __syncthreads() { kvstream::gpu_test::emulation::SyncThreads(); }

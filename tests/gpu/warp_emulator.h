@@ -6,15 +6,13 @@
 // into buffers that other threads still read). Misaligned cp.async / ldmatrix addresses,
 // shared memory out of bounds and divergent barriers (deadlock) are reported as faults.
 //
-// A kernel header that can run here keeps its PTX wrappers behind a macro; the test then
-// defines them by forwarding to the functions below, e.g.
+// The kernels take their PTX wrappers from attention/src/cuda/mma_ptx.cuh; with
+// KVSTREAM_CUDA_EMULATION defined before this header, the end of this file defines them
+// instead, forwarding to the functions below:
 //
-//   #define KVSTREAM_DECODE_TC_EMULATION 1
+//   #define KVSTREAM_CUDA_EMULATION 1
 //   #include "warp_emulator.h"
-//   namespace kvstream::internal::decode_tc {
-//   inline void CpAsyncCommit() { gpu_test::emulation::CpAsyncCommit(); }
-//   ...
-//   }
+//   ... the CUDA built-ins (__syncthreads, threadIdx, ...) ...
 //   #include "cuda/decode_tc_attention.cuh"
 //
 // and runs every CTA of the grid with Cta::Run. One CTA at a time; not thread-safe.
@@ -367,5 +365,42 @@ inline float ShflXor(float value, int lane_mask) {
 }  // namespace emulation
 }  // namespace gpu_test
 }  // namespace kvstream
+
+// The PTX wrappers of attention/src/cuda/mma_ptx.cuh, emulated: a test defines
+// KVSTREAM_CUDA_EMULATION, includes this header, then the kernel's header.
+#if defined(KVSTREAM_CUDA_EMULATION)
+#define KVSTREAM_CUDA_UNROLL
+#define KVSTREAM_CUDA_SHARED_MEMORY(name) \
+  uint8_t* const name = ::kvstream::gpu_test::emulation::SharedMemory()
+
+namespace kvstream {
+namespace internal {
+namespace ptx {
+
+inline uint32_t SmemAddress(const void* p) { return gpu_test::emulation::SmemAddress(p); }
+inline void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  gpu_test::emulation::CpAsync16(dst, src, valid);
+}
+inline void CpAsyncCommit() { gpu_test::emulation::CpAsyncCommit(); }
+template <int kPending>
+void CpAsyncWaitGroup() {
+  gpu_test::emulation::CpAsyncWaitGroup(kPending);
+}
+inline void LdMatrixX4(uint32_t (&r)[4], uint32_t address) {
+  gpu_test::emulation::LdMatrixX4(r, address, false);
+}
+inline void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t address) {
+  gpu_test::emulation::LdMatrixX4(r, address, true);
+}
+template <typename T>
+void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  gpu_test::emulation::Mma16816<T>(c, a, b0, b1);
+}
+inline float FastExp2(float x) { return std::exp2(x); }
+
+}  // namespace ptx
+}  // namespace internal
+}  // namespace kvstream
+#endif  // defined(KVSTREAM_CUDA_EMULATION)
 
 #endif  // KVSTREAM_TESTS_GPU_WARP_EMULATOR_H_

@@ -31,7 +31,7 @@
 // Shared memory (bytes): loc [kStages][64] int2 | q [16][D] T (swizzled) |
 //   16-bit: kv [kStages][2][64][D] T  /  fp8: raw [kStages][2][64][D] bytes, kv [2][64][D] T
 //
-// A host build that defines KVSTREAM_DECODE_TC_EMULATION provides the PTX wrappers (and
+// A host build that defines KVSTREAM_CUDA_EMULATION provides the PTX wrappers (mma_ptx.cuh; and
 // __syncthreads, __shfl_xor_sync, threadIdx, blockIdx, shared memory) itself, so that the
 // kernel runs unchanged under the warp emulator (tests/gpu/cuda_decode_emulation_gpu_test.cc).
 #ifndef KVSTREAM_ATTENTION_CUDA_DECODE_TC_ATTENTION_CUH_
@@ -48,6 +48,7 @@
 #include <type_traits>
 
 #include "cuda/kernel_params.h"
+#include "cuda/mma_ptx.cuh"
 
 namespace kvstream {
 namespace internal {
@@ -94,92 +95,19 @@ struct DecodeTcTraits {
 };
 
 // ---------------------------------------------------------------------------------------
-// PTX wrappers (replaced by the emulator's under KVSTREAM_DECODE_TC_EMULATION).
-#if !defined(KVSTREAM_DECODE_TC_EMULATION)
-#define KVSTREAM_DECODE_TC_UNROLL _Pragma("unroll")
-#define KVSTREAM_DECODE_TC_SHARED_MEMORY(name) extern __shared__ __align__(128) uint8_t name[]
-
-__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// 16-byte global -> shared copy; `valid` false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWaitGroup() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-// c += a * b for one m16n8k16 tile.
-template <typename T>
-__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-__device__ __forceinline__ float FastExp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-#endif  // !defined(KVSTREAM_DECODE_TC_EMULATION)
-
-template <typename Pair>
-__device__ __forceinline__ uint32_t PairBits(const Pair& v) {
-  static_assert(sizeof(Pair) == 4, "a pair of 16-bit values");
-  uint32_t bits;
-  memcpy(&bits, &v, 4);
-  return bits;
-}
-
-// Two floats as a packed pair of T (the first in the low half, as mma fragments expect).
-template <typename T>
-__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return PairBits(__floats2bfloat162_rn(lo, hi));
-  } else {
-    return PairBits(__floats2half2_rn(lo, hi));
-  }
-}
-
-// Two fp8 codes (the first in the low byte) as a packed pair of T; exact.
-template <typename T, __nv_fp8_interpretation_t kFormat>
-__device__ __forceinline__ uint32_t Fp8PairTo(uint32_t two_codes) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes), kFormat);
-  if constexpr (std::is_same_v<T, __half>) {
-    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-  } else {
-    return PairBits(__float22bfloat162_rn(__half22float2(__half2(h))));
-  }
-}
+// The shared PTX pieces (mma_ptx.cuh).
+using ptx::CpAsync16;
+using ptx::CpAsyncCommit;
+using ptx::CpAsyncWaitGroup;
+using ptx::FastExp2;
+using ptx::Fp8PairTo;
+using ptx::LdMatrixX4;
+using ptx::LdMatrixX4Trans;
+using ptx::Mma16816;
+using ptx::PackPair;
+using ptx::PairBits;
+using ptx::SmemAddress;
+using ptx::SwizzledChunk;
 
 template <typename T>
 __device__ __forceinline__ float ActivationToFloat(T x) {
@@ -198,11 +126,6 @@ __device__ __forceinline__ T FloatToActivation(float x) {
   }
 }
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] 16-bit tile.
-template <int D>
-__device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {
-  return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
-}
 
 // ---------------------------------------------------------------------------------------
 // The kernel.
@@ -221,7 +144,7 @@ __global__ void __launch_bounds__(DecodeTcTraits<D>::kThreads,
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kNegInf = -INFINITY;
 
-  KVSTREAM_DECODE_TC_SHARED_MEMORY(smem);
+  KVSTREAM_CUDA_SHARED_MEMORY(smem);
   int2* const loc_smem = reinterpret_cast<int2*>(smem);
   uint8_t* const q_smem = smem + Traits::kQOffset;
   uint8_t* const kv_smem = smem + Traits::kKvOffset;
@@ -277,7 +200,7 @@ __global__ void __launch_bounds__(DecodeTcTraits<D>::kThreads,
   }
   int2 loc_ahead = make_int2(-1, 0);  // threads tid < kBlockN: lookup of tile t + kStages + 1
   if (tid < kBlockN) {
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int st = 0; st < kStages; ++st) loc_smem[st * kBlockN + tid] = lookup(st, tid);
     loc_ahead = lookup(kStages, tid);
   }
@@ -318,7 +241,7 @@ KVSTREAM_DECODE_TC_UNROLL
     const int v_chunks = head_size_v / kElems;
     const uint8_t* const k = static_cast<const uint8_t*>(p.k_cache);
     const uint8_t* const v = static_cast<const uint8_t*>(p.v_cache);
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
       const int r = lrow + pass * kRowsPerPass;
       const int2 loc = locs[r];
@@ -331,7 +254,7 @@ KVSTREAM_DECODE_TC_UNROLL
                                         static_cast<int64_t>(loc.y) * p.v_token_stride +
                                         v_head_offset
                                   : 0;
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kChunks / kPerRow; ++i) {
         const int c = lcol + i * kPerRow;
         uint32_t k_dst, v_dst;
@@ -371,13 +294,13 @@ KVSTREAM_DECODE_TC_UNROLL
       const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
       uint32_t out[8];
       if (a.cache_kind == kCacheE4M3) {
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int w = 0; w < 4; ++w) {
           out[2 * w] = Fp8PairTo<T, __NV_E4M3>(words[w] & 0xffffu);
           out[2 * w + 1] = Fp8PairTo<T, __NV_E4M3>(words[w] >> 16);
         }
       } else {
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int w = 0; w < 4; ++w) {
           out[2 * w] = Fp8PairTo<T, __NV_E5M2>(words[w] & 0xffffu);
           out[2 * w + 1] = Fp8PairTo<T, __NV_E5M2>(words[w] >> 16);
@@ -391,7 +314,7 @@ KVSTREAM_DECODE_TC_UNROLL
     }
   };
 
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
   for (int st = 0; st < kStages - 1; ++st) {
     if (st < num_tiles) issue_tile(st, st);
     CpAsyncCommit();
@@ -408,15 +331,15 @@ KVSTREAM_DECODE_TC_UNROLL
   const float cap2 = soft_cap ? p.logits_soft_cap * kLog2e : 0.0f;
   const float inv_cap = soft_cap ? p.scale * k_scale / p.logits_soft_cap : 0.0f;
   float row_slope2[2];
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
   for (int half = 0; half < 2; ++half) {
     const int m = (lane >> 2) + 8 * half;
     row_slope2[half] = alibi && m < heads_here ? p.alibi_slopes[first_head + m] * kLog2e : 0.0f;
   }
   float acc_o[kDBlocks][4];
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
   for (int nb = 0; nb < kDBlocks; ++nb) {
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int e = 0; e < 4; ++e) acc_o[nb][e] = 0.0f;
   }
   float row_max[2] = {kNegInf, kNegInf};
@@ -442,7 +365,7 @@ KVSTREAM_DECODE_TC_UNROLL
   constexpr bool kQInRegisters = D <= 128;
   uint32_t q_frag[kQInRegisters ? D / 16 : 1][4];
   if constexpr (kQInRegisters) {
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int kk = 0; kk < D / 16; ++kk) {
       if (kk < k_steps) {
         LdMatrixX4(q_frag[kk], q_lane_addr + (kk >> 2) * 128 + (swz_qv ^ ((kk & 3) << 5)));
@@ -478,16 +401,16 @@ KVSTREAM_DECODE_TC_UNROLL
 
     // S = Q K^T for the warp's 16 keys: acc_s[nb] holds keys nb * 8 + quad_col + {0, 1}.
     float acc_s[2][4];
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int nb = 0; nb < 2; ++nb) {
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int e = 0; e < 4; ++e) acc_s[nb][e] = 0.0f;
     }
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int k0 = 0; k0 < D / 16; k0 += kBatch) {
       uint32_t b[kBatch][4];
       uint32_t qa[kQInRegisters ? 1 : kBatch][4];
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int kk = k0 + i;
         if (kk < k_steps) {
@@ -497,7 +420,7 @@ KVSTREAM_DECODE_TC_UNROLL
           }
         }
       }
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int kk = k0 + i;
         if (kk < k_steps) {
@@ -511,9 +434,9 @@ KVSTREAM_DECODE_TC_UNROLL
 
     // Scores in base 2: soft cap, then ALiBi, then the end of the split.
     const int key0 = tile_lo + 16 * warp + quad_col;  // key of acc_s[0][0]
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int nb = 0; nb < 2; ++nb) {
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int e = 0; e < 4; ++e) {
         float s = acc_s[nb][e];
         if (soft_cap) {
@@ -531,7 +454,7 @@ KVSTREAM_DECODE_TC_UNROLL
     }
 
     // Online softmax per row: running max and (per-thread partial) sum, O rescaled.
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int half = 0; half < 2; ++half) {
       float tile_max = fmaxf(fmaxf(acc_s[0][2 * half], acc_s[0][2 * half + 1]),
                              fmaxf(acc_s[1][2 * half], acc_s[1][2 * half + 1]));
@@ -543,9 +466,9 @@ KVSTREAM_DECODE_TC_UNROLL
       const float alpha = FastExp2(row_max[half] - use_max);
       row_max[half] = new_max;
       float sum = 0.0f;
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int nb = 0; nb < 2; ++nb) {
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int e = 0; e < 2; ++e) {
           const float pe = FastExp2(acc_s[nb][2 * half + e] - use_max);
           acc_s[nb][2 * half + e] = pe;
@@ -553,7 +476,7 @@ KVSTREAM_DECODE_TC_UNROLL
         }
       }
       row_sum[half] = row_sum[half] * alpha + sum;
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int nb = 0; nb < kDBlocks; ++nb) {
         if (nb < 2 * dv_steps) {
           acc_o[nb][2 * half] *= alpha;
@@ -568,10 +491,10 @@ KVSTREAM_DECODE_TC_UNROLL
     pa[1] = PackPair<T>(acc_s[0][2], acc_s[0][3]);
     pa[2] = PackPair<T>(acc_s[1][0], acc_s[1][1]);
     pa[3] = PackPair<T>(acc_s[1][2], acc_s[1][3]);
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int d0 = 0; d0 < D / 16; d0 += kBatch) {
       uint32_t b[kBatch][4];
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int dd = d0 + i;
         if (dd < dv_steps) {
@@ -579,7 +502,7 @@ KVSTREAM_DECODE_TC_UNROLL
                                     (swz_qv ^ ((dd & 3) << 5)));
         }
       }
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int dd = d0 + i;
         if (dd < dv_steps) {
@@ -596,14 +519,14 @@ KVSTREAM_DECODE_TC_UNROLL
   //   red [kWarps][kRows][D] floats, ml [kWarps][kRows][2] (max, sum).
   float* const red = reinterpret_cast<float*>(smem);
   float* const ml = red + Traits::kWarps * kRows * D;
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
   for (int half = 0; half < 2; ++half) {
     float sum = row_sum[half];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const int m = (lane >> 2) + 8 * half;
     float* const row = red + (warp * kRows + m) * D;
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int nb = 0; nb < kDBlocks; ++nb) {
       if (nb < 2 * dv_steps) {
         row[nb * 8 + quad_col] = acc_o[nb][2 * half];
@@ -622,11 +545,11 @@ KVSTREAM_DECODE_TC_UNROLL
     const int m = idx / head_size_v;
     const int d = idx - m * head_size_v;
     float big = kNegInf;
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int w = 0; w < Traits::kWarps; ++w) big = fmaxf(big, ml[(w * kRows + m) * 2]);
     float sum = 0.0f;
     float o = 0.0f;
-KVSTREAM_DECODE_TC_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int w = 0; w < Traits::kWarps; ++w) {
       const float mw = ml[(w * kRows + m) * 2];
       if (mw != kNegInf) {

@@ -51,6 +51,7 @@
 
 #include "cuda/cuda_common.cuh"
 #include "cuda/kernel_params.h"
+#include "cuda/mma_ptx.cuh"
 #include "kvstream/common/dtype.h"
 
 namespace kvstream {
@@ -177,104 +178,20 @@ inline bool PrefillFastApplies(const PagedKernelParams& params, const PrefillOpt
 // ---------------------------------------------------------------------------------------
 // Small device helpers: PTX wrappers and conversions.
 
-// The PTX wrappers. A host build that defines KVSTREAM_PREFILL_EMULATION provides its own
-// definitions of these functions (and of __syncthreads, __shfl_xor_sync, threadIdx, the
-// shared memory), so that the kernel below runs unchanged under a warp emulator on a CPU
-// (tests/gpu/cuda_prefill_emulation_gpu_test.cc) and its index math is checked where no
-// GPU is.
-#if !defined(KVSTREAM_PREFILL_EMULATION)
-#define KVSTREAM_PREFILL_UNROLL _Pragma("unroll")
-#define KVSTREAM_PREFILL_SHARED_MEMORY(name) extern __shared__ __align__(128) uint8_t name[]
+// The shared PTX pieces (mma_ptx.cuh).
+using ptx::CpAsync16;
+using ptx::CpAsyncCommit;
+using ptx::CpAsyncWaitGroup;
+using ptx::FastExp2;
+using ptx::Fp8PairTo;
+using ptx::LdMatrixX4;
+using ptx::LdMatrixX4Trans;
+using ptx::Mma16816;
+using ptx::PackPair;
+using ptx::PairBits;
+using ptx::SmemAddress;
+using ptx::SwizzledChunk;
 
-__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global -> shared copy; `valid` false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void CpAsyncWaitAll() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-// c += a * b for one m16n8k16 tile: a is the 16x16 A fragment, (b0, b1) the 16x8 B fragment.
-template <typename T>
-__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ float FastExp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-#endif  // !defined(KVSTREAM_PREFILL_EMULATION)
-
-// The 32 bits of a pair of 16-bit values.
-template <typename Pair>
-__device__ __forceinline__ uint32_t PairBits(const Pair& v) {
-  static_assert(sizeof(Pair) == 4, "a pair of 16-bit values");
-  uint32_t bits;
-  memcpy(&bits, &v, 4);
-  return bits;
-}
-
-// Two floats as a packed pair of T (the first in the low half, as mma fragments expect).
-template <typename T>
-__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return PairBits(__floats2bfloat162_rn(lo, hi));
-  } else {
-    return PairBits(__floats2half2_rn(lo, hi));
-  }
-}
-
-// Two fp8 codes (the first in the low byte) as a packed pair of T. Exact: every e4m3 and
-// e5m2 value is representable in float16 and in bfloat16.
-template <typename T, __nv_fp8_interpretation_t kFormat>
-__device__ __forceinline__ uint32_t Fp8PairTo(uint32_t two_codes) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes), kFormat);
-  if constexpr (std::is_same_v<T, __half>) {
-    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-  } else {
-    return PairBits(__float22bfloat162_rn(__half22float2(__half2(h))));
-  }
-}
-
-// One cache element as T (fp8 without its scale).
 template <typename T>
 __device__ __forceinline__ T CacheElementAs(const void* base, int64_t index, int cache_kind) {
   if (cache_kind == kPrefillCache16) return static_cast<const T*>(base)[index];
@@ -292,11 +209,6 @@ __device__ __forceinline__ T CacheElementAs(const void* base, int64_t index, int
   return FromFloat<T>(x);
 }
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] 16-bit tile.
-template <int D>
-__device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {
-  return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
-}
 // Byte offset of element `col` of row `row` in the same tile.
 template <int D>
 __device__ __forceinline__ uint32_t SwizzledElement(int row, int col) {
@@ -338,7 +250,7 @@ __global__ void __launch_bounds__(PrefillTraits<D, Variant>::kThreads,
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kNegInf = -INFINITY;
 
-  KVSTREAM_PREFILL_SHARED_MEMORY(smem);
+  KVSTREAM_CUDA_SHARED_MEMORY(smem);
   uint8_t* const q_smem = smem;
   int2* const loc_smem = reinterpret_cast<int2*>(smem + Traits::kQBytes);
   uint8_t* const kv_smem = smem + Traits::kKvOffset;
@@ -455,7 +367,7 @@ __global__ void __launch_bounds__(PrefillTraits<D, Variant>::kThreads,
     const int2* const locs = loc_smem + (n & 1) * kBlockN;
     uint8_t* const k_tile = kv_smem + stage * Traits::kStageBytes;
     uint8_t* const v_tile = k_tile + Traits::kTileBytes;
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
       const int r = lrow + pass * kRowsPerPass;
       const int2 loc = locs[r];
@@ -474,7 +386,7 @@ KVSTREAM_PREFILL_UNROLL
         const uint32_t k_dst =
             SmemAddress(k_tile) + load_dst0 + pass * kRowsPerPass * D * 2;
         const uint32_t v_dst = k_dst + Traits::kTileBytes;
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int i = 0; i < (kChunks + 7) / 8; ++i) {
           const int c = lcol + i * 8;
           if (c < head_size / 8) CpAsync16(k_dst + i * 128, k + k_row + c * 8, valid);
@@ -485,7 +397,7 @@ KVSTREAM_PREFILL_UNROLL
         const uint8_t* const v = static_cast<const uint8_t*>(p.v_cache);
         const uint32_t k_dst = SmemAddress(raw_smem) + r * D;
         const uint32_t v_dst = SmemAddress(raw_smem + kBlockN * D) + r * D;
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int i = 0; i < (D / 16 + 7) / 8; ++i) {
           const int c = lcol + i * 8;
           if (c < D / 16 && c < head_size / 16) {
@@ -526,13 +438,13 @@ KVSTREAM_PREFILL_UNROLL
       const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
       uint32_t out[8];
       if (cache_kind == kPrefillCacheE4M3) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int w = 0; w < 4; ++w) {
           out[2 * w] = Fp8PairTo<T, __NV_E4M3>(words[w] & 0xffffu);
           out[2 * w + 1] = Fp8PairTo<T, __NV_E4M3>(words[w] >> 16);
         }
       } else {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int w = 0; w < 4; ++w) {
           out[2 * w] = Fp8PairTo<T, __NV_E5M2>(words[w] & 0xffffu);
           out[2 * w + 1] = Fp8PairTo<T, __NV_E5M2>(words[w] >> 16);
@@ -580,9 +492,9 @@ KVSTREAM_PREFILL_UNROLL
   };
   int row_qp[kRowBlocks][2];
   float row_slope2[kRowBlocks][2];
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
   for (int mb = 0; mb < kRowBlocks; ++mb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int half = 0; half < 2; ++half) {
       const int r = row_of(mb, half);
       row_qp[mb][half] = qp_of_row(r);
@@ -593,14 +505,14 @@ KVSTREAM_PREFILL_UNROLL
   float acc_o[kRowBlocks][kDBlocks][4];
   float row_max[kRowBlocks][2];
   float row_sum[kRowBlocks][2];
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
   for (int mb = 0; mb < kRowBlocks; ++mb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int nb = 0; nb < kDBlocks; ++nb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int e = 0; e < 4; ++e) acc_o[mb][nb][e] = 0.0f;
     }
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int half = 0; half < 2; ++half) {
       row_max[mb][half] = kNegInf;
       row_sum[mb][half] = 0.0f;
@@ -629,7 +541,7 @@ KVSTREAM_PREFILL_UNROLL
 
   // ---- Main loop over key tiles.
   for (int n = n_begin; n < n_end; ++n) {
-    CpAsyncWaitAll();
+    CpAsyncWaitGroup<0>();
     __syncthreads();
     if (load_mode == kPrefillAsyncFp8) {
       convert_raw();
@@ -655,17 +567,17 @@ KVSTREAM_PREFILL_UNROLL
 
     // S = Q K^T for the warp's rows.
     float acc_s[kRowBlocks][kNBlocks][4];
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int mb = 0; mb < kRowBlocks; ++mb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int nb = 0; nb < kNBlocks; ++nb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int e = 0; e < 4; ++e) acc_s[mb][nb][e] = 0.0f;
       }
     }
     // Which 16-key blocks of the tile hold keys the warp may see (the others stay masked).
     bool key_block_used[kBlockN / 16];
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int kb = 0; kb < kBlockN / 16; ++kb) {
       // Fast variant: every block is computed (a constant, so no branch in the mma
       // chains); blocks no row sees lie outside every row's [lo, hi] and are masked below.
@@ -673,29 +585,29 @@ KVSTREAM_PREFILL_UNROLL
     }
     // Per k16 step: all fragments first, then the mma chain, so that the ldmatrix latency
     // is paid once per step.
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int kk = 0; kk < D / 16; ++kk) {
       if (kk < k_steps) {
         uint32_t a[kRowBlocks][4];
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int mb = 0; mb < kRowBlocks; ++mb) {
           LdMatrixX4(a[mb], q_lane_addr + mb * 16 * D * 2 + (kk >> 2) * 128 +
                                 (swz_qv ^ ((kk & 3) << 5)));
         }
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int k0 = 0; k0 < kBlockN / 16; k0 += kKBatch) {
           uint32_t b[kKBatch][4];
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
           for (int i = 0; i < kKBatch; ++i) {
             if (key_block_used[k0 + i]) {
               LdMatrixX4(b[i], k_base + k_lane_off + (k0 + i) * 16 * D * 2 + (kk >> 2) * 128 +
                                    (swz_k ^ ((kk & 3) << 5)));
             }
           }
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
           for (int i = 0; i < kKBatch; ++i) {
             if (key_block_used[k0 + i]) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
               for (int mb = 0; mb < kRowBlocks; ++mb) {
                 Mma16816<T>(acc_s[mb][2 * (k0 + i)], a[mb], b[i][0], b[i][1]);
                 Mma16816<T>(acc_s[mb][2 * (k0 + i) + 1], a[mb], b[i][2], b[i][3]);
@@ -708,11 +620,11 @@ KVSTREAM_PREFILL_UNROLL
 
     // Scores in base 2: soft cap, then ALiBi, then the mask.
     if (soft_cap) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int mb = 0; mb < kRowBlocks; ++mb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int nb = 0; nb < kNBlocks; ++nb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
           for (int e = 0; e < 4; ++e) {
             // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7.
             const float x = acc_s[mb][nb][e] * inv_cap;
@@ -722,28 +634,28 @@ KVSTREAM_PREFILL_UNROLL
         }
       }
     } else {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int mb = 0; mb < kRowBlocks; ++mb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int nb = 0; nb < kNBlocks; ++nb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
           for (int e = 0; e < 4; ++e) acc_s[mb][nb][e] *= scale2;
         }
       }
     }
     if (alibi) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int mb = 0; mb < kRowBlocks; ++mb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int half = 0; half < 2; ++half) {
           // slope * (j - qp), with j - qp formed exactly in integers.
           const int r = row_of(mb, half);
           const float base =
               static_cast<float>(tile_lo + quad_col - (kFast ? qp_of_row(r) : row_qp[mb][half]));
           const float slope = kFast ? slope2_of_row(r) : row_slope2[mb][half];
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
           for (int nb = 0; nb < kNBlocks; ++nb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
             for (int e = 0; e < 2; ++e) {
               acc_s[mb][nb][2 * half + e] +=
                   slope * (base + static_cast<float>(nb * 8 + e));
@@ -753,16 +665,16 @@ KVSTREAM_PREFILL_UNROLL
       }
     }
     if (tile_lo < warp_lo_max || tile_lo + kBlockN - 1 > warp_hi_min) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int mb = 0; mb < kRowBlocks; ++mb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int half = 0; half < 2; ++half) {
           const int qp = kFast ? qp_of_row(row_of(mb, half)) : row_qp[mb][half];
           const int lo = VisibleLo(p, qp) - tile_lo - quad_col;
           const int hi = VisibleHi(p, qp, seq_len) - tile_lo - quad_col;
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
           for (int nb = 0; nb < kNBlocks; ++nb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
             for (int e = 0; e < 2; ++e) {
               const int col = nb * 8 + e;
               if (col < lo || col > hi) acc_s[mb][nb][2 * half + e] = kNegInf;
@@ -773,12 +685,12 @@ KVSTREAM_PREFILL_UNROLL
     }
 
     // Online softmax: running max and (per-thread partial) sum per row, O rescaled.
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int mb = 0; mb < kRowBlocks; ++mb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int half = 0; half < 2; ++half) {
         float tile_max = kNegInf;
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int nb = 0; nb < kNBlocks; ++nb) {
           tile_max = fmaxf(tile_max, fmaxf(acc_s[mb][nb][2 * half], acc_s[mb][nb][2 * half + 1]));
         }
@@ -790,9 +702,9 @@ KVSTREAM_PREFILL_UNROLL
         const float alpha = FastExp2(row_max[mb][half] - use_max);
         row_max[mb][half] = new_max;
         float sum = 0.0f;
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int nb = 0; nb < kNBlocks; ++nb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
           for (int e = 0; e < 2; ++e) {
             const float pe = FastExp2(acc_s[mb][nb][2 * half + e] - use_max);
             acc_s[mb][nb][2 * half + e] = pe;
@@ -800,7 +712,7 @@ KVSTREAM_PREFILL_UNROLL
           }
         }
         row_sum[mb][half] = row_sum[mb][half] * alpha + sum;
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int nb = 0; nb < kDBlocks; ++nb) {
           if (nb < 2 * dv_steps) {
             acc_o[mb][nb][2 * half] *= alpha;
@@ -812,21 +724,21 @@ KVSTREAM_PREFILL_UNROLL
 
     // O += P V. P's accumulator layout is the A fragment layout of the next mma. V
     // fragments are loaded four d16 steps at a time, then used.
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int kc = 0; kc < kBlockN / 16; ++kc) {
       if (key_block_used[kc]) {
         uint32_t pa[kRowBlocks][4];
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int mb = 0; mb < kRowBlocks; ++mb) {
           pa[mb][0] = PackPair<T>(acc_s[mb][2 * kc][0], acc_s[mb][2 * kc][1]);
           pa[mb][1] = PackPair<T>(acc_s[mb][2 * kc][2], acc_s[mb][2 * kc][3]);
           pa[mb][2] = PackPair<T>(acc_s[mb][2 * kc + 1][0], acc_s[mb][2 * kc + 1][1]);
           pa[mb][3] = PackPair<T>(acc_s[mb][2 * kc + 1][2], acc_s[mb][2 * kc + 1][3]);
         }
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
         for (int d0 = 0; d0 < D / 16; d0 += kVBatch) {
           uint32_t b[kVBatch][4];
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
           for (int i = 0; i < kVBatch; ++i) {
             const int dd = d0 + i;
             if (dd < dv_steps) {
@@ -834,11 +746,11 @@ KVSTREAM_PREFILL_UNROLL
                                         (swz_qv ^ ((dd & 3) << 5)));
             }
           }
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
           for (int i = 0; i < kVBatch; ++i) {
             const int dd = d0 + i;
             if (dd < dv_steps) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
               for (int mb = 0; mb < kRowBlocks; ++mb) {
                 Mma16816<T>(acc_o[mb][2 * dd], pa[mb], b[i][0], b[i][1]);
                 Mma16816<T>(acc_o[mb][2 * dd + 1], pa[mb], b[i][2], b[i][3]);
@@ -849,22 +761,22 @@ KVSTREAM_PREFILL_UNROLL
       }
     }
   }
-  CpAsyncWaitAll();
+  CpAsyncWaitGroup<0>();
 
   // ---- Epilogue: normalise, fold the V scale, stage through q_smem, write the rows.
   __syncthreads();  // every warp is done with q_smem and the kv tiles
   if (!warp_active) return;
   const float v_scale = ScaleOfHead(p.v_scale, p.num_scales, kv_head);
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
   for (int mb = 0; mb < kRowBlocks; ++mb) {
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
     for (int half = 0; half < 2; ++half) {
       float sum = row_sum[mb][half];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const float inv = sum > 0.0f ? v_scale / sum : 0.0f;
       const int m = warp_row + mb * 16 + (lane >> 2) + 8 * half;
-KVSTREAM_PREFILL_UNROLL
+KVSTREAM_CUDA_UNROLL
       for (int nb = 0; nb < kDBlocks; ++nb) {
         if (nb < 2 * dv_steps) {
           *reinterpret_cast<uint32_t*>(q_smem + SwizzledElement<D>(m, nb * 8 + quad_col)) =
