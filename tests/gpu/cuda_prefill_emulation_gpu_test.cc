@@ -37,25 +37,6 @@
 #include "kvstream/common/dtype.h"
 #include "warp_emulator.h"
 
-// cuda_common.cuh's `#pragma unroll` is an error for GCC 12 with -Wall -Werror (and its
-// diagnostic pragmas cannot silence it), so the conversions the kernel uses from it are
-// given here, with the same results, and the header itself is skipped.
-#define KVSTREAM_ATTENTION_CUDA_CUDA_COMMON_CUH_
-namespace kvstream {
-namespace internal {
-namespace cuda {
-inline float ToFloat(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
-inline float ToFloat(__nv_fp8_e5m2 x) { return static_cast<float>(x); }
-template <typename T>
-T FromFloat(float x);
-template <>
-inline __half FromFloat<__half>(float x) { return __float2half_rn(x); }
-template <>
-inline __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-}  // namespace cuda
-}  // namespace internal
-}  // namespace kvstream
-
 // ---------------------------------------------------------------------------------------
 // What a host compiler lacks of CUDA's device dialect.
 #ifndef __launch_bounds__

@@ -13,6 +13,14 @@
 
 #include <cstdint>
 
+// `#pragma unroll` for nvcc; nothing for a host compiler (the warp-emulator tests compile
+// the kernels with GCC, which rejects the pragma under -Wall -Werror).
+#if defined(__CUDACC__)
+#define KVSTREAM_CUDA_COMMON_UNROLL _Pragma("unroll")
+#else
+#define KVSTREAM_CUDA_COMMON_UNROLL
+#endif
+
 namespace kvstream {
 namespace internal {
 namespace cuda {
@@ -68,12 +76,12 @@ __device__ __forceinline__ void Load8(const T* p, float (&out)[8]) {
   if constexpr (sizeof(T) == 2) {
     const uint4 raw = *reinterpret_cast<const uint4*>(p);
     const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
+KVSTREAM_CUDA_COMMON_UNROLL
     for (int i = 0; i < 8; ++i) out[i] = ToFloat(e[i]);
   } else {
     const uint2 raw = *reinterpret_cast<const uint2*>(p);
     const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
+KVSTREAM_CUDA_COMMON_UNROLL
     for (int i = 0; i < 8; ++i) out[i] = ToFloat(e[i]);
   }
 }
