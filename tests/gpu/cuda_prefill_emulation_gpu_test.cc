@@ -37,27 +37,6 @@
 #include "kvstream/common/dtype.h"
 #include "warp_emulator.h"
 
-// ---------------------------------------------------------------------------------------
-// What a host compiler lacks of CUDA's device dialect.
-#ifndef __launch_bounds__
-#define __launch_bounds__(...)
-#endif
-#ifndef __grid_constant__
-#define __grid_constant__
-#endif
-
-// CUDA built-ins the kernel uses, for the emulator.
-inline void __syncthreads() { kvstream::gpu_test::emulation::SyncThreads(); }
-inline void __syncwarp() { kvstream::gpu_test::emulation::SyncWarp(); }
-inline float __shfl_xor_sync(unsigned /*mask*/, float value, int lane_mask) {
-  return kvstream::gpu_test::emulation::ShflXor(value, lane_mask);
-}
-inline float __fdividef(float a, float b) { return a / b; }
-inline int min(int a, int b) { return a < b ? a : b; }
-inline int max(int a, int b) { return a > b ? a : b; }
-#define threadIdx \
-  (dim3(static_cast<unsigned>(::kvstream::gpu_test::emulation::Cta::current->thread())))
-#define blockIdx (::kvstream::gpu_test::emulation::Cta::current->block())
 
 #include "cuda/prefill_attention.cuh"  // NOLINT(build/include_order): after the emulation
 

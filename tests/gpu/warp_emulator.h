@@ -12,8 +12,9 @@
 //
 //   #define KVSTREAM_CUDA_EMULATION 1
 //   #include "warp_emulator.h"
-//   ... the CUDA built-ins (__syncthreads, threadIdx, ...) ...
 //   #include "cuda/decode_tc_attention.cuh"
+//   #undef threadIdx
+//   #undef blockIdx
 //
 // and runs every CTA of the grid with Cta::Run. One CTA at a time; not thread-safe.
 #ifndef KVSTREAM_TESTS_GPU_WARP_EMULATOR_H_
@@ -372,6 +373,26 @@ inline float ShflXor(float value, int lane_mask) {
 #define KVSTREAM_CUDA_UNROLL
 #define KVSTREAM_CUDA_SHARED_MEMORY(name) \
   uint8_t* const name = ::kvstream::gpu_test::emulation::SharedMemory()
+
+// What a host compiler lacks of CUDA's device dialect, and the built-ins the kernels use.
+// threadIdx and blockIdx are macros: a test #undefs them after including the kernel.
+#ifndef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
+inline void __syncthreads() { kvstream::gpu_test::emulation::SyncThreads(); }
+inline void __syncwarp() { kvstream::gpu_test::emulation::SyncWarp(); }
+inline float __shfl_xor_sync(unsigned /*mask*/, float value, int lane_mask) {
+  return kvstream::gpu_test::emulation::ShflXor(value, lane_mask);
+}
+inline float __fdividef(float a, float b) { return a / b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+#define threadIdx \
+  (dim3(static_cast<unsigned>(::kvstream::gpu_test::emulation::Cta::current->thread())))
+#define blockIdx (::kvstream::gpu_test::emulation::Cta::current->block())
 
 namespace kvstream {
 namespace internal {
