@@ -1,14 +1,16 @@
 // Benchmarks of the CUDA kernels, each beside the bandwidth (or nothing) it should be
 // compared with, measured in the same run on the same GPU:
 //   CacheUpdate/<tokens>/<fp8>/<division>: CacheUpdateCuda, 8 KV heads x 128, block size
-//     16, bf16 inputs into a bf16 or fp8 e4m3 cache over shuffled blocks, fp8 through the
-//     reciprocal method (division 0, the default) or the per-element division (1;
-//     cache_update.cuh, CacheUpdateFp8Method); GB/s of bytes read + written, and the ratio
-//     to cudaMemcpyAsync device-to-device of the same traffic.
-//   Decode/<seqs>/<seq_len>/<kernel>: LaunchDecodeAttention (bf16, 32 query / 8 KV heads,
-//     head size 128, block size 16, shuffled blocks) with kernel 0 the CUDA-core one and 1
-//     the tensor-core one (launchers.h, DecodeKernel); TB/s of K and V read, and the ratio
-//     to a streaming-read kernel over the same cache buffers.
+//     16, bf16 inputs into a bf16 cache (fp8 0) or an fp8 e4m3 cache with a per-tensor
+//     scale of 0.05 (fp8 1: a calibrated scale, the reciprocal method) or of 1 (fp8 2:
+//     the default scale, a power of two: one multiply), or through the per-element
+//     division (division 1; cache_update.cuh, CacheUpdateFp8Method); GB/s of bytes read +
+//     written, and the ratio to cudaMemcpyAsync device-to-device of the same traffic.
+//   Decode/<seqs>/<seq_len>/<kernel>/<splits>: LaunchDecodeAttention (bf16, 32 query / 8 KV
+//     heads, head size 128, block size 16, shuffled blocks) with kernel 0 the CUDA-core one
+//     and 1 the tensor-core one (launchers.h, DecodeKernel), splits 0 the launcher's choice
+//     and > 0 a fixed split count; TB/s of K and V read, and the ratio to a streaming-read
+//     kernel over the same cache buffers.
 //   Prefill/<tokens>/<variant>: the prefill kernel (bf16, causal, head size 128, 32 / 8
 //     heads, one sequence) through LaunchPrefillAttention, variant 0 the baseline
 //     configuration and 1 the fast one (launchers.h, PrefillVariant); TFLOP/s counting
@@ -17,9 +19,14 @@
 // stream until everything is enqueued, so host-side validation never shows up as GPU idle
 // time; each reported iteration is the mean of one batch.
 //
+// Under a profiler that replays kernels (Nsight Compute), the hold kernel would wait for its
+// timeout at every batch: KVSTREAM_BENCH_NO_HOLD=1 leaves it out (timings then include host
+// enqueue gaps and are for the profiler's eyes only).
+//
 //   kvstream_bench_cuda_kernels [--benchmark_filter=Decode] [--benchmark_repetitions=3]
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -50,6 +57,10 @@ namespace kvstream {
 namespace {
 
 constexpr int kLaunchesPerBatch = 20;
+// Batches per benchmark: each is timed on its own, so a handful gives a stable mean (the
+// default, iterating until the summed GPU time reaches a minimum, would run tens of
+// thousands of batches of a microsecond kernel, each with host set-up).
+constexpr int kIterations = 30;
 constexpr int kHoldTimeoutMs = 20000;
 
 // Process-wide GPU state, made on first use.
@@ -110,8 +121,11 @@ absl::StatusOr<double> SecondsPerCall(Gpu& gpu, const std::function<absl::Status
   __atomic_store_n(gpu.flag, 0, __ATOMIC_RELEASE);
   {
     HoldRelease release(gpu.flag);
-    RETURN_IF_ERROR(CudaErrorToStatus(
-        bench::LaunchHoldStream(gpu.flag, kHoldTimeoutMs, gpu.stream.get()), "hold kernel"));
+    static const bool hold = std::getenv("KVSTREAM_BENCH_NO_HOLD") == nullptr;
+    if (hold) {
+      RETURN_IF_ERROR(CudaErrorToStatus(
+          bench::LaunchHoldStream(gpu.flag, kHoldTimeoutMs, gpu.stream.get()), "hold kernel"));
+    }
     RETURN_IF_ERROR(start.Record(gpu.stream.get()));
     for (int i = 0; i < launches; ++i) RETURN_IF_ERROR(enqueue());
     RETURN_IF_ERROR(stop.Record(gpu.stream.get()));
@@ -214,12 +228,14 @@ void BM_CacheUpdate(benchmark::State& state) {
   if (SkipWithoutGpu(state, &gpu)) return;
   const int64_t tokens = state.range(0);
   const DType cache_dtype = state.range(1) == 0 ? DType::kBFloat16 : DType::kFloat8E4M3;
+  const bool unit_scale = state.range(1) == 2;
   const internal::CacheUpdateFp8Method method = state.range(2) != 0
                                                     ? internal::CacheUpdateFp8Method::kDivision
                                                     : internal::CacheUpdateFp8Method::kReciprocal;
   state.SetLabel(state.range(1) == 0   ? "bf16->bf16"
-                 : state.range(2) != 0 ? "bf16->fp8_e4m3 division"
-                                       : "bf16->fp8_e4m3 reciprocal");
+                 : state.range(2) != 0 ? "bf16->fp8_e4m3 scale 0.05, division"
+                 : unit_scale          ? "bf16->fp8_e4m3 scale 1, power-of-two multiply"
+                                       : "bf16->fp8_e4m3 scale 0.05, reciprocal");
   auto run = [&]() -> absl::Status {
     KvCacheSpec spec;
     spec.block_size = kBlockSize;
@@ -229,6 +245,10 @@ void BM_CacheUpdate(benchmark::State& state) {
     spec.quant_mode = IsFp8(cache_dtype) ? KvQuantMode::kPerTensor : KvQuantMode::kNone;
     const int64_t num_blocks = 2 * tokens / kBlockSize;  // half the cache used, scattered
     ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, RandomCache(*gpu, spec, num_blocks));
+    if (unit_scale) {
+      const std::vector<float> ones{1.0f};
+      RETURN_IF_ERROR(cache->SetScales(ones, ones));
+    }
     const size_t elements = static_cast<size_t>(tokens) * kKvHeads * kHeadSize;
     ASSIGN_OR_RETURN(DeviceBuffer key, DeviceBuffer::Create(elements * 2, MemoryKind::kDevice));
     ASSIGN_OR_RETURN(DeviceBuffer value, DeviceBuffer::Create(elements * 2, MemoryKind::kDevice));
@@ -297,6 +317,7 @@ void BM_Decode(benchmark::State& state) {
   const internal::DecodeKernel kernel = state.range(2) != 0
                                             ? internal::DecodeKernel::kTensorCores
                                             : internal::DecodeKernel::kCudaCores;
+  const int forced_splits = static_cast<int>(state.range(3));
   auto run = [&]() -> absl::Status {
     KvCacheSpec spec;
     spec.block_size = kBlockSize;
@@ -365,6 +386,7 @@ void BM_Decode(benchmark::State& state) {
     internal::DecodeLaunchOptions options;
     options.num_sms = gpu->num_sms;
     options.kernel = kernel;
+    options.num_splits = forced_splits;
     ASSIGN_OR_RETURN(size_t workspace_bytes,
                      internal::DecodeAttentionWorkspaceBytes(kp, spec.dtype, options));
     ASSIGN_OR_RETURN(DeviceBuffer workspace,
@@ -475,25 +497,34 @@ BENCHMARK(BM_CacheUpdate)
     ->Apply([](benchmark::internal::Benchmark* b) {
       for (const int64_t tokens : {4096, 16384, 65536}) {
         b->Args({tokens, 0, 0});  // bf16 cache (the method does not apply)
-        b->Args({tokens, 1, 0});  // fp8, reciprocal
-        b->Args({tokens, 1, 1});  // fp8, division
+        b->Args({tokens, 1, 0});  // fp8, scale 0.05: reciprocal
+        b->Args({tokens, 1, 1});  // fp8, scale 0.05: division
+        b->Args({tokens, 2, 0});  // fp8, scale 1 (the default): power-of-two multiply
       }
     })
     ->UseManualTime()
+    ->Iterations(kIterations)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Decode)
-    ->ArgNames({"seqs", "seq_len", "kernel"})
-    ->Args({64, 4096, 0})
-    ->Args({64, 4096, 1})
-    ->Args({16, 32768, 0})
-    ->Args({16, 32768, 1})
+    ->ArgNames({"seqs", "seq_len", "kernel", "splits"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (const int64_t kernel : {0, 1}) {
+        b->Args({64, 4096, kernel, 0});
+        b->Args({16, 32768, kernel, 0});
+      }
+      // The launcher's split choice against fixed ones (tensor cores).
+      for (const int64_t splits : {1, 2, 4, 8}) b->Args({64, 4096, 1, splits});
+      for (const int64_t splits : {4, 8, 16, 32}) b->Args({16, 32768, 1, splits});
+    })
     ->UseManualTime()
+    ->Iterations(kIterations)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Prefill)
     ->ArgNames({"tokens", "fast"})
     ->Args({8192, 0})
     ->Args({8192, 1})
     ->UseManualTime()
+    ->Iterations(kIterations)
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -2,12 +2,15 @@
 // (fp8 with per-tensor and per-head scales), NHD, HND and two layouts the vector path cannot
 // take (padded heads, strided head dimension), odd block and head sizes, odd token counts,
 // padding slots, inputs with special values (NaN payloads, infinities, subnormals, values
-// past the fp8/fp16 range); both fp8 methods on every 16-bit input bit pattern; a device
-// KvCache; and every rejected input leaving the cache untouched.
+// past the fp8/fp16 range); both fp8 methods on every 16-bit input bit pattern, under
+// general and power-of-two scales; a device KvCache; and every rejected input leaving the
+// cache untouched.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -285,8 +288,18 @@ class CudaCacheUpdateTest : public ::testing::Test {
     SCOPED_TRACE(what);
     std::vector<uint8_t> cpu_k, cpu_v;
     pb.CpuResult(cpu_k, cpu_v);
+    ExpectMethodGives(pb, std::nullopt, cpu_k, cpu_v);
+  }
+
+  // Uploads `pb`, runs the CUDA update (CacheUpdateCuda, or with `method` when given) and
+  // compares with the CPU's bytes.
+  void ExpectMethodGives(UpdateProblem& pb,
+                         std::optional<internal::CacheUpdateFp8Method> method,
+                         const std::vector<uint8_t>& cpu_k, const std::vector<uint8_t>& cpu_v) {
     ASSERT_TRUE(pb.Upload().ok());
-    const absl::Status st = CacheUpdateCuda(pb.DeviceParams(), stream_.get());
+    const absl::Status st =
+        method ? internal::CacheUpdateCudaWithMethod(pb.DeviceParams(), stream_.get(), *method)
+               : CacheUpdateCuda(pb.DeviceParams(), stream_.get());
     ASSERT_TRUE(st.ok()) << st;
     ASSERT_TRUE(stream_.Synchronize(absl::Seconds(30)).ok());
     std::vector<uint8_t> gpu_k, gpu_v;
@@ -378,15 +391,79 @@ TEST_F(CudaCacheUpdateTest, Fp8MethodsMatchCpuOnEveryInputBitPattern) {
                                       method == CacheUpdateFp8Method::kReciprocal
                                           ? "reciprocal"
                                           : "division"));
-            ASSERT_TRUE(pb.Upload().ok());
-            const absl::Status st =
-                internal::CacheUpdateCudaWithMethod(pb.DeviceParams(), stream_.get(), method);
-            ASSERT_TRUE(st.ok()) << st;
-            ASSERT_TRUE(stream_.Synchronize(absl::Seconds(30)).ok());
-            std::vector<uint8_t> gpu_k, gpu_v;
-            ASSERT_TRUE(pb.Download(gpu_k, gpu_v).ok());
-            ExpectSameBytes(cpu_k, gpu_k, "K cache");
-            ExpectSameBytes(cpu_v, gpu_v, "V cache");
+            ExpectMethodGives(pb, method, cpu_k, cpu_v);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Power-of-two scales take the kernel's one-multiply quotient (x * (1 / scale)), which is
+// exact only for scales 2^e with e in [-126, 126]; everything else must be refused.
+TEST(CudaCacheUpdatePowerOfTwoTest, OnlyNormalPowersOfTwoWithNormalReciprocals) {
+  using internal::Fp8ScaleIsPowerOfTwo;
+  for (const float s : {1.0f, 0.25f, 2.0f, 0x1p-10f, 0x1p10f, 0x1p-126f, 0x1p126f}) {
+    EXPECT_TRUE(Fp8ScaleIsPowerOfTwo(s)) << s;
+  }
+  const float kInf = std::numeric_limits<float>::infinity();
+  for (const float s : {3.0f, 0.3f, 0.1f, 1.0000001f, 0x1.8p-3f, 0x1p-127f, 0x1p127f, 0x1p-149f,
+                        0.0f, -0.0f, -1.0f, -0.25f, kInf, -kInf,
+                        std::numeric_limits<float>::quiet_NaN()}) {
+    EXPECT_FALSE(Fp8ScaleIsPowerOfTwo(s)) << s;
+  }
+}
+
+// Power-of-two scales (the kernel multiplies by 1 / scale instead of dividing) against the
+// CPU, byte for byte, on every 16-bit input bit pattern (NaN payloads and infinities
+// included; random bit patterns for 32-bit inputs), per tensor and per head, with scales
+// that make quotients subnormal (2^10, 2^126) or overflow (2^-126; 2^-10 for the largest
+// bf16/f32 inputs), scales outside the reciprocal's range [2^-30, 2^30] (2^+-40, 2^+-126);
+// and sets with one scale that is not a power of two, which must fall back to the
+// reciprocal (0.3) or to the division (3 next to 2^-40). K and V head sizes differ in the
+// second shape, whose 24 K chunks per token end inside a warp's step of 32.
+TEST_F(CudaCacheUpdateTest, PowerOfTwoScalesMatchCpuOnEveryInputBitPattern) {
+  using internal::CacheUpdateFp8Method;
+  struct ScaleSet {
+    KvQuantMode quant;
+    std::vector<float> k, v;  // per head: the first `heads` entries
+  };
+  const std::vector<ScaleSet> scale_sets = {
+      {KvQuantMode::kPerTensor, {1.0f}, {1.0f}},
+      {KvQuantMode::kPerTensor, {0.25f}, {0x1p-10f}},
+      {KvQuantMode::kPerTensor, {0x1p10f}, {0x1p-126f}},
+      {KvQuantMode::kPerTensor, {0x1p126f}, {0x1p-30f}},
+      {KvQuantMode::kPerHead, {1.0f, 0.25f, 0x1p-10f, 0x1p10f}, {0x1p-126f, 0x1p126f, 0.5f, 4.0f}},
+      {KvQuantMode::kPerHead, {0x1p-40f, 1.0f, 0x1p40f, 2.0f}, {1.0f, 1.0f, 1.0f, 1.0f}},
+      {KvQuantMode::kPerHead, {1.0f, 0.25f, 0.3f, 2.0f}, {1.0f, 1.0f, 1.0f, 1.0f}},  // reciprocal
+      {KvQuantMode::kPerTensor, {0x1p-40f}, {3.0f}},  // division
+  };
+  for (const Shape& shape : {Shape{16, 4, 128, 128}, Shape{16, 3, 64, 40}}) {
+    const int64_t tokens = (65536 + shape.heads * shape.head_size - 1) /
+                           (int64_t{shape.heads} * shape.head_size);
+    for (const DType input : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      for (const DType cache : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+        for (const TestLayout layout : {TestLayout::kNHD, TestLayout::kHND}) {
+          for (size_t si = 0; si < scale_sets.size(); ++si) {
+            const ScaleSet& set = scale_sets[si];
+            const size_t n =
+                set.quant == KvQuantMode::kPerHead ? static_cast<size_t>(shape.heads) : 1;
+            UpdateProblem pb(shape, input, CacheKind{cache, set.quant}, layout, tokens,
+                             /*input_pad=*/0, /*seed=*/static_cast<uint32_t>(si + 29));
+            pb.SetScales(std::vector<float>(set.k.begin(), set.k.begin() + n),
+                         std::vector<float>(set.v.begin(), set.v.begin() + n));
+            pb.FillEveryBitPattern();
+            std::vector<uint8_t> cpu_k, cpu_v;
+            pb.CpuResult(cpu_k, cpu_v);
+            for (const CacheUpdateFp8Method method :
+                 {CacheUpdateFp8Method::kReciprocal, CacheUpdateFp8Method::kDivision}) {
+              SCOPED_TRACE(absl::StrCat(
+                  "heads ", shape.heads, " d ", shape.head_size, "/", shape.head_size_v, " ",
+                  ShortDType(input), "->", ShortDType(cache), " ", TestLayoutName(layout),
+                  " scale set ", si, " method ",
+                  method == CacheUpdateFp8Method::kReciprocal ? "reciprocal" : "division"));
+              ExpectMethodGives(pb, method, cpu_k, cpu_v);
+            }
           }
         }
       }

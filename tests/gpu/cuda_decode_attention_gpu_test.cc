@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "cuda/decode_tc_launch.h"
 #include "cuda/kernel_params.h"
 #include "cuda/launchers.h"
 #include "gpu_test_util.h"
@@ -519,6 +520,21 @@ class CudaDecodeErrorTest : public CudaDecodeTest {
   std::unique_ptr<AttnProblem> pb_;
   std::unique_ptr<DeviceAttnProblem> dev_;
 };
+
+// The split choice (a host function: runs without a GPU). 132 SMs x 3 CTAs = 396 slots.
+TEST(DecodeSplitChoiceTest, FewestSplitsWithAMostlyFullLastWave) {
+  // 64 sequences x 8 KV heads: 2 splits give 2.6 waves (last one 86% full).
+  EXPECT_EQ(internal::ChooseDecodeSplits(512, 396, 16), 2);
+  // 16 x 8: 7 splits are the fewest with 2 waves but leave a last wave 75% full; 8 do not.
+  EXPECT_EQ(internal::ChooseDecodeSplits(128, 396, 128), 8);
+  // Never more than the keys allow, never fewer than one.
+  EXPECT_EQ(internal::ChooseDecodeSplits(128, 396, 4), 4);
+  EXPECT_EQ(internal::ChooseDecodeSplits(1, 396, 1), 1);
+  // Enough CTAs without splitting.
+  EXPECT_EQ(internal::ChooseDecodeSplits(4096, 396, 64), 1);
+  // Degenerate inputs stay in range instead of dividing by zero.
+  EXPECT_EQ(internal::ChooseDecodeSplits(0, 0, 0), 1);
+}
 
 TEST_F(CudaDecodeErrorTest, BadBlockIdInTheHostMirror) {
   PagedAttentionParams p = dev_->params();

@@ -81,8 +81,8 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
   cta.set_mode(mode);
   const std::function<void()> body = [&] { tc::DecodeTcKernel<D, T>(kp, args); };
   for (unsigned z = 0; z < static_cast<unsigned>(num_splits); ++z) {
-    for (unsigned y = 0; y < static_cast<unsigned>(kp.num_kv_heads * args.head_tiles); ++y) {
-      for (unsigned x = 0; x < static_cast<unsigned>(kp.num_seqs); ++x) {
+    for (unsigned y = 0; y < static_cast<unsigned>(kp.num_seqs); ++y) {
+      for (unsigned x = 0; x < static_cast<unsigned>(kp.num_kv_heads * args.head_tiles); ++x) {
         if (!cta.Run(dim3(x, y, z), body)) {
           return absl::InternalError(
               absl::StrCat("block (", x, ", ", y, ", ", z, "): ", cta.error()));

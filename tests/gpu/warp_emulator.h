@@ -362,6 +362,14 @@ inline float ShflXor(float value, int lane_mask) {
              [&](auto& cta) { result = cta.Read((cta.thread() & 31) ^ lane_mask).f[0]; });
   return result;
 }
+inline bool AnyLane(bool predicate) {
+  bool result = false;
+  Collective([&](auto& s) { s.u[0] = predicate ? 1u : 0u; },
+             [&](auto& cta) {
+               for (int l = 0; l < 32; ++l) result = result || cta.Read(l).u[0] != 0;
+             });
+  return result;
+}
 
 }  // namespace emulation
 }  // namespace gpu_test
@@ -386,6 +394,9 @@ inline void __syncthreads() { kvstream::gpu_test::emulation::SyncThreads(); }
 inline void __syncwarp() { kvstream::gpu_test::emulation::SyncWarp(); }
 inline float __shfl_xor_sync(unsigned /*mask*/, float value, int lane_mask) {
   return kvstream::gpu_test::emulation::ShflXor(value, lane_mask);
+}
+inline int __any_sync(unsigned /*mask*/, bool predicate) {
+  return kvstream::gpu_test::emulation::AnyLane(predicate) ? 1 : 0;
 }
 inline float __fdividef(float a, float b) { return a / b; }
 inline int min(int a, int b) { return a < b ? a : b; }

@@ -7,10 +7,10 @@
 //
 // Split count. A CTA streams one KV head's keys of one split; with few sequences or KV heads
 // there are too few CTAs to keep 132 SMs busy, and with CTAs of equal work a last partial
-// wave idles most of the GPU. So the keys are split into a count that gives a few waves of
-// CTAs with a full last wave (ChooseSplits), but never into splits shorter than
-// kMinTokensPerSplit keys (the pipeline's start-up and the merge would then cost more than
-// they save).
+// wave idles most of the GPU. So the keys are split into the fewest parts that give a few
+// waves of CTAs with a mostly full last wave (ChooseDecodeSplits), but never into splits
+// shorter than kMinTokensPerSplit keys (the pipeline's start-up and the merge would then
+// cost more than they save).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -37,6 +37,7 @@ namespace dec = decode;
 
 constexpr int64_t kMinWaves = 2;
 constexpr int64_t kMaxWaves = 16;
+constexpr double kMinLastWaveFill = 0.8;
 constexpr int kMinTokensPerSplit = 256;
 constexpr int kMaxDynamicSmem = 227 * 1024;  // H100/H200 per-block opt-in limit
 constexpr int kSmemPerSm = 228 * 1024;
@@ -93,31 +94,6 @@ SplitKernel PickKernel(DType cache_dtype, int g, int chunks) {
   }
 }
 
-// The split count for `base_ctas` CTAs per split on a GPU running `slots` CTAs at once:
-// at least kMinWaves waves of CTAs where the keys allow (sequences of different lengths
-// then balance out across SMs), at most kMaxWaves, and among those the count whose last
-// wave is fullest (CTAs of one call do about equal work, so a last wave one-tenth full
-// leaves nine-tenths of the GPU idle for a CTA's duration). Fewer splits win near-ties:
-// each split costs a partial result and a share of the merge.
-int64_t ChooseSplits(int64_t base_ctas, int64_t slots, int64_t max_splits) {
-  auto fill = [&](int64_t s) {
-    const double waves = static_cast<double>(base_ctas * s) / static_cast<double>(slots);
-    return waves / std::ceil(waves);
-  };
-  const int64_t lo = std::min(max_splits, std::max<int64_t>(1, CeilDiv(kMinWaves * slots, base_ctas)));
-  const int64_t hi =
-      std::min(max_splits, std::max<int64_t>(lo, (kMaxWaves * slots) / base_ctas));
-  int64_t best = lo;
-  double best_fill = fill(lo);
-  for (int64_t s = lo + 1; s <= hi; ++s) {
-    const double f = fill(s);
-    if (f > best_fill + 0.01) {
-      best = s;
-      best_fill = f;
-    }
-  }
-  return best;
-}
 
 // Everything about one launch that does not depend on the workspace address.
 struct DecodePlan {
@@ -218,14 +194,17 @@ absl::StatusOr<DecodePlan> Plan(const PagedKernelParams& p, DType cache_dtype,
                            CeilDiv(std::max<int64_t>(visible, 1), kMinTokensPerSplit)));
   const int64_t splits = options.num_splits > 0
                        ? options.num_splits
-                       : ChooseSplits(base_ctas, int64_t{num_sms} * ctas_per_sm, max_splits);
+                       : ChooseDecodeSplits(base_ctas, int64_t{num_sms} * ctas_per_sm, max_splits);
   geo.num_splits = static_cast<int32_t>(splits);
 
-  const int64_t grid_y = int64_t{p.num_kv_heads} * geo.head_tiles;
-  if (grid_y > 65535 || p.num_heads > 65535) {
+  const int64_t grid_x = int64_t{p.num_kv_heads} * geo.head_tiles;
+  if (p.num_seqs > 65535) {
+    return Invalid(absl::StrCat("at most 65535 sequences per launch, got ", p.num_seqs));
+  }
+  if (p.num_heads > 65535) {
     return Invalid(absl::StrCat("too many heads for one launch (", p.num_heads, ")"));
   }
-  plan.split_grid = dim3(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(grid_y),
+  plan.split_grid = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(p.num_seqs),
                          static_cast<unsigned>(splits));
   plan.merge_grid = dim3(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_heads));
   plan.smem_bytes = static_cast<size_t>(smem);
@@ -261,21 +240,55 @@ absl::Status LaunchCudaCoreSplit(const PagedKernelParams& params, const DecodePl
 
 }  // namespace
 
+// At least kMinWaves waves of CTAs where the keys allow (sequences of different lengths
+// then balance out across SMs), at most kMaxWaves; among those the fewest splits whose last
+// wave is at least kMinLastWaveFill full (CTAs of one call do about equal work, so a last
+// wave one-tenth full leaves nine-tenths of the GPU idle for a CTA's duration), or the
+// fullest when none is. Fewer splits are better otherwise: each costs a partial result, a
+// share of the merge, and a CTA's pipeline start-up (on the H200, 64 x 4096 keys: 2 splits
+// 0.82 of the streaming read, 3 splits 0.76, 8 splits 0.77).
+int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits) {
+  base_ctas = std::max<int64_t>(base_ctas, 1);
+  slots = std::max<int64_t>(slots, 1);
+  max_splits = std::max<int64_t>(max_splits, 1);
+  auto fill = [&](int64_t s) {
+    const double waves = static_cast<double>(base_ctas * s) / static_cast<double>(slots);
+    return waves / std::ceil(waves);
+  };
+  const int64_t lo =
+      std::min(max_splits, std::max<int64_t>(1, CeilDiv(kMinWaves * slots, base_ctas)));
+  const int64_t hi =
+      std::min(max_splits, std::max<int64_t>(lo, (kMaxWaves * slots) / base_ctas));
+  int64_t best = lo;
+  double best_fill = fill(lo);
+  for (int64_t s = lo; s <= hi; ++s) {
+    const double f = fill(s);
+    if (f >= kMinLastWaveFill) return s;
+    if (f > best_fill) {
+      best = s;
+      best_fill = f;
+    }
+  }
+  return best;
+}
+
 absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const PagedKernelParams& params,
                                                      DType cache_dtype,
                                                      const DecodeLaunchOptions& options) {
   ASSIGN_OR_RETURN(DecodePlan plan, Plan(params, cache_dtype, options));
   size_t bytes = plan.workspace_bytes;
-  if (options.kernel == DecodeKernel::kTensorCores) {
-    const DType q_dtype = IsFp8(cache_dtype) ? DType::kBFloat16 : cache_dtype;
-    std::string why;
-    if (!DecodeTensorCoresApply(params, q_dtype, q_dtype, cache_dtype, &why)) {
-      return Invalid(absl::StrCat("the tensor-core kernel does not apply: ", why));
-    }
-    ASSIGN_OR_RETURN(DecodeTcPlan tc, PlanDecodeTc(params, cache_dtype, options));
-    bytes = tc.workspace_bytes;
+  if (options.kernel == DecodeKernel::kCudaCores) return bytes;
+  // Whether the tensor-core kernel runs also depends on the q dtype, which this call does
+  // not know: kAuto reserves enough for either kernel.
+  const DType q_dtype = IsFp8(cache_dtype) ? DType::kBFloat16 : cache_dtype;
+  std::string why;
+  if (!DecodeTensorCoresApply(params, q_dtype, q_dtype, cache_dtype, &why)) {
+    if (options.kernel == DecodeKernel::kAuto) return bytes;
+    return Invalid(absl::StrCat("the tensor-core kernel does not apply: ", why));
   }
-  return bytes;
+  ASSIGN_OR_RETURN(DecodeTcPlan tc, PlanDecodeTc(params, cache_dtype, options));
+  return options.kernel == DecodeKernel::kAuto ? std::max(bytes, tc.workspace_bytes)
+                                                : tc.workspace_bytes;
 }
 
 absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtype,
@@ -289,10 +302,10 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   }
   ASSIGN_OR_RETURN(DecodePlan plan, Plan(params, cache_dtype, options));
   std::string why;
-  // kAuto runs the CUDA-core kernel: the tensor-core one passes every correctness test but
-  // has not been measured yet (see DecodeKernel in launchers.h).
+  // kAuto runs the tensor-core kernel wherever it applies: about twice the CUDA-core
+  // kernel's bandwidth on the H200 (docs/benchmarks.md).
   const bool tensor_cores =
-      options.kernel == DecodeKernel::kTensorCores &&
+      options.kernel != DecodeKernel::kCudaCores &&
       DecodeTensorCoresApply(params, q_dtype, out_dtype, cache_dtype, &why);
   if (options.kernel == DecodeKernel::kTensorCores && !tensor_cores) {
     return Invalid(absl::StrCat("the tensor-core kernel does not apply: ", why));

@@ -3,7 +3,10 @@
 // (kernel_params.h) and a DecodeGeometry, both passed by value.
 //
 // Work split. One CTA of kThreads threads per (sequence, KV head, head tile, split):
-//   grid = (num_seqs, num_kv_heads * head_tiles, num_splits)
+//   grid = (num_kv_heads * head_tiles, num_seqs, num_splits)
+// The KV heads of a sequence are the fastest-moving index, so CTAs that run at the same time
+// read neighbouring rows of the same blocks (a token's heads are adjacent in NHD caches):
+// DRAM sees long runs instead of one head-sized piece per page.
 // A head tile is up to kG query heads of one KV head (GQA/MQA), so every K and V byte a CTA
 // loads serves all of them. A split is a contiguous range of the sequence's visible keys.
 //
@@ -208,9 +211,9 @@ __global__ void __launch_bounds__(kThreads, kG * kChunks >= 8 ? 1 : 3)
   constexpr int kEs = static_cast<int>(sizeof(CacheT));
   extern __shared__ __align__(16) unsigned char smem[];
 
-  const int seq = static_cast<int>(blockIdx.x);
-  const int kv_head = static_cast<int>(blockIdx.y) / geo.head_tiles;
-  const int head_tile = static_cast<int>(blockIdx.y) - kv_head * geo.head_tiles;
+  const int seq = static_cast<int>(blockIdx.y);
+  const int kv_head = static_cast<int>(blockIdx.x) / geo.head_tiles;
+  const int head_tile = static_cast<int>(blockIdx.x) - kv_head * geo.head_tiles;
   const int split = static_cast<int>(blockIdx.z);
   const int q_row = p.query_start_loc[seq];
   if (p.query_start_loc[seq + 1] - q_row <= 0) return;  // no query: nothing to write

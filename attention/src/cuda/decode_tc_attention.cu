@@ -35,8 +35,6 @@ namespace {
 namespace tc = decode_tc;
 
 constexpr int kMaxSplits = 256;
-constexpr int64_t kMinWaves = 2;
-constexpr int64_t kMaxWaves = 16;
 constexpr int kMinTokensPerSplit = 256;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -71,28 +69,6 @@ int CtasPerSm(int padded) {
     case 128: return tc::DecodeTcTraits<128>::kMinBlocksPerSm;
     default: return tc::DecodeTcTraits<256>::kMinBlocksPerSm;
   }
-}
-
-// As ChooseSplits in decode_attention.cu: at least kMinWaves waves where the keys allow,
-// at most kMaxWaves, the fullest last wave; fewer splits win near-ties.
-int64_t ChooseSplits(int64_t base_ctas, int64_t slots, int64_t max_splits) {
-  auto fill = [&](int64_t s) {
-    const double waves = static_cast<double>(base_ctas * s) / static_cast<double>(slots);
-    return waves / std::ceil(waves);
-  };
-  const int64_t lo =
-      std::min(max_splits, std::max<int64_t>(1, CeilDiv(kMinWaves * slots, base_ctas)));
-  const int64_t hi = std::min(max_splits, std::max<int64_t>(lo, (kMaxWaves * slots) / base_ctas));
-  int64_t best = lo;
-  double best_fill = fill(lo);
-  for (int64_t s = lo + 1; s <= hi; ++s) {
-    const double f = fill(s);
-    if (f > best_fill + 0.01) {
-      best = s;
-      best_fill = f;
-    }
-  }
-  return best;
 }
 
 using TcKernel = void (*)(PagedKernelParams, tc::DecodeTcArgs);
@@ -136,9 +112,8 @@ bool DecodeTensorCoresApply(const PagedKernelParams& p, DType q_dtype, DType out
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) {
     return no("num_heads is not a multiple of num_kv_heads");
   }
-  const int64_t head_tiles = CeilDiv(p.num_heads / p.num_kv_heads, 16);
-  if (int64_t{p.num_kv_heads} * head_tiles > 65535 || p.num_heads > 65535) {
-    return no("too many heads for one launch");
+  if (p.num_seqs > 65535 || p.num_heads > 65535) {
+    return no("more than 65535 sequences or heads in one launch");
   }
   return true;
 }
@@ -166,7 +141,7 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cach
   plan.num_splits = static_cast<int>(
       options.num_splits > 0
           ? options.num_splits
-          : ChooseSplits(std::max<int64_t>(base_ctas, 1),
+          : ChooseDecodeSplits(std::max<int64_t>(base_ctas, 1),
                          int64_t{options.num_sms} * CtasPerSm(padded), max_splits));
   (void)cache_dtype;
   if (plan.num_splits > 1) {
@@ -180,6 +155,8 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cach
 // Sets a kernel's shared-memory attributes once per device: a carveout change can wait for
 // the device to go idle, which must never happen per launch (it would serialise the caller's
 // streams, and deadlock a caller that holds its stream behind a host-released kernel).
+// `smem` must cover every launch of the kernel: 16-bit and fp8 caches share one
+// instantiation and need different amounts (the larger, SmemBytes(padded, true), is passed).
 static absl::Status ConfigureKernelOnce(TcKernel kernel, int smem) {
   static std::mutex mu;
   static auto* configured = new std::set<std::pair<int, TcKernel>>();
@@ -220,9 +197,10 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
   const TcKernel kernel = q_dtype == DType::kBFloat16 ? PickKernel<__nv_bfloat16>(padded)
                                                       : PickKernel<__half>(padded);
   const int smem = SmemBytes(padded, fp8);
-  if (smem > 48 * 1024) RETURN_IF_ERROR(ConfigureKernelOnce(kernel, smem));
-  const dim3 grid(static_cast<unsigned>(p.num_seqs),
-                  static_cast<unsigned>(p.num_kv_heads * args.head_tiles),
+  const int max_smem = std::max(SmemBytes(padded, false), SmemBytes(padded, true));
+  if (max_smem > 48 * 1024) RETURN_IF_ERROR(ConfigureKernelOnce(kernel, max_smem));
+  const dim3 grid(static_cast<unsigned>(p.num_kv_heads * args.head_tiles),
+                  static_cast<unsigned>(p.num_seqs),
                   static_cast<unsigned>(plan.num_splits));
   kernel<<<grid, tc::DecodeTcTraits<64>::kThreads, static_cast<size_t>(smem), stream>>>(p, args);
   return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),

@@ -4,7 +4,9 @@
 // PagedKernelParams (kernel_params.h) and a DecodeTcArgs by value.
 //
 // Work split. One CTA of 4 warps per (sequence, KV head, head tile, split):
-//   grid = (num_seqs, num_kv_heads * head_tiles, num_splits), block = 128
+//   grid = (num_kv_heads * head_tiles, num_seqs, num_splits), block = 128
+// (KV heads fastest, so that CTAs running together read neighbouring rows of the same
+// blocks; see decode_attention.cuh)
 // A head tile is up to 16 query heads of one KV head: they are the M rows of the
 // m16n8k16 mma (rows past the group are zero), so every K and V byte serves all of them.
 // A split is a contiguous range of the sequence's visible keys, a multiple of 64 keys
@@ -14,7 +16,9 @@
 //   k_cache: [num_blocks, block_size, num_kv_heads, head_size]    (strides from params)
 //   v_cache: [num_blocks, block_size, num_kv_heads, head_size_v]
 //   -> kStages-deep cp.async pipeline of 64-key tiles, one page-table lookup per key row
-//      (looked up one iteration ahead of the copy, through a small ring in shared memory):
+//      (looked up one iteration ahead of the copy, through a small ring in shared memory
+//      that holds each row's K and V element offsets (ptx::RowOffsets), so that a copy is
+//      an add and a cp.async):
 //      16-bit caches straight into swizzled [64][D] K and V tiles of T; fp8 caches raw
 //      into [64][D] byte tiles, converted to T into one swizzled K/V tile per iteration
 //   -> warp w takes keys [16 w, 16 w + 16) of every tile: S = Q K^T (ldmatrix from the
@@ -28,7 +32,7 @@
 //
 // fp8: the K scale is folded into the softmax scale, the V scale into the output.
 //
-// Shared memory (bytes): loc [kStages][64] int2 | q [16][D] T (swizzled) |
+// Shared memory (bytes): loc [kStages][64] RowOffsets | q [16][D] T (swizzled) |
 //   16-bit: kv [kStages][2][64][D] T  /  fp8: raw [kStages][2][64][D] bytes, kv [2][64][D] T
 //
 // A host build that defines KVSTREAM_CUDA_EMULATION provides the PTX wrappers (mma_ptx.cuh; and
@@ -75,13 +79,16 @@ struct DecodeTcTraits {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = 64;  // keys per tile: 16 per warp
   static constexpr int kRows = 16;    // query heads per CTA (one m16 tile)
-  // Stages: 2-3 tiles in flight per CTA, and 3 / 2 / 1 CTAs per SM for D = 64 / 128 / 256.
-  static constexpr int kStages = D == 64 ? 4 : D == 128 ? 3 : 2;
-  static constexpr int kMinBlocksPerSm = D == 64 ? 3 : D == 128 ? 2 : 1;
+  // Stages and CTAs per SM for D = 64 / 128 / 256: 4 x 3, 2 x 3, 2 x 1. At D = 128 three
+  // CTAs of two stages (12 warps, 168 registers) measured 0.82-0.85 of the streaming read
+  // on the H200 against 0.69-0.72 for two CTAs of three stages (docs/benchmarks.md): the
+  // kernel is bound by instruction latency more than by bytes in flight.
+  static constexpr int kStages = D == 64 ? 4 : 2;
+  static constexpr int kMinBlocksPerSm = D == 64 ? 3 : D == 128 ? 3 : 1;
   static constexpr int kTileBytes = kBlockN * D * 2;     // one 16-bit K or V tile
   static constexpr int kStageBytes = 2 * kTileBytes;     // K and V
   static constexpr int kRawStageBytes = 2 * kBlockN * D;  // fp8 K and V
-  static constexpr int kLocBytes = kStages * kBlockN * 8;
+  static constexpr int kLocBytes = kStages * kBlockN * 16;  // RowOffsets per key row
   static constexpr int kQOffset = kLocBytes;
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kKvOffset = kQOffset + kQBytes;
@@ -103,9 +110,11 @@ using ptx::FastExp2;
 using ptx::Fp8PairTo;
 using ptx::LdMatrixX4;
 using ptx::LdMatrixX4Trans;
+using ptx::Log2IfPowerOfTwo;
 using ptx::Mma16816;
 using ptx::PackPair;
 using ptx::PairBits;
+using ptx::RowOffsets;
 using ptx::SmemAddress;
 using ptx::SwizzledChunk;
 
@@ -145,7 +154,7 @@ __global__ void __launch_bounds__(DecodeTcTraits<D>::kThreads,
   constexpr float kNegInf = -INFINITY;
 
   KVSTREAM_CUDA_SHARED_MEMORY(smem);
-  int2* const loc_smem = reinterpret_cast<int2*>(smem);
+  RowOffsets* const loc_smem = reinterpret_cast<RowOffsets*>(smem);
   uint8_t* const q_smem = smem + Traits::kQOffset;
   uint8_t* const kv_smem = smem + Traits::kKvOffset;
   const uint32_t q_base = SmemAddress(q_smem);
@@ -154,9 +163,9 @@ __global__ void __launch_bounds__(DecodeTcTraits<D>::kThreads,
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const int seq = static_cast<int>(blockIdx.x);
-  const int kv_head = static_cast<int>(blockIdx.y) / a.head_tiles;
-  const int head_tile = static_cast<int>(blockIdx.y) - kv_head * a.head_tiles;
+  const int seq = static_cast<int>(blockIdx.y);
+  const int kv_head = static_cast<int>(blockIdx.x) / a.head_tiles;
+  const int head_tile = static_cast<int>(blockIdx.x) - kv_head * a.head_tiles;
   const int split = static_cast<int>(blockIdx.z);
   const int q_row = p.query_start_loc[seq];
   if (p.query_start_loc[seq + 1] - q_row <= 0) return;  // no query: nothing to write
@@ -179,16 +188,21 @@ __global__ void __launch_bounds__(DecodeTcTraits<D>::kThreads,
   const int num_tiles = (s_end - s_begin + kBlockN - 1) / kBlockN;
 
   const int32_t* const block_row = p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
-  // Page-table lookup of key row r of tile n: (block id, offset); block -1 past the split
+  const int64_t k_head_offset = static_cast<int64_t>(kv_head) * p.k_head_stride;
+  const int64_t v_head_offset = static_cast<int64_t>(kv_head) * p.v_head_stride;
+  // Page-table lookup of key row r of tile n: the row's element offsets; k = -1 past the split
   // (the copy then writes zeros) or for an id outside the cache (validation checked the
   // host mirror; a device table that disagrees leaves the row zero, not read out of bounds).
-  auto lookup = [&](int n, int r) -> int2 {
+  const int block_shift = Log2IfPowerOfTwo(p.block_size);
+  auto lookup = [&](int n, int r) -> RowOffsets {
     const int j = s_begin + n * kBlockN + r;
-    if (j >= s_end) return make_int2(-1, 0);
-    const int b = j / p.block_size;
+    if (j >= s_end) return RowOffsets{-1, 0};
+    const int b = block_shift >= 0 ? j >> block_shift : j / p.block_size;
     const int block = block_row[b];
-    if (block < 0 || block >= p.num_blocks) return make_int2(-1, 0);
-    return make_int2(block, j - b * p.block_size);
+    if (block < 0 || block >= p.num_blocks) return RowOffsets{-1, 0};
+    const int64_t offset = j - b * p.block_size;
+    return RowOffsets{block * p.k_block_stride + offset * p.k_token_stride + k_head_offset,
+                      block * p.v_block_stride + offset * p.v_token_stride + v_head_offset};
   };
 
   // ---- Prologue: zero padding, page table of the first kStages tiles, Q.
@@ -198,7 +212,7 @@ __global__ void __launch_bounds__(DecodeTcTraits<D>::kThreads,
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int i = tid; i < bytes / 16; i += kThreads) reinterpret_cast<uint4*>(tiles)[i] = zero;
   }
-  int2 loc_ahead = make_int2(-1, 0);  // threads tid < kBlockN: lookup of tile t + kStages + 1
+  RowOffsets loc_ahead{-1, 0};  // threads tid < kBlockN: lookup of tile t + kStages + 1
   if (tid < kBlockN) {
 KVSTREAM_CUDA_UNROLL
     for (int st = 0; st < kStages; ++st) loc_smem[st * kBlockN + tid] = lookup(st, tid);
@@ -222,12 +236,10 @@ KVSTREAM_CUDA_UNROLL
   __syncthreads();
 
   // Issues the copies of tile n into stage `stage` (16-bit tiles, or raw fp8 tiles).
-  const int64_t k_head_offset = static_cast<int64_t>(kv_head) * p.k_head_stride;
-  const int64_t v_head_offset = static_cast<int64_t>(kv_head) * p.v_head_stride;
   // kFp8Tag: std::true_type for raw fp8 tiles, so that the loop bounds are constants.
   auto issue_tile_as = [&](auto fp8_tag, int n, int stage) {
     constexpr bool kFp8 = decltype(fp8_tag)::value;
-    const int2* const locs = loc_smem + (n % kStages) * kBlockN;
+    const RowOffsets* const locs = loc_smem + (n % kStages) * kBlockN;
     // 16-byte chunks per row: D / 8 of T, or D / 16 of fp8. Up to 16 threads per row, so
     // that a warp's copies cover whole 256-byte row segments.
     constexpr int kChunks = kFp8 ? D / 16 : D / 8;
@@ -239,21 +251,17 @@ KVSTREAM_CUDA_UNROLL
     const int lcol = tid % kPerRow;
     const int k_chunks = head_size / kElems;
     const int v_chunks = head_size_v / kElems;
-    const uint8_t* const k = static_cast<const uint8_t*>(p.k_cache);
-    const uint8_t* const v = static_cast<const uint8_t*>(p.v_cache);
+    // This thread's first chunk of a row.
+    const uint8_t* const k = static_cast<const uint8_t*>(p.k_cache) + lcol * 16;
+    const uint8_t* const v = static_cast<const uint8_t*>(p.v_cache) + lcol * 16;
 KVSTREAM_CUDA_UNROLL
     for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
       const int r = lrow + pass * kRowsPerPass;
-      const int2 loc = locs[r];
-      const bool valid = loc.x >= 0;
-      const int64_t k_row = valid ? static_cast<int64_t>(loc.x) * p.k_block_stride +
-                                        static_cast<int64_t>(loc.y) * p.k_token_stride +
-                                        k_head_offset
-                                  : 0;
-      const int64_t v_row = valid ? static_cast<int64_t>(loc.x) * p.v_block_stride +
-                                        static_cast<int64_t>(loc.y) * p.v_token_stride +
-                                        v_head_offset
-                                  : 0;
+      const RowOffsets loc = locs[r];
+      const bool valid = loc.k >= 0;
+      // An invalid row copies nothing (src-size 0) from the cache's first row.
+      const uint8_t* const k_row = k + (valid ? loc.k * kEs : 0);
+      const uint8_t* const v_row = v + (valid ? loc.v * kEs : 0);
 KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kChunks / kPerRow; ++i) {
         const int c = lcol + i * kPerRow;
@@ -265,8 +273,8 @@ KVSTREAM_CUDA_UNROLL
           k_dst = kv_base + stage * Traits::kStageBytes + SwizzledChunk<D>(r, c);
           v_dst = k_dst + Traits::kTileBytes;
         }
-        if (c < k_chunks) CpAsync16(k_dst, k + (k_row + c * kElems) * kEs, valid);
-        if (c < v_chunks) CpAsync16(v_dst, v + (v_row + c * kElems) * kEs, valid);
+        if (c < k_chunks) CpAsync16(k_dst, k_row + i * kPerRow * 16, valid);
+        if (c < v_chunks) CpAsync16(v_dst, v_row + i * kPerRow * 16, valid);
       }
     }
   };
@@ -453,7 +461,10 @@ KVSTREAM_CUDA_UNROLL
       }
     }
 
-    // Online softmax per row: running max and (per-thread partial) sum, O rescaled.
+    // Online softmax per row: running max and (per-thread partial) sum, O rescaled. Deep
+    // into a sequence the running max rarely moves, so the rescale of the output
+    // accumulators (64 multiplies at D = 128) is skipped when no row of the warp needs it.
+    float alpha[2];
 KVSTREAM_CUDA_UNROLL
     for (int half = 0; half < 2; ++half) {
       float tile_max = fmaxf(fmaxf(acc_s[0][2 * half], acc_s[0][2 * half + 1]),
@@ -463,7 +474,7 @@ KVSTREAM_CUDA_UNROLL
       const float new_max = fmaxf(row_max[half], tile_max);
       // A row with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
       const float use_max = new_max == kNegInf ? 0.0f : new_max;
-      const float alpha = FastExp2(row_max[half] - use_max);
+      alpha[half] = FastExp2(row_max[half] - use_max);
       row_max[half] = new_max;
       float sum = 0.0f;
 KVSTREAM_CUDA_UNROLL
@@ -475,12 +486,17 @@ KVSTREAM_CUDA_UNROLL
           sum += pe;
         }
       }
-      row_sum[half] = row_sum[half] * alpha + sum;
+      row_sum[half] = row_sum[half] * alpha[half] + sum;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 KVSTREAM_CUDA_UNROLL
-      for (int nb = 0; nb < kDBlocks; ++nb) {
-        if (nb < 2 * dv_steps) {
-          acc_o[nb][2 * half] *= alpha;
-          acc_o[nb][2 * half + 1] *= alpha;
+      for (int half = 0; half < 2; ++half) {
+KVSTREAM_CUDA_UNROLL
+        for (int nb = 0; nb < kDBlocks; ++nb) {
+          if (nb < 2 * dv_steps) {
+            acc_o[nb][2 * half] *= alpha[half];
+            acc_o[nb][2 * half + 1] *= alpha[half];
+          }
         }
       }
     }

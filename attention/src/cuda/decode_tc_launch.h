@@ -18,6 +18,10 @@
 namespace kvstream {
 namespace internal {
 
+// The split count for `base_ctas` CTAs per split on a GPU that runs `slots` CTAs at once,
+// at most `max_splits` (>= 1); shared by both decode kernels (decode_attention.cu).
+int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits);
+
 struct DecodeTcPlan {
   int num_splits = 1;
   size_t workspace_bytes = 0;    // 0 when num_splits == 1

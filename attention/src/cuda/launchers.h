@@ -26,10 +26,10 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
                                     DType out_dtype, DType cache_dtype, cudaStream_t stream);
 
 // Which configuration of the prefill kernel runs (prefill_attention.cuh, PrefillVariant).
-// kAuto is the baseline for now: the fast variant passes the GPU correctness tests on the
-// H200, but its speed has not been measured yet.
+// kAuto is the fast variant where it applies (1.6x the baseline's TFLOP/s on the H200,
+// docs/benchmarks.md), else the baseline.
 enum class PrefillVariant {
-  kAuto,      // kBaseline (see above)
+  kAuto,      // kFast where PrefillFastVariantApplies, else kBaseline
   kBaseline,  // 4 warps x 32 rows at head sizes <= 128; every supported call
   kFast,      // 8 warps x 16 rows; 16-bit cache only, see PrefillFastVariantApplies
 };
@@ -58,11 +58,10 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
 //    cache of q's dtype or fp8 e4m3 / e5m2; head sizes up to 256, multiples of 8 (16 for
 //    fp8), every cache row 16-byte aligned (base pointers and strides); any block size.
 // Both take the sliding window, ALiBi, soft cap, any group size and NHD / HND strides.
-// kAuto is the CUDA-core kernel for now: the tensor-core one passes the GPU correctness
-// tests on the H200, but its first benchmark run did not finish (64 x 4096, bf16) and it
-// has not been measured; until it is, it runs only when asked for.
+// kAuto is the tensor-core kernel where it applies (about twice the bandwidth of the
+// CUDA-core one on the H200, docs/benchmarks.md), else the CUDA-core kernel.
 enum class DecodeKernel {
-  kAuto,         // CUDA cores (see above)
+  kAuto,         // tensor cores where they apply, else CUDA cores
   kCudaCores,
   kTensorCores,  // InvalidArgument where they do not apply
 };

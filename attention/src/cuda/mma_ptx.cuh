@@ -1,6 +1,7 @@
 // The PTX pieces the tensor-core attention kernels share (prefill_attention.cuh,
 // decode_tc_attention.cuh): shared-memory addresses, cp.async, ldmatrix, m16n8k16 mma.sync,
-// ex2, packing of 16-bit pairs and fp8 pairs, the swizzled tile layout.
+// ex2, packing of 16-bit pairs and fp8 pairs, the swizzled tile layout, page-table row
+// offsets.
 //
 // A host build that defines KVSTREAM_CUDA_EMULATION provides the PTX wrappers (and the
 // KVSTREAM_CUDA_UNROLL / KVSTREAM_CUDA_SHARED_MEMORY macros) itself, in this namespace,
@@ -113,6 +114,26 @@ template <int D>
 __device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {
   return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
 }
+
+// log2(x) when x is a power of two, else -1: the page-table lookups shift instead of
+// dividing by block sizes that are powers of two (all common ones). Once per thread.
+__device__ __forceinline__ int Log2IfPowerOfTwo(int x) {
+  int shift = -1;
+  for (int s = 0; s < 31; ++s) {
+    if ((1 << s) == x) shift = s;
+  }
+  return shift;
+}
+
+// Where one key row of a paged tile lives: the element offsets of its K and V data from
+// k_cache / v_cache (block, offset in block and KV head folded in), looked up from the page
+// table once per row so that the copies of its chunks need no index arithmetic. k < 0: a
+// row with nothing to load (past the keys, or a block id outside the cache), whose copies
+// write zeros.
+struct alignas(16) RowOffsets {
+  int64_t k;
+  int64_t v;
+};
 
 }  // namespace ptx
 }  // namespace internal

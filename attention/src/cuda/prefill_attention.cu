@@ -133,9 +133,8 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
         DTypeName(cache_dtype), " head_size=", params.head_size,
         " head_size_v=", params.head_size_v));
   }
-  // kAuto runs the baseline, the variant measured on the H200; the fast one passes every
-  // correctness test but has not been measured yet (see PrefillVariant in launchers.h).
-  const bool fast = fast_applies && launch_options.variant == PrefillVariant::kFast;
+  // kAuto runs the fast variant wherever it applies (see PrefillVariant in launchers.h).
+  const bool fast = fast_applies && launch_options.variant != PrefillVariant::kBaseline;
   const int padded = cuda::PrefillPaddedHeadDim(params.head_size, params.head_size_v);
   switch (padded) {
     case 64: return LaunchForDim<64>(params, q_dtype, options, fast, stream);

@@ -20,7 +20,7 @@
 // Shared memory (16-bit rows of D elements, 16-byte chunks XOR-swizzled by row % 8 so that
 // ldmatrix and cp.async are free of bank conflicts):
 //   q:     [kBlockM][D]            query tile; reused to stage the output tile
-//   loc:   [2][kBlockN] int2       (block id, offset in block) of each key row of a tile
+//   loc:   [2][kBlockN] RowOffsets element offsets of each key row's K and V data
 //   kv:    [stages][2][kBlockN][D] K and V tiles in the query's 16-bit type
 //   stage: [2][kBlockN][D] bytes   fp8 only: raw K and V tiles, converted into kv[0]
 //
@@ -105,7 +105,7 @@ struct PrefillTraits {
   static constexpr int kMinBlocksPerSm = D <= 128 ? 2 : 1;
   static constexpr int kChunks = D / 8;  // 16-byte chunks in a 16-bit row
   static constexpr int kQBytes = kBlockM * D * 2;
-  static constexpr int kLocBytes = 2 * kBlockN * 8;
+  static constexpr int kLocBytes = 2 * kBlockN * 16;  // ptx::RowOffsets per key row
   static constexpr int kTileBytes = kBlockN * D * 2;  // one 16-bit K or V tile
   static constexpr int kStageBytes = 2 * kTileBytes;  // K and V
   static constexpr int kRawBytes = 2 * kBlockN * D;   // fp8 K and V tiles
@@ -186,9 +186,11 @@ using ptx::FastExp2;
 using ptx::Fp8PairTo;
 using ptx::LdMatrixX4;
 using ptx::LdMatrixX4Trans;
+using ptx::Log2IfPowerOfTwo;
 using ptx::Mma16816;
 using ptx::PackPair;
 using ptx::PairBits;
+using ptx::RowOffsets;
 using ptx::SmemAddress;
 using ptx::SwizzledChunk;
 
@@ -252,7 +254,7 @@ __global__ void __launch_bounds__(PrefillTraits<D, Variant>::kThreads,
 
   KVSTREAM_CUDA_SHARED_MEMORY(smem);
   uint8_t* const q_smem = smem;
-  int2* const loc_smem = reinterpret_cast<int2*>(smem + Traits::kQBytes);
+  RowOffsets* const loc_smem = reinterpret_cast<RowOffsets*>(smem + Traits::kQBytes);
   uint8_t* const kv_smem = smem + Traits::kKvOffset;
   uint8_t* const raw_smem = kv_smem + Traits::kStageBytes;  // fp8 async mode only
   const uint32_t q_base = SmemAddress(q_smem);
@@ -288,16 +290,26 @@ __global__ void __launch_bounds__(PrefillTraits<D, Variant>::kThreads,
   const int head_size_v = kFast ? D : p.head_size_v;
   const int32_t* const block_row = p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
 
-  // Page-table lookup of key row `r` of tile `n`: (block id, offset), block id -1 past the end.
-  auto lookup = [&](int n, int r) -> int2 {
+  // Page-table lookup of key row `r` of tile `n`: the row's element offsets (KV head
+  // included); k = -1 past the end, or for a block id outside the cache (validation checked
+  // the host mirror; a device table that disagrees leaves the row zero, not read out of
+  // bounds).
+  const int64_t k_head_offset = static_cast<int64_t>(kv_head) * p.k_head_stride;
+  const int64_t v_head_offset = static_cast<int64_t>(kv_head) * p.v_head_stride;
+  const int block_shift = Log2IfPowerOfTwo(p.block_size);
+  auto lookup = [&](int n, int r) -> RowOffsets {
     const int j = n * kBlockN + r;
-    if (j >= seq_len) return make_int2(-1, 0);
-    const int b = j / p.block_size;
-    return make_int2(block_row[b], j - b * p.block_size);
+    if (j >= seq_len) return RowOffsets{-1, 0};
+    const int b = block_shift >= 0 ? j >> block_shift : j / p.block_size;
+    const int64_t block = block_row[b];
+    if (block < 0 || block >= p.num_blocks) return RowOffsets{-1, 0};
+    const int64_t offset = j - b * p.block_size;
+    return RowOffsets{block * p.k_block_stride + offset * p.k_token_stride + k_head_offset,
+                      block * p.v_block_stride + offset * p.v_token_stride + v_head_offset};
   };
 
   // ---- Prologue: page table of the first two tiles, zero padding, Q and tile n_begin.
-  int2 loc_ahead = make_int2(-1, 0);  // lookup of tile n+2, held by threads tid < kBlockN
+  RowOffsets loc_ahead{-1, 0};  // lookup of tile n+2, held by threads tid < kBlockN
   if (tid < kBlockN) {
     loc_smem[(n_begin & 1) * kBlockN + tid] = lookup(n_begin, tid);
     if (n_begin + 1 < n_end) loc_smem[((n_begin + 1) & 1) * kBlockN + tid] = lookup(n_begin + 1, tid);
@@ -353,8 +365,6 @@ __global__ void __launch_bounds__(PrefillTraits<D, Variant>::kThreads,
   }
 
   // Issues the copies of key tile n into kv stage `stage` (or the raw fp8 area).
-  const int64_t k_head_offset = static_cast<int64_t>(kv_head) * p.k_head_stride;
-  const int64_t v_head_offset = static_cast<int64_t>(kv_head) * p.v_head_stride;
   // Loader mapping: 8 threads per key row, 16-byte chunks lcol, lcol + 8, ...; rows
   // lrow + pass * kRowsPerPass. Rows differ by multiples of 8, so one swizzled offset plus
   // compile-time steps addresses every chunk (chunk c = lcol + 8 i -> (lcol ^ row % 8) + 8 i).
@@ -364,22 +374,16 @@ __global__ void __launch_bounds__(PrefillTraits<D, Variant>::kThreads,
   const uint32_t load_dst0 =
       static_cast<uint32_t>(lrow * D * 2 + ((lcol ^ (lrow & 7)) << 4));
   auto issue_tile = [&](int n, int stage) {
-    const int2* const locs = loc_smem + (n & 1) * kBlockN;
+    const RowOffsets* const locs = loc_smem + (n & 1) * kBlockN;
     uint8_t* const k_tile = kv_smem + stage * Traits::kStageBytes;
     uint8_t* const v_tile = k_tile + Traits::kTileBytes;
 KVSTREAM_CUDA_UNROLL
     for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
       const int r = lrow + pass * kRowsPerPass;
-      const int2 loc = locs[r];
-      const bool valid = loc.x >= 0;
-      const int64_t k_row = valid ? static_cast<int64_t>(loc.x) * p.k_block_stride +
-                                        static_cast<int64_t>(loc.y) * p.k_token_stride +
-                                        k_head_offset
-                                  : 0;
-      const int64_t v_row = valid ? static_cast<int64_t>(loc.x) * p.v_block_stride +
-                                        static_cast<int64_t>(loc.y) * p.v_token_stride +
-                                        v_head_offset
-                                  : 0;
+      const RowOffsets loc = locs[r];
+      const bool valid = loc.k >= 0;
+      const int64_t k_row = valid ? loc.k : 0;
+      const int64_t v_row = valid ? loc.v : 0;
       if (load_mode == kPrefillAsync16) {
         const T* const k = static_cast<const T*>(p.k_cache);
         const T* const v = static_cast<const T*>(p.v_cache);
@@ -633,7 +637,7 @@ KVSTREAM_CUDA_UNROLL
           }
         }
       }
-    } else {
+    } else if (alibi) {
 KVSTREAM_CUDA_UNROLL
       for (int mb = 0; mb < kRowBlocks; ++mb) {
 KVSTREAM_CUDA_UNROLL
@@ -642,7 +646,7 @@ KVSTREAM_CUDA_UNROLL
           for (int e = 0; e < 4; ++e) acc_s[mb][nb][e] *= scale2;
         }
       }
-    }
+    }  // else: raw scores; the softmax below folds scale2 into its exp2 arguments
     if (alibi) {
 KVSTREAM_CUDA_UNROLL
       for (int mb = 0; mb < kRowBlocks; ++mb) {
@@ -684,7 +688,14 @@ KVSTREAM_CUDA_UNROLL
       }
     }
 
-    // Online softmax: running max and (per-thread partial) sum per row, O rescaled.
+    // Online softmax: running max and (per-thread partial) sum per row, O rescaled. Without
+    // soft cap or ALiBi the scores are still raw q.k (scale2 > 0 keeps their order), and
+    // exp2(scale2 * (s - max)) is one FFMA and one MUFU per score.
+    const float exp_scale = soft_cap || alibi ? 1.0f : scale2;
+    // The output rescale is skipped when no row of the warp has a new max (alpha == 1 for
+    // all): most tiles of a long sequence.
+    float alpha[kRowBlocks][2];
+    bool rescale = false;
 KVSTREAM_CUDA_UNROLL
     for (int mb = 0; mb < kRowBlocks; ++mb) {
 KVSTREAM_CUDA_UNROLL
@@ -699,24 +710,34 @@ KVSTREAM_CUDA_UNROLL
         const float new_max = fmaxf(row_max[mb][half], tile_max);
         // A row with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
         const float use_max = new_max == kNegInf ? 0.0f : new_max;
-        const float alpha = FastExp2(row_max[mb][half] - use_max);
+        alpha[mb][half] = FastExp2((row_max[mb][half] - use_max) * exp_scale);
+        rescale = rescale || alpha[mb][half] != 1.0f;
         row_max[mb][half] = new_max;
+        const float neg_max_scaled = -use_max * exp_scale;
         float sum = 0.0f;
 KVSTREAM_CUDA_UNROLL
         for (int nb = 0; nb < kNBlocks; ++nb) {
 KVSTREAM_CUDA_UNROLL
           for (int e = 0; e < 2; ++e) {
-            const float pe = FastExp2(acc_s[mb][nb][2 * half + e] - use_max);
+            const float pe = FastExp2(fmaf(acc_s[mb][nb][2 * half + e], exp_scale, neg_max_scaled));
             acc_s[mb][nb][2 * half + e] = pe;
             sum += pe;
           }
         }
-        row_sum[mb][half] = row_sum[mb][half] * alpha + sum;
+        row_sum[mb][half] = row_sum[mb][half] * alpha[mb][half] + sum;
+      }
+    }
+    if (__any_sync(0xffffffffu, rescale)) {
 KVSTREAM_CUDA_UNROLL
-        for (int nb = 0; nb < kDBlocks; ++nb) {
-          if (nb < 2 * dv_steps) {
-            acc_o[mb][nb][2 * half] *= alpha;
-            acc_o[mb][nb][2 * half + 1] *= alpha;
+      for (int mb = 0; mb < kRowBlocks; ++mb) {
+KVSTREAM_CUDA_UNROLL
+        for (int half = 0; half < 2; ++half) {
+KVSTREAM_CUDA_UNROLL
+          for (int nb = 0; nb < kDBlocks; ++nb) {
+            if (nb < 2 * dv_steps) {
+              acc_o[mb][nb][2 * half] *= alpha[mb][half];
+              acc_o[mb][nb][2 * half + 1] *= alpha[mb][half];
+            }
           }
         }
       }

@@ -1,7 +1,8 @@
 // CacheUpdateCuda: validates (ValidateCacheUpdate, through the host copy of the slot
 // mapping), flattens the params for the kernel, picks the vector or scalar variant from
 // the sizes, strides and alignment, dispatches on input dtype x cache dtype, and enqueues.
-// fp8 caches take the reciprocal kernel (cache_update.cuh, FastQuotient) where it applies.
+// fp8 caches take the fastest exact quotient that applies (cache_update.cuh: a multiply
+// for power-of-two scales, FastQuotient, or the division).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -40,17 +41,22 @@ bool CanVectorize(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes) 
          Aligned(p.k_cache, out_align) && Aligned(p.v_cache, out_align);
 }
 
-// FastQuotient's proof covers scales in [2^-30, 2^30].
-bool ScalesAllowReciprocal(const cu::KernelParams& p) {
+// Whether every K and V scale passes `pred`.
+template <typename Pred>
+bool AllScales(const cu::KernelParams& p, Pred pred) {
   for (int i = 0; i < p.num_scales; ++i) {
-    for (const float s : {p.k_scale[i], p.v_scale[i]}) {
-      if (!(s >= 0x1p-30f && s <= 0x1p30f)) return false;
+    if (!pred(p.fp8_scale[i].scale) || !pred(p.fp8_scale[cu::kMaxScales + i].scale)) {
+      return false;
     }
   }
   return true;
 }
 
-// UpdateTokenVecFp8 adds offsets within a token's row in int32.
+// FastQuotient's proof covers scales in [2^-30, 2^30].
+bool InReciprocalRange(float s) { return s >= 0x1p-30f && s <= 0x1p30f; }
+
+// The vector paths add offsets within a token's row in 32 bits, and mark V's destination
+// offsets in bit 31 (ChunkDst): every offset must stay below 2^31.
 bool HeadOffsetsFitInt32(const cu::KernelParams& p) {
   const int64_t heads = p.num_kv_heads;
   const int64_t d = p.head_size > p.head_size_v ? p.head_size : p.head_size_v;
@@ -64,6 +70,36 @@ bool HeadOffsetsFitInt32(const cu::KernelParams& p) {
   return true;
 }
 
+// The vector paths' walk (cache_update.cuh, LaneWalk): a step of 32 chunks = 32 * 8
+// elements is step_head whole heads plus step_first elements, in K and in V; and magic
+// numbers for dividing by K's and V's chunks per head. REQUIRES: head sizes multiples of 8.
+void SetWalkSteps(cu::KernelParams& p) {
+  const int32_t step = 32 * cu::kVecElems;
+  p.k_step_head = step / p.head_size;
+  p.k_step_first = step % p.head_size;
+  p.v_step_head = step / p.head_size_v;
+  p.v_step_first = step % p.head_size_v;
+  p.k_chunks_per_head = internal::MakeDivMagic(static_cast<uint32_t>(p.head_size / cu::kVecElems));
+  p.v_chunks_per_head =
+      internal::MakeDivMagic(static_cast<uint32_t>(p.head_size_v / cu::kVecElems));
+}
+
+// The vector kernels' ways to an fp8 quotient, fastest first: one multiply by 1 / scale
+// when every scale is a power of two (exact, cache_update.cuh), FastQuotient when every
+// scale is in its range, else (and for kDivision) the division.
+enum class Fp8Quotient { kPowerOfTwo, kReciprocal, kDivision };
+
+Fp8Quotient PickFp8Quotient(const cu::KernelParams& p, internal::CacheUpdateFp8Method method) {
+  if (method != internal::CacheUpdateFp8Method::kReciprocal) return Fp8Quotient::kDivision;
+  if (AllScales(p, internal::Fp8ScaleIsPowerOfTwo)) return Fp8Quotient::kPowerOfTwo;
+  if (AllScales(p, InReciprocalRange)) return Fp8Quotient::kReciprocal;
+  return Fp8Quotient::kDivision;
+}
+
+absl::Status LaunchStatus() {
+  return CudaErrorToStatus(static_cast<int>(cudaGetLastError()), "cache update kernel launch");
+}
+
 template <typename In, typename Out>
 absl::Status Launch(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes,
                     internal::CacheUpdateFp8Method method, cudaStream_t stream) {
@@ -73,30 +109,26 @@ absl::Status Launch(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes
         absl::StrCat("CacheUpdateCuda: ", p.num_tokens, " tokens exceed one launch"));
   }
   const dim3 grid(static_cast<unsigned>(ctas));
-  const bool vectorize = CanVectorize(p, in_bytes, out_bytes);
+  if (!CanVectorize(p, in_bytes, out_bytes) || !HeadOffsetsFitInt32(p)) {
+    cu::CacheUpdateKernel<In, Out, false><<<grid, cu::kThreadsPerCta, 0, stream>>>(p);
+    return LaunchStatus();
+  }
+  cu::KernelParams vec = p;
+  SetWalkSteps(vec);
   if constexpr (Out::kFp8) {
-    if (vectorize && method == internal::CacheUpdateFp8Method::kReciprocal &&
-        ScalesAllowReciprocal(p) && HeadOffsetsFitInt32(p)) {
-      cu::KernelParams fast = p;
-      for (int i = 0; i < p.num_scales; ++i) {
-        fast.k_recip[i] = 1.0f / p.k_scale[i];  // IEEE division on the host: RN(1 / s)
-        fast.v_recip[i] = 1.0f / p.v_scale[i];
-      }
-      fast.k_chunks_per_head =
-          internal::MakeDivMagic(static_cast<uint32_t>(p.head_size / cu::kVecElems));
-      fast.v_chunks_per_head =
-          internal::MakeDivMagic(static_cast<uint32_t>(p.head_size_v / cu::kVecElems));
-      cu::CacheUpdateKernel<In, Out, true, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(fast);
-      return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
-                               "cache update kernel launch");
+    switch (PickFp8Quotient(p, method)) {
+      case Fp8Quotient::kPowerOfTwo:
+        cu::CacheUpdateKernel<In, Out, true, true, true>
+            <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+        return LaunchStatus();
+      case Fp8Quotient::kReciprocal:
+        cu::CacheUpdateKernel<In, Out, true, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+        return LaunchStatus();
+      case Fp8Quotient::kDivision: break;
     }
   }
-  if (vectorize) {
-    cu::CacheUpdateKernel<In, Out, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(p);
-  } else {
-    cu::CacheUpdateKernel<In, Out, false><<<grid, cu::kThreadsPerCta, 0, stream>>>(p);
-  }
-  return CudaErrorToStatus(static_cast<int>(cudaGetLastError()), "cache update kernel launch");
+  cu::CacheUpdateKernel<In, Out, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+  return LaunchStatus();
 }
 
 template <typename In>
@@ -179,8 +211,9 @@ absl::Status CacheUpdateCudaWithMethod(const CacheUpdateParams& params, void* cu
     }
     p.num_scales = cache.num_scales;
     for (int i = 0; i < cache.num_scales; ++i) {
-      p.k_scale[i] = cache.k_scale[i];
-      p.v_scale[i] = cache.v_scale[i];
+      // 1 / s: IEEE division on the host, RN(1 / s).
+      p.fp8_scale[i] = {cache.k_scale[i], 1.0f / cache.k_scale[i]};
+      p.fp8_scale[cu::kMaxScales + i] = {cache.v_scale[i], 1.0f / cache.v_scale[i]};
     }
   }
   const cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);

@@ -3,20 +3,28 @@
 // as the CPU implementation does (common/numeric.h: round to nearest even, fp8 saturating,
 // fp8(x / scale) with a true division, same-dtype copies keep every bit including NaN
 // payloads). Header-only templates over a params struct passed by value; the launcher is
-// cache_update.cu. The division stays a true IEEE division (not a multiply by 1/scale),
-// as on the host.
+// cache_update.cu. The quotient x / scale is always the float the host's division gives:
+// computed by a division, or by a way proven to give the same float (below).
 //
 // Work split: one warp per token, eight tokens per 256-thread CTA. A warp walks the K and
-// V rows of its token (all KV heads) as one index space of 8-element chunks, so each lane
-// has up to kCacheUpdateUnroll independent 16-byte (or 32/8-byte) loads in flight before it
-// converts and stores. A scalar variant handles strides or sizes that 8-element vectors do
-// not fit (odd head sizes, misaligned or dim-strided caches).
+// V rows of its token (all KV heads) as one index space of 8-element chunks, 32 chunks per
+// step (lane l takes chunk 32 s + l in step s), in batches of kUnroll steps: a lane issues
+// a batch's loads (128 bytes: eight 16-byte or four 32-byte chunks) before it converts and
+// stores any, and the token's slot is read while the first batch's loads are in flight.
+// A lane locates its chunk with a magic-number multiply at the start of a batch and then
+// moves it by fixed steps (LaneWalk), so that a chunk's index math is a few adds, with
+// its destination kept from load to store. A scalar variant handles strides or sizes that
+// 8-element vectors do not fit (odd head sizes, misaligned or dim-strided caches, rows
+// beyond 32-bit offsets).
 //
-// fp8 caches (kReciprocal, the default): the quotient x / scale is computed from a
-// reciprocal taken once per scale plus two FMA corrections, which yields the correctly
-// rounded quotient, i.e. the same float as the division (proof at FastQuotient), then
-// converted two at a time with the packed cvt; a chunk holding a NaN input is redone with
-// the division. kDivision keeps the per-element division, for comparison.
+// fp8 caches (kReciprocal, the default) get x / scale without a division per element. When
+// every scale is a power of two (the default scale 1 included), it is x * (1 / scale): 1 /
+// scale is exact, so the product is x / scale rounded once. Otherwise, for scales in
+// [2^-30, 2^30], it comes from a reciprocal taken once per scale plus two FMA corrections,
+// which yields the correctly rounded quotient, i.e. the same float as the division (proof
+// at FastQuotient). Quotients are converted two at a time with the packed cvt; a chunk
+// holding a NaN input is redone with the division. kDivision keeps the per-element
+// division, for comparison.
 //
 // The part above `#if defined(__CUDACC__)` is plain C++ so that tests and benchmarks
 // compiled by the host compiler can pick the method.
@@ -24,6 +32,7 @@
 #define KVSTREAM_CACHE_CUDA_CACHE_UPDATE_CUH_
 
 #include <cstdint>
+#include <cstring>
 
 #include "absl/status/status.h"
 #include "kvstream/cache/cache_update.h"
@@ -38,11 +47,24 @@ enum class CacheUpdateFp8Method {
 };
 
 // CacheUpdateCuda with the fp8 method chosen (CacheUpdateCuda uses kReciprocal). Same
-// contract as CacheUpdateCuda. kReciprocal falls back to kDivision when a scale lies
-// outside [2^-30, 2^30] (the range FastQuotient's proof covers), when offsets within a
-// token's row exceed int32, or when the vector path does not apply.
+// contract as CacheUpdateCuda. kReciprocal multiplies by 1 / scale alone when every scale
+// is a power of two (Fp8ScaleIsPowerOfTwo); otherwise it falls back to kDivision when a
+// scale lies outside [2^-30, 2^30] (the range FastQuotient's proof covers). Both divide,
+// in the scalar kernel, where the vector path does not apply (odd sizes or strides, or a
+// token's rows beyond 32-bit offsets).
 absl::Status CacheUpdateCudaWithMethod(const CacheUpdateParams& params, void* cuda_stream,
                                        CacheUpdateFp8Method method);
+
+// Whether `scale` is 2^e with e in [-126, 126]: then 1 / scale = 2^-e is a normal float,
+// exactly, and x * (1 / scale) is the real number x / scale rounded once, the same float
+// as the division for every x. False for everything else (NaN, infinities, zero,
+// negative numbers, subnormals, other values).
+inline bool Fp8ScaleIsPowerOfTwo(float scale) {
+  uint32_t bits;
+  std::memcpy(&bits, &scale, sizeof(bits));
+  const uint32_t biased_exp = bits >> 23;  // sign bit included: negative scales fail
+  return (bits & 0x7fffffu) == 0 && biased_exp >= 127 - 126 && biased_exp <= 127 + 126;
+}
 
 // Magic numbers for n / d with a multiply and a shift, exact for 0 <= n < 2^31 and
 // 1 <= d < 2^31 (Granlund-Montgomery): l = ceil(log2 d), shift = 31 + l, mul =
@@ -79,8 +101,13 @@ namespace cache_update {
 inline constexpr int kMaxScales = 128;
 inline constexpr int kWarpsPerCta = 8;
 inline constexpr int kThreadsPerCta = kWarpsPerCta * 32;
-inline constexpr int kUnroll = 8;  // chunks in flight per lane (vector path)
 inline constexpr int kVecElems = 8;
+
+// One fp8 scale and its reciprocal (IEEE, from the host), fetched together.
+struct alignas(8) Fp8ScalePair {
+  float scale;
+  float recip;
+};
 
 struct KernelParams {
   // key:   [num_tokens, num_kv_heads, head_size]    (key_token_stride, key_head_stride; dim 1)
@@ -116,12 +143,16 @@ struct KernelParams {
   // fp8 caches: stored = fp8(x / scale); 1 scale (per tensor) or num_kv_heads (per head).
   // Unused (num_scales = 0) for 16/32-bit caches.
   int32_t num_scales;
-  float k_scale[kMaxScales];
-  float v_scale[kMaxScales];
-  // kReciprocal only: 1.0f / scale (IEEE, from the host), and magic numbers dividing a
-  // chunk index by head_size / 8 and head_size_v / 8.
-  float k_recip[kMaxScales];
-  float v_recip[kMaxScales];
+  // {scale, RN(1 / scale)} per scale: K's at [0, kMaxScales), V's at [kMaxScales,
+  // 2 * kMaxScales), so that one index (ScaleIndex) and one 8-byte load fetch a chunk's pair.
+  Fp8ScalePair fp8_scale[2 * kMaxScales];
+  // Vector paths (LaneWalk): a step of 32 chunks moves a lane's chunk by *_step_head heads
+  // and *_step_first elements (< the head size), plus a carry; chunks per head (head size
+  // / 8) as magic numbers, to locate a lane's first chunk in K and in V.
+  int32_t k_step_first;
+  int32_t k_step_head;
+  int32_t v_step_first;
+  int32_t v_step_head;
   DivMagic k_chunks_per_head;
   DivMagic v_chunks_per_head;
 };
@@ -234,79 +265,270 @@ struct alignas(sizeof(B) * kVecElems >= 16 ? 16 : sizeof(B) * kVecElems) Vec8 {
   B v[kVecElems];
 };
 
-// Where chunk `idx` of a token's combined K+V chunk space lives.
-struct ChunkRef {
-  bool is_v;
-  int head;
-  int first;  // first element of the chunk within the head
-};
+// Element e of a chunk, read out of the chunk's 32-bit words for 16-bit types: indexing
+// the 16-bit elements makes the compiler split a chunk into eight registers as soon as it
+// is loaded, twice the four it needs while the other loads are in flight.
+template <typename B>
+__device__ __forceinline__ B ChunkElement(const Vec8<B>& chunk, int e) {
+  if constexpr (sizeof(B) == 2) {
+    const uint32_t word = reinterpret_cast<const uint32_t*>(&chunk)[e / 2];
+    return static_cast<B>(e % 2 != 0 ? word >> 16 : word & 0xffffu);
+  } else {
+    return chunk.v[e];
+  }
+}
 
-__device__ __forceinline__ ChunkRef LocateChunk(int idx, int k_total, int k_per_head,
-                                                int v_per_head) {
-  ChunkRef r;
-  r.is_v = idx >= k_total;
-  const int j = r.is_v ? idx - k_total : idx;
-  const int per_head = r.is_v ? v_per_head : k_per_head;
-  r.head = j / per_head;
-  r.first = (j - r.head * per_head) * kVecElems;
-  return r;
+// Chunks a lane has in flight (vector paths): 128 bytes of input, eight 16-byte chunks of
+// 16-bit inputs or four 32-byte chunks of 32-bit inputs (eight would take 64 registers).
+template <typename InBits>
+inline constexpr int kUnroll = 128 / static_cast<int>(sizeof(Vec8<InBits>));
+
+// The fp8 scale of (K or V, head): its index into fp8_scale, and the scale.
+__device__ __forceinline__ int ScaleIndex(const KernelParams& p, bool is_v, int head) {
+  return (is_v ? kMaxScales : 0) + (p.num_scales > 1 ? head : 0);
 }
 
 __device__ __forceinline__ float ScaleFor(const KernelParams& p, bool is_v, int head) {
-  const int i = p.num_scales > 1 ? head : 0;
-  return is_v ? p.v_scale[i] : p.k_scale[i];
+  return p.fp8_scale[ScaleIndex(p, is_v, head)].scale;
+}
+
+// The cache rows of slot `slot`: false for padding (-1) and for slots outside
+// [0, num_slots) (see KernelParams), which are skipped. Called after a warp's first input
+// loads are issued, so that the slot's load and the inputs' loads overlap instead of adding
+// up (a warp's whole life is a few dependent memory round trips).
+template <typename OutBits>
+__device__ __forceinline__ bool ResolveSlot(const KernelParams& p, int64_t slot,
+                                            OutBits** k_dst, OutBits** v_dst) {
+  if (slot < 0 || slot >= p.num_slots) return false;
+  const int64_t block = slot / p.block_size;
+  const int64_t offset = slot - block * p.block_size;
+  *k_dst =
+      static_cast<OutBits*>(p.k_cache) + block * p.k_block_stride + offset * p.k_token_stride;
+  *v_dst =
+      static_cast<OutBits*>(p.v_cache) + block * p.v_block_stride + offset * p.v_token_stride;
+  return true;
+}
+
+// ---- Vector paths: a lane's walk through its token's chunks ----
+//
+// A warp's token is one space of 8-element chunks, K's heads then V's; in step s of the
+// walk, lane l handles chunk 32 s + l. With k_total K chunks, steps s < k_steps =
+// k_total / 32 lie wholly in K and steps s > k_steps wholly in V; step k_steps is split
+// when k_rem = k_total % 32 is not 0 (lanes < k_rem in K, the others in V). Which of these
+// a step is depends on s alone, the same for the whole warp: K steps take K's sizes and
+// strides straight from the params, V steps V's, and only the split step chooses per lane.
+// A lane's head and first element are found by a magic-number division (LocateChunk) at
+// the start of each batch of steps (once per token unless a token has more than 32 *
+// kUnroll chunks) and when the lane starts V (at V's chunk (l - k_rem) mod 32: in the split
+// step, or for a lane still in K there, the step after); in between, a step moves them by
+// a fixed number of heads and elements (StepChunk), so that no chunk pays for a division.
+
+__device__ __forceinline__ int MagicDivide(int n, DivMagic m) {
+  return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(n)) * m.mul) >> m.shift);
+}
+
+// A chunk's place within K or within V.
+struct ChunkPos {
+  int head;
+  int first;  // first element within the head: a multiple of kVecElems, < the head size
+};
+
+// Chunk j of K or V, whose heads are `chunks_per_head` chunks (magic numbers m).
+__device__ __forceinline__ ChunkPos LocateChunk(int j, int chunks_per_head, DivMagic m) {
+  ChunkPos c;
+  c.head = MagicDivide(j, m);
+  c.first = (j - c.head * chunks_per_head) * kVecElems;
+  return c;
+}
+
+// 32 chunks on: 32 * 8 elements are step_head heads and step_first elements, plus a carry
+// into the next head when first passes the head size. Past the end the head keeps
+// growing; callers check the chunk index before touching memory.
+__device__ __forceinline__ void StepChunk(ChunkPos& c, int step_head, int step_first,
+                                          int head_size) {
+  c.first += step_first;
+  const bool carry = c.first >= head_size;
+  c.first -= carry ? head_size : 0;
+  c.head += step_head + (carry ? 1 : 0);
+}
+
+// The chunk's offset in a row whose heads are `head_stride` apart: 32-bit (the launcher
+// checks that a token's rows fit), unsigned so that the unused offsets of chunks past the
+// end cannot overflow.
+__device__ __forceinline__ uint32_t ChunkOffset(ChunkPos c, int64_t head_stride) {
+  return static_cast<uint32_t>(c.head) * static_cast<uint32_t>(head_stride) +
+         static_cast<uint32_t>(c.first);
+}
+
+// One lane's walk through its token.
+struct LaneWalk {
+  ChunkPos pos;  // the lane's chunk at the current step: in K, then (from step k_steps) in V
+  int k_steps;   // steps wholly in K
+  int k_rem;     // K chunks in step k_steps
+  int lane;
+
+  // The walk at step s0: one magic-number division, at the start of each batch (so that
+  // nothing of the walk stays live while a batch converts and stores).
+  __device__ __forceinline__ void Start(const KernelParams& p, int lane_index, int s0) {
+    const int k_per_head = p.head_size / kVecElems;
+    const int k_total = p.num_kv_heads * k_per_head;
+    const int idx = 32 * s0 + lane_index;
+    pos = idx < k_total ? LocateChunk(idx, k_per_head, p.k_chunks_per_head)
+                        : LocateChunk(idx - k_total, p.head_size_v / kVecElems,
+                                      p.v_chunks_per_head);
+    k_steps = k_total / 32;
+    k_rem = k_total % 32;
+    lane = lane_index;
+  }
+};
+
+// Where a loaded chunk goes, kept from its load to its store: its offset in the token's K
+// or V cache row, with V marked in bit 31 (offsets are below 2^31: HeadOffsetsFitInt32 in
+// the launcher), so that the store needs no other record; for fp8 caches its ScaleIndex.
+struct ChunkDst {
+  uint32_t off;
+  int scale_index;
+
+  __device__ __forceinline__ bool InV() const { return (off >> 31) != 0; }
+  template <typename OutBits>
+  __device__ __forceinline__ OutBits* Address(OutBits* k_row, OutBits* v_row) const {
+    return (InV() ? v_row : k_row) + (off & 0x7fffffffu);
+  }
+};
+
+// One chunk of a token's input row, through the read-only path (ld.global.nc): the rows
+// are global memory, read-only for the kernel, but reach here through TokenRow, which
+// hides where the pointer came from.
+template <typename InBits>
+__device__ __forceinline__ Vec8<InBits> LoadInputChunk(const InBits* src) {
+  static_assert(sizeof(Vec8<InBits>) % sizeof(uint4) == 0, "16- or 32-byte chunks");
+  Vec8<InBits> v;
+  uint4* words = reinterpret_cast<uint4*>(&v);
+#pragma unroll
+  for (size_t i = 0; i < sizeof(v) / sizeof(uint4); ++i) {
+    words[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+  }
+  return v;
+}
+
+// A chunk at `c` in K (in_v false) or V: its destination, and its input address in `row`
+// (the token's K or V input row); a chunk that does not exist reads the row's first chunk
+// instead (in bounds, never stored), so that the loads need no branch.
+template <typename InBits, bool kFp8Cache>
+__device__ __forceinline__ const InBits* PlaceChunk(const KernelParams& p, ChunkPos c,
+                                                    bool in_v, const InBits* row,
+                                                    int64_t row_head_stride,
+                                                    int64_t cache_head_stride, bool exists,
+                                                    ChunkDst& dst) {
+  dst.off = ChunkOffset(c, cache_head_stride) | (in_v ? 0x80000000u : 0u);
+  if constexpr (kFp8Cache) dst.scale_index = ScaleIndex(p, in_v, c.head);
+  return row + (exists ? ChunkOffset(c, row_head_stride) : 0u);
+}
+
+// Step s of the walk: the chunk's input address and destination (as PlaceChunk), with the
+// walk moved on to step s + 1.
+template <typename InBits, bool kFp8Cache>
+__device__ __forceinline__ const InBits* NextChunk(const KernelParams& p, const InBits* key,
+                                                   const InBits* value, int s, bool exists,
+                                                   LaneWalk& w, ChunkDst& dst) {
+  const ChunkPos c = w.pos;
+  if (s < w.k_steps) {  // the whole warp in K
+    StepChunk(w.pos, p.k_step_head, p.k_step_first, p.head_size);
+    return PlaceChunk<InBits, kFp8Cache>(p, c, false, key, p.key_head_stride, p.k_head_stride,
+                                         exists, dst);
+  }
+  if (s > w.k_steps) {  // the whole warp in V
+    StepChunk(w.pos, p.v_step_head, p.v_step_first, p.head_size_v);
+    return PlaceChunk<InBits, kFp8Cache>(p, c, true, value, p.value_head_stride,
+                                         p.v_head_stride, exists, dst);
+  }
+  // Into V: the lane's first V chunk is V's chunk (lane - k_rem) mod 32, in this step for
+  // lanes >= k_rem, in the next for the others (here at their last K chunk).
+  w.pos = LocateChunk((w.lane - w.k_rem) & 31, p.head_size_v / kVecElems, p.v_chunks_per_head);
+  if (w.lane < w.k_rem) {
+    return PlaceChunk<InBits, kFp8Cache>(p, c, false, key, p.key_head_stride, p.k_head_stride,
+                                         exists, dst);
+  }
+  const ChunkPos v = w.pos;
+  StepChunk(w.pos, p.v_step_head, p.v_step_first, p.head_size_v);
+  return PlaceChunk<InBits, kFp8Cache>(p, v, true, value, p.value_head_stride, p.v_head_stride,
+                                       exists, dst);
+}
+
+// The loads of a batch: steps s0 .. s0 + kUnroll - 1 (chunks 32 * s0 + u * 32 + lane), all
+// issued before any is used.
+template <typename InBits, bool kFp8Cache>
+__device__ __forceinline__ void LoadChunks(const KernelParams& p, const InBits* key,
+                                           const InBits* value, int s0, int total,
+                                           LaneWalk& w, Vec8<InBits> (&in)[kUnroll<InBits>],
+                                           ChunkDst (&dst)[kUnroll<InBits>]) {
+  const int warp_left = total - 32 * s0;  // step u has chunks when u * 32 < warp_left
+  const int left = warp_left - w.lane;    // chunk u exists when u * 32 < left
+#pragma unroll
+  for (int u = 0; u < kUnroll<InBits>; ++u) {
+    if (u * 32 < warp_left) {  // else the whole warp is past the end (small tokens)
+      const InBits* src =
+          NextChunk<InBits, kFp8Cache>(p, key, value, s0 + u, u * 32 < left, w, dst[u]);
+      in[u] = LoadInputChunk(src);
+    }
+  }
+}
+
+// A token's input row for the vector paths, computed once and kept as a pointer: hidden
+// from the optimizer, which would otherwise fold token * stride into every chunk's
+// address and, short of registers, recompute it per chunk (six instructions).
+template <typename T>
+__device__ __forceinline__ const T* TokenRow(const void* base, int64_t token, int64_t stride) {
+  const T* row = static_cast<const T*>(base) + token * stride;
+  asm("" : "+l"(row));
+  return row;
 }
 
 // Vector path. REQUIRES (checked by the launcher): head sizes, input strides and cache
 // block/token/head strides multiples of 8 elements, cache dim strides 1, base pointers
-// aligned to their Vec8.
+// aligned to their Vec8, a token's K and V rows (input and cache) within int32 offsets,
+// the walk's fields of KernelParams set (k_step_first ... v_chunks_per_head).
 template <typename In, typename Out>
 __device__ __forceinline__ void UpdateTokenVec(const KernelParams& p, int64_t token,
-                                               int64_t block, int64_t offset, int lane) {
+                                               const int64_t* slot_ptr, int lane) {
   using InBits = typename In::Bits;
   using OutBits = typename Out::Bits;
-  const InBits* __restrict__ key =
-      static_cast<const InBits*>(p.key) + token * p.key_token_stride;
-  const InBits* __restrict__ value =
-      static_cast<const InBits*>(p.value) + token * p.value_token_stride;
-  OutBits* __restrict__ k_dst =
-      static_cast<OutBits*>(p.k_cache) + block * p.k_block_stride + offset * p.k_token_stride;
-  OutBits* __restrict__ v_dst =
-      static_cast<OutBits*>(p.v_cache) + block * p.v_block_stride + offset * p.v_token_stride;
-  const int k_per_head = p.head_size / kVecElems;
-  const int v_per_head = p.head_size_v / kVecElems;
-  const int k_total = p.num_kv_heads * k_per_head;
-  const int total = k_total + p.num_kv_heads * v_per_head;
-  for (int base = 0; base < total; base += 32 * kUnroll) {
-    Vec8<InBits> in[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int idx = base + u * 32 + lane;
-      if (idx < total) {
-        const ChunkRef c = LocateChunk(idx, k_total, k_per_head, v_per_head);
-        const InBits* src = c.is_v ? value + c.head * p.value_head_stride + c.first
-                                   : key + c.head * p.key_head_stride + c.first;
-        in[u] = *reinterpret_cast<const Vec8<InBits>*>(src);
-      }
+  const InBits* __restrict__ key = TokenRow<InBits>(p.key, token, p.key_token_stride);
+  const InBits* __restrict__ value = TokenRow<InBits>(p.value, token, p.value_token_stride);
+  const int64_t slot = *slot_ptr;  // consumed after the first loads are on their way
+  OutBits* k_dst = nullptr;
+  OutBits* v_dst = nullptr;
+  const int total = p.num_kv_heads * (p.head_size / kVecElems + p.head_size_v / kVecElems);
+  for (int s0 = 0; 32 * s0 < total; s0 += kUnroll<InBits>) {
+    LaneWalk walk;
+    walk.Start(p, lane, s0);
+    Vec8<InBits> in[kUnroll<InBits>];
+    ChunkDst dst[kUnroll<InBits>];
+    LoadChunks<InBits, Out::kFp8>(p, key, value, s0, total, walk, in, dst);
+    if (s0 == 0) {
+      if (!ResolveSlot(p, slot, &k_dst, &v_dst)) return;
     }
+    const int left = total - 32 * s0 - lane;  // chunk u exists when u * 32 < left
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int idx = base + u * 32 + lane;
-      if (idx < total) {
-        const ChunkRef c = LocateChunk(idx, k_total, k_per_head, v_per_head);
-        const float scale = Out::kFp8 ? ScaleFor(p, c.is_v, c.head) : 1.0f;
+    for (int u = 0; u < kUnroll<InBits>; ++u) {
+      if (u * 32 < left) {
+        const float scale = Out::kFp8 ? p.fp8_scale[dst[u].scale_index].scale : 1.0f;
         Vec8<OutBits> out;
+        if constexpr (std::is_same<In, Out>::value) {
+          out = in[u];  // the bits, untouched (Convert)
+        } else {
 #pragma unroll
-        for (int e = 0; e < kVecElems; ++e) out.v[e] = Convert<In, Out>(in[u].v[e], scale);
-        OutBits* dst = c.is_v ? v_dst + c.head * p.v_head_stride + c.first
-                              : k_dst + c.head * p.k_head_stride + c.first;
-        *reinterpret_cast<Vec8<OutBits>*>(dst) = out;
+          for (int e = 0; e < kVecElems; ++e) {
+            out.v[e] = Convert<In, Out>(ChunkElement(in[u], e), scale);
+          }
+        }
+        *reinterpret_cast<Vec8<OutBits>*>(dst[u].Address(k_dst, v_dst)) = out;
       }
     }
   }
 }
 
-// ---- kReciprocal: fp8 quotients without a division per element ----
+// ---- Fast fp8 quotients: without a division per element ----
 
 // Per-scale inputs of FastQuotient: s the scale, r = RN(1 / s), hi = s * 2^18 (exact).
 struct Fp8Scale {
@@ -366,76 +588,40 @@ __device__ __noinline__ uint2 Fp8ChunkByDivision(Vec8<typename In::Bits> in, flo
   return *reinterpret_cast<const uint2*>(&out);
 }
 
-__device__ __forceinline__ ChunkRef LocateChunkMagic(int idx, int k_total, int k_per_head,
-                                                     int v_per_head, DivMagic k_magic,
-                                                     DivMagic v_magic) {
-  ChunkRef r;
-  r.is_v = idx >= k_total;
-  const int j = r.is_v ? idx - k_total : idx;
-  const int per_head = r.is_v ? v_per_head : k_per_head;
-  const DivMagic m = r.is_v ? v_magic : k_magic;
-  r.head = static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(j)) * m.mul) >> m.shift);
-  r.first = (j - r.head * per_head) * kVecElems;
-  return r;
-}
-
-__device__ __forceinline__ Fp8Scale Fp8ScaleFor(const KernelParams& p, bool is_v, int head) {
-  const int i = p.num_scales > 1 ? head : 0;
-  Fp8Scale c;
-  c.s = is_v ? p.v_scale[i] : p.k_scale[i];
-  c.r = is_v ? p.v_recip[i] : p.k_recip[i];
-  c.hi = c.s * 262144.0f;  // 2^18, exact for s <= 2^30
-  return c;
-}
-
-// UpdateTokenVec for fp8 caches with FastQuotient. Same REQUIRES as UpdateTokenVec, plus
-// every scale in [2^-30, 2^30] with its reciprocal in k_recip / v_recip.
-template <typename In, typename Out>
+// UpdateTokenVec for fp8 caches without a division per element. Same REQUIRES as
+// UpdateTokenVec, plus:
+//  * kPow2Scales = false: every scale in [2^-30, 2^30] (FastQuotient).
+//  * kPow2Scales = true: every scale 2^e with e in [-126, 126] (Fp8ScaleIsPowerOfTwo).
+//    Then RN(1 / s) = 2^-e exactly, so x * RN(1 / s) is the real number x / s rounded once,
+//    the same float as the division for every x (subnormal, overflowing and infinite
+//    quotients included): one multiply per element.
+template <typename In, typename Out, bool kPow2Scales>
 __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t token,
-                                                  int64_t block, int64_t offset, int lane) {
+                                                  const int64_t* slot_ptr, int lane) {
   static_assert(Out::kFp8 && !In::kFp8, "fp8 caches from 16/32-bit inputs");
   using InBits = typename In::Bits;
-  const InBits* __restrict__ key =
-      static_cast<const InBits*>(p.key) + token * p.key_token_stride;
-  const InBits* __restrict__ value =
-      static_cast<const InBits*>(p.value) + token * p.value_token_stride;
-  uint8_t* __restrict__ k_dst =
-      static_cast<uint8_t*>(p.k_cache) + block * p.k_block_stride + offset * p.k_token_stride;
-  uint8_t* __restrict__ v_dst =
-      static_cast<uint8_t*>(p.v_cache) + block * p.v_block_stride + offset * p.v_token_stride;
-  const int k_per_head = p.head_size / kVecElems;
-  const int v_per_head = p.head_size_v / kVecElems;
-  const int k_total = p.num_kv_heads * k_per_head;
-  const int total = k_total + p.num_kv_heads * v_per_head;
-  const DivMagic k_magic = p.k_chunks_per_head;
-  const DivMagic v_magic = p.v_chunks_per_head;
-  // 32-bit offsets within the token's row (the launcher checks they fit), and selects
-  // instead of branches on K or V.
-  const int key_hs = static_cast<int>(p.key_head_stride);
-  const int value_hs = static_cast<int>(p.value_head_stride);
-  const int k_hs = static_cast<int>(p.k_head_stride);
-  const int v_hs = static_cast<int>(p.v_head_stride);
-  for (int base = 0; base < total; base += 32 * kUnroll) {
-    // Chunks are located again for the stores: keeping their destinations and scales in
-    // registers costs more occupancy (bf16: 69 -> 92 registers, 3 -> 2 CTAs per SM) than
-    // it saves (about 8% of the instructions).
-    Vec8<InBits> in[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int idx = base + u * 32 + lane;
-      if (idx < total) {
-        const ChunkRef c = LocateChunkMagic(idx, k_total, k_per_head, v_per_head, k_magic, v_magic);
-        const int src_off = c.head * (c.is_v ? value_hs : key_hs) + c.first;
-        const InBits* src = (c.is_v ? value : key) + src_off;
-        in[u] = *reinterpret_cast<const Vec8<InBits>*>(src);
-      }
+  const InBits* __restrict__ key = TokenRow<InBits>(p.key, token, p.key_token_stride);
+  const InBits* __restrict__ value = TokenRow<InBits>(p.value, token, p.value_token_stride);
+  const int64_t slot = *slot_ptr;  // consumed after the first loads are on their way
+  uint8_t* k_dst = nullptr;
+  uint8_t* v_dst = nullptr;
+  const int total = p.num_kv_heads * (p.head_size / kVecElems + p.head_size_v / kVecElems);
+  for (int s0 = 0; 32 * s0 < total; s0 += kUnroll<InBits>) {
+    LaneWalk walk;
+    walk.Start(p, lane, s0);
+    Vec8<InBits> in[kUnroll<InBits>];
+    ChunkDst dst[kUnroll<InBits>];
+    LoadChunks<InBits, true>(p, key, value, s0, total, walk, in, dst);
+    if (s0 == 0) {
+      if (!ResolveSlot(p, slot, &k_dst, &v_dst)) return;
     }
+    const int left = total - 32 * s0 - lane;  // chunk u exists when u * 32 < left
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int idx = base + u * 32 + lane;
-      if (idx < total) {
-        const ChunkRef c = LocateChunkMagic(idx, k_total, k_per_head, v_per_head, k_magic, v_magic);
-        const Fp8Scale sc = Fp8ScaleFor(p, c.is_v, c.head);
+    for (int u = 0; u < kUnroll<InBits>; ++u) {
+      if (u * 32 < left) {
+        // One 8-byte constant load; lanes of a step share one or a few heads' scales.
+        const Fp8ScalePair pair = p.fp8_scale[dst[u].scale_index];
+        const Fp8Scale sc{pair.scale, pair.recip, pair.scale * 262144.0f};  // 2^18 s, exact
         float x[kVecElems];
         if constexpr (std::is_same<In, ElemBF16>::value) {
           // A bf16 pair is one 32-bit word: the low one shifted up, the high one masked.
@@ -448,7 +634,7 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
           }
         } else {
 #pragma unroll
-          for (int e = 0; e < kVecElems; ++e) x[e] = In::ToFloat(in[u].v[e]);
+          for (int e = 0; e < kVecElems; ++e) x[e] = In::ToFloat(ChunkElement(in[u], e));
         }
         bool any_nan = false;
         uint32_t pairs[kVecElems / 2];
@@ -456,13 +642,16 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
         for (int e = 0; e < kVecElems; e += 2) {
           // One unordered compare per pair (LLVM folds the two self-compares).
           any_nan |= (x[e] != x[e]) | (x[e + 1] != x[e + 1]);
-          pairs[e / 2] = Fp8Pair<Out>(FastQuotient(x[e], sc), FastQuotient(x[e + 1], sc));
+          if constexpr (kPow2Scales) {
+            pairs[e / 2] = Fp8Pair<Out>(x[e] * sc.r, x[e + 1] * sc.r);
+          } else {
+            pairs[e / 2] = Fp8Pair<Out>(FastQuotient(x[e], sc), FastQuotient(x[e + 1], sc));
+          }
         }
         uint2 out = make_uint2(pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16));
         // Rare: the division path's NaN handling (0x7f whatever the sign) for the chunk.
         if (any_nan) out = Fp8ChunkByDivision<In, Out>(in[u], sc.s);
-        uint8_t* dst = (c.is_v ? v_dst : k_dst) + (c.head * (c.is_v ? v_hs : k_hs) + c.first);
-        *reinterpret_cast<uint2*>(dst) = out;
+        *reinterpret_cast<uint2*>(dst[u].Address(k_dst, v_dst)) = out;
       }
     }
   }
@@ -504,23 +693,31 @@ __device__ __forceinline__ void UpdateTokenScalar(const KernelParams& p, int64_t
 
 // Grid: ceil(num_tokens / kWarpsPerCta) CTAs of kThreadsPerCta threads; warp w of CTA b
 // writes token b * kWarpsPerCta + w.
-// kFastFp8 (vector path, fp8 cache): UpdateTokenVecFp8 instead of UpdateTokenVec.
-template <typename In, typename Out, bool kVectorized, bool kFastFp8 = false>
-__global__ void __launch_bounds__(kThreadsPerCta)
+// kFastFp8 (vector path, fp8 cache): UpdateTokenVecFp8 instead of UpdateTokenVec, with
+// kPow2Scales as there.
+// CTAs per SM the register budget is sized for: four (32 warps) for same-dtype copies, so
+// that at a few thousand tokens (one warp per token) a whole call runs in one wave instead
+// of one and a fraction; three where a conversion needs more than 64 registers.
+template <typename In, typename Out>
+inline constexpr int kMinCtasPerSm = std::is_same<In, Out>::value ? 4 : 3;
+
+template <typename In, typename Out, bool kVectorized, bool kFastFp8 = false,
+          bool kPow2Scales = false>
+__global__ void __launch_bounds__(kThreadsPerCta, (kMinCtasPerSm<In, Out>))
     CacheUpdateKernel(const __grid_constant__ KernelParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t token =
       static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + static_cast<int64_t>(threadIdx.x >> 5);
   if (token >= p.num_tokens) return;
-  const int64_t slot = p.slot_mapping[token];
-  if (slot < 0 || slot >= p.num_slots) return;  // padding (-1), or see KernelParams
-  const int64_t block = slot / p.block_size;
-  const int64_t offset = slot - block * p.block_size;
   if constexpr (kVectorized && kFastFp8) {
-    UpdateTokenVecFp8<In, Out>(p, token, block, offset, lane);
+    UpdateTokenVecFp8<In, Out, kPow2Scales>(p, token, p.slot_mapping + token, lane);
   } else if constexpr (kVectorized) {
-    UpdateTokenVec<In, Out>(p, token, block, offset, lane);
+    UpdateTokenVec<In, Out>(p, token, p.slot_mapping + token, lane);
   } else {
+    const int64_t slot = p.slot_mapping[token];
+    if (slot < 0 || slot >= p.num_slots) return;  // padding (-1), or see KernelParams
+    const int64_t block = slot / p.block_size;
+    const int64_t offset = slot - block * p.block_size;
     UpdateTokenScalar<In, Out>(p, token, block, offset, lane);
   }
 }
