@@ -26,12 +26,12 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
                                     DType out_dtype, DType cache_dtype, cudaStream_t stream);
 
 // Which configuration of the prefill kernel runs (prefill_attention.cuh, PrefillVariant).
-// kAuto is the fast variant where it applies (1.6x the baseline's TFLOP/s on the H200,
+// kAuto is the fast variant where it applies (1.85x the baseline's TFLOP/s on the H200,
 // docs/benchmarks.md), else the baseline.
 enum class PrefillVariant {
   kAuto,      // kFast where PrefillFastVariantApplies, else kBaseline
-  kBaseline,  // 4 warps x 32 rows at head sizes <= 128; every supported call
-  kFast,      // 8 warps x 16 rows; 16-bit cache only, see PrefillFastVariantApplies
+  kBaseline,  // every supported call
+  kFast,      // compile-time masks and steps; 16-bit cache only, see PrefillFastVariantApplies
 };
 struct PrefillLaunchOptions {
   PrefillVariant variant = PrefillVariant::kAuto;

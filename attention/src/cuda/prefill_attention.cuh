@@ -13,9 +13,9 @@
 //           (num_m_tiles - 1 - m_tile): the heads of one tile run together, and the last
 //           tiles (the most keys under a causal mask) are scheduled first.
 //   block = kWarps warps; warp w owns packed rows [w * 16 * kRowBlocks, +16 * kRowBlocks).
-//           D <= 128: 4 warps x 32 rows (two m16 blocks share every K/V fragment);
-//           D == 256: 8 warps x 16 rows (the fp32 output accumulators need the registers);
-//           the fast variant (PrefillVariant, D 64 / 128, 16-bit cache): 8 warps x 16 rows.
+//           D <= 128: 4 warps x 32 rows (two m16 blocks share every K/V fragment), in both
+//           variants; D == 256: 8 warps x 16 rows (the fp32 output accumulators need the
+//           registers).
 //
 // Shared memory (16-bit rows of D elements, 16-byte chunks XOR-swizzled by row % 8 so that
 // ldmatrix and cp.async are free of bank conflicts):
@@ -81,10 +81,10 @@ struct PrefillOptions {
 // supported call; kPrefillFast runs only where PrefillFastApplies (16-bit cache with
 // 16-byte aligned rows, head_size == head_size_v == D, D 64 or 128) and drops the code for
 // everything else at compile time:
-//   - 8 warps x 16 rows per 128-row tile instead of 4 x 32: half the fp32 accumulators per
-//     thread (no spills under the 128-register cap that 2 CTAs/SM of 256 threads impose),
-//     twice the warps per SM to hide ldmatrix and exp2 latency; K/V fragments are shared
-//     through shared memory by all 8 warps.
+//   - the same 4 warps x 32 rows per 128-row tile as the baseline: each K/V fragment read
+//     from shared memory serves two m16 blocks. (8 warps x 16 rows, tried first, halves
+//     the registers but reads every fragment twice as often; shared memory then bounds it:
+//     L1 78% busy, 305 TFLOP/s on the H200 against 334 for 4 x 32.)
 //   - every k16 / d16 step and every 16-key block is a compile-time constant, so the
 //     fragment loads of a whole step are batched ahead of its mma chain (ldmatrix.x4)
 //     and tiles that need no mask run without any per-block branch; on diagonal and
@@ -97,8 +97,8 @@ struct PrefillTraits {
   static_assert(Variant == kPrefillBaseline || D <= 128, "the fast variant: D 64 or 128");
   static constexpr bool kFast = Variant == kPrefillFast;
   static constexpr int kHeadDim = D;
-  static constexpr int kWarps = D <= 128 && !kFast ? 4 : 8;
-  static constexpr int kRowBlocks = D <= 128 && !kFast ? 2 : 1;  // m16 row blocks per warp
+  static constexpr int kWarps = D <= 128 ? 4 : 8;
+  static constexpr int kRowBlocks = D <= 128 ? 2 : 1;  // m16 row blocks per warp
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockM = kWarps * 16 * kRowBlocks;
   static constexpr int kBlockN = 64;
@@ -537,9 +537,9 @@ KVSTREAM_CUDA_UNROLL
   const int dv_steps = (head_size_v + 15) / 16;  // d16 steps of P V that are not padding
   const int quad_col = 2 * (lane & 3);
   // K and V fragments loaded ahead of their mma chains, as registers permit: at D = 128 the
-  // two m16 blocks' accumulators (192 registers) leave no room (ptxas spills with batches
-  // of 2), at D = 64 and 256 batches of 4 fit without spills.
-  // The fast variant holds one m16 block, so batches of 4 fit at D = 128 too.
+  // two m16 blocks' accumulators (192 registers) leave no room in the baseline (ptxas
+  // spills with batches of 2); the fast variant's constant masks free enough for 2; at
+  // D = 64 and 256 batches of 4 fit without spills.
   constexpr int kKBatch = D == 128 ? (kFast ? 2 : 1) : 4;
   constexpr int kVBatch = D == 128 ? (kFast ? 2 : 1) : 4;
 
