@@ -338,7 +338,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
       absl::MutexLock lock(&mu_);
       auto s = send_.find(request_id);
       if (s != send_.end()) {
-        if (SendDone(s->second)) {
+        if (Forgettable(s->second)) {
           send_.erase(s);
         } else {
           s->second.engine_finished = true;
@@ -650,7 +650,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
     absl::MutexLock lock(&mu_);
     FinishedRequests f;
     for (auto it = send_.begin(); it != send_.end();) {
-      if (it->second.engine_finished && SendDone(it->second)) {
+      if (it->second.engine_finished && Forgettable(it->second)) {
         f.finished_sending.insert(it->first);
         it = send_.erase(it);
       } else {
@@ -997,12 +997,28 @@ class LayerwiseConnectorImpl final : public KvConnector {
           return;
         }
       } else if (auto* abort = std::get_if<AbortMsg>(&*msg)) {
-        absl::MutexLock lock(&mu_);
-        auto it = send_.find(abort->request_id);
-        if (it != send_.end() && HasDestination(it->second, link)) {
-          FailSend(it->second, absl::CancelledError(absl::StrCat(
-                                   "consumer aborted request ", abort->request_id, ": ",
-                                   abort->reason)));
+        bool in_flight = false;
+        {
+          absl::MutexLock lock(&mu_);
+          auto it = send_.find(abort->request_id);
+          if (it != send_.end() && HasDestination(it->second, link)) {
+            in_flight = true;  // CheckSends confirms once its transfers have ended
+            FailSend(it->second, absl::CancelledError(absl::StrCat(
+                                     "consumer aborted request ", abort->request_id, ": ",
+                                     abort->reason)));
+          }
+        }
+        if (!in_flight) {
+          // Finished and forgotten, or never handed over on this link: nothing of it can
+          // still land, so confirm at once (the consumer would otherwise close the link at
+          // its deadline, failing every other request on it).
+          AbortMsg confirm{abort->request_id, "no transfer of it is in flight"};
+          absl::Status sent = conn.Send(confirm, absl::Now() + absl::Seconds(1));
+          if (!sent.ok()) {
+            ConsumerLost(link, sent);
+            conn.Close();
+            return;
+          }
         }
       } else {
         Log(LogLevel::kWarning, absl::StrCat("consumer ", link->engine_id, " sent an unexpected ",
@@ -1179,6 +1195,12 @@ class LayerwiseConnectorImpl final : public KvConnector {
     return static_cast<int>(s.layers_posted.size()) == layer_count_;
   }
 
+  // Whether the producer may drop a request: its sends are done and, if it failed, its
+  // consumers have been told (CheckSends): a consumer that never hears it closes the link.
+  bool Forgettable(const SendRequest& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return SendDone(s) && (!s.failed || s.stop_notified);
+  }
+
   // Posts one layer of one request: K runs, then V runs with the notification.
   absl::Status PostLayer(const LayerEntry& layer, const KvCacheView& cv, size_t es,
                          const std::string& id, ConsumerLink& link,
@@ -1295,13 +1317,23 @@ class LayerwiseConnectorImpl final : public KvConnector {
       layer = &layers_[li->second];
     }
     absl::Status verdict = VerifyLayer(*layer, blocks, num_tokens, *notice);
+    if (!verdict.ok()) {
+      // A corrupt layer fails the request; the producer is told to stop (its confirmation
+      // lets the blocks go without waiting for the deadline that closes the whole link).
+      std::vector<std::pair<std::shared_ptr<ProducerLink>, AbortMsg>> aborts;
+      {
+        absl::MutexLock lock(&mu_);
+        auto r = recv_.find(notice->request_id);
+        if (r == recv_.end() || r->second.failed) return;
+        FailRecv(r->second, verdict);
+        QueueAbort(r->second, aborts);
+      }
+      SendAborts(aborts);
+      return;
+    }
     absl::MutexLock lock(&mu_);
     auto r = recv_.find(notice->request_id);
     if (r == recv_.end() || r->second.failed) return;
-    if (!verdict.ok()) {
-      FailRecv(r->second, verdict);
-      return;
-    }
     r->second.arrived[notice->layer] = 1;
     ++r->second.arrived_count;
     r->second.bytes += notice->bytes;

@@ -121,9 +121,21 @@ case "$scenario" in
     fi
     mport=$(sed -n 's|^metrics on http://0.0.0.0:\([0-9]*\)/metrics$|\1|p' "$work/prefill.out")
     [ -n "$mport" ] || fail "no metrics port printed"
-    exec 3<>"/dev/tcp/127.0.0.1/$mport" || fail "cannot connect to the metrics port"
-    printf 'GET /metrics HTTP/1.0\r\n\r\n' >&3
-    cat <&3 >"$work/metrics.txt"; exec 3<&-
+    # The producer counts a layer as sent when its transport reports the put complete, which
+    # can lag the consumer's arrival by a progress-loop pass: scrape until every peer's sent
+    # count is in (at most 5 s), then check everything on that scrape.
+    for try in $(seq 50); do
+      exec 3<>"/dev/tcp/127.0.0.1/$mport" || fail "cannot connect to the metrics port"
+      printf 'GET /metrics HTTP/1.0\r\n\r\n' >&3
+      cat <&3 >"$work/metrics.txt"; exec 3<&-
+      settled=1
+      for p in $peers; do
+        l="role=\"kv_producer\",engine=\"prefill-prefill0\",peer=\"${p%%:*}\""
+        grep -q "^kvstream_layers_transferred_total{$l,direction=\"sent\"} ${p##*:}$" "$work/metrics.txt" || settled=0
+      done
+      [ $settled -eq 1 ] && break
+      sleep 0.1
+    done
     cat "$work/metrics.txt"
     grep -q "^HTTP/1.0 200" "$work/metrics.txt" || fail "no 200 answer"
     # Every sample carries the producer's role and engine and the consumer it went to.

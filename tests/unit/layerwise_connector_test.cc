@@ -3,6 +3,7 @@
 #include "kvstream/connector/layerwise_connector.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -31,10 +32,11 @@ constexpr int kLayers = 3;
 std::string LayerName(int i) { return absl::StrCat("model.layers.", i, ".self_attn.attn"); }
 
 // Flips one byte of the source before a write is posted (after the connector computed its
-// checksum), to check that the consumer notices.
+// checksum), to check that the consumer notices: every write, or only the first `limit`.
 class CorruptingTransport : public Transport {
  public:
-  explicit CorruptingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
+  explicit CorruptingTransport(std::unique_ptr<Transport> inner, int limit = -1)
+      : inner_(std::move(inner)), left_(limit) {}
   absl::string_view name() const override { return inner_->name(); }
   TransportCapabilities capabilities() const override { return inner_->capabilities(); }
   absl::StatusOr<std::string> LocalInfo() override { return inner_->LocalInfo(); }
@@ -51,7 +53,8 @@ class CorruptingTransport : public Transport {
                                        const RemoteMemory& remote,
                                        absl::Span<const Segment> segments,
                                        absl::string_view notification) override {
-    if (!segments.empty() && !notification.empty()) {
+    if (!segments.empty() && !notification.empty() && left_.load() != 0) {
+      if (left_.load() > 0) --left_;
       static_cast<uint8_t*>(local.base())[segments[0].local_offset] ^= 0x5a;
     }
     return inner_->PostWrite(peer, local, remote, segments, notification);
@@ -70,6 +73,7 @@ class CorruptingTransport : public Transport {
 
  private:
   std::unique_ptr<Transport> inner_;
+  std::atomic<int> left_;  // writes still to corrupt; < 0: all
 };
 
 struct NodeOptions {
@@ -80,6 +84,7 @@ struct NodeOptions {
   int64_t load_timeout_ms = 5000;
   int64_t send_timeout_ms = 5000;
   bool corrupt = false;
+  int corrupt_writes = -1;  // with `corrupt`: only the first this many writes (< 0: all)
   // The layers this node has caches for (empty: all kLayers) and its pipeline settings.
   std::vector<int> layers;
   int pipeline_parallel_size = 1;
@@ -118,7 +123,7 @@ std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
   auto transport = fabric.CreateTransport(name);
   EXPECT_TRUE(transport.ok()) << transport.status();
   std::unique_ptr<Transport> t = std::move(transport).value();
-  if (o.corrupt) t = std::make_unique<CorruptingTransport>(std::move(t));
+  if (o.corrupt) t = std::make_unique<CorruptingTransport>(std::move(t), o.corrupt_writes);
   auto connector = CreateKvConnector(c, std::move(t));
   EXPECT_TRUE(connector.ok()) << connector.status();
   node->connector = std::move(connector).value();
@@ -465,6 +470,48 @@ TEST_P(LayerwiseConnectorTest, ChecksumMismatchIsDataLoss) {
   ASSERT_EQ(errors.size(), 1u);
   EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(errors[0].status.message(), HasSubstr("checksum"));
+}
+
+// A request whose KV arrives corrupt fails alone: the consumer tells the producer to stop
+// and the producer confirms (at once when it has already finished and forgotten the
+// request), so another request handed over on the same link still completes after the
+// consumer's confirmation deadline, instead of failing when that deadline closes the link.
+TEST_P(LayerwiseConnectorTest, CorruptRequestFailsAloneAndTheLinkSurvives) {
+  NodeOptions producer;
+  producer.corrupt = true;
+  producer.corrupt_writes = 1;  // the first request's first layer, nothing after
+  NodeOptions consumer;
+  consumer.send_timeout_ms = 300;  // how long the consumer waits for a confirmation
+  Start(producer, consumer);
+  ConsumerAdmit("bad", 5, {7, 8});
+  ConsumerAdmit("good", 5, {3, 4});
+  ConsumerStep({{"bad", 0, 5}, {"good", 0, 5}});
+  auto incoming = ProducerTake(2);
+  ASSERT_EQ(incoming.size(), 2u);
+  const KvRequest& bad = incoming[0].request_id == "bad" ? incoming[0] : incoming[1];
+  const KvRequest& good = incoming[0].request_id == "bad" ? incoming[1] : incoming[0];
+  ProducerPrefill(bad, {1, 2}, kLayers);
+  auto delay = p_->connector->RequestFinished("bad");
+  ASSERT_TRUE(delay.ok());
+  if (*delay) {
+    ASSERT_TRUE(PollFinished(*p_->connector, "bad", true).finished_sending.count("bad"));
+  }
+  auto errors = AwaitLoadErrors(*d_->connector);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].request_id, "bad");
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kDataLoss);
+
+  // Past the deadline by which the consumer needs the producer's confirmation.
+  absl::SleepFor(absl::Milliseconds(3 * consumer.send_timeout_ms));
+  ProducerPrefill(good, {5, 6}, kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l)).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], {5, 6}, *d_->caches[l], {3, 4}, 4)) << l;
+  }
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  d_->connector->ClearConnectorMetadata();
+  FinishedRequests f = PollFinished(*d_->connector, "good", false);
+  EXPECT_TRUE(f.finished_recving.count("good"));
 }
 
 TEST_P(LayerwiseConnectorTest, CompatibilityMismatchRejectedAtHandshake) {
