@@ -95,8 +95,9 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
   // DecodeMergeKernel on the host (it also applies the V scale).
   T* const out = static_cast<T*>(kp.out);
   for (int seq = 0; seq < kp.num_seqs; ++seq) {
-    const int q_row = kp.query_start_loc[seq];
-    if (kp.query_start_loc[seq + 1] - q_row <= 0) continue;
+    const internal::SequenceBounds bounds = internal::LoadSequenceBounds(kp, seq);
+    if (bounds.query_len <= 0) continue;
+    const int q_row = bounds.q_start;
     for (int h = 0; h < kp.num_heads; ++h) {
       const size_t first = (static_cast<size_t>(seq) * kp.num_heads + h) * num_splits;
       float big = -INFINITY;
@@ -133,8 +134,11 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
   return absl::OkStatus();
 }
 
-// The launcher's dispatch, with host memory standing in for device memory.
-absl::Status Emulate(const PagedAttentionParams& host, int num_splits, EmulationMode mode) {
+// The launcher's dispatch, with host memory standing in for device memory. `tamper`, when
+// given, changes the kernel params after validation (what the kernel reads as device
+// memory).
+absl::Status Emulate(const PagedAttentionParams& host, int num_splits, EmulationMode mode,
+                     const std::function<void(internal::PagedKernelParams&)>& tamper = {}) {
   PagedAttentionParams dev = host;
   dev.cache.memory = MemoryKind::kDevice;  // host pointers play the device's
   dev.host.query_start_loc = host.query_start_loc;
@@ -143,6 +147,7 @@ absl::Status Emulate(const PagedAttentionParams& host, int num_splits, Emulation
   dev.host.alibi_slopes = host.alibi_slopes;
   absl::StatusOr<internal::PagedKernelParams> kp = internal::MakePagedKernelParams(dev);
   if (!kp.ok()) return kp.status();
+  if (tamper) tamper(*kp);
   const DType cache = host.cache.spec.dtype;
   // The launcher's predicate must take every case here (host vectors are 16-byte aligned).
   std::string why;
@@ -256,6 +261,76 @@ INSTANTIATE_TEST_SUITE_P(
         EmuCase{"d64_f16_group20_two_head_tiles_four_splits", 64, 64, 1, 20, 16, kF16, kF16,
                 KvQuantMode::kNone, TestLayout::kHND, 0, true, 0, 4}),
     [](const auto& test_info) { return std::string(test_info.param.name); });
+
+// Device copies of query_start_loc / seq_lens that disagree with the validated host copies
+// (an engine bug): the sequence they make inconsistent is skipped (its rows keep their
+// bytes), nothing is written outside the output's rows, and the other sequences come out
+// right.
+TEST(CudaDecodeEmulationTest, InconsistentDeviceMetadataSkipsOnlyThatSequence) {
+  AttnCase c;
+  c.head_size = 64;
+  c.head_size_v = 64;
+  c.num_kv_heads = 2;
+  c.group = 4;
+  c.block_size = 16;
+  c.q_dtype = DType::kBFloat16;
+  c.out_dtype = DType::kBFloat16;
+  c.cache_dtype = DType::kBFloat16;
+  c.causal = true;
+  c.scale = 0.125f;
+  c.seqs = {{100, 1}, {37, 1}, {300, 1}};
+  c.seed = 3;
+  AttnProblem pb(c);
+  std::vector<uint8_t> ref_out = pb.NewOut();
+  ASSERT_TRUE(RunAttentionReference(pb.params(ref_out)).ok());
+  struct Corruption {
+    const char* what;
+    int skipped;  // the sequence it makes inconsistent
+    std::function<void(std::vector<int32_t>& qsl, std::vector<int32_t>& lens)> apply;
+  };
+  const std::vector<Corruption> corruptions = {
+      {"seq_len past every block of the table", 1,
+       [](auto&, auto& lens) { lens[1] = 1 << 20; }},
+      {"seq_len below the query length", 1, [](auto&, auto& lens) { lens[1] = 0; }},
+      {"query rows past num_tokens", 2, [](auto& qsl, auto&) { qsl[3] = 1 << 20; }},
+      {"negative first query row", 0, [](auto& qsl, auto&) { qsl[0] = -5; }},
+  };
+  for (const Corruption& k : corruptions) {
+    for (int num_splits : {1, 3}) {
+      SCOPED_TRACE(absl::StrCat(k.what, ", ", num_splits, " splits"));
+      std::vector<uint8_t> out = pb.NewOut();
+      PagedAttentionParams p = pb.params(out);
+      std::vector<int32_t> qsl(p.query_start_loc, p.query_start_loc + p.num_seqs + 1);
+      std::vector<int32_t> lens(p.seq_lens, p.seq_lens + p.num_seqs);
+      k.apply(qsl, lens);
+      const absl::Status st =
+          Emulate(p, num_splits, EmulationMode{false, false},
+                  [&](internal::PagedKernelParams& kp) {
+                    kp.query_start_loc = qsl.data();
+                    kp.seq_lens = lens.data();
+                  });
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_EQ(pb.CountStrayWrites(out), 0);
+      for (size_t s = 0; s < c.seqs.size(); ++s) {
+        const int64_t row = pb.query_start(s);
+        for (int h = 0; h < pb.num_heads(); ++h) {
+          for (int d = 0; d < c.head_size_v; ++d) {
+            const float got = pb.Out(out, row, h, d);
+            if (static_cast<int>(s) == k.skipped) {
+              const size_t byte =
+                  static_cast<size_t>((row * p.o_token_stride + h * p.o_head_stride + d) * 2);
+              ASSERT_EQ(out[byte], AttnProblem::kSentinel) << "seq " << s << " was written";
+            } else {
+              const float want = pb.Out(ref_out, row, h, d);
+              ASSERT_LE(std::fabs(want - got), 1.5e-2f + 1.5e-2f * std::fabs(want))
+                  << "seq " << s << " head " << h << " d " << d;
+            }
+          }
+        }
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace kvstream

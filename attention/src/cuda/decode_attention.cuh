@@ -39,6 +39,7 @@
 
 #include "cuda/cuda_common.cuh"
 #include "cuda/kernel_params.h"
+#include "cuda/sequence_bounds.cuh"
 
 namespace kvstream {
 namespace internal {
@@ -215,9 +216,10 @@ __global__ void __launch_bounds__(kThreads, kG * kChunks >= 8 ? 1 : 3)
   const int kv_head = static_cast<int>(blockIdx.x) / geo.head_tiles;
   const int head_tile = static_cast<int>(blockIdx.x) - kv_head * geo.head_tiles;
   const int split = static_cast<int>(blockIdx.z);
-  const int q_row = p.query_start_loc[seq];
-  if (p.query_start_loc[seq + 1] - q_row <= 0) return;  // no query: nothing to write
-  const int seq_len = p.seq_lens[seq];
+  const SequenceBounds bounds = LoadSequenceBounds(p, seq);
+  if (bounds.query_len <= 0) return;  // no query: nothing to write
+  const int q_row = bounds.q_start;
+  const int seq_len = bounds.seq_len;
   const int first_head = kv_head * geo.group_size + head_tile * kG;
   const int heads_here = min(kG, geo.group_size - head_tile * kG);
 
@@ -547,8 +549,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float inv_sum;
   const int seq = static_cast<int>(blockIdx.x);
   const int h = static_cast<int>(blockIdx.y);
-  const int q_row = p.query_start_loc[seq];
-  if (p.query_start_loc[seq + 1] - q_row <= 0) return;
+  const SequenceBounds bounds = LoadSequenceBounds(p, seq);
+  if (bounds.query_len <= 0) return;  // as the split kernel: nothing was written for it
+  const int q_row = bounds.q_start;
   const int S = geo.num_splits;
   const int64_t first_slot = (static_cast<int64_t>(seq) * p.num_heads + h) * S;
   if (threadIdx.x == 0) {

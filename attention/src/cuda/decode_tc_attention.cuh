@@ -53,6 +53,7 @@
 
 #include "cuda/kernel_params.h"
 #include "cuda/mma_ptx.cuh"
+#include "cuda/sequence_bounds.cuh"
 
 namespace kvstream {
 namespace internal {
@@ -167,9 +168,10 @@ __global__ void __launch_bounds__(DecodeTcTraits<D>::kThreads,
   const int kv_head = static_cast<int>(blockIdx.x) / a.head_tiles;
   const int head_tile = static_cast<int>(blockIdx.x) - kv_head * a.head_tiles;
   const int split = static_cast<int>(blockIdx.z);
-  const int q_row = p.query_start_loc[seq];
-  if (p.query_start_loc[seq + 1] - q_row <= 0) return;  // no query: nothing to write
-  const int seq_len = p.seq_lens[seq];
+  const SequenceBounds bounds = LoadSequenceBounds(p, seq);
+  if (bounds.query_len <= 0) return;  // no query: nothing to write
+  const int q_row = bounds.q_start;
+  const int seq_len = bounds.seq_len;
   const int first_head = kv_head * a.group_size + head_tile * kRows;
   const int heads_here = min(kRows, a.group_size - head_tile * kRows);
   const bool fp8 = a.cache_kind != kCache16;

@@ -46,6 +46,7 @@ absl::StatusOr<PagedKernelParams> MakePagedKernelParams(const PagedAttentionPara
   p.seq_lens = params.seq_lens;
   p.block_table = params.block_table;
   p.block_table_stride = params.block_table_stride;
+  p.num_tokens = params.num_tokens;
   p.num_seqs = params.num_seqs;
   p.max_query_len = params.max_query_len;
   p.max_seq_len = params.max_seq_len;

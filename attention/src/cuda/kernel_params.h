@@ -43,6 +43,7 @@ struct PagedKernelParams {
   const int32_t* seq_lens;
   const int32_t* block_table;
   int64_t block_table_stride;
+  int64_t num_tokens;  // rows of q and out
   int32_t num_seqs;
   int32_t max_query_len;
   int32_t max_seq_len;

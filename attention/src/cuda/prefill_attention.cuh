@@ -52,6 +52,7 @@
 #include "cuda/cuda_common.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/mma_ptx.cuh"
+#include "cuda/sequence_bounds.cuh"
 #include "kvstream/common/dtype.h"
 
 namespace kvstream {
@@ -270,12 +271,13 @@ __global__ void __launch_bounds__(PrefillTraits<D, Variant>::kThreads,
   const int m_tile = opt.num_m_tiles - 1 - static_cast<int>(blockIdx.x) / num_kv_heads;
   const int seq = static_cast<int>(blockIdx.y);
   const int group = p.num_heads / num_kv_heads;
-  const int q_start = p.query_start_loc[seq];
-  const int query_len = p.query_start_loc[seq + 1] - q_start;
+  const SequenceBounds bounds = LoadSequenceBounds(p, seq);
+  const int q_start = bounds.q_start;
+  const int query_len = bounds.query_len;
   const int rows_total = query_len * group;
   const int row0 = m_tile * kBlockM;
   if (row0 >= rows_total) return;
-  const int seq_len = p.seq_lens[seq];
+  const int seq_len = bounds.seq_len;
   const int context = seq_len - query_len;
   const int last_row = min(rows_total, row0 + kBlockM) - 1;
   const int kv_lo = VisibleLo(p, context + row0 / group);
