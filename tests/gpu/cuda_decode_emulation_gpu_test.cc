@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -262,24 +263,32 @@ INSTANTIATE_TEST_SUITE_P(
                 KvQuantMode::kNone, TestLayout::kHND, 0, true, 0, 4}),
     [](const auto& test_info) { return std::string(test_info.param.name); });
 
-// Device copies of query_start_loc / seq_lens that disagree with the validated host copies
-// (an engine bug): the sequence they make inconsistent is skipped (its rows keep their
-// bytes), nothing is written outside the output's rows, and the other sequences come out
-// right.
-TEST(CudaDecodeEmulationTest, InconsistentDeviceMetadataSkipsOnlyThatSequence) {
+// A causal bf16 decode case of head size d (K and V), kv_heads KV heads of `group` query
+// heads each, block size 16.
+AttnCase Bf16DecodeCase(int d, int kv_heads, int group, float scale,
+                        std::vector<SeqSpec> seqs, uint32_t seed) {
   AttnCase c;
-  c.head_size = 64;
-  c.head_size_v = 64;
-  c.num_kv_heads = 2;
-  c.group = 4;
+  c.head_size = d;
+  c.head_size_v = d;
+  c.num_kv_heads = kv_heads;
+  c.group = group;
   c.block_size = 16;
   c.q_dtype = DType::kBFloat16;
   c.out_dtype = DType::kBFloat16;
   c.cache_dtype = DType::kBFloat16;
   c.causal = true;
-  c.scale = 0.125f;
-  c.seqs = {{100, 1}, {37, 1}, {300, 1}};
-  c.seed = 3;
+  c.scale = scale;
+  c.seqs = std::move(seqs);
+  c.seed = seed;
+  return c;
+}
+
+// Device copies of query_start_loc / seq_lens that disagree with the validated host copies
+// (an engine bug): the sequence they make inconsistent is skipped (its rows keep their
+// bytes), nothing is written outside the output's rows, and the other sequences come out
+// right.
+TEST(CudaDecodeEmulationTest, InconsistentDeviceMetadataSkipsOnlyThatSequence) {
+  const AttnCase c = Bf16DecodeCase(64, 2, 4, 0.125f, {{100, 1}, {37, 1}, {300, 1}}, 3);
   AttnProblem pb(c);
   std::vector<uint8_t> ref_out = pb.NewOut();
   ASSERT_TRUE(RunAttentionReference(pb.params(ref_out)).ok());
@@ -340,20 +349,7 @@ namespace {
 // One sequence of the decode benchmark's shape (4096 keys, 32/8 heads, d128, bf16, block
 // size 16) with the two splits the launcher picks for 64 such sequences on an H200.
 TEST(CudaDecodeEmulationLongTest, BenchShapeOneSequence) {
-  AttnCase c;
-  c.head_size = 128;
-  c.head_size_v = 128;
-  c.num_kv_heads = 8;
-  c.group = 4;
-  c.block_size = 16;
-  c.q_dtype = DType::kBFloat16;
-  c.out_dtype = DType::kBFloat16;
-  c.cache_dtype = DType::kBFloat16;
-  c.causal = true;
-  c.scale = 0.0883883f;
-  c.seqs = {{4095, 1}};
-  c.seed = 5;
-  AttnProblem pb(c);
+  AttnProblem pb(Bf16DecodeCase(128, 8, 4, 0.0883883f, {{4095, 1}}, 5));
   ExpectEmulationMatchesReference(pb, 2, EmulationMode{false, false});
 }
 }  // namespace
