@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Profiles the CUDA attention and cache-update kernels with Nsight Compute on a GPU host, one
+# launch each at the benchmark shapes, and leaves the reports (text) in OUT_DIR.
+#
+#   bench/gpu/profile_kernels.sh BUILD_DIR OUT_DIR
+#
+# BUILD_DIR is a build with -DKVSTREAM_CUDA=ON (bench/gpu/run_on_gpu_host.sh makes one).
+# The benchmark holds its stream behind a host-released kernel while it enqueues; under a
+# profiler that replays kernels that kernel would wait for its timeout at every batch, so
+# KVSTREAM_BENCH_NO_HOLD=1 leaves it out (the benchmark's own timings are then meaningless).
+set -u -o pipefail
+build=${1:?usage: profile_kernels.sh BUILD_DIR OUT_DIR}
+out=${2:?usage: profile_kernels.sh BUILD_DIR OUT_DIR}
+mkdir -p "$out"
+bench="$build/bench/kvstream_bench_cuda_kernels"
+[ -x "$bench" ] || { echo "no $bench: build with -DKVSTREAM_CUDA=ON first" >&2; exit 1; }
+ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+[ -x "$ncu" ] || { echo "Nsight Compute (ncu) not found" >&2; exit 1; }
+status=0
+# name  benchmark filter  kernel-name regex
+while read -r name filter kernel; do
+  KVSTREAM_BENCH_NO_HOLD=1 timeout 120 "$ncu" --kernel-name "regex:$kernel" --launch-skip 2 \
+    --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section LaunchStats --section ComputeWorkloadAnalysis \
+    --section InstructionStats --section SchedulerStats \
+    "$bench" --benchmark_filter="$filter" > "$out/ncu_$name.txt" 2>&1 || status=1
+  echo "$name: $(grep -E '^ +Duration' "$out/ncu_$name.txt" | head -1 | tr -s ' ')"
+done <<'LIST'
+decode_tc Decode/seqs:64/seq_len:4096/kernel:1/splits:0 DecodeTc
+decode_cuda_cores Decode/seqs:64/seq_len:4096/kernel:0/splits:0 DecodeSplit
+prefill_fast Prefill/tokens:8192/fast:1 PrefillAttention
+cache_update_bf16 CacheUpdate/tokens:65536/fp8:0/division:0 CacheUpdate
+cache_update_fp8 CacheUpdate/tokens:65536/fp8:1/division:0 CacheUpdate
+LIST
+exit $status
