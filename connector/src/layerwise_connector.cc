@@ -1073,39 +1073,9 @@ class LayerwiseConnectorImpl final : public KvConnector {
 
   absl::Status AcceptRequest(const RequestMsg& req, const std::shared_ptr<ConsumerLink>& link) {
     if (req.request_id.empty()) return absl::InvalidArgumentError("empty request id");
-    if (req.num_tokens == 0 || req.num_tokens > req.prompt_token_ids.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("request ", req.request_id, " asks for ",
-                                                     req.num_tokens, " tokens of a ",
-                                                     req.prompt_token_ids.size(),
-                                                     "-token prompt"));
-    }
     absl::MutexLock lock(&mu_);
-    const int64_t need = (static_cast<int64_t>(req.num_tokens) + block_size_ - 1) / block_size_;
-    if (static_cast<int64_t>(req.dest_block_ids.size()) < need) {
-      return absl::InvalidArgumentError(absl::StrCat("request ", req.request_id, ": ",
-                                                     req.dest_block_ids.size(),
-                                                     " destination blocks for ", req.num_tokens,
-                                                     " tokens of block size ", block_size_));
-    }
-    for (int64_t i = 0; i < need; ++i) {
-      const int32_t b = req.dest_block_ids[i];
-      if (b < 0 || b >= link->remote_num_blocks) {
-        return absl::OutOfRangeError(absl::StrCat("request ", req.request_id,
-                                                  ": destination block ", b, " outside [0, ",
-                                                  link->remote_num_blocks, ")"));
-      }
-    }
     auto existing = send_.find(req.request_id);
-    if (existing == send_.end()) {
-      SendRequest s;
-      s.id = req.request_id;
-      s.prompt = req.prompt_token_ids;
-      s.num_tokens = static_cast<int32_t>(req.num_tokens);
-      // The other stages of a pipeline hand the request over independently; wait for them
-      // no longer than a send may take.
-      s.gather_deadline = absl::Now() + absl::Milliseconds(config_.kvstream.send_timeout_ms);
-      existing = send_.emplace(s.id, std::move(s)).first;
-    } else {
+    if (existing != send_.end()) {
       SendRequest& s = existing->second;
       for (const SendDestination& d : s.dests) {
         if (d.link == link) {
@@ -1122,23 +1092,40 @@ class LayerwiseConnectorImpl final : public KvConnector {
             "request ", req.request_id, " already handed over by ", DestinationNames(s),
             ", which receive all its layers"));
       }
-      if (s.prompt != req.prompt_token_ids ||
-          s.num_tokens != static_cast<int32_t>(req.num_tokens)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "request ", req.request_id, " handed over by ", link->engine_id,
-            " has another prompt or token count than the same request handed over by ",
-            DestinationNames(s)));
+    }
+    const bool pipeline_stage = link->layers.size() < layer_set_.size();
+    auto rejected = rejected_stages_.find(req.request_id);
+    if (rejected != rejected_stages_.end() && pipeline_stage) {
+      return absl::AbortedError(absl::StrCat("request ", req.request_id,
+                                             ": the hand-off from another pipeline stage was "
+                                             "rejected: ",
+                                             rejected->second.why));
+    }
+    absl::Status verdict =
+        CheckHandOff(req, *link, existing == send_.end() ? nullptr : &existing->second);
+    if (!verdict.ok()) {
+      // The other stages of a pipeline must not wait for the gather deadline: the request
+      // fails for those already here, and is refused to those still to come.
+      if (existing != send_.end()) {
+        FailSend(existing->second,
+                 absl::AbortedError(absl::StrCat("the hand-off from ", link->engine_id,
+                                                 " was rejected: ", verdict.message())));
+      } else if (pipeline_stage) {
+        rejected_stages_[req.request_id] = RejectedStage{
+            absl::StrCat(link->engine_id, ": ", verdict.message()),
+            absl::Now() + absl::Milliseconds(config_.kvstream.send_timeout_ms)};
       }
-      for (int32_t l : link->layers) {
-        auto owner = s.route.find(l);
-        if (owner != s.route.end()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "request ", req.request_id, ": consumer ", link->engine_id, " asks for layers ",
-              FormatLayerSet(link->layers), " but layer ", l, " already goes to consumer ",
-              s.dests[owner->second].link->engine_id,
-              " (the pipeline stages' layer ranges overlap)"));
-        }
-      }
+      return verdict;
+    }
+    if (existing == send_.end()) {
+      SendRequest s;
+      s.id = req.request_id;
+      s.prompt = req.prompt_token_ids;
+      s.num_tokens = static_cast<int32_t>(req.num_tokens);
+      // The other stages of a pipeline hand the request over independently; wait for them
+      // no longer than a send may take.
+      s.gather_deadline = absl::Now() + absl::Milliseconds(config_.kvstream.send_timeout_ms);
+      existing = send_.emplace(s.id, std::move(s)).first;
     }
     SendRequest& s = existing->second;
     s.dests.push_back({link, req.dest_block_ids});
@@ -1149,6 +1136,53 @@ class LayerwiseConnectorImpl final : public KvConnector {
       incoming.request_id = req.request_id;
       incoming.prompt_token_ids = req.prompt_token_ids;
       incoming_.push_back(std::move(incoming));
+    }
+    return absl::OkStatus();
+  }
+
+  // What a consumer's hand-off must satisfy: enough destination blocks, all inside its
+  // cache, and, where another stage handed the request over already (`other`), the same
+  // prompt and layers that no other stage owns.
+  absl::Status CheckHandOff(const RequestMsg& req, const ConsumerLink& link,
+                            const SendRequest* other) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (req.num_tokens == 0 || req.num_tokens > req.prompt_token_ids.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("request ", req.request_id, " asks for ",
+                                                     req.num_tokens, " tokens of a ",
+                                                     req.prompt_token_ids.size(),
+                                                     "-token prompt"));
+    }
+    const int64_t need = (static_cast<int64_t>(req.num_tokens) + block_size_ - 1) / block_size_;
+    if (static_cast<int64_t>(req.dest_block_ids.size()) < need) {
+      return absl::InvalidArgumentError(absl::StrCat("request ", req.request_id, ": ",
+                                                     req.dest_block_ids.size(),
+                                                     " destination blocks for ", req.num_tokens,
+                                                     " tokens of block size ", block_size_));
+    }
+    for (int64_t i = 0; i < need; ++i) {
+      const int32_t b = req.dest_block_ids[i];
+      if (b < 0 || b >= link.remote_num_blocks) {
+        return absl::OutOfRangeError(absl::StrCat("request ", req.request_id,
+                                                  ": destination block ", b, " outside [0, ",
+                                                  link.remote_num_blocks, ")"));
+      }
+    }
+    if (other == nullptr) return absl::OkStatus();
+    if (other->prompt != req.prompt_token_ids ||
+        other->num_tokens != static_cast<int32_t>(req.num_tokens)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ", req.request_id, " handed over by ", link.engine_id,
+          " has another prompt or token count than the same request handed over by ",
+          DestinationNames(*other)));
+    }
+    for (int32_t l : link.layers) {
+      auto owner = other->route.find(l);
+      if (owner != other->route.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "request ", req.request_id, ": consumer ", link.engine_id, " asks for layers ",
+            FormatLayerSet(link.layers), " but layer ", l, " already goes to consumer ",
+            other->dests[owner->second].link->engine_id,
+            " (the pipeline stages' layer ranges overlap)"));
+      }
     }
     return absl::OkStatus();
   }
@@ -1477,6 +1511,9 @@ class LayerwiseConnectorImpl final : public KvConnector {
           ++si;
         }
       }
+      for (auto it = rejected_stages_.begin(); it != rejected_stages_.end();) {
+        it = now > it->second.until ? rejected_stages_.erase(it) : std::next(it);
+      }
       for (auto it = orphans_.begin(); it != orphans_.end();) {
         auto state = transport_->Test(*it);
         if (state.ok() && *state == TransferState::kInProgress) {
@@ -1575,6 +1612,13 @@ class LayerwiseConnectorImpl final : public KvConnector {
   std::vector<KvConnectorMetadata::Load> pending_loads_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, RecvRequest> recv_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, SendRequest> send_ ABSL_GUARDED_BY(mu_);
+  // Requests a pipeline stage's hand-off was rejected for before any other stage handed
+  // them over: the other stages' hand-offs are refused until `until` (then forgotten).
+  struct RejectedStage {
+    std::string why;
+    absl::Time until;
+  };
+  std::map<std::string, RejectedStage> rejected_stages_ ABSL_GUARDED_BY(mu_);
   std::vector<TransferId> orphans_ ABSL_GUARDED_BY(mu_);
   // V transfer -> (layer bytes, post time ns)
   struct LayerSend {

@@ -645,6 +645,48 @@ TEST_P(LayerwiseConnectorTest, MissingPipelineStageFailsTheRequest) {
   EXPECT_EQ(peers[0].stats.load_errors, 1u);
 }
 
+// One stage's hand-off is rejected (a destination block outside its cache): the other stage
+// learns at once that the request failed, whichever stage handed it over first, instead of
+// at the producer's gather deadline (a minute here: AwaitLoadErrors gives up after 10 s).
+TEST_P(LayerwiseConnectorTest, RejectedStageFailsTheRequestForTheOtherStage) {
+  for (const bool bad_stage_first : {false, true}) {
+    SCOPED_TRACE(bad_stage_first ? "rejected stage first" : "rejected stage second");
+    NodeOptions producer;
+    producer.send_timeout_ms = 60000;
+    Start(producer, Stage(0, "0,1-2", {0}));
+    NodeOptions stage1 = Stage(1, "0,1-2", {1, 2});
+    stage1.layout = GetParam();
+    auto d1 = MakeNode(fabric_, "d1", stage1);
+    auto good_stage = [&] {
+      AdmitOn(*d_, "req", 9, {1, 2, 3});
+      StepOn(*d_, {{"req", 0, 9}});
+    };
+    auto bad_stage = [&] {
+      AdmitOn(*d1, "req", 9, {1, 999, 3});
+      StepOn(*d1, {{"req", 0, 9}});
+      std::vector<LoadError> own = AwaitLoadErrors(*d1->connector);
+      ASSERT_EQ(own.size(), 1u);
+      EXPECT_EQ(own[0].status.code(), absl::StatusCode::kOutOfRange);
+    };
+    if (bad_stage_first) {
+      bad_stage();
+      good_stage();
+    } else {
+      good_stage();
+      bad_stage();
+    }
+    std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].request_id, "req");
+    EXPECT_THAT(errors[0].status.message(), HasSubstr("999"));
+    EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+    EXPECT_TRUE(PollFinished(*d_->connector, "req", false).finished_recving.count("req"));
+    d1.reset();  // the next round starts its nodes afresh
+    d_.reset();
+    p_.reset();
+  }
+}
+
 TEST_P(LayerwiseConnectorTest, OverlappingPipelineStagesRejected) {
   NodeOptions producer;
   producer.send_timeout_ms = 300;
@@ -657,19 +699,21 @@ TEST_P(LayerwiseConnectorTest, OverlappingPipelineStagesRejected) {
   StepOn(*d_, {{"req", 0, 9}});
   AdmitOn(*d1, "req", 9, {4, 5, 6});
   StepOn(*d1, {{"req", 0, 9}});
-  // Whichever hand-off reaches the producer second is refused; the first then misses a
-  // layer and fails at the deadline.
+  // Whichever hand-off reaches the producer second is refused, and the request fails for
+  // the first stage too, naming the refusal.
   std::vector<LoadError> e0 = AwaitLoadErrors(*d_->connector);
   std::vector<LoadError> e1 = AwaitLoadErrors(*d1->connector);
   ASSERT_EQ(e0.size(), 1u);
   ASSERT_EQ(e1.size(), 1u);
   const LoadError& refused =
       e0[0].status.code() == absl::StatusCode::kInvalidArgument ? e0[0] : e1[0];
-  const LoadError& starved =
+  const LoadError& stopped =
       e0[0].status.code() == absl::StatusCode::kInvalidArgument ? e1[0] : e0[0];
   EXPECT_EQ(refused.status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.status.message(), HasSubstr("layer ranges overlap"));
-  EXPECT_THAT(starved.status.message(), HasSubstr("no consumer asked for layers"));
+  EXPECT_EQ(stopped.status.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(stopped.status.message(), HasSubstr("was rejected"));
+  EXPECT_THAT(stopped.status.message(), HasSubstr("layer ranges overlap"));
   EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
 }
 
