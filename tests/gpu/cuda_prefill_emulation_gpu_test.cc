@@ -250,7 +250,7 @@ INSTANTIATE_TEST_SUITE_P(
         EmuCase{"long_d256_f16_e5m2_perhead_bidir", 256, 256, 2, 1, 16, kF16,
                 DType::kFloat8E5M2, KvQuantMode::kPerHead, TestLayout::kNHD, false, 0, false, 0,
                 true, true},
-        // The fast variant (8 warps x 16 rows, unmasked blocks computed and masked).
+        // The fast variant (compile-time steps; unmasked blocks computed and masked).
         EmuCase{"fast_d128_bf16_gqa4_causal", 128, 128, 2, 4, 16, kBf16, kBf16,
                 KvQuantMode::kNone, TestLayout::kNHD, true, 0, false, 0, true, false, true},
         EmuCase{"fast_d128_f16_gqa4_window_alibi_cap_bs5", 128, 128, 1, 4, 5, kF16, kF16,
