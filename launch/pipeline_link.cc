@@ -225,6 +225,15 @@ absl::Status Publish(const std::string& path, const std::string& address) {
   return absl::OkStatus();
 }
 
+// Removes the rendezvous file at `path` if it still holds `address` (what this stage wrote):
+// once the previous stage is connected nobody needs it, and a stale file would point a later
+// job at a dead port until its own stage overwrites it.
+void Unpublish(const std::string& path, const std::string& address) {
+  std::ifstream f(path);
+  std::string line;
+  if (f && std::getline(f, line) && line == address) std::remove(path.c_str());
+}
+
 // Reads the next stage's address from its rendezvous file and connects, retrying until the
 // deadline (the file may not exist yet).
 absl::StatusOr<Fd> ConnectNext(const std::string& path, absl::Time deadline) {
@@ -541,11 +550,13 @@ absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOp
   }
   const absl::Time deadline = absl::Now() + o.timeout;
   Fd listener, prev, next;
+  const std::string published_path = absl::StrCat(o.rendezvous, ".pp", o.stage);
+  std::string published;
   if (o.stage > 0) {
     int port = 0;
     ASSIGN_OR_RETURN(listener, Listen(o.listen_host, port));
-    RETURN_IF_ERROR(Publish(absl::StrCat(o.rendezvous, ".pp", o.stage),
-                            DialableAddress(absl::StrCat(o.listen_host, ":", port))));
+    published = DialableAddress(absl::StrCat(o.listen_host, ":", port));
+    RETURN_IF_ERROR(Publish(published_path, published));
   }
   if (o.stage + 1 < o.num_stages) {
     ASSIGN_OR_RETURN(next, ConnectNext(absl::StrCat(o.rendezvous, ".pp", o.stage + 1), deadline));
@@ -565,6 +576,7 @@ absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOp
     size_t sent = 0;
     RETURN_IF_ERROR(SendAll(prev.get(), EncodeHello(o.stage, o.num_stages), deadline,
                             "pipeline stage hello", &sent));
+    Unpublish(published_path, published);
   }
   return std::unique_ptr<StageChannel>(
       new TcpStageChannel(o.stage, o.num_stages, o.max_frame_bytes, std::move(prev),

@@ -423,6 +423,10 @@ TEST_F(StageLinkTest, ThreeStagesPassMessagesBothWays) {
   }
   for (std::thread& t : threads) t.join();
   for (int s = 0; s < 3; ++s) ASSERT_TRUE(ch[s].ok()) << s << ": " << ch[s].status();
+  // Connected stages leave no rendezvous file behind for a later job to misread.
+  for (const char* suffix : {".pp1", ".pp2"}) {
+    EXPECT_NE(access((Prefix() + suffix).c_str(), F_OK), 0) << suffix << " is still there";
+  }
   EXPECT_EQ((*ch[1])->stage(), 1);
   EXPECT_EQ((*ch[1])->num_stages(), 3);
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
