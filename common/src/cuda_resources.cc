@@ -2,6 +2,8 @@
 // runtime API. Compiled by the host compiler; only in builds with CUDA.
 #include "kvstream/common/cuda_resources.h"
 
+#include <cuda.h>  // types only: the driver entry point is looked up at run time
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,22 +19,25 @@
 namespace kvstream {
 namespace {
 
-// Restores the calling thread's current device when it goes out of scope.
-class DeviceGuard {
- public:
-  DeviceGuard() { had_device_ = cudaGetDevice(&previous_) == cudaSuccess; }
-  ~DeviceGuard() {
-    if (had_device_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-  bool ok() const { return had_device_; }
-  int previous() const { return previous_; }
-
- private:
-  int previous_ = 0;
-  bool had_device_ = false;
-};
+// Whether the calling thread has a current CUDA context, i.e. has used a device: the
+// driver's cuCtxGetCurrent, found through the runtime so that nothing links libcuda. True
+// when that cannot be told (the caller then restores the device as before).
+bool ThreadHasCudaContext() {
+  static const PFN_cuCtxGetCurrent_v4000 get_current = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 4000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<PFN_cuCtxGetCurrent_v4000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(fn);
+  }();
+  if (get_current == nullptr) return true;
+  CUcontext context = nullptr;
+  return get_current(&context) != CUDA_SUCCESS || context != nullptr;
+}
 
 // `e` as a Status naming `operation`. A failure also clears the runtime's last-error slot
 // (which the failed call set), so that it does not surface again in an unrelated later
@@ -71,10 +76,27 @@ absl::Status PollUntilDone(Query query, absl::Duration timeout, absl::string_vie
 
 }  // namespace
 
+// ---- CudaDeviceScope ----
+
+CudaDeviceScope::CudaDeviceScope(int device) {
+  if (device == kCurrentCudaDevice) return;
+  int current = 0;
+  const bool known = cudaGetDevice(&current) == cudaSuccess;
+  if (!known) cudaGetLastError();
+  if (known && current == device) return;
+  const bool had_context = known && ThreadHasCudaContext();
+  status_ = QueryError(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
+  previous_ = current;
+  restore_ = status_.ok() && had_context;
+}
+
+CudaDeviceScope::~CudaDeviceScope() {
+  if (restore_) cudaSetDevice(previous_);
+}
+
 // ---- CudaStream ----
 
 absl::StatusOr<CudaStream> CudaStream::Create(int device) {
-  DeviceGuard guard;
   if (device != kCurrentCudaDevice) {
     int count = 0;
     RETURN_IF_ERROR(QueryError(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
@@ -83,8 +105,10 @@ absl::StatusOr<CudaStream> CudaStream::Create(int device) {
           absl::StrCat("CudaStream::Create: device ", device, " out of range (", count,
                        " CUDA devices)"));
     }
-    RETURN_IF_ERROR(QueryError(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")")));
-  } else {
+  }
+  CudaDeviceScope scope(device);
+  RETURN_IF_ERROR(scope.status());
+  if (device == kCurrentCudaDevice) {
     RETURN_IF_ERROR(QueryError(cudaGetDevice(&device), "cudaGetDevice"));
   }
   cudaStream_t stream = nullptr;

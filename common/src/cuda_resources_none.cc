@@ -16,6 +16,9 @@ absl::Status NoCuda(absl::string_view what) {
 
 }  // namespace
 
+CudaDeviceScope::CudaDeviceScope(int /*device*/) : status_(NoCuda("CudaDeviceScope")) {}
+CudaDeviceScope::~CudaDeviceScope() = default;
+
 absl::StatusOr<CudaStream> CudaStream::Create(int /*device*/) {
   return NoCuda("CudaStream::Create");
 }

@@ -11,9 +11,11 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
+#include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -86,6 +88,39 @@ class CudaBackendTest : public ::testing::Test {
 
 // ---------------------------------------------------------------------------------------
 // Creation and the registry.
+
+// CudaDeviceScope (cuda_resources.h) on two GPUs: a thread that had used a device gets it
+// back; a thread that had not used CUDA stays on the scope's device instead of being
+// switched to device 0 (which would create a context there).
+TEST(CudaDeviceScopeTest, RestoresOnlyADeviceTheThreadHadUsed) {
+  if (GpuCount() < 2) GTEST_SKIP() << "needs two GPUs, found " << GpuCount();
+  const int other = GpuCount() - 1;
+  int after_used = -1;
+  int after_fresh = -1;
+  std::thread used([&] {
+    cudaSetDevice(0);
+    cudaFree(nullptr);  // the thread now has device 0's context current
+    {
+      CudaDeviceScope scope(other);
+      EXPECT_TRUE(scope.status().ok()) << scope.status();
+      int inside = -1;
+      cudaGetDevice(&inside);
+      EXPECT_EQ(inside, other);
+    }
+    cudaGetDevice(&after_used);
+  });
+  used.join();
+  std::thread fresh([&] {
+    {
+      CudaDeviceScope scope(other);
+      EXPECT_TRUE(scope.status().ok()) << scope.status();
+    }
+    cudaGetDevice(&after_fresh);
+  });
+  fresh.join();
+  EXPECT_EQ(after_used, 0);
+  EXPECT_EQ(after_fresh, other);
+}
 
 TEST_F(CudaBackendTest, CreatedByNameAndOptions) {
   EXPECT_EQ(backend_->name(), "cuda");

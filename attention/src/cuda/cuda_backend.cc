@@ -20,29 +20,6 @@
 namespace kvstream {
 namespace {
 
-// Makes `device` current for the scope and restores the caller's device after, so that the
-// backend works whatever device the calling thread has selected.
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int device) {
-    restore_ = cudaGetDevice(&previous_) == cudaSuccess && previous_ != device;
-    status_ = CudaErrorToStatus(static_cast<int>(cudaSetDevice(device)),
-                                absl::StrCat("cudaSetDevice(", device, ")"));
-    if (!status_.ok()) cudaGetLastError();
-  }
-  ~ScopedDevice() {
-    if (restore_) cudaSetDevice(previous_);
-  }
-  ScopedDevice(const ScopedDevice&) = delete;
-  ScopedDevice& operator=(const ScopedDevice&) = delete;
-  const absl::Status& status() const { return status_; }
-
- private:
-  int previous_ = 0;
-  bool restore_ = false;
-  absl::Status status_;
-};
-
 class CudaBackend final : public CudaAttentionBackend {
  public:
   CudaBackend(int device, int num_sms, CudaStream owned_stream, void* stream, CudaEvent done)
@@ -55,7 +32,7 @@ class CudaBackend final : public CudaAttentionBackend {
   ~CudaBackend() override {
     // The workspace is freed in stream order on stream_, which must still exist: release
     // it before an owned stream goes.
-    ScopedDevice scope(device_);
+    CudaDeviceScope scope(device_);
     workspace_ = DeviceBuffer();
   }
 
@@ -65,14 +42,14 @@ class CudaBackend final : public CudaAttentionBackend {
   int device() const override { return device_; }
 
   absl::Status UpdateCache(const CacheUpdateParams& params) override {
-    ScopedDevice scope(device_);
+    CudaDeviceScope scope(device_);
     RETURN_IF_ERROR(scope.status());
     return CacheUpdateCuda(params, stream_);
   }
 
   absl::Status Forward(const PagedAttentionParams& params) override {
     ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(params));
-    ScopedDevice scope(device_);
+    CudaDeviceScope scope(device_);
     RETURN_IF_ERROR(scope.status());
     const cudaStream_t stream = static_cast<cudaStream_t>(stream_);
     const DType cache_dtype = params.cache.spec.dtype;
@@ -95,7 +72,7 @@ class CudaBackend final : public CudaAttentionBackend {
   }
 
   absl::Status Synchronize(absl::Duration timeout) override {
-    ScopedDevice scope(device_);
+    CudaDeviceScope scope(device_);
     RETURN_IF_ERROR(scope.status());
     RETURN_IF_ERROR(done_.Record(stream_));
     return done_.Synchronize(timeout);
@@ -125,7 +102,7 @@ absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateCudaAttentionBackend(
                                                    options.device, " out of range (", count,
                                                    " CUDA devices)"));
   }
-  ScopedDevice scope(options.device);
+  CudaDeviceScope scope(options.device);
   RETURN_IF_ERROR(scope.status());
   int num_sms = 0;
   RETURN_IF_ERROR(CudaErrorToStatus(

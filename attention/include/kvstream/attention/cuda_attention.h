@@ -12,6 +12,8 @@
 // their host mirrors, PagedAttentionParams::host and CacheUpdateParams::host_slot_mapping)
 // and enqueue on the backend's stream. Callers order their own work after that stream
 // (Synchronize with a deadline, or an event) before reading outputs or reusing inputs.
+// Each call runs with the backend's device current (CudaDeviceScope) and puts the calling
+// thread's device back afterwards, unless the thread had not used CUDA before.
 //
 // The header needs no CUDA include, and the functions exist in every build: without CUDA
 // or without a usable GPU, CreateCudaAttentionBackend says why.

@@ -33,13 +33,34 @@ namespace kvstream {
 // "The calling thread's current CUDA device."
 inline constexpr int kCurrentCudaDevice = -1;
 
+// Makes `device` the calling thread's current CUDA device for a scope (kCurrentCudaDevice:
+// changes nothing), then puts back the device the thread had been using. A thread that had
+// not used CUDA yet is left on `device`: its nominal current device is 0, and switching it
+// back would create a context on GPU 0 (memory on that GPU in every process of a multi-GPU
+// job that touched kvstream from such a thread). status() is the cudaSetDevice error, if any
+// (FailedPrecondition in builds without CUDA).
+class CudaDeviceScope {
+ public:
+  explicit CudaDeviceScope(int device);
+  ~CudaDeviceScope();
+  CudaDeviceScope(const CudaDeviceScope&) = delete;
+  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
+  const absl::Status& status() const { return status_; }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+  absl::Status status_;
+};
+
 // Owns a cudaStream_t.
 class CudaStream {
  public:
   // Creates a stream on `device` (kCurrentCudaDevice: the calling thread's current device).
   // Like cudaStreamCreate's, it synchronises with the legacy default stream, so a plain
   // cudaMemcpy before a launch on this stream is ordered before it. The calling thread's
-  // current device is left as it was. FailedPrecondition without CUDA or without a usable
+  // current device is left as it was (see CudaDeviceScope: a thread that had not used CUDA
+  // is left on `device`). FailedPrecondition without CUDA or without a usable
   // device; InvalidArgument for a device index out of range; other CUDA errors mapped by
   // CudaErrorToStatus.
   static absl::StatusOr<CudaStream> Create(int device = kCurrentCudaDevice);
