@@ -51,10 +51,7 @@ using ::kvstream::testing_util::TestLayout;
 using EmulationMode = ::kvstream::gpu_test::emulation::Cta::Mode;
 namespace tc = ::kvstream::internal::decode_tc;
 
-int PaddedHeadDim(int head_size, int head_size_v) {
-  const int larger = std::max(head_size, head_size_v);
-  return larger <= 64 ? 64 : larger <= 128 ? 128 : 256;
-}
+using internal::PaddedHeadDim;
 
 // Runs every CTA of the split grid for padded head size D and activation type T, then
 // merges the splits on the host as DecodeMergeKernel does.
@@ -128,7 +125,7 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
         }
         out[static_cast<int64_t>(q_row) * kp.o_token_stride +
             static_cast<int64_t>(h) * kp.o_head_stride + d] =
-            tc::FloatToActivation<T>(o * inv_sum * v_scale);
+            internal::cuda::FromFloat<T>(o * inv_sum * v_scale);
       }
     }
   }

@@ -95,14 +95,14 @@ absl::Status Emulate(const PagedAttentionParams& host, EmulationMode mode, bool 
     if (!internal::cuda::PrefillFastApplies(*kp, options)) {
       return absl::InvalidArgumentError("the fast variant does not apply to this case");
     }
-    if (internal::cuda::PrefillPaddedHeadDim(kp->head_size, kp->head_size_v) == 64) {
+    if (internal::PaddedHeadDim(kp->head_size, kp->head_size_v) == 64) {
       return bf16 ? EmulateTyped<64, __nv_bfloat16, kFast>(*kp, options, mode)
                   : EmulateTyped<64, __half, kFast>(*kp, options, mode);
     }
     return bf16 ? EmulateTyped<128, __nv_bfloat16, kFast>(*kp, options, mode)
                 : EmulateTyped<128, __half, kFast>(*kp, options, mode);
   }
-  switch (internal::cuda::PrefillPaddedHeadDim(kp->head_size, kp->head_size_v)) {
+  switch (internal::PaddedHeadDim(kp->head_size, kp->head_size_v)) {
     case 64:
       return bf16 ? EmulateTyped<64, __nv_bfloat16>(*kp, options, mode)
                   : EmulateTyped<64, __half>(*kp, options, mode);

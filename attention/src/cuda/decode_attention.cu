@@ -187,14 +187,10 @@ absl::StatusOr<DecodePlan> Plan(const PagedKernelParams& p, DType cache_dtype,
   const int64_t base_ctas = int64_t{p.num_seqs} * p.num_kv_heads * geo.head_tiles;
   const int ctas_per_sm = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(g * chunks >= 8 ? 2 : 3, kSmemPerSm / (smem + 1024))));
-  const int64_t visible =
-      p.sliding_window > 0 ? std::min<int64_t>(p.max_seq_len, p.sliding_window) : p.max_seq_len;
-  const int64_t max_splits = std::max<int64_t>(
-      1, std::min<int64_t>(dec::kMaxSplits,
-                           CeilDiv(std::max<int64_t>(visible, 1), kMinTokensPerSplit)));
-  const int64_t splits = options.num_splits > 0
-                       ? options.num_splits
-                       : ChooseDecodeSplits(base_ctas, int64_t{num_sms} * ctas_per_sm, max_splits);
+  const int64_t splits =
+      options.num_splits > 0
+          ? options.num_splits
+          : ChooseDecodeSplits(base_ctas, int64_t{num_sms} * ctas_per_sm, DecodeSplitLimit(p));
   geo.num_splits = static_cast<int32_t>(splits);
 
   const int64_t grid_x = int64_t{p.num_kv_heads} * geo.head_tiles;
@@ -239,6 +235,16 @@ absl::Status LaunchCudaCoreSplit(const PagedKernelParams& params, const DecodePl
 }
 
 }  // namespace
+
+static_assert(kMaxDecodeSplits == dec::kMaxSplits, "one limit for the launchers and the merge");
+
+int64_t DecodeSplitLimit(const PagedKernelParams& p) {
+  const int64_t visible =
+      p.sliding_window > 0 ? std::min<int64_t>(p.max_seq_len, p.sliding_window) : p.max_seq_len;
+  return std::max<int64_t>(
+      1, std::min<int64_t>(kMaxDecodeSplits,
+                           CeilDiv(std::max<int64_t>(visible, 1), kMinTokensPerSplit)));
+}
 
 // At least kMinWaves waves of CTAs where the keys allow (sequences of different lengths
 // then balance out across SMs), at most kMaxWaves; among those the fewest splits whose last

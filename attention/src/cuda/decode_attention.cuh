@@ -39,6 +39,7 @@
 
 #include "cuda/cuda_common.cuh"
 #include "cuda/kernel_params.h"
+#include "cuda/mma_ptx.cuh"
 #include "cuda/sequence_bounds.cuh"
 
 namespace kvstream {
@@ -102,14 +103,7 @@ __device__ __forceinline__ void StoreActivation(void* base, int64_t index, int d
   }
 }
 
-// 2^x in one MUFU instruction (flushes subnormal results to zero; -inf gives +0). The
-// softmax weights it computes are compared with a 1e-4 tolerance at worst, and the relative
-// error of ex2.approx (about 2^-22) is far below that.
-__device__ __forceinline__ float FastExp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+using ptx::FastExp2;  // mma_ptx.cuh
 
 __device__ __forceinline__ void CpAsync(void* smem, const void* gmem, int bytes) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));

@@ -3,9 +3,9 @@
 // (64 / 128 / 256) x activation type: six instantiations; fp8 caches are converted while
 // staging, not a template argument.
 //
-// Split count. As for the CUDA-core kernel (decode_attention.cu): a few full waves of CTAs,
-// never splits shorter than kMinTokensPerSplit keys; CTAs per SM from the kernel's shared
-// memory (3 / 2 / 1 for padded head sizes 64 / 128 / 256).
+// Split count. As for the CUDA-core kernel (decode_attention.cu: DecodeSplitLimit,
+// ChooseDecodeSplits), with the CTAs per SM the kernel is built for (3 / 3 / 1 for padded
+// head sizes 64 / 128 / 256).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -34,26 +34,8 @@ namespace {
 
 namespace tc = decode_tc;
 
-constexpr int kMaxSplits = 256;
-constexpr int kMinTokensPerSplit = 256;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-int PaddedHeadDim(int head_size, int head_size_v) {
-  const int larger = std::max(head_size, head_size_v);
-  return larger <= 64 ? 64 : larger <= 128 ? 128 : 256;
-}
-
-bool RowsAligned16(const void* base, int64_t elem_bytes, int64_t row_elems,
-                   std::initializer_list<int64_t> strides) {
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (row_elems * elem_bytes) % 16 != 0) {
-    return false;
-  }
-  for (int64_t s : strides) {
-    if ((s * elem_bytes) % 16 != 0) return false;
-  }
-  return true;
-}
 
 int SmemBytes(int padded, bool fp8) {
   switch (padded) {
@@ -125,7 +107,7 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cach
         absl::StrCat("cuda decode attention (tensor cores): head sizes up to 256, got ",
                      p.head_size, "/", p.head_size_v));
   }
-  if (options.num_sms <= 0 || options.num_splits < 0 || options.num_splits > kMaxSplits) {
+  if (options.num_sms <= 0 || options.num_splits < 0 || options.num_splits > kMaxDecodeSplits) {
     return absl::InvalidArgumentError(
         absl::StrCat("cuda decode attention (tensor cores): bad num_sms ", options.num_sms,
                      " or num_splits ", options.num_splits));
@@ -133,16 +115,12 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cach
   const int padded = PaddedHeadDim(p.head_size, p.head_size_v);
   const int group = p.num_heads / p.num_kv_heads;
   const int64_t base_ctas = int64_t{p.num_seqs} * p.num_kv_heads * CeilDiv(group, 16);
-  const int64_t visible =
-      p.sliding_window > 0 ? std::min<int64_t>(p.max_seq_len, p.sliding_window) : p.max_seq_len;
-  const int64_t max_splits = std::max<int64_t>(
-      1, std::min<int64_t>(kMaxSplits, CeilDiv(std::max<int64_t>(visible, 1), kMinTokensPerSplit)));
   DecodeTcPlan plan;
   plan.num_splits = static_cast<int>(
       options.num_splits > 0
           ? options.num_splits
-          : ChooseDecodeSplits(std::max<int64_t>(base_ctas, 1),
-                         int64_t{options.num_sms} * CtasPerSm(padded), max_splits));
+          : ChooseDecodeSplits(base_ctas, int64_t{options.num_sms} * CtasPerSm(padded),
+                               DecodeSplitLimit(p)));
   (void)cache_dtype;
   if (plan.num_splits > 1) {
     const size_t slots = static_cast<size_t>(p.num_seqs) * p.num_heads * plan.num_splits;

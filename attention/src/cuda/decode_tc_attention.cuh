@@ -51,6 +51,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cuda/cuda_common.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/mma_ptx.cuh"
 #include "cuda/sequence_bounds.cuh"
@@ -118,24 +119,7 @@ using ptx::PairBits;
 using ptx::RowOffsets;
 using ptx::SmemAddress;
 using ptx::SwizzledChunk;
-
-template <typename T>
-__device__ __forceinline__ float ActivationToFloat(T x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(x);
-  } else {
-    return __half2float(x);
-  }
-}
-template <typename T>
-__device__ __forceinline__ T FloatToActivation(float x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __float2bfloat16_rn(x);
-  } else {
-    return __float2half_rn(x);
-  }
-}
-
+using cuda::FromFloat;  // cuda_common.cuh
 
 // ---------------------------------------------------------------------------------------
 // The kernel.
@@ -227,7 +211,7 @@ KVSTREAM_CUDA_UNROLL
     for (int i = tid; i < kRows * D; i += kThreads) {
       const int m = i / D;
       const int d = i - m * D;
-      T value = FloatToActivation<T>(0.0f);
+      T value = FromFloat<T>(0.0f);
       if (m < heads_here && d < head_size) {
         value = q[static_cast<int64_t>(q_row) * p.q_token_stride +
                   static_cast<int64_t>(first_head + m) * p.q_head_stride + d];
@@ -580,7 +564,7 @@ KVSTREAM_CUDA_UNROLL
     if (a.num_splits == 1) {
       const float value = sum > 0.0f ? o / sum * v_scale : 0.0f;
       out[static_cast<int64_t>(q_row) * p.o_token_stride +
-          static_cast<int64_t>(h) * p.o_head_stride + d] = FloatToActivation<T>(value);
+          static_cast<int64_t>(h) * p.o_head_stride + d] = FromFloat<T>(value);
     } else {
       const int64_t slot = (static_cast<int64_t>(seq) * p.num_heads + h) * a.num_splits + split;
       a.partial_out[slot * head_size_v + d] = o;

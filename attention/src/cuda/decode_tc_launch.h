@@ -18,8 +18,13 @@
 namespace kvstream {
 namespace internal {
 
+// Shared by both decode kernels (decode_attention.cu):
+// The most splits a launch may take: kMaxDecodeSplits (the merge kernel's limit), and none
+// shorter than 256 of the keys the longest sequence sees.
+inline constexpr int kMaxDecodeSplits = 256;
+int64_t DecodeSplitLimit(const PagedKernelParams& params);
 // The split count for `base_ctas` CTAs per split on a GPU that runs `slots` CTAs at once,
-// at most `max_splits` (>= 1); shared by both decode kernels (decode_attention.cu).
+// at most `max_splits` (>= 1).
 int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits);
 
 struct DecodeTcPlan {

@@ -6,6 +6,7 @@
 #define KVSTREAM_ATTENTION_CUDA_KERNEL_PARAMS_H_
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "absl/status/statusor.h"
 #include "kvstream/attention/backend.h"
@@ -67,6 +68,26 @@ struct PagedKernelParams {
 // The scale a kernel uses for KV head `h`.
 inline float KernelKScale(const PagedKernelParams& p, int h) {
   return p.k_scale[p.num_scales == 1 ? 0 : h];
+}
+
+// The padded head dimension of the tensor-core kernels (their template argument) for these
+// head sizes. REQUIRES: 0 < head_size, head_size_v <= 256.
+inline int PaddedHeadDim(int head_size, int head_size_v) {
+  const int larger = head_size > head_size_v ? head_size : head_size_v;
+  return larger <= 64 ? 64 : larger <= 128 ? 128 : 256;
+}
+
+// Whether 16-byte copies of rows of `row_elems` elements of `elem_bytes` each, at `base`
+// plus any combination of `strides` (in elements), are all 16-byte aligned.
+inline bool RowsAligned16(const void* base, int64_t elem_bytes, int64_t row_elems,
+                          std::initializer_list<int64_t> strides) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (row_elems * elem_bytes) % 16 != 0) {
+    return false;
+  }
+  for (int64_t s : strides) {
+    if ((s * elem_bytes) % 16 != 0) return false;
+  }
+  return true;
 }
 
 // Validates `params` (ValidatePagedAttention) and the CUDA-specific limits (device cache,

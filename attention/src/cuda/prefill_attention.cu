@@ -135,7 +135,7 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
   }
   // kAuto runs the fast variant wherever it applies (see PrefillVariant in launchers.h).
   const bool fast = fast_applies && launch_options.variant != PrefillVariant::kBaseline;
-  const int padded = cuda::PrefillPaddedHeadDim(params.head_size, params.head_size_v);
+  const int padded = PaddedHeadDim(params.head_size, params.head_size_v);
   switch (padded) {
     case 64: return LaunchForDim<64>(params, q_dtype, options, fast, stream);
     case 128: return LaunchForDim<128>(params, q_dtype, options, fast, stream);

@@ -120,46 +120,27 @@ struct PrefillTraits {
 // ---------------------------------------------------------------------------------------
 // Host side: the template's head dimension and the runtime options of one call.
 
-// The padded head dimension (the kernel's template argument) for these head sizes.
-// REQUIRES: 0 < head_size, head_size_v <= 256.
-inline int PrefillPaddedHeadDim(int head_size, int head_size_v) {
-  const int larger = head_size > head_size_v ? head_size : head_size_v;
-  return larger <= 64 ? 64 : larger <= 128 ? 128 : 256;
-}
-
-// Whether 16-byte copies of rows of `row_elems` elements of `elem_bytes` each, at `base`
-// plus any combination of `strides` (in elements), are all 16-byte aligned.
-inline bool PrefillRowsAligned16(const void* base, int64_t elem_bytes, int64_t row_elems,
-                                 std::initializer_list<int64_t> strides) {
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (row_elems * elem_bytes) % 16 != 0) {
-    return false;
-  }
-  for (int64_t s : strides) {
-    if ((s * elem_bytes) % 16 != 0) return false;
-  }
-  return true;
-}
 
 // The options of one launch: the load path from the alignment of the cache, q and out, and
 // the grid's tile count. REQUIRES: the launcher's limits hold (q dtype 16-bit, cache dtype
 // q's or fp8, head sizes in (0, 256], num_heads a multiple of num_kv_heads).
 inline PrefillOptions ChoosePrefillOptions(const PagedKernelParams& params, DType cache_dtype) {
-  const int padded = PrefillPaddedHeadDim(params.head_size, params.head_size_v);
+  const int padded = PaddedHeadDim(params.head_size, params.head_size_v);
   const bool fp8 = IsFp8(cache_dtype);
   const int64_t elem = fp8 ? 1 : 2;
   const bool kv_aligned =
-      PrefillRowsAligned16(params.k_cache, elem, params.head_size,
+      RowsAligned16(params.k_cache, elem, params.head_size,
                            {params.k_block_stride, params.k_token_stride, params.k_head_stride}) &&
-      PrefillRowsAligned16(params.v_cache, elem, params.head_size_v,
+      RowsAligned16(params.v_cache, elem, params.head_size_v,
                            {params.v_block_stride, params.v_token_stride, params.v_head_stride});
   PrefillOptions options{};
   options.load_mode = !kv_aligned ? kPrefillSync : fp8 ? kPrefillAsyncFp8 : kPrefillAsync16;
   options.cache_kind = cache_dtype == DType::kFloat8E4M3   ? kPrefillCacheE4M3
                        : cache_dtype == DType::kFloat8E5M2 ? kPrefillCacheE5M2
                                                            : kPrefillCache16;
-  options.q_vectorized = PrefillRowsAligned16(params.q, 2, params.head_size,
+  options.q_vectorized = RowsAligned16(params.q, 2, params.head_size,
                                               {params.q_token_stride, params.q_head_stride});
-  options.o_vectorized = PrefillRowsAligned16(params.out, 2, params.head_size_v,
+  options.o_vectorized = RowsAligned16(params.out, 2, params.head_size_v,
                                               {params.o_token_stride, params.o_head_stride});
   options.zero_fill = params.head_size < padded || params.head_size_v < padded;
   const int64_t group = params.num_heads / params.num_kv_heads;
@@ -171,7 +152,7 @@ inline PrefillOptions ChoosePrefillOptions(const PagedKernelParams& params, DTyp
 // Whether the fast variant can run a call with these options and head sizes (see
 // PrefillVariant).
 inline bool PrefillFastApplies(const PagedKernelParams& params, const PrefillOptions& options) {
-  const int padded = PrefillPaddedHeadDim(params.head_size, params.head_size_v);
+  const int padded = PaddedHeadDim(params.head_size, params.head_size_v);
   return options.load_mode == kPrefillAsync16 && padded <= 128 &&
          params.head_size == padded && params.head_size_v == padded;
 }
