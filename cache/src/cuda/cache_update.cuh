@@ -488,15 +488,18 @@ __device__ __forceinline__ const T* TokenRow(const void* base, int64_t token, in
   return row;
 }
 
-// Vector path. REQUIRES (checked by the launcher): head sizes, input strides and cache
+// Vector paths. REQUIRES (checked by the launcher): head sizes, input strides and cache
 // block/token/head strides multiples of 8 elements, cache dim strides 1, base pointers
 // aligned to their Vec8, a token's K and V rows (input and cache) within int32 offsets,
 // the walk's fields of KernelParams set (k_step_first ... v_chunks_per_head).
-template <typename In, typename Out>
-__device__ __forceinline__ void UpdateTokenVec(const KernelParams& p, int64_t token,
-                                               const int64_t* slot_ptr, int lane) {
-  using InBits = typename In::Bits;
-  using OutBits = typename Out::Bits;
+//
+// The walk both vector paths share: batches of loads (LoadChunks), the slot resolved while
+// the first batch is in flight, then store_chunk(in, dst, k_row, v_row) for every chunk
+// that exists, which converts `in` and writes it at dst.Address(k_row, v_row).
+template <typename InBits, typename OutBits, bool kFp8Cache, typename StoreChunk>
+__device__ __forceinline__ void WalkTokenVec(const KernelParams& p, int64_t token,
+                                             const int64_t* slot_ptr, int lane,
+                                             StoreChunk&& store_chunk) {
   const InBits* __restrict__ key = TokenRow<InBits>(p.key, token, p.key_token_stride);
   const InBits* __restrict__ value = TokenRow<InBits>(p.value, token, p.value_token_stride);
   const int64_t slot = *slot_ptr;  // consumed after the first loads are on their way
@@ -508,28 +511,39 @@ __device__ __forceinline__ void UpdateTokenVec(const KernelParams& p, int64_t to
     walk.Start(p, lane, s0);
     Vec8<InBits> in[kUnroll<InBits>];
     ChunkDst dst[kUnroll<InBits>];
-    LoadChunks<InBits, Out::kFp8>(p, key, value, s0, total, walk, in, dst);
+    LoadChunks<InBits, kFp8Cache>(p, key, value, s0, total, walk, in, dst);
     if (s0 == 0) {
       if (!ResolveSlot(p, slot, &k_dst, &v_dst)) return;
     }
     const int left = total - 32 * s0 - lane;  // chunk u exists when u * 32 < left
 #pragma unroll
     for (int u = 0; u < kUnroll<InBits>; ++u) {
-      if (u * 32 < left) {
-        const float scale = Out::kFp8 ? p.fp8_scale[dst[u].scale_index].scale : 1.0f;
+      if (u * 32 < left) store_chunk(in[u], dst[u], k_dst, v_dst);
+    }
+  }
+}
+
+// Same-dtype copies and 16/32-bit conversions (Convert), and fp8 through the division.
+template <typename In, typename Out>
+__device__ __forceinline__ void UpdateTokenVec(const KernelParams& p, int64_t token,
+                                               const int64_t* slot_ptr, int lane) {
+  using InBits = typename In::Bits;
+  using OutBits = typename Out::Bits;
+  WalkTokenVec<InBits, OutBits, Out::kFp8>(
+      p, token, slot_ptr, lane,
+      [&](const Vec8<InBits>& in, const ChunkDst& dst, OutBits* k_row, OutBits* v_row) {
+        const float scale = Out::kFp8 ? p.fp8_scale[dst.scale_index].scale : 1.0f;
         Vec8<OutBits> out;
         if constexpr (std::is_same<In, Out>::value) {
-          out = in[u];  // the bits, untouched (Convert)
+          out = in;  // the bits, untouched (Convert)
         } else {
 #pragma unroll
           for (int e = 0; e < kVecElems; ++e) {
-            out.v[e] = Convert<In, Out>(ChunkElement(in[u], e), scale);
+            out.v[e] = Convert<In, Out>(ChunkElement(in, e), scale);
           }
         }
-        *reinterpret_cast<Vec8<OutBits>*>(dst[u].Address(k_dst, v_dst)) = out;
-      }
-    }
-  }
+        *reinterpret_cast<Vec8<OutBits>*>(dst.Address(k_row, v_row)) = out;
+      });
 }
 
 // ---- Fast fp8 quotients: without a division per element ----
@@ -604,32 +618,16 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
                                                   const int64_t* slot_ptr, int lane) {
   static_assert(Out::kFp8 && !In::kFp8, "fp8 caches from 16/32-bit inputs");
   using InBits = typename In::Bits;
-  const InBits* __restrict__ key = TokenRow<InBits>(p.key, token, p.key_token_stride);
-  const InBits* __restrict__ value = TokenRow<InBits>(p.value, token, p.value_token_stride);
-  const int64_t slot = *slot_ptr;  // consumed after the first loads are on their way
-  uint8_t* k_dst = nullptr;
-  uint8_t* v_dst = nullptr;
-  const int total = p.num_kv_heads * (p.head_size / kVecElems + p.head_size_v / kVecElems);
-  for (int s0 = 0; 32 * s0 < total; s0 += kUnroll<InBits>) {
-    LaneWalk walk;
-    walk.Start(p, lane, s0);
-    Vec8<InBits> in[kUnroll<InBits>];
-    ChunkDst dst[kUnroll<InBits>];
-    LoadChunks<InBits, true>(p, key, value, s0, total, walk, in, dst);
-    if (s0 == 0) {
-      if (!ResolveSlot(p, slot, &k_dst, &v_dst)) return;
-    }
-    const int left = total - 32 * s0 - lane;  // chunk u exists when u * 32 < left
-#pragma unroll
-    for (int u = 0; u < kUnroll<InBits>; ++u) {
-      if (u * 32 < left) {
+  WalkTokenVec<InBits, uint8_t, true>(
+      p, token, slot_ptr, lane,
+      [&](const Vec8<InBits>& in, const ChunkDst& dst, uint8_t* k_row, uint8_t* v_row) {
         // One 8-byte constant load; lanes of a step share one or a few heads' scales.
-        const Fp8ScalePair pair = p.fp8_scale[dst[u].scale_index];
+        const Fp8ScalePair pair = p.fp8_scale[dst.scale_index];
         const Fp8Scale sc{pair.scale, pair.recip, pair.scale * 262144.0f};  // 2^18 s, exact
         float x[kVecElems];
         if constexpr (std::is_same<In, ElemBF16>::value) {
           // A bf16 pair is one 32-bit word: the low one shifted up, the high one masked.
-          const uint4 w = *reinterpret_cast<const uint4*>(&in[u]);
+          const uint4 w = *reinterpret_cast<const uint4*>(&in);
           const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
@@ -638,7 +636,7 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
           }
         } else {
 #pragma unroll
-          for (int e = 0; e < kVecElems; ++e) x[e] = In::ToFloat(ChunkElement(in[u], e));
+          for (int e = 0; e < kVecElems; ++e) x[e] = In::ToFloat(ChunkElement(in, e));
         }
         bool any_nan = false;
         uint32_t pairs[kVecElems / 2];
@@ -654,11 +652,9 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
         }
         uint2 out = make_uint2(pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16));
         // Rare: the division path's NaN handling (0x7f whatever the sign) for the chunk.
-        if (any_nan) out = Fp8ChunkByDivision<In, Out>(in[u], sc.s);
-        *reinterpret_cast<uint2*>(dst[u].Address(k_dst, v_dst)) = out;
-      }
-    }
-  }
+        if (any_nan) out = Fp8ChunkByDivision<In, Out>(in, sc.s);
+        *reinterpret_cast<uint2*>(dst.Address(k_row, v_row)) = out;
+      });
 }
 
 // Scalar path: any sizes and strides (dim strides included), one element per lane step.
