@@ -223,6 +223,68 @@ constexpr int kHeads = 32;
 constexpr int kHeadSize = 128;
 constexpr int kBlockSize = 16;
 
+// A bf16 batch on the GPU, with the host mirrors validation reads: `seqs` sequences of
+// `seq_len` keys whose last `query_len` are this step's queries, 32 / 8 heads of size 128,
+// block size 16, block ids shuffled (`seed`), random K, V and q. `params` points into the
+// batch, which therefore stays where it was made.
+struct PagedBatch {
+  KvCacheSpec spec;
+  std::unique_ptr<KvCache> cache;
+  std::vector<int32_t> block_table, query_start_loc, seq_lens;
+  DeviceBuffer d_table, d_qsl, d_lens, q, out;
+  PagedAttentionParams params;
+};
+
+absl::StatusOr<std::unique_ptr<PagedBatch>> MakePagedBatch(Gpu& gpu, int seqs, int seq_len,
+                                                           int query_len, uint32_t seed) {
+  auto b = std::make_unique<PagedBatch>();
+  b->spec.block_size = kBlockSize;
+  b->spec.num_kv_heads = kKvHeads;
+  b->spec.head_size = b->spec.head_size_v = kHeadSize;
+  b->spec.dtype = DType::kBFloat16;
+  const int blocks_per_seq = (seq_len + kBlockSize - 1) / kBlockSize;
+  const int64_t num_blocks = int64_t{seqs} * blocks_per_seq;
+  ASSIGN_OR_RETURN(b->cache, RandomCache(gpu, b->spec, num_blocks));
+  b->block_table = ShuffledBlocks(num_blocks, seed);
+  b->query_start_loc.resize(static_cast<size_t>(seqs) + 1);
+  for (int i = 0; i <= seqs; ++i) b->query_start_loc[static_cast<size_t>(i)] = i * query_len;
+  b->seq_lens.assign(static_cast<size_t>(seqs), seq_len);
+  ASSIGN_OR_RETURN(b->d_table, Upload(b->block_table));
+  ASSIGN_OR_RETURN(b->d_qsl, Upload(b->query_start_loc));
+  ASSIGN_OR_RETURN(b->d_lens, Upload(b->seq_lens));
+  const int num_tokens = seqs * query_len;
+  const size_t q_elements = static_cast<size_t>(num_tokens) * kHeads * kHeadSize;
+  ASSIGN_OR_RETURN(b->q, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
+  ASSIGN_OR_RETURN(b->out, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
+  RETURN_IF_ERROR(FillRandom(gpu, b->q.data(), q_elements, DType::kBFloat16, seed + 1));
+
+  PagedAttentionParams& p = b->params;
+  p.q = b->q.data();
+  p.q_dtype = DType::kBFloat16;
+  p.q_token_stride = kHeads * kHeadSize;
+  p.q_head_stride = kHeadSize;
+  p.out = b->out.data();
+  p.out_dtype = DType::kBFloat16;
+  p.o_token_stride = kHeads * kHeadSize;
+  p.o_head_stride = kHeadSize;
+  p.num_tokens = num_tokens;
+  p.cache = b->cache->view();
+  p.query_start_loc = b->d_qsl.data_as<int32_t>();
+  p.seq_lens = b->d_lens.data_as<int32_t>();
+  p.block_table = b->d_table.data_as<int32_t>();
+  p.block_table_stride = blocks_per_seq;
+  p.num_seqs = seqs;
+  p.max_query_len = query_len;
+  p.max_seq_len = seq_len;
+  p.num_heads = kHeads;
+  p.scale = 0.08838834764f;
+  p.causal = true;
+  p.host.query_start_loc = b->query_start_loc.data();
+  p.host.seq_lens = b->seq_lens.data();
+  p.host.block_table = b->block_table.data();
+  return b;
+}
+
 void BM_CacheUpdate(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
@@ -319,49 +381,11 @@ void BM_Decode(benchmark::State& state) {
                                             : internal::DecodeKernel::kCudaCores;
   const int forced_splits = static_cast<int>(state.range(3));
   auto run = [&]() -> absl::Status {
-    KvCacheSpec spec;
-    spec.block_size = kBlockSize;
-    spec.num_kv_heads = kKvHeads;
-    spec.head_size = spec.head_size_v = kHeadSize;
-    spec.dtype = DType::kBFloat16;
-    const int blocks_per_seq = (seq_len + kBlockSize - 1) / kBlockSize;
-    const int64_t num_blocks = int64_t{seqs} * blocks_per_seq;
-    ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, RandomCache(*gpu, spec, num_blocks));
-    const std::vector<int32_t> block_table = ShuffledBlocks(num_blocks, 6);
-    std::vector<int32_t> query_start_loc(static_cast<size_t>(seqs) + 1);
-    std::iota(query_start_loc.begin(), query_start_loc.end(), 0);
-    const std::vector<int32_t> seq_lens(static_cast<size_t>(seqs), seq_len);
-    ASSIGN_OR_RETURN(DeviceBuffer d_table, Upload(block_table));
-    ASSIGN_OR_RETURN(DeviceBuffer d_qsl, Upload(query_start_loc));
-    ASSIGN_OR_RETURN(DeviceBuffer d_lens, Upload(seq_lens));
-    const size_t q_elements = static_cast<size_t>(seqs) * kHeads * kHeadSize;
-    ASSIGN_OR_RETURN(DeviceBuffer q, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
-    ASSIGN_OR_RETURN(DeviceBuffer out, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
-    RETURN_IF_ERROR(FillRandom(*gpu, q.data(), q_elements, DType::kBFloat16, 7));
-
-    PagedAttentionParams p;
-    p.q = q.data();
-    p.q_dtype = DType::kBFloat16;
-    p.q_token_stride = kHeads * kHeadSize;
-    p.q_head_stride = kHeadSize;
-    p.out = out.data();
-    p.out_dtype = DType::kBFloat16;
-    p.o_token_stride = kHeads * kHeadSize;
-    p.o_head_stride = kHeadSize;
-    p.num_tokens = seqs;
-    p.cache = cache->view();
-    p.query_start_loc = d_qsl.data_as<int32_t>();
-    p.seq_lens = d_lens.data_as<int32_t>();
-    p.block_table = d_table.data_as<int32_t>();
-    p.block_table_stride = blocks_per_seq;
-    p.num_seqs = seqs;
-    p.max_query_len = 1;
-    p.max_seq_len = seq_len;
-    p.num_heads = kHeads;
-    p.scale = 0.08838834764f;
-    p.host.query_start_loc = query_start_loc.data();
-    p.host.seq_lens = seq_lens.data();
-    p.host.block_table = block_table.data();
+    ASSIGN_OR_RETURN(std::unique_ptr<PagedBatch> batch, MakePagedBatch(*gpu, seqs, seq_len, 1, 6));
+    const PagedAttentionParams& p = batch->params;
+    const KvCacheSpec& spec = batch->spec;
+    const KvCache* cache = batch->cache.get();
+    const int64_t num_blocks = cache->num_blocks();
     const double kv_bytes = static_cast<double>(seqs) * seq_len * kKvHeads *
                             (2.0 * kHeadSize) * 2.0;  // K and V, 2 bytes each
 
@@ -424,48 +448,9 @@ void BM_Prefill(benchmark::State& state) {
   const int tokens = static_cast<int>(state.range(0));
   const bool fast = state.range(1) != 0;
   auto run = [&]() -> absl::Status {
-    KvCacheSpec spec;
-    spec.block_size = kBlockSize;
-    spec.num_kv_heads = kKvHeads;
-    spec.head_size = spec.head_size_v = kHeadSize;
-    spec.dtype = DType::kBFloat16;
-    const int blocks = (tokens + kBlockSize - 1) / kBlockSize;
-    ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, RandomCache(*gpu, spec, blocks));
-    const std::vector<int32_t> block_table = ShuffledBlocks(blocks, 8);
-    const std::vector<int32_t> query_start_loc = {0, tokens};
-    const std::vector<int32_t> seq_lens = {tokens};
-    ASSIGN_OR_RETURN(DeviceBuffer d_table, Upload(block_table));
-    ASSIGN_OR_RETURN(DeviceBuffer d_qsl, Upload(query_start_loc));
-    ASSIGN_OR_RETURN(DeviceBuffer d_lens, Upload(seq_lens));
-    const size_t q_elements = static_cast<size_t>(tokens) * kHeads * kHeadSize;
-    ASSIGN_OR_RETURN(DeviceBuffer q, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
-    ASSIGN_OR_RETURN(DeviceBuffer out, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
-    RETURN_IF_ERROR(FillRandom(*gpu, q.data(), q_elements, DType::kBFloat16, 9));
-
-    PagedAttentionParams p;
-    p.q = q.data();
-    p.q_dtype = DType::kBFloat16;
-    p.q_token_stride = kHeads * kHeadSize;
-    p.q_head_stride = kHeadSize;
-    p.out = out.data();
-    p.out_dtype = DType::kBFloat16;
-    p.o_token_stride = kHeads * kHeadSize;
-    p.o_head_stride = kHeadSize;
-    p.num_tokens = tokens;
-    p.cache = cache->view();
-    p.query_start_loc = d_qsl.data_as<int32_t>();
-    p.seq_lens = d_lens.data_as<int32_t>();
-    p.block_table = d_table.data_as<int32_t>();
-    p.block_table_stride = blocks;
-    p.num_seqs = 1;
-    p.max_query_len = tokens;
-    p.max_seq_len = tokens;
-    p.num_heads = kHeads;
-    p.scale = 0.08838834764f;
-    p.causal = true;
-    p.host.query_start_loc = query_start_loc.data();
-    p.host.seq_lens = seq_lens.data();
-    p.host.block_table = block_table.data();
+    ASSIGN_OR_RETURN(std::unique_ptr<PagedBatch> batch,
+                     MakePagedBatch(*gpu, 1, tokens, tokens, 8));
+    const PagedAttentionParams& p = batch->params;
     const double n = tokens;
     const double flops = 4.0 * n * n * kHeadSize * kHeads / 2.0;
     ASSIGN_OR_RETURN(const internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
