@@ -46,6 +46,8 @@ namespace {
 
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
+using ::kvstream::testing_util::ForEachQueryOutput;
+using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::TestLayout;
 using EmulationMode = ::kvstream::gpu_test::emulation::Cta::Mode;
@@ -178,21 +180,15 @@ void ExpectEmulationMatchesReference(AttnProblem& pb, int num_splits, EmulationM
   // relative: P is rounded to the 16-bit type before P V, as on the GPU.
   const float tol = c.out_dtype == DType::kFloat16 ? 2.5e-3f : 1.5e-2f;
   int failures = 0;
-  for (size_t s = 0; s < c.seqs.size(); ++s) {
-    for (int t = 0; t < c.seqs[s].query_len; ++t) {
-      const int64_t row = pb.query_start(s) + t;
-      for (int h = 0; h < pb.num_heads(); ++h) {
-        for (int d = 0; d < c.head_size_v; ++d) {
-          const float want = pb.Out(ref_out, row, h, d);
-          const float got = pb.Out(out, row, h, d);
-          if (!(std::fabs(want - got) <= tol + tol * std::fabs(want)) && ++failures <= 5) {
-            ADD_FAILURE() << "seq " << s << " head " << h << " d " << d << ": reference "
-                          << want << " emulated kernel " << got;
-          }
-        }
-      }
+  ForEachQueryOutput(pb, [&](const QueryOutput& o) {
+    const auto [s, t, row, h, d] = o;
+    const float want = pb.Out(ref_out, row, h, d);
+    const float got = pb.Out(out, row, h, d);
+    if (!(std::fabs(want - got) <= tol + tol * std::fabs(want)) && ++failures <= 5) {
+      ADD_FAILURE() << "seq " << s << " head " << h << " d " << d << ": reference "
+                    << want << " emulated kernel " << got;
     }
-  }
+  });
   EXPECT_EQ(failures, 0);
 }
 

@@ -39,6 +39,8 @@ namespace {
 
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
+using ::kvstream::testing_util::ForEachQueryOutput;
+using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
@@ -272,34 +274,28 @@ void ExpectVariantMatchesReference(AttnProblem& pb, const std::vector<uint8_t>& 
   int failures = 0;
   int nans = 0;
   double worst = 0;
-  for (size_t s = 0; s < c.seqs.size(); ++s) {
-    for (int t = 0; t < c.seqs[s].query_len; ++t) {
-      const int64_t row = pb.query_start(s) + t;
-      for (int h = 0; h < pb.num_heads(); ++h) {
-        for (int d = 0; d < c.head_size_v; ++d) {
-          const float want = pb.Out(ref_out, row, h, d);
-          const float got = pb.Out(out, row, h, d);
-          if (std::isnan(want) || std::isnan(got)) {
-            if (++nans <= 3) {
-              ADD_FAILURE() << "NaN at seq " << s << " token " << t << " head " << h << " d "
-                            << d << ": reference " << want << " gpu " << got;
-            }
-            continue;
-          }
-          const double err = std::fabs(static_cast<double>(want) - got);
-          worst = std::max(worst, err);
-          if (err > tol + 1e-2 * std::fabs(want)) {
-            if (++failures <= 5) {
-              ADD_FAILURE() << "seq " << s << " (context " << c.seqs[s].context_len
-                            << ", query_len " << c.seqs[s].query_len << ") token " << t
-                            << " head " << h << " d " << d << ": reference " << want
-                            << " gpu " << got;
-            }
-          }
-        }
+  ForEachQueryOutput(pb, [&](const QueryOutput& o) {
+    const auto [s, t, row, h, d] = o;
+    const float want = pb.Out(ref_out, row, h, d);
+    const float got = pb.Out(out, row, h, d);
+    if (std::isnan(want) || std::isnan(got)) {
+      if (++nans <= 3) {
+        ADD_FAILURE() << "NaN at seq " << s << " token " << t << " head " << h << " d "
+                      << d << ": reference " << want << " gpu " << got;
+      }
+      return;
+    }
+    const double err = std::fabs(static_cast<double>(want) - got);
+    worst = std::max(worst, err);
+    if (err > tol + 1e-2 * std::fabs(want)) {
+      if (++failures <= 5) {
+        ADD_FAILURE() << "seq " << s << " (context " << c.seqs[s].context_len
+                      << ", query_len " << c.seqs[s].query_len << ") token " << t
+                      << " head " << h << " d " << d << ": reference " << want
+                      << " gpu " << got;
       }
     }
-  }
+  });
   EXPECT_EQ(failures, 0) << "worst absolute error " << worst;
   EXPECT_EQ(nans, 0);
 }

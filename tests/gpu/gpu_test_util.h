@@ -151,31 +151,25 @@ inline void ExpectMatchesReference(testing_util::AttnProblem& pb, const std::vec
   const float tol = GpuTolerance(c.out_dtype);
   int failures = 0;
   int nans = 0;
-  for (size_t s = 0; s < c.seqs.size(); ++s) {
-    for (int t = 0; t < c.seqs[s].query_len; ++t) {
-      const int64_t row = pb.query_start(s) + t;
-      for (int h = 0; h < pb.num_heads(); ++h) {
-        for (int d = 0; d < c.head_size_v; ++d) {
-          const float w = pb.Out(want, row, h, d);
-          const float g = pb.Out(got, row, h, d);
-          if (std::isnan(g) || std::isnan(w)) {
-            if (++nans <= 3) {
-              ADD_FAILURE() << "NaN at seq " << s << " token " << t << " head " << h << " d "
-                            << d << ": reference " << w << " cuda " << g;
-            }
-            continue;
-          }
-          if (std::fabs(w - g) > tol + tol * std::fabs(w)) {
-            if (++failures <= 5) {
-              ADD_FAILURE() << "seq " << s << " (seq_len " << pb.seq_len(s) << ") token " << t
-                            << " head " << h << " d " << d << ": reference " << w << " cuda "
-                            << g;
-            }
-          }
-        }
+  testing_util::ForEachQueryOutput(pb, [&](const testing_util::QueryOutput& o) {
+    const auto [s, t, row, h, d] = o;
+    const float w = pb.Out(want, row, h, d);
+    const float g = pb.Out(got, row, h, d);
+    if (std::isnan(g) || std::isnan(w)) {
+      if (++nans <= 3) {
+        ADD_FAILURE() << "NaN at seq " << s << " token " << t << " head " << h << " d "
+                      << d << ": reference " << w << " cuda " << g;
+      }
+      return;
+    }
+    if (std::fabs(w - g) > tol + tol * std::fabs(w)) {
+      if (++failures <= 5) {
+        ADD_FAILURE() << "seq " << s << " (seq_len " << pb.seq_len(s) << ") token " << t
+                      << " head " << h << " d " << d << ": reference " << w << " cuda "
+                      << g;
       }
     }
-  }
+  });
   EXPECT_EQ(failures, 0);
   EXPECT_EQ(nans, 0);
 }

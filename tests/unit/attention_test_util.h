@@ -396,6 +396,30 @@ inline float OutputTolerance(DType dtype) {
   }
 }
 
+// One output element of a batch's query rows: sequence s, its token t (output row `row`),
+// head h, element d of the head.
+struct QueryOutput {
+  size_t s;
+  int t;
+  int64_t row;
+  int h;
+  int d;
+};
+
+// Calls fn(QueryOutput) for every output element of the batch's query rows, in order.
+template <typename Fn>
+void ForEachQueryOutput(const AttnProblem& pb, Fn&& fn) {
+  const AttnCase& c = pb.config();
+  for (size_t s = 0; s < c.seqs.size(); ++s) {
+    for (int t = 0; t < c.seqs[s].query_len; ++t) {
+      const int64_t row = pb.query_start(s) + t;
+      for (int h = 0; h < pb.num_heads(); ++h) {
+        for (int d = 0; d < c.head_size_v; ++d) fn(QueryOutput{s, t, row, h, d});
+      }
+    }
+  }
+}
+
 }  // namespace testing_util
 }  // namespace kvstream
 

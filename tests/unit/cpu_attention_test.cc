@@ -32,8 +32,10 @@ namespace {
 
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
+using ::kvstream::testing_util::ForEachQueryOutput;
 using ::kvstream::testing_util::OutputTolerance;
 using ::kvstream::testing_util::PromptData;
+using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
@@ -79,27 +81,21 @@ void ExpectFastMatchesReference(AttnProblem& pb) {
     EXPECT_EQ(pb.CountStrayWrites(out), 0) << "wrote outside its rows";
     int failures = 0;
     int nans = 0;
-    for (size_t s = 0; s < c.seqs.size(); ++s) {
-      for (int t = 0; t < c.seqs[s].query_len; ++t) {
-        const int64_t row = pb.query_start(s) + t;
-        for (int h = 0; h < pb.num_heads(); ++h) {
-          for (int d = 0; d < c.head_size_v; ++d) {
-            const float want = pb.Out(ref_out, row, h, d);
-            const float got = pb.Out(out, row, h, d);
-            if (std::isnan(want) || std::isnan(got)) {
-              if (++nans <= 3) ADD_FAILURE() << "NaN at seq " << s << " token " << t;
-              continue;
-            }
-            if (std::fabs(want - got) > tol + tol * std::fabs(want)) {
-              if (++failures <= 5) {
-                ADD_FAILURE() << "seq " << s << " token " << t << " head " << h << " d " << d
-                              << ": reference " << want << " fast " << got;
-              }
-            }
-          }
+    ForEachQueryOutput(pb, [&](const QueryOutput& o) {
+      const auto [s, t, row, h, d] = o;
+      const float want = pb.Out(ref_out, row, h, d);
+      const float got = pb.Out(out, row, h, d);
+      if (std::isnan(want) || std::isnan(got)) {
+        if (++nans <= 3) ADD_FAILURE() << "NaN at seq " << s << " token " << t;
+        return;
+      }
+      if (std::fabs(want - got) > tol + tol * std::fabs(want)) {
+        if (++failures <= 5) {
+          ADD_FAILURE() << "seq " << s << " token " << t << " head " << h << " d " << d
+                        << ": reference " << want << " fast " << got;
         }
       }
-    }
+    });
     EXPECT_EQ(failures, 0);
     EXPECT_EQ(nans, 0);
   }
