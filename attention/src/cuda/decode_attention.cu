@@ -221,13 +221,9 @@ absl::StatusOr<DecodePlan> Plan(const PagedKernelParams& p, DType cache_dtype,
 // Enqueues the CUDA-core split kernel of `plan`.
 absl::Status LaunchCudaCoreSplit(const PagedKernelParams& params, const DecodePlan& plan,
                                  cudaStream_t stream) {
-  if (plan.smem_bytes > 48 * 1024) {
-    RETURN_IF_ERROR(CudaErrorToStatus(
-        static_cast<int>(cudaFuncSetAttribute(plan.kernel,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(plan.smem_bytes))),
-        "cuda decode attention: cudaFuncSetAttribute(max dynamic shared memory)"));
-  }
+  RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(plan.kernel),
+                                           static_cast<int>(plan.smem_bytes),
+                                           /*max_carveout=*/false, "cuda decode attention"));
   plan.kernel<<<plan.split_grid, dec::kThreads, plan.smem_bytes, stream>>>(params, plan.geo);
   RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
                                     "cuda decode attention: split kernel launch"));

@@ -11,8 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <mutex>
-#include <set>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -130,33 +128,6 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cach
   return plan;
 }
 
-// Sets a kernel's shared-memory attributes once per device: a carveout change can wait for
-// the device to go idle, which must never happen per launch (it would serialise the caller's
-// streams, and deadlock a caller that holds its stream behind a host-released kernel).
-// `smem` must cover every launch of the kernel: 16-bit and fp8 caches share one
-// instantiation and need different amounts (the larger, SmemBytes(padded, true), is passed).
-static absl::Status ConfigureKernelOnce(TcKernel kernel, int smem) {
-  static std::mutex mu;
-  static auto* configured = new std::set<std::pair<int, TcKernel>>();
-  int device = 0;
-  RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetDevice(&device)),
-                                    "cuda decode attention (tensor cores): cudaGetDevice"));
-  std::lock_guard<std::mutex> lock(mu);
-  if (configured->count({device, kernel}) != 0) return absl::OkStatus();
-  RETURN_IF_ERROR(CudaErrorToStatus(
-      static_cast<int>(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)),
-      "cuda decode attention (tensor cores): cudaFuncSetAttribute(max dynamic shared memory)"));
-  // All of the unified L1 as shared memory: the tiles bypass L1 (cp.async.cg), and
-  // kMinBlocksPerSm CTAs per SM need it.
-  RETURN_IF_ERROR(CudaErrorToStatus(
-      static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                            static_cast<int>(cudaSharedmemCarveoutMaxShared))),
-      "cuda decode attention (tensor cores): cudaFuncSetAttribute(shared memory carveout)"));
-  configured->insert({device, kernel});
-  return absl::OkStatus();
-}
-
 absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DType cache_dtype,
                                  const DecodeTcPlan& plan, float* partial_out, float* partial_ml,
                                  cudaStream_t stream) {
@@ -175,8 +146,13 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
   const TcKernel kernel = q_dtype == DType::kBFloat16 ? PickKernel<__nv_bfloat16>(padded)
                                                       : PickKernel<__half>(padded);
   const int smem = SmemBytes(padded, fp8);
+  // 16-bit and fp8 caches share one instantiation: allow the larger once. All of the
+  // unified L1 as shared memory: the tiles bypass L1 (cp.async.cg), and kMinBlocksPerSm CTAs
+  // per SM need it.
   const int max_smem = std::max(SmemBytes(padded, false), SmemBytes(padded, true));
-  if (max_smem > 48 * 1024) RETURN_IF_ERROR(ConfigureKernelOnce(kernel, max_smem));
+  RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel), max_smem,
+                                           /*max_carveout=*/true,
+                                           "cuda decode attention (tensor cores)"));
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * args.head_tiles),
                   static_cast<unsigned>(p.num_seqs),
                   static_cast<unsigned>(plan.num_splits));

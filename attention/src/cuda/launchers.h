@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "cuda/kernel_params.h"
 #include "kvstream/common/dtype.h"
 
@@ -93,6 +94,15 @@ bool DecodeTensorCoresApply(const PagedKernelParams& params, DType q_dtype, DTyp
 absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const PagedKernelParams& params,
                                                      DType cache_dtype,
                                                      const DecodeLaunchOptions& options);
+
+// Lets `kernel` (a __global__ function) launch with `bytes` of dynamic shared memory on
+// the calling thread's current device, and with `max_carveout` all of the unified L1 as
+// shared memory. The attributes change only when a launch needs more than any launch
+// before it on that device: a change can wait for the device to go idle, which must never
+// happen per launch (it would serialise the caller's streams). `what` names the caller in
+// errors. Thread-safe.
+absl::Status AllowDynamicSharedMemory(const void* kernel, int bytes, bool max_carveout,
+                                      absl::string_view what);
 
 // Enqueues the decode kernels on `stream`; returns without waiting. InvalidArgument as
 // DecodeAttentionWorkspaceBytes, for unsupported dtypes or a missing/short workspace;

@@ -17,6 +17,7 @@
 #include "cuda/prefill_attention.cuh"
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/dtype.h"
+#include "kvstream/common/status_macros.h"
 
 namespace kvstream {
 namespace internal {
@@ -33,14 +34,11 @@ absl::Status LaunchTyped(const PagedKernelParams& params, const cuda::PrefillOpt
   const bool fp8_async = options.load_mode == cuda::kPrefillAsyncFp8;
   const int smem = Traits::SmemBytes(fp8_async);
   auto* kernel = &cuda::PrefillAttentionKernel<D, T, Variant>;
-  // The largest of both modes, so that the attribute never has to shrink.
+  // The largest of both modes, so that one change of the attribute serves every launch.
   const int max_smem = std::max(Traits::SmemBytes(true), Traits::SmemBytes(false));
-  cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
-  if (e != cudaSuccess) {
-    return CudaErrorToStatus(e, absl::StrCat("prefill attention: allowing ", max_smem,
-                                             " bytes of shared memory (head dim ", D, ")"));
-  }
+  RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel), max_smem,
+                                           /*max_carveout=*/false,
+                                           absl::StrCat("prefill attention (head dim ", D, ")")));
   const dim3 grid(static_cast<unsigned>(params.num_kv_heads * options.num_m_tiles),
                   static_cast<unsigned>(params.num_seqs));
   kernel<<<grid, Traits::kThreads, smem, stream>>>(params, options);
