@@ -42,21 +42,11 @@ using ::kvstream::gpu_test::ToHost;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::SeqSpec;
+using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
 using ::testing::Contains;
 using ::testing::HasSubstr;
-
-const char* ShortDType(DType d) {
-  switch (d) {
-    case DType::kFloat32: return "f32";
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat8E4M3: return "e4m3";
-    case DType::kFloat8E5M2: return "e5m2";
-    default: return "other";
-  }
-}
 
 class CudaBackendTest : public ::testing::Test {
  protected:

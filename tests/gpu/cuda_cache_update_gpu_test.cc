@@ -37,22 +37,12 @@ namespace {
 using ::kvstream::gpu_test::ToDevice;
 using ::kvstream::gpu_test::ToHost;
 using ::kvstream::testing_util::MakeTestStrides;
+using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
 using ::testing::HasSubstr;
 
 constexpr uint8_t kCacheFill = 0xa5;  // initial cache bytes: untouched bytes must keep it
-
-const char* ShortDType(DType d) {
-  switch (d) {
-    case DType::kFloat32: return "f32";
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat8E4M3: return "e4m3";
-    case DType::kFloat8E5M2: return "e5m2";
-    default: return "other";
-  }
-}
 
 struct Shape {
   int block_size;

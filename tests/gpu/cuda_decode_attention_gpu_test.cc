@@ -34,20 +34,10 @@ using ::kvstream::gpu_test::ExpectMatchesReference;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::SeqSpec;
+using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
 using ::testing::HasSubstr;
-
-const char* ShortDType(DType d) {
-  switch (d) {
-    case DType::kFloat32: return "f32";
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat8E4M3: return "e4m3";
-    case DType::kFloat8E5M2: return "e5m2";
-    default: return "other";
-  }
-}
 
 // Decode batches: one query token per sequence (one sequence without any), lengths from 1
 // to past several tiles and splits.

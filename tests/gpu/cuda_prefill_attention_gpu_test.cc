@@ -42,6 +42,7 @@ using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::ForEachQueryOutput;
 using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
+using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
 
@@ -298,16 +299,6 @@ void ExpectVariantMatchesReference(AttnProblem& pb, const std::vector<uint8_t>& 
   });
   EXPECT_EQ(failures, 0) << "worst absolute error " << worst;
   EXPECT_EQ(nans, 0);
-}
-
-const char* ShortDType(DType d) {
-  switch (d) {
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat8E4M3: return "e4m3";
-    case DType::kFloat8E5M2: return "e5m2";
-    default: return "other";
-  }
 }
 
 // The batch most grids use: prefill, chunked prefill and decode rows, an empty query, and

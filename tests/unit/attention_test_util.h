@@ -396,6 +396,18 @@ inline float OutputTolerance(DType dtype) {
   }
 }
 
+// A dtype's short name for test names: f32, f16, bf16, e4m3, e5m2.
+inline const char* ShortDType(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "f32";
+    case DType::kFloat16: return "f16";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat8E4M3: return "e4m3";
+    case DType::kFloat8E5M2: return "e5m2";
+    default: return "other";
+  }
+}
+
 // One output element of a batch's query rows: sequence s, its token t (output row `row`),
 // head h, element d of the head.
 struct QueryOutput {

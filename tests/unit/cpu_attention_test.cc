@@ -37,6 +37,7 @@ using ::kvstream::testing_util::OutputTolerance;
 using ::kvstream::testing_util::PromptData;
 using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
+using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
 using ::testing::HasSubstr;
@@ -98,17 +99,6 @@ void ExpectFastMatchesReference(AttnProblem& pb) {
     });
     EXPECT_EQ(failures, 0);
     EXPECT_EQ(nans, 0);
-  }
-}
-
-const char* ShortDType(DType d) {
-  switch (d) {
-    case DType::kFloat32: return "f32";
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat8E4M3: return "e4m3";
-    case DType::kFloat8E5M2: return "e5m2";
-    default: return "other";
   }
 }
 
