@@ -39,8 +39,11 @@ using ::kvstream::gpu_test::DeviceAttnProblem;
 using ::kvstream::gpu_test::ExpectMatchesReference;
 using ::kvstream::gpu_test::ToDevice;
 using ::kvstream::gpu_test::ToHost;
+using ::kvstream::testing_util::AllCacheKinds;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
+using ::kvstream::testing_util::CacheKind;
+using ::kvstream::testing_util::QuantSuffix;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
@@ -164,18 +167,6 @@ TEST_F(CudaBackendTest, BorrowedStreamIsUsedAndLeftAlive) {
 // ---------------------------------------------------------------------------------------
 // Decode batches: the decode kernel.
 
-struct CacheKind {
-  DType dtype;
-  KvQuantMode quant;
-};
-
-const CacheKind kAllCacheKinds[] = {
-    {DType::kFloat32, KvQuantMode::kNone},        {DType::kFloat16, KvQuantMode::kNone},
-    {DType::kBFloat16, KvQuantMode::kNone},       {DType::kFloat8E4M3, KvQuantMode::kPerTensor},
-    {DType::kFloat8E4M3, KvQuantMode::kPerHead},  {DType::kFloat8E5M2, KvQuantMode::kPerTensor},
-    {DType::kFloat8E5M2, KvQuantMode::kPerHead},
-};
-
 class CudaBackendDecodeTest
     : public CudaBackendTest,
       public ::testing::WithParamInterface<std::tuple<DType, CacheKind, TestLayout>> {};
@@ -201,15 +192,13 @@ TEST_P(CudaBackendDecodeTest, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(
     AllDTypes, CudaBackendDecodeTest,
     ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-                       ::testing::ValuesIn(kAllCacheKinds),
+                       ::testing::ValuesIn(AllCacheKinds()),
                        ::testing::Values(TestLayout::kNHD, TestLayout::kHND)),
     [](const auto& param_info) {
       const CacheKind& cache = std::get<1>(param_info.param);
       return absl::StrCat("q", ShortDType(std::get<0>(param_info.param)), "_cache",
                           ShortDType(cache.dtype),
-                          cache.quant == KvQuantMode::kPerHead     ? "PerHead"
-                          : cache.quant == KvQuantMode::kPerTensor ? "PerTensor"
-                                                                   : "",
+                          QuantSuffix(cache.quant),
                           "_", TestLayoutName(std::get<2>(param_info.param)));
     });
 
@@ -249,9 +238,7 @@ INSTANTIATE_TEST_SUITE_P(
       const CacheKind& cache = std::get<1>(param_info.param);
       return absl::StrCat("q", ShortDType(std::get<0>(param_info.param)), "_cache",
                           cache.dtype == DType::kFloat32 ? "SameAsQ" : ShortDType(cache.dtype),
-                          cache.quant == KvQuantMode::kPerHead     ? "PerHead"
-                          : cache.quant == KvQuantMode::kPerTensor ? "PerTensor"
-                                                                   : "",
+                          QuantSuffix(cache.quant),
                           "_", TestLayoutName(std::get<2>(param_info.param)));
     });
 

@@ -36,7 +36,10 @@ namespace {
 
 using ::kvstream::gpu_test::ToDevice;
 using ::kvstream::gpu_test::ToHost;
+using ::kvstream::testing_util::AllCacheKinds;
+using ::kvstream::testing_util::CacheKind;
 using ::kvstream::testing_util::MakeTestStrides;
+using ::kvstream::testing_util::QuantSuffix;
 using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
@@ -49,11 +52,6 @@ struct Shape {
   int heads;
   int head_size;
   int head_size_v;
-};
-
-struct CacheKind {
-  DType dtype;
-  KvQuantMode quant;
 };
 
 // One update problem: host inputs, slots and an initial cache, from which the CPU and the
@@ -321,21 +319,13 @@ INSTANTIATE_TEST_SUITE_P(
     AllDTypes, CudaCacheUpdateDTypeTest,
     ::testing::Combine(
         ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-        ::testing::Values(CacheKind{DType::kFloat32, KvQuantMode::kNone},
-                          CacheKind{DType::kFloat16, KvQuantMode::kNone},
-                          CacheKind{DType::kBFloat16, KvQuantMode::kNone},
-                          CacheKind{DType::kFloat8E4M3, KvQuantMode::kPerTensor},
-                          CacheKind{DType::kFloat8E4M3, KvQuantMode::kPerHead},
-                          CacheKind{DType::kFloat8E5M2, KvQuantMode::kPerTensor},
-                          CacheKind{DType::kFloat8E5M2, KvQuantMode::kPerHead}),
+        ::testing::ValuesIn(AllCacheKinds()),
         ::testing::Values(TestLayout::kNHD, TestLayout::kHND, TestLayout::kPadded,
                           TestLayout::kDimStrided)),
     [](const auto& param_info) {
       const CacheKind& kind = std::get<1>(param_info.param);
       return absl::StrCat(ShortDType(std::get<0>(param_info.param)), "_to_", ShortDType(kind.dtype),
-                          kind.quant == KvQuantMode::kPerHead     ? "PerHead"
-                          : kind.quant == KvQuantMode::kPerTensor ? "PerTensor"
-                                                                  : "",
+                          QuantSuffix(kind.quant),
                           "_", TestLayoutName(std::get<2>(param_info.param)));
     });
 

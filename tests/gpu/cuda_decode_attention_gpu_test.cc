@@ -31,8 +31,11 @@ namespace {
 
 using ::kvstream::gpu_test::DeviceAttnProblem;
 using ::kvstream::gpu_test::ExpectMatchesReference;
+using ::kvstream::testing_util::AllCacheKinds;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
+using ::kvstream::testing_util::CacheKind;
+using ::kvstream::testing_util::QuantSuffix;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
@@ -138,11 +141,6 @@ class CudaDecodeTest : public ::testing::Test {
   int num_sms_ = 0;
 };
 
-struct CacheKind {
-  DType dtype;
-  KvQuantMode quant;
-};
-
 // ---------------------------------------------------------------------------------------
 // Every q/out dtype x cache dtype x layout.
 
@@ -172,21 +170,13 @@ INSTANTIATE_TEST_SUITE_P(
     AllDTypes, CudaDecodeDTypeTest,
     ::testing::Combine(
         ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-        ::testing::Values(CacheKind{DType::kFloat32, KvQuantMode::kNone},
-                          CacheKind{DType::kFloat16, KvQuantMode::kNone},
-                          CacheKind{DType::kBFloat16, KvQuantMode::kNone},
-                          CacheKind{DType::kFloat8E4M3, KvQuantMode::kPerTensor},
-                          CacheKind{DType::kFloat8E4M3, KvQuantMode::kPerHead},
-                          CacheKind{DType::kFloat8E5M2, KvQuantMode::kPerTensor},
-                          CacheKind{DType::kFloat8E5M2, KvQuantMode::kPerHead}),
+        ::testing::ValuesIn(AllCacheKinds()),
         ::testing::Values(TestLayout::kNHD, TestLayout::kHND)),
     [](const auto& param_info) {
       const CacheKind& cache = std::get<1>(param_info.param);
       return absl::StrCat("q", ShortDType(std::get<0>(param_info.param)), "_cache",
                           ShortDType(cache.dtype),
-                          cache.quant == KvQuantMode::kPerHead     ? "PerHead"
-                          : cache.quant == KvQuantMode::kPerTensor ? "PerTensor"
-                                                                   : "",
+                          QuantSuffix(cache.quant),
                           "_", TestLayoutName(std::get<2>(param_info.param)));
     });
 

@@ -39,7 +39,9 @@ namespace {
 
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
+using ::kvstream::testing_util::CacheKind;
 using ::kvstream::testing_util::ForEachQueryOutput;
+using ::kvstream::testing_util::QuantSuffix;
 using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::ShortDType;
@@ -364,11 +366,7 @@ INSTANTIATE_TEST_SUITE_P(
 // bytes and padded layouts take the element path, the others cp.async) and strided / dense
 // activations.
 
-struct CacheKind {
-  DType dtype;  // kFloat16 here means "the query's 16-bit type"
-  KvQuantMode quant;
-};
-
+// CacheKind::dtype kFloat16 here means "the query's 16-bit type".
 class CudaPrefillDTypeTest : public ::testing::TestWithParam<std::tuple<DType, CacheKind>> {
  protected:
   void SetUp() override { SKIP_WITHOUT_GPU(); }
@@ -415,9 +413,7 @@ INSTANTIATE_TEST_SUITE_P(
       const bool fp8 = IsFp8(cache.dtype);
       return absl::StrCat("q", ShortDType(std::get<0>(test_info.param)), "_cache",
                           fp8 ? ShortDType(cache.dtype) : "Same",
-                          cache.quant == KvQuantMode::kPerHead     ? "PerHead"
-                          : cache.quant == KvQuantMode::kPerTensor ? "PerTensor"
-                                                                   : "");
+                          QuantSuffix(cache.quant));
     });
 
 // ---------------------------------------------------------------------------------------

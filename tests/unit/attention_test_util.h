@@ -396,6 +396,31 @@ inline float OutputTolerance(DType dtype) {
   }
 }
 
+// A cache dtype with its fp8 scale mode.
+struct CacheKind {
+  DType dtype;
+  KvQuantMode quant;
+};
+
+// Every cache dtype (float32, float16, bfloat16, fp8 e4m3 and e5m2 each per tensor and per
+// head), as the dtype grids of the CPU and GPU tests take them.
+inline std::vector<CacheKind> AllCacheKinds() {
+  return {{DType::kFloat32, KvQuantMode::kNone},
+          {DType::kFloat16, KvQuantMode::kNone},
+          {DType::kBFloat16, KvQuantMode::kNone},
+          {DType::kFloat8E4M3, KvQuantMode::kPerTensor},
+          {DType::kFloat8E4M3, KvQuantMode::kPerHead},
+          {DType::kFloat8E5M2, KvQuantMode::kPerTensor},
+          {DType::kFloat8E5M2, KvQuantMode::kPerHead}};
+}
+
+// The scale mode's part of a test name: "PerHead", "PerTensor" or "".
+inline const char* QuantSuffix(KvQuantMode quant) {
+  return quant == KvQuantMode::kPerHead ? "PerHead"
+         : quant == KvQuantMode::kPerTensor ? "PerTensor"
+                                            : "";
+}
+
 // A dtype's short name for test names: f32, f16, bf16, e4m3, e5m2.
 inline const char* ShortDType(DType d) {
   switch (d) {

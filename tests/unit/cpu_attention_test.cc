@@ -30,11 +30,14 @@
 namespace kvstream {
 namespace {
 
+using ::kvstream::testing_util::AllCacheKinds;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
+using ::kvstream::testing_util::CacheKind;
 using ::kvstream::testing_util::ForEachQueryOutput;
 using ::kvstream::testing_util::OutputTolerance;
 using ::kvstream::testing_util::PromptData;
+using ::kvstream::testing_util::QuantSuffix;
 using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::ShortDType;
@@ -368,11 +371,6 @@ TEST(CpuAttentionMaskTest, QueryHeadsReadTheirGroupsKvHead) {
 // ---------------------------------------------------------------------------------------
 // Fast path against the reference.
 
-struct CacheKind {
-  DType dtype;
-  KvQuantMode quant;
-};
-
 // Every query dtype x every cache dtype and scale mode x both dense layouts.
 class CpuAttentionDTypeGridTest
     : public ::testing::TestWithParam<std::tuple<DType, CacheKind, TestLayout>> {};
@@ -395,21 +393,13 @@ INSTANTIATE_TEST_SUITE_P(
     AllDTypes, CpuAttentionDTypeGridTest,
     ::testing::Combine(
         ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-        ::testing::Values(CacheKind{DType::kFloat32, KvQuantMode::kNone},
-                          CacheKind{DType::kFloat16, KvQuantMode::kNone},
-                          CacheKind{DType::kBFloat16, KvQuantMode::kNone},
-                          CacheKind{DType::kFloat8E4M3, KvQuantMode::kPerTensor},
-                          CacheKind{DType::kFloat8E4M3, KvQuantMode::kPerHead},
-                          CacheKind{DType::kFloat8E5M2, KvQuantMode::kPerTensor},
-                          CacheKind{DType::kFloat8E5M2, KvQuantMode::kPerHead}),
+        ::testing::ValuesIn(AllCacheKinds()),
         ::testing::Values(TestLayout::kNHD, TestLayout::kHND)),
     [](const auto& test_info) {
       const CacheKind& cache = std::get<1>(test_info.param);
       return absl::StrCat("q", ShortDType(std::get<0>(test_info.param)), "_cache",
                           ShortDType(cache.dtype),
-                          cache.quant == KvQuantMode::kPerHead    ? "PerHead"
-                          : cache.quant == KvQuantMode::kPerTensor ? "PerTensor"
-                                                                   : "",
+                          QuantSuffix(cache.quant),
                           "_", TestLayoutName(std::get<2>(test_info.param)));
     });
 
