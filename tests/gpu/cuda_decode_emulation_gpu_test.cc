@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -57,10 +58,10 @@ using internal::PaddedHeadDim;
 
 // Runs every CTA of the split grid for padded head size D and activation type T, then
 // merges the splits on the host as DecodeMergeKernel does.
-template <int D, typename T>
+template <int D, int kNT, typename T>
 absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dtype,
                           int num_splits, EmulationMode mode) {
-  using Traits = tc::DecodeTcTraits<D>;
+  using Traits = tc::DecodeTcTraits<D, kNT>;
   const bool fp8 = IsFp8(cache_dtype);
   const int group = kp.num_heads / kp.num_kv_heads;
   const size_t slots = static_cast<size_t>(kp.num_seqs) * kp.num_heads * num_splits;
@@ -68,7 +69,7 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
   std::vector<float> partial_ml(slots * 2, std::nanf(""));
   tc::DecodeTcArgs args{};
   args.group_size = group;
-  args.head_tiles = (group + 15) / 16;
+  args.head_tiles = (group + Traits::kRows - 1) / Traits::kRows;
   args.num_splits = num_splits;
   args.cache_kind = cache_dtype == DType::kFloat8E4M3   ? tc::kCacheE4M3
                     : cache_dtype == DType::kFloat8E5M2 ? tc::kCacheE5M2
@@ -79,7 +80,7 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
 
   gpu_test::emulation::Cta cta(Traits::kThreads, static_cast<size_t>(Traits::SmemBytes(fp8)));
   cta.set_mode(mode);
-  const std::function<void()> body = [&] { tc::DecodeTcKernel<D, T>(kp, args); };
+  const std::function<void()> body = [&] { tc::DecodeTcKernel<D, kNT, T>(kp, args); };
   for (unsigned z = 0; z < static_cast<unsigned>(num_splits); ++z) {
     for (unsigned y = 0; y < static_cast<unsigned>(kp.num_seqs); ++y) {
       for (unsigned x = 0; x < static_cast<unsigned>(kp.num_kv_heads * args.head_tiles); ++x) {
@@ -154,17 +155,23 @@ absl::Status Emulate(const PagedAttentionParams& host, int num_splits, Emulation
   if (!internal::DecodeTensorCoresApply(*kp, host.q_dtype, host.out_dtype, cache, &why)) {
     return absl::FailedPreconditionError(absl::StrCat("tensor cores do not apply: ", why));
   }
+  // The launcher's choices: padded head size, n8 tiles of heads, activation type.
   const bool bf16 = host.q_dtype == DType::kBFloat16;
+  const bool two = tc::DecodeTcHeadTileRows(kp->num_heads / kp->num_kv_heads) == 16;
+  auto run = [&](auto d_tag, auto nt_tag) {
+    constexpr int kD = decltype(d_tag)::value;
+    constexpr int kNT = decltype(nt_tag)::value;
+    return bf16 ? EmulateTyped<kD, kNT, __nv_bfloat16>(*kp, cache, num_splits, mode)
+                : EmulateTyped<kD, kNT, __half>(*kp, cache, num_splits, mode);
+  };
+  auto run_d = [&](auto d_tag) {
+    return two ? run(d_tag, std::integral_constant<int, 2>())
+               : run(d_tag, std::integral_constant<int, 1>());
+  };
   switch (PaddedHeadDim(kp->head_size, kp->head_size_v)) {
-    case 64:
-      return bf16 ? EmulateTyped<64, __nv_bfloat16>(*kp, cache, num_splits, mode)
-                  : EmulateTyped<64, __half>(*kp, cache, num_splits, mode);
-    case 128:
-      return bf16 ? EmulateTyped<128, __nv_bfloat16>(*kp, cache, num_splits, mode)
-                  : EmulateTyped<128, __half>(*kp, cache, num_splits, mode);
-    default:
-      return bf16 ? EmulateTyped<256, __nv_bfloat16>(*kp, cache, num_splits, mode)
-                  : EmulateTyped<256, __half>(*kp, cache, num_splits, mode);
+    case 64: return run_d(std::integral_constant<int, 64>());
+    case 128: return run_d(std::integral_constant<int, 128>());
+    default: return run_d(std::integral_constant<int, 256>());
   }
 }
 
@@ -253,7 +260,13 @@ INSTANTIATE_TEST_SUITE_P(
         EmuCase{"d192_128_f16_e5m2_group8", 192, 128, 1, 8, 16, kF16, DType::kFloat8E5M2,
                 KvQuantMode::kPerTensor, TestLayout::kNHD, 0, false, 0, 1},
         EmuCase{"d64_f16_group20_two_head_tiles_four_splits", 64, 64, 1, 20, 16, kF16, kF16,
-                KvQuantMode::kNone, TestLayout::kHND, 0, true, 0, 4}),
+                KvQuantMode::kNone, TestLayout::kHND, 0, true, 0, 4},
+        EmuCase{"d128_bf16_group12_two_n8_tiles_alibi", 128, 128, 2, 12, 16, kBf16, kBf16,
+                KvQuantMode::kNone, TestLayout::kNHD, 0, true, 0, 2},
+        EmuCase{"d256_bf16_group16_q_from_shared_memory", 256, 256, 1, 16, 16, kBf16, kBf16,
+                KvQuantMode::kNone, TestLayout::kNHD, 0, false, 0, 1},
+        EmuCase{"d256_f16_e4m3_gqa4_window", 256, 256, 1, 4, 16, kF16, DType::kFloat8E4M3,
+                KvQuantMode::kPerTensor, TestLayout::kNHD, 40, false, 0, 1}),
     [](const auto& test_info) { return std::string(test_info.param.name); });
 
 // A causal bf16 decode case of head size d (K and V), kv_heads KV heads of `group` query

@@ -354,6 +354,24 @@ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
       });
 }
 
+// movmatrix.m8n8.trans.b16: lane l holds row l / 4, columns 2 (l % 4) and +1 of an 8x8
+// matrix x and receives the same places of x^T: x^T[g][2t + e] = x[2t + e][g], which lane
+// 4 (2t + e) + g / 2 holds in half g % 2.
+inline uint32_t MovMatrixTrans(uint32_t x) {
+  uint32_t result = 0;
+  Collective([&](Cta::Slot& s) { s.u[0] = x; },
+             [&](Cta& cta) {
+               const int lane = cta.thread() & 31;
+               const int g = lane >> 2;
+               const int t = lane & 3;
+               for (int e = 0; e < 2; ++e) {
+                 const uint32_t word = cta.Read(4 * (2 * t + e) + g / 2).u[0];
+                 result |= ((word >> (16 * (g % 2))) & 0xffffu) << (16 * e);
+               }
+             });
+  return result;
+}
+
 inline void SyncThreads() { Cta::current->SyncThreads(); }
 inline void SyncWarp() { Collective([](auto&) {}, [](auto&) {}); }
 inline float ShflXor(float value, int lane_mask) {
@@ -428,6 +446,7 @@ template <typename T>
 void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   gpu_test::emulation::Mma16816<T>(c, a, b0, b1);
 }
+inline uint32_t MovMatrixTrans(uint32_t x) { return gpu_test::emulation::MovMatrixTrans(x); }
 inline float FastExp2(float x) { return std::exp2(x); }
 
 }  // namespace ptx

@@ -1,6 +1,7 @@
 // The tensor-core decode kernel's launcher half (decode_tc_launch.h): what the kernel
 // takes (DecodeTensorCoresApply), its split count and the dispatch over padded head size
-// (64 / 128 / 256) x activation type: six instantiations; fp8 caches are converted while
+// (64 / 128 / 256) x n8 tiles of query heads (1 for groups up to 8, else 2) x activation
+// type: twelve instantiations; fp8 caches are converted while
 // staging, not a template argument.
 //
 // Split count. As for the CUDA-core kernel (decode_attention.cu: DecodeSplitLimit,
@@ -35,31 +36,46 @@ namespace tc = decode_tc;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int SmemBytes(int padded, bool fp8) {
+// n8 tiles of query heads per CTA for a group of `group` heads: 1 or 2.
+int NTiles(int group) { return tc::DecodeTcHeadTileRows(group) / 8; }
+
+template <int kNT>
+int SmemBytesFor(int padded, bool fp8) {
   switch (padded) {
-    case 64: return tc::DecodeTcTraits<64>::SmemBytes(fp8);
-    case 128: return tc::DecodeTcTraits<128>::SmemBytes(fp8);
-    default: return tc::DecodeTcTraits<256>::SmemBytes(fp8);
+    case 64: return tc::DecodeTcTraits<64, kNT>::SmemBytes(fp8);
+    case 128: return tc::DecodeTcTraits<128, kNT>::SmemBytes(fp8);
+    default: return tc::DecodeTcTraits<256, kNT>::SmemBytes(fp8);
   }
 }
+int SmemBytes(int padded, int n_tiles, bool fp8) {
+  return n_tiles == 1 ? SmemBytesFor<1>(padded, fp8) : SmemBytesFor<2>(padded, fp8);
+}
 
-int CtasPerSm(int padded) {
+template <int kNT>
+int CtasPerSmFor(int padded) {
   switch (padded) {
-    case 64: return tc::DecodeTcTraits<64>::kMinBlocksPerSm;
-    case 128: return tc::DecodeTcTraits<128>::kMinBlocksPerSm;
-    default: return tc::DecodeTcTraits<256>::kMinBlocksPerSm;
+    case 64: return tc::DecodeTcTraits<64, kNT>::kMinBlocksPerSm;
+    case 128: return tc::DecodeTcTraits<128, kNT>::kMinBlocksPerSm;
+    default: return tc::DecodeTcTraits<256, kNT>::kMinBlocksPerSm;
   }
+}
+int CtasPerSm(int padded, int n_tiles) {
+  return n_tiles == 1 ? CtasPerSmFor<1>(padded) : CtasPerSmFor<2>(padded);
 }
 
 using TcKernel = void (*)(PagedKernelParams, tc::DecodeTcArgs);
 
-template <typename T>
-TcKernel PickKernel(int padded) {
+template <int kNT, typename T>
+TcKernel PickKernelFor(int padded) {
   switch (padded) {
-    case 64: return &tc::DecodeTcKernel<64, T>;
-    case 128: return &tc::DecodeTcKernel<128, T>;
-    default: return &tc::DecodeTcKernel<256, T>;
+    case 64: return &tc::DecodeTcKernel<64, kNT, T>;
+    case 128: return &tc::DecodeTcKernel<128, kNT, T>;
+    default: return &tc::DecodeTcKernel<256, kNT, T>;
   }
+}
+template <typename T>
+TcKernel PickKernel(int padded, int n_tiles) {
+  return n_tiles == 1 ? PickKernelFor<1, T>(padded) : PickKernelFor<2, T>(padded);
 }
 
 }  // namespace
@@ -112,12 +128,14 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cach
   }
   const int padded = PaddedHeadDim(p.head_size, p.head_size_v);
   const int group = p.num_heads / p.num_kv_heads;
-  const int64_t base_ctas = int64_t{p.num_seqs} * p.num_kv_heads * CeilDiv(group, 16);
+  const int64_t base_ctas =
+      int64_t{p.num_seqs} * p.num_kv_heads * CeilDiv(group, tc::DecodeTcHeadTileRows(group));
   DecodeTcPlan plan;
   plan.num_splits = static_cast<int>(
       options.num_splits > 0
           ? options.num_splits
-          : ChooseDecodeSplits(base_ctas, int64_t{options.num_sms} * CtasPerSm(padded),
+          : ChooseDecodeSplits(base_ctas,
+                               int64_t{options.num_sms} * CtasPerSm(padded, NTiles(group)),
                                DecodeSplitLimit(p)));
   (void)cache_dtype;
   if (plan.num_splits > 1) {
@@ -135,7 +153,9 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
   const bool fp8 = IsFp8(cache_dtype);
   tc::DecodeTcArgs args{};
   args.group_size = p.num_heads / p.num_kv_heads;
-  args.head_tiles = static_cast<int32_t>(CeilDiv(args.group_size, 16));
+  const int n_tiles = NTiles(args.group_size);
+  args.head_tiles =
+      static_cast<int32_t>(CeilDiv(args.group_size, tc::DecodeTcHeadTileRows(args.group_size)));
   args.num_splits = plan.num_splits;
   args.cache_kind = cache_dtype == DType::kFloat8E4M3   ? tc::kCacheE4M3
                     : cache_dtype == DType::kFloat8E5M2 ? tc::kCacheE5M2
@@ -143,20 +163,22 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
   args.zero_fill = p.head_size < padded || p.head_size_v < padded;
   args.partial_out = partial_out;
   args.partial_ml = partial_ml;
-  const TcKernel kernel = q_dtype == DType::kBFloat16 ? PickKernel<__nv_bfloat16>(padded)
-                                                      : PickKernel<__half>(padded);
-  const int smem = SmemBytes(padded, fp8);
+  const TcKernel kernel = q_dtype == DType::kBFloat16
+                              ? PickKernel<__nv_bfloat16>(padded, n_tiles)
+                              : PickKernel<__half>(padded, n_tiles);
+  const int smem = SmemBytes(padded, n_tiles, fp8);
   // 16-bit and fp8 caches share one instantiation: allow the larger once. All of the
   // unified L1 as shared memory: the tiles bypass L1 (cp.async.cg), and kMinBlocksPerSm CTAs
   // per SM need it.
-  const int max_smem = std::max(SmemBytes(padded, false), SmemBytes(padded, true));
+  const int max_smem =
+      std::max(SmemBytes(padded, n_tiles, false), SmemBytes(padded, n_tiles, true));
   RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel), max_smem,
                                            /*max_carveout=*/true,
                                            "cuda decode attention (tensor cores)"));
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * args.head_tiles),
                   static_cast<unsigned>(p.num_seqs),
                   static_cast<unsigned>(plan.num_splits));
-  kernel<<<grid, tc::DecodeTcTraits<64>::kThreads, static_cast<size_t>(smem), stream>>>(p, args);
+  kernel<<<grid, tc::DecodeTcTraits<64, 1>::kThreads, static_cast<size_t>(smem), stream>>>(p, args);
   return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
                            "cuda decode attention (tensor cores): split kernel launch");
 }

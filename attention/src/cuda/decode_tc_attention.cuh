@@ -7,10 +7,11 @@
 //   grid = (num_kv_heads * head_tiles, num_seqs, num_splits), block = 128
 // (KV heads fastest, so that CTAs running together read neighbouring rows of the same
 // blocks; see decode_attention.cuh)
-// A head tile is up to 16 query heads of one KV head: they are the M rows of the
-// m16n8k16 mma (rows past the group are zero), so every K and V byte serves all of them.
-// A split is a contiguous range of the sequence's visible keys, a multiple of 64 keys
-// long (the last one shorter).
+// A head tile is up to 8 kNT (kNT = 1 or 2) query heads of one KV head: they are the N
+// columns of the m16n8k16 mma (columns past the group are zero), the keys its M rows, so
+// every K and V byte serves all of them and a group of 4 heads wastes half of each mma,
+// not three quarters as with the heads as the 16 M rows. A split is a contiguous range of
+// the sequence's visible keys, a multiple of 64 keys long (the last one shorter).
 //
 // Data flow inside a CTA:
 //   k_cache: [num_blocks, block_size, num_kv_heads, head_size]    (strides from params)
@@ -21,9 +22,10 @@
 //      an add and a cp.async):
 //      16-bit caches straight into swizzled [64][D] K and V tiles of T; fp8 caches raw
 //      into [64][D] byte tiles, converted to T into one swizzled K/V tile per iteration
-//   -> warp w takes keys [16 w, 16 w + 16) of every tile: S = Q K^T (ldmatrix from the
-//      swizzled tiles, fp32 accumulators), base-2 online softmax per head row,
-//      O += P V (ldmatrix.trans)
+//   -> warp w takes keys [16 w, 16 w + 16) of every tile: S^T = K Q^T (K from the swizzled
+//      tile by ldmatrix, Q^T fragments in registers, fp32 accumulators), base-2 online
+//      softmax per head column, P^T turned into the B fragment by movmatrix.trans,
+//      O^T += V^T P^T (ldmatrix.trans of V)
 //   -> the warps' (max, sum, O) merged through shared memory
 //   -> num_splits == 1: out [num_tokens, num_heads, head_size_v] written directly; else
 //      partial_out [num_seqs, num_heads, num_splits, head_size_v] (unnormalised) and
@@ -32,7 +34,7 @@
 //
 // fp8: the K scale is folded into the softmax scale, the V scale into the output.
 //
-// Shared memory (bytes): loc [kStages][64] RowOffsets | q [16][D] T (swizzled) |
+// Shared memory (bytes): loc [kStages][64] RowOffsets | q [8 kNT][D] T (swizzled) |
 //   16-bit: kv [kStages][2][64][D] T  /  fp8: raw [kStages][2][64][D] bytes, kv [2][64][D] T
 //
 // A host build that defines KVSTREAM_CUDA_EMULATION provides the PTX wrappers (mma_ptx.cuh; and
@@ -66,7 +68,7 @@ enum DecodeTcCacheKind : int { kCache16 = 0, kCacheE4M3 = 1, kCacheE5M2 = 2 };
 // Runtime choices the launcher makes once per call.
 struct DecodeTcArgs {
   int32_t group_size;  // num_heads / num_kv_heads
-  int32_t head_tiles;  // ceil(group_size / 16)
+  int32_t head_tiles;  // ceil(group_size / DecodeTcHeadTileRows(group_size))
   int32_t num_splits;  // 1 .. 256
   int32_t cache_kind;  // DecodeTcCacheKind
   int32_t zero_fill;   // head sizes below D: the tiles' padding columns must be zeroed
@@ -74,13 +76,17 @@ struct DecodeTcArgs {
   float* partial_ml;
 };
 
-template <int D>
+// Query heads per CTA for a group of `group_size`: one n8 tile up to 8 heads, else two.
+inline constexpr int DecodeTcHeadTileRows(int group_size) { return group_size <= 8 ? 8 : 16; }
+
+template <int D, int kNT>
 struct DecodeTcTraits {
   static_assert(D == 64 || D == 128 || D == 256, "padded head sizes 64, 128 and 256");
+  static_assert(kNT == 1 || kNT == 2, "one or two n8 tiles of query heads");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockN = 64;  // keys per tile: 16 per warp
-  static constexpr int kRows = 16;    // query heads per CTA (one m16 tile)
+  static constexpr int kBlockN = 64;     // keys per tile: 16 per warp
+  static constexpr int kRows = 8 * kNT;  // query heads per CTA
   // Stages and CTAs per SM for D = 64 / 128 / 256: 4 x 3, 2 x 3, 2 x 1. At D = 128 three
   // CTAs of two stages (12 warps, 168 registers) measured 0.82-0.85 of the streaming read
   // on the H200 against 0.69-0.72 for two CTAs of three stages (docs/benchmarks.md): the
@@ -114,6 +120,7 @@ using ptx::LdMatrixX4;
 using ptx::LdMatrixX4Trans;
 using ptx::Log2IfPowerOfTwo;
 using ptx::Mma16816;
+using ptx::MovMatrixTrans;
 using ptx::PackPair;
 using ptx::PairBits;
 using ptx::RowOffsets;
@@ -124,17 +131,17 @@ using cuda::FromFloat;  // cuda_common.cuh
 // ---------------------------------------------------------------------------------------
 // The kernel.
 
-template <int D, typename T>
-__global__ void __launch_bounds__(DecodeTcTraits<D>::kThreads,
-                                  DecodeTcTraits<D>::kMinBlocksPerSm)
+template <int D, int kNT, typename T>
+__global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
+                                  DecodeTcTraits<D, kNT>::kMinBlocksPerSm)
     DecodeTcKernel(const __grid_constant__ PagedKernelParams p,
                    const __grid_constant__ DecodeTcArgs a) {
-  using Traits = DecodeTcTraits<D>;
+  using Traits = DecodeTcTraits<D, kNT>;
   constexpr int kThreads = Traits::kThreads;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kRows = Traits::kRows;
   constexpr int kStages = Traits::kStages;
-  constexpr int kDBlocks = D / 8;  // n8 blocks of the output
+  constexpr int kDSteps = D / 16;  // k16 steps of K Q^T, m16 blocks of the output
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kNegInf = -INFINITY;
 
@@ -314,8 +321,12 @@ KVSTREAM_CUDA_UNROLL
     CpAsyncCommit();
   }
 
-  // ---- Per-thread state. Rows (heads) lane / 4 and lane / 4 + 8; keys of the warp's
-  // slice 2 (lane % 4) + {0, 1} and + 8.
+  // ---- Per-thread state. g = lane / 4, t = lane % 4. In the S^T tile of n8 block nt the
+  // thread holds keys g and g + 8 of the warp's 16 (elements {0, 1} and {2, 3}) for heads
+  // 8 nt + 2 t and + 1 (elements e % 2); in the O^T accumulators d = 16 dd + g (+ 8) of
+  // the same heads. Every per-head value (max, sum, slope) is kept for those two heads.
+  const int g = lane >> 2;
+  const int quad_col = 2 * (lane & 3);  // 2 t
   const float k_scale = p.k_scale[p.num_scales == 1 ? 0 : kv_head];
   const float v_scale = p.v_scale[p.num_scales == 1 ? 0 : kv_head];
   const bool soft_cap = p.logits_soft_cap > 0.0f;
@@ -324,45 +335,72 @@ KVSTREAM_CUDA_UNROLL
   const float scale2 = p.scale * k_scale * kLog2e;
   const float cap2 = soft_cap ? p.logits_soft_cap * kLog2e : 0.0f;
   const float inv_cap = soft_cap ? p.scale * k_scale / p.logits_soft_cap : 0.0f;
-  float row_slope2[2];
+  float head_slope2[kNT][2];
+  float head_max[kNT][2];
+  float head_sum[kNT][2];
+  float acc_o[kDSteps][kNT][4];
 KVSTREAM_CUDA_UNROLL
-  for (int half = 0; half < 2; ++half) {
-    const int m = (lane >> 2) + 8 * half;
-    row_slope2[half] = alibi && m < heads_here ? p.alibi_slopes[first_head + m] * kLog2e : 0.0f;
+  for (int nt = 0; nt < kNT; ++nt) {
+KVSTREAM_CUDA_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const int m = 8 * nt + quad_col + j;
+      head_slope2[nt][j] =
+          alibi && m < heads_here ? p.alibi_slopes[first_head + m] * kLog2e : 0.0f;
+      head_max[nt][j] = kNegInf;
+      head_sum[nt][j] = 0.0f;
+    }
+KVSTREAM_CUDA_UNROLL
+    for (int dd = 0; dd < kDSteps; ++dd) {
+KVSTREAM_CUDA_UNROLL
+      for (int e = 0; e < 4; ++e) acc_o[dd][nt][e] = 0.0f;
+    }
   }
-  float acc_o[kDBlocks][4];
-KVSTREAM_CUDA_UNROLL
-  for (int nb = 0; nb < kDBlocks; ++nb) {
-KVSTREAM_CUDA_UNROLL
-    for (int e = 0; e < 4; ++e) acc_o[nb][e] = 0.0f;
-  }
-  float row_max[2] = {kNegInf, kNegInf};
-  float row_sum[2] = {0.0f, 0.0f};
 
-  // ldmatrix addresses (as in prefill_attention.cuh): every row a lane addresses is
-  // lane % 8 modulo 8, so logical chunk 2 kk + s sits at (kk / 4) * 128 +
-  // ((kk % 4) * 32 ^ ((lane % 8 ^ s) * 16)).
-  //   Q (A operand) and V (B operand, transposed): row lane % 16, chunk 2 kk + lane / 16.
-  //   K (B operand): row lane % 8 + 8 (lane / 16), chunk 2 kk + (lane / 8) % 2.
-  const uint32_t swz_qv = static_cast<uint32_t>(((lane & 7) ^ (lane >> 4)) << 4);
-  const uint32_t swz_k = static_cast<uint32_t>(((lane & 7) ^ ((lane >> 3) & 1)) << 4);
-  const uint32_t q_lane_addr = q_base + static_cast<uint32_t>((lane & 15) * D * 2);
-  const uint32_t k_lane_off =
+  // ldmatrix addresses. In a swizzled tile every row a lane addresses is lane % 8 modulo
+  // 8, so logical chunk 2 kk + s of it sits at (kk / 4) * 128 + ((kk % 4) * 32 ^
+  // ((lane % 8 ^ s) * 16)).
+  //   K (A operand, keys x d): row lane % 16, chunk 2 kk + lane / 16.
+  //   V (A operand V^T, d x keys, ldmatrix.trans): row lane % 8 + 8 (lane / 16), chunk
+  //   2 dd + (lane / 8) % 2.
+  //   Q (B operand, d x heads): kNT = 1: rows lane % 8, chunks 2 kk + lane / 8 (two k16
+  //   steps per ldmatrix.x4); kNT = 2: row lane % 8 + 8 (lane / 16), chunk 2 kk +
+  //   (lane / 8) % 2 (one step, both n8 blocks).
+  const uint32_t swz_k = static_cast<uint32_t>(((lane & 7) ^ (lane >> 4)) << 4);
+  const uint32_t swz_v = static_cast<uint32_t>(((lane & 7) ^ ((lane >> 3) & 1)) << 4);
+  const uint32_t k_lane_off = static_cast<uint32_t>((16 * warp + (lane & 15)) * D * 2);
+  const uint32_t v_lane_off =
       static_cast<uint32_t>((16 * warp + (lane & 7) + ((lane >> 4) << 3)) * D * 2);
-  const uint32_t v_lane_off = static_cast<uint32_t>((16 * warp + (lane & 15)) * D * 2);
-  const int k_steps = (head_size + 15) / 16;     // k16 steps of Q K^T that are not padding
-  const int dv_steps = (head_size_v + 15) / 16;  // d16 steps of P V that are not padding
-  const int quad_col = 2 * (lane & 3);
+  const int k_steps = (head_size + 15) / 16;     // k16 steps of K Q^T that are not padding
+  const int dv_steps = (head_size_v + 15) / 16;  // m16 steps of V^T P^T that are not padding
   constexpr int kBatch = 4;  // K / V fragments loaded ahead of their mma chains
-  // Q fragments stay in registers up to D = 128 (32 registers); at 256 the output
-  // accumulators need them, and Q is read from shared memory per step.
-  constexpr bool kQInRegisters = D <= 128;
-  uint32_t q_frag[kQInRegisters ? D / 16 : 1][4];
+  // Q^T fragments stay in registers unless D = 256 with two n8 blocks (64 registers that
+  // the output accumulators need); then they are read from shared memory per step.
+  constexpr bool kQInRegisters = D * kNT <= 256;
+  const uint32_t q_lane_addr =
+      kNT == 1 ? q_base + static_cast<uint32_t>((lane & 7) * D * 2)
+               : q_base + static_cast<uint32_t>(((lane & 7) + ((lane >> 4) << 3)) * D * 2);
+  uint32_t q_frag[kQInRegisters ? kDSteps : 1][kNT][2];
   if constexpr (kQInRegisters) {
+    if constexpr (kNT == 1) {
 KVSTREAM_CUDA_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) {
-      if (kk < k_steps) {
-        LdMatrixX4(q_frag[kk], q_lane_addr + (kk >> 2) * 128 + (swz_qv ^ ((kk & 3) << 5)));
+      for (int kk = 0; kk < kDSteps; kk += 2) {
+        uint32_t r[4];
+        LdMatrixX4(r, q_lane_addr + static_cast<uint32_t>((((2 * kk + (lane >> 3)) ^ (lane & 7))
+                                                          << 4)));
+        q_frag[kk][0][0] = r[0];
+        q_frag[kk][0][1] = r[1];
+        q_frag[kk + 1][0][0] = r[2];
+        q_frag[kk + 1][0][1] = r[3];
+      }
+    } else {
+KVSTREAM_CUDA_UNROLL
+      for (int kk = 0; kk < kDSteps; ++kk) {
+        uint32_t r[4];
+        LdMatrixX4(r, q_lane_addr + (kk >> 2) * 128 + (swz_v ^ ((kk & 3) << 5)));
+        q_frag[kk][0][0] = r[0];
+        q_frag[kk][0][1] = r[1];
+        q_frag[kk][kNT - 1][0] = r[2];
+        q_frag[kk][kNT - 1][1] = r[3];
       }
     }
   }
@@ -393,24 +431,24 @@ KVSTREAM_CUDA_UNROLL
     const int n_valid = min(kBlockN, s_end - tile_lo);
     if (16 * warp >= n_valid) continue;  // warp-uniform: none of the warp's keys exist
 
-    // S = Q K^T for the warp's 16 keys: acc_s[nb] holds keys nb * 8 + quad_col + {0, 1}.
-    float acc_s[2][4];
+    // S^T = K Q^T for the warp's 16 keys.
+    float acc_s[kNT][4];
 KVSTREAM_CUDA_UNROLL
-    for (int nb = 0; nb < 2; ++nb) {
+    for (int nt = 0; nt < kNT; ++nt) {
 KVSTREAM_CUDA_UNROLL
-      for (int e = 0; e < 4; ++e) acc_s[nb][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) acc_s[nt][e] = 0.0f;
     }
 KVSTREAM_CUDA_UNROLL
-    for (int k0 = 0; k0 < D / 16; k0 += kBatch) {
-      uint32_t b[kBatch][4];
-      uint32_t qa[kQInRegisters ? 1 : kBatch][4];
+    for (int k0 = 0; k0 < kDSteps; k0 += kBatch) {
+      uint32_t ka[kBatch][4];
+      uint32_t qb[kQInRegisters ? 1 : kBatch][4];
 KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int kk = k0 + i;
         if (kk < k_steps) {
-          LdMatrixX4(b[i], k_base + k_lane_off + (kk >> 2) * 128 + (swz_k ^ ((kk & 3) << 5)));
+          LdMatrixX4(ka[i], k_base + k_lane_off + (kk >> 2) * 128 + (swz_k ^ ((kk & 3) << 5)));
           if constexpr (!kQInRegisters) {
-            LdMatrixX4(qa[i], q_lane_addr + (kk >> 2) * 128 + (swz_qv ^ ((kk & 3) << 5)));
+            LdMatrixX4(qb[i], q_lane_addr + (kk >> 2) * 128 + (swz_v ^ ((kk & 3) << 5)));
           }
         }
       }
@@ -418,21 +456,27 @@ KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int kk = k0 + i;
         if (kk < k_steps) {
-          const uint32_t(&af)[4] = kQInRegisters ? q_frag[kQInRegisters ? kk : 0]
-                                                 : qa[kQInRegisters ? 0 : i];
-          Mma16816<T>(acc_s[0], af, b[i][0], b[i][1]);
-          Mma16816<T>(acc_s[1], af, b[i][2], b[i][3]);
+KVSTREAM_CUDA_UNROLL
+          for (int nt = 0; nt < kNT; ++nt) {
+            if constexpr (kQInRegisters) {
+              Mma16816<T>(acc_s[nt], ka[i], q_frag[kQInRegisters ? kk : 0][nt][0],
+                          q_frag[kQInRegisters ? kk : 0][nt][1]);
+            } else {
+              Mma16816<T>(acc_s[nt], ka[i], qb[kQInRegisters ? 0 : i][2 * nt],
+                          qb[kQInRegisters ? 0 : i][2 * nt + 1]);
+            }
+          }
         }
       }
     }
 
     // Scores in base 2: soft cap, then ALiBi, then the end of the split.
-    const int key0 = tile_lo + 16 * warp + quad_col;  // key of acc_s[0][0]
+    const int key0 = tile_lo + 16 * warp + g;  // key of acc_s[.][0] and [1]; [2], [3]: + 8
 KVSTREAM_CUDA_UNROLL
-    for (int nb = 0; nb < 2; ++nb) {
+    for (int nt = 0; nt < kNT; ++nt) {
 KVSTREAM_CUDA_UNROLL
       for (int e = 0; e < 4; ++e) {
-        float s = acc_s[nb][e];
+        float s = acc_s[nt][e];
         if (soft_cap) {
           // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7.
           const float x = s * inv_cap;
@@ -440,76 +484,78 @@ KVSTREAM_CUDA_UNROLL
         } else {
           s *= scale2;
         }
-        const int key = key0 + nb * 8 + (e & 1);
+        const int key = key0 + 8 * (e >> 1);
         // slope * (key - q_pos), with key - q_pos formed exactly in integers.
-        if (alibi) s += row_slope2[e >> 1] * static_cast<float>(key - q_pos);
-        acc_s[nb][e] = key < s_end ? s : kNegInf;
+        if (alibi) s += head_slope2[nt][e & 1] * static_cast<float>(key - q_pos);
+        acc_s[nt][e] = key < s_end ? s : kNegInf;
       }
     }
 
-    // Online softmax per row: running max and (per-thread partial) sum, O rescaled. Deep
-    // into a sequence the running max rarely moves, so the rescale of the output
-    // accumulators (64 multiplies at D = 128) is skipped when no row of the warp needs it.
-    float alpha[2];
+    // Online softmax per head: running max and (per-thread partial) sum, O rescaled. A
+    // head's 16 keys are spread over its thread's two elements and the 8 lanes of equal
+    // t. Deep into a sequence the running max rarely moves, so the rescale of the output
+    // accumulators is skipped when no head of the warp needs it.
+    float alpha[kNT][2];
+    bool moved = false;
 KVSTREAM_CUDA_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      float tile_max = fmaxf(fmaxf(acc_s[0][2 * half], acc_s[0][2 * half + 1]),
-                             fmaxf(acc_s[1][2 * half], acc_s[1][2 * half + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float new_max = fmaxf(row_max[half], tile_max);
-      // A row with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
-      const float use_max = new_max == kNegInf ? 0.0f : new_max;
-      alpha[half] = FastExp2(row_max[half] - use_max);
-      row_max[half] = new_max;
-      float sum = 0.0f;
+    for (int nt = 0; nt < kNT; ++nt) {
 KVSTREAM_CUDA_UNROLL
-      for (int nb = 0; nb < 2; ++nb) {
-KVSTREAM_CUDA_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          const float pe = FastExp2(acc_s[nb][2 * half + e] - use_max);
-          acc_s[nb][2 * half + e] = pe;
-          sum += pe;
-        }
+      for (int j = 0; j < 2; ++j) {
+        float tile_max = fmaxf(acc_s[nt][j], acc_s[nt][j + 2]);
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 8));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 16));
+        const float new_max = fmaxf(head_max[nt][j], tile_max);
+        // A head with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
+        const float use_max = new_max == kNegInf ? 0.0f : new_max;
+        alpha[nt][j] = FastExp2(head_max[nt][j] - use_max);
+        moved = moved || alpha[nt][j] != 1.0f;
+        head_max[nt][j] = new_max;
+        const float p0 = FastExp2(acc_s[nt][j] - use_max);
+        const float p1 = FastExp2(acc_s[nt][j + 2] - use_max);
+        acc_s[nt][j] = p0;
+        acc_s[nt][j + 2] = p1;
+        head_sum[nt][j] = head_sum[nt][j] * alpha[nt][j] + (p0 + p1);
       }
-      row_sum[half] = row_sum[half] * alpha[half] + sum;
     }
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+    if (__any_sync(0xffffffffu, moved)) {
 KVSTREAM_CUDA_UNROLL
-      for (int half = 0; half < 2; ++half) {
+      for (int dd = 0; dd < kDSteps; ++dd) {
+        if (dd < dv_steps) {
 KVSTREAM_CUDA_UNROLL
-        for (int nb = 0; nb < kDBlocks; ++nb) {
-          if (nb < 2 * dv_steps) {
-            acc_o[nb][2 * half] *= alpha[half];
-            acc_o[nb][2 * half + 1] *= alpha[half];
+          for (int nt = 0; nt < kNT; ++nt) {
+KVSTREAM_CUDA_UNROLL
+            for (int e = 0; e < 4; ++e) acc_o[dd][nt][e] *= alpha[nt][e & 1];
           }
         }
       }
     }
 
-    // O += P V: P's accumulator layout is the A fragment layout of the next mma.
-    uint32_t pa[4];
-    pa[0] = PackPair<T>(acc_s[0][0], acc_s[0][1]);
-    pa[1] = PackPair<T>(acc_s[0][2], acc_s[0][3]);
-    pa[2] = PackPair<T>(acc_s[1][0], acc_s[1][1]);
-    pa[3] = PackPair<T>(acc_s[1][2], acc_s[1][3]);
+    // O^T += V^T P^T. P^T's accumulator holds (key, head) where the B fragment wants
+    // (head, key): each 8 x 8 half is transposed in registers.
+    uint32_t pb[kNT][2];
 KVSTREAM_CUDA_UNROLL
-    for (int d0 = 0; d0 < D / 16; d0 += kBatch) {
-      uint32_t b[kBatch][4];
+    for (int nt = 0; nt < kNT; ++nt) {
+      pb[nt][0] = MovMatrixTrans(PackPair<T>(acc_s[nt][0], acc_s[nt][1]));
+      pb[nt][1] = MovMatrixTrans(PackPair<T>(acc_s[nt][2], acc_s[nt][3]));
+    }
+KVSTREAM_CUDA_UNROLL
+    for (int d0 = 0; d0 < kDSteps; d0 += kBatch) {
+      uint32_t va[kBatch][4];
 KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int dd = d0 + i;
         if (dd < dv_steps) {
-          LdMatrixX4Trans(b[i], v_base + v_lane_off + (dd >> 2) * 128 +
-                                    (swz_qv ^ ((dd & 3) << 5)));
+          LdMatrixX4Trans(va[i], v_base + v_lane_off + (dd >> 2) * 128 +
+                                     (swz_v ^ ((dd & 3) << 5)));
         }
       }
 KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int dd = d0 + i;
         if (dd < dv_steps) {
-          Mma16816<T>(acc_o[2 * dd], pa, b[i][0], b[i][1]);
-          Mma16816<T>(acc_o[2 * dd + 1], pa, b[i][2], b[i][3]);
+KVSTREAM_CUDA_UNROLL
+          for (int nt = 0; nt < kNT; ++nt) Mma16816<T>(acc_o[dd][nt], va[i], pb[nt][0], pb[nt][1]);
         }
       }
     }
@@ -522,22 +568,26 @@ KVSTREAM_CUDA_UNROLL
   float* const red = reinterpret_cast<float*>(smem);
   float* const ml = red + Traits::kWarps * kRows * D;
 KVSTREAM_CUDA_UNROLL
-  for (int half = 0; half < 2; ++half) {
-    float sum = row_sum[half];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int m = (lane >> 2) + 8 * half;
-    float* const row = red + (warp * kRows + m) * D;
+  for (int nt = 0; nt < kNT; ++nt) {
 KVSTREAM_CUDA_UNROLL
-    for (int nb = 0; nb < kDBlocks; ++nb) {
-      if (nb < 2 * dv_steps) {
-        row[nb * 8 + quad_col] = acc_o[nb][2 * half];
-        row[nb * 8 + quad_col + 1] = acc_o[nb][2 * half + 1];
+    for (int j = 0; j < 2; ++j) {
+      float sum = head_sum[nt][j];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+      const int m = 8 * nt + quad_col + j;
+      float* const row = red + (warp * kRows + m) * D;
+KVSTREAM_CUDA_UNROLL
+      for (int dd = 0; dd < kDSteps; ++dd) {
+        if (dd < dv_steps) {
+          row[16 * dd + g] = acc_o[dd][nt][j];
+          row[16 * dd + g + 8] = acc_o[dd][nt][j + 2];
+        }
       }
-    }
-    if ((lane & 3) == 0) {
-      ml[(warp * kRows + m) * 2] = row_max[half];
-      ml[(warp * kRows + m) * 2 + 1] = sum;
+      if (g == 0) {
+        ml[(warp * kRows + m) * 2] = head_max[nt][j];
+        ml[(warp * kRows + m) * 2 + 1] = sum;
+      }
     }
   }
   __syncthreads();
