@@ -18,8 +18,8 @@
 //   v_cache: [num_blocks, block_size, num_kv_heads, head_size_v]
 //   -> kStages-deep cp.async pipeline of 64-key tiles, one page-table lookup per key row
 //      (looked up one iteration ahead of the copy, through a small ring in shared memory
-//      that holds each row's K and V element offsets (ptx::RowOffsets), so that a copy is
-//      an add and a cp.async):
+//      that holds each row's K and V byte offsets (RowBytes), so that a copy is an add and
+//      a cp.async; rows with nothing to load point at kDecodeZeroRow):
 //      16-bit caches straight into swizzled [64][D] K and V tiles of T; fp8 caches raw
 //      into [64][D] byte tiles, converted to T into one swizzled K/V tile per iteration
 //   -> warp w takes keys [16 w, 16 w + 16) of every tile: S^T = K Q^T (K from the swizzled
@@ -34,7 +34,7 @@
 //
 // fp8: the K scale is folded into the softmax scale, the V scale into the output.
 //
-// Shared memory (bytes): loc [kStages][64] RowOffsets | q [8 kNT][D] T (swizzled) |
+// Shared memory (bytes): loc [kStages][64] RowBytes | q [8 kNT][D] T (swizzled) |
 //   16-bit: kv [kStages][2][64][D] T  /  fp8: raw [kStages][2][64][D] bytes, kv [2][64][D] T
 //
 // A host build that defines KVSTREAM_CUDA_EMULATION provides the PTX wrappers (mma_ptx.cuh; and
@@ -96,7 +96,7 @@ struct DecodeTcTraits {
   static constexpr int kTileBytes = kBlockN * D * 2;     // one 16-bit K or V tile
   static constexpr int kStageBytes = 2 * kTileBytes;     // K and V
   static constexpr int kRawStageBytes = 2 * kBlockN * D;  // fp8 K and V
-  static constexpr int kLocBytes = kStages * kBlockN * 16;  // RowOffsets per key row
+  static constexpr int kLocBytes = kStages * kBlockN * 16;  // RowBytes per key row
   static constexpr int kQOffset = kLocBytes;
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kKvOffset = kQOffset + kQBytes;
@@ -123,10 +123,21 @@ using ptx::Mma16816;
 using ptx::MovMatrixTrans;
 using ptx::PackPair;
 using ptx::PairBits;
-using ptx::RowOffsets;
 using ptx::SmemAddress;
 using ptx::SwizzledChunk;
 using cuda::FromFloat;  // cuda_common.cuh
+
+// Where one key row of a tile is copied from: byte offsets from k_cache and v_cache (block,
+// offset in block and KV head folded in).
+struct alignas(16) RowBytes {
+  int64_t k;
+  int64_t v;
+};
+
+// What a key row with nothing to load is copied from (past the split's keys, or a block id
+// outside the cache): zeros, one row of the widest tile (256 16-bit values). Its offset
+// from a cache pointer stands in for the row's, so that every copy is unconditional.
+static __device__ __align__(16) const uint8_t kDecodeZeroRow[512] = {};
 
 // ---------------------------------------------------------------------------------------
 // The kernel.
@@ -146,7 +157,7 @@ __global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
   constexpr float kNegInf = -INFINITY;
 
   KVSTREAM_CUDA_SHARED_MEMORY(smem);
-  RowOffsets* const loc_smem = reinterpret_cast<RowOffsets*>(smem);
+  RowBytes* const loc_smem = reinterpret_cast<RowBytes*>(smem);
   uint8_t* const q_smem = smem + Traits::kQOffset;
   uint8_t* const kv_smem = smem + Traits::kKvOffset;
   const uint32_t q_base = SmemAddress(q_smem);
@@ -181,21 +192,26 @@ __global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
   const int num_tiles = (s_end - s_begin + kBlockN - 1) / kBlockN;
 
   const int32_t* const block_row = p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
+  const int64_t es = fp8 ? 1 : 2;
   const int64_t k_head_offset = static_cast<int64_t>(kv_head) * p.k_head_stride;
   const int64_t v_head_offset = static_cast<int64_t>(kv_head) * p.v_head_stride;
-  // Page-table lookup of key row r of tile n: the row's element offsets; k = -1 past the split
-  // (the copy then writes zeros) or for an id outside the cache (validation checked the
-  // host mirror; a device table that disagrees leaves the row zero, not read out of bounds).
+  const RowBytes zero_row{
+      reinterpret_cast<const uint8_t*>(kDecodeZeroRow) - static_cast<const uint8_t*>(p.k_cache),
+      reinterpret_cast<const uint8_t*>(kDecodeZeroRow) - static_cast<const uint8_t*>(p.v_cache)};
+  // Page-table lookup of key row r of tile n: the row's byte offsets, or the zero row's past
+  // the split or for an id outside the cache (validation checked the host mirror; a device
+  // table that disagrees leaves the row zero, not read out of bounds).
   const int block_shift = Log2IfPowerOfTwo(p.block_size);
-  auto lookup = [&](int n, int r) -> RowOffsets {
+  auto lookup = [&](int n, int r) -> RowBytes {
     const int j = s_begin + n * kBlockN + r;
-    if (j >= s_end) return RowOffsets{-1, 0};
+    if (j >= s_end) return zero_row;
     const int b = block_shift >= 0 ? j >> block_shift : j / p.block_size;
     const int block = block_row[b];
-    if (block < 0 || block >= p.num_blocks) return RowOffsets{-1, 0};
+    if (block < 0 || block >= p.num_blocks) return zero_row;
     const int64_t offset = j - b * p.block_size;
-    return RowOffsets{block * p.k_block_stride + offset * p.k_token_stride + k_head_offset,
-                      block * p.v_block_stride + offset * p.v_token_stride + v_head_offset};
+    return RowBytes{
+        (block * p.k_block_stride + offset * p.k_token_stride + k_head_offset) * es,
+        (block * p.v_block_stride + offset * p.v_token_stride + v_head_offset) * es};
   };
 
   // ---- Prologue: zero padding, page table of the first kStages tiles, Q.
@@ -205,7 +221,7 @@ __global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int i = tid; i < bytes / 16; i += kThreads) reinterpret_cast<uint4*>(tiles)[i] = zero;
   }
-  RowOffsets loc_ahead{-1, 0};  // threads tid < kBlockN: lookup of tile t + kStages + 1
+  RowBytes loc_ahead = zero_row;  // threads tid < kBlockN: lookup of tile t + kStages + 1
   if (tid < kBlockN) {
 KVSTREAM_CUDA_UNROLL
     for (int st = 0; st < kStages; ++st) loc_smem[st * kBlockN + tid] = lookup(st, tid);
@@ -232,14 +248,15 @@ KVSTREAM_CUDA_UNROLL
   // kFp8Tag: std::true_type for raw fp8 tiles, so that the loop bounds are constants.
   auto issue_tile_as = [&](auto fp8_tag, int n, int stage) {
     constexpr bool kFp8 = decltype(fp8_tag)::value;
-    const RowOffsets* const locs = loc_smem + (n % kStages) * kBlockN;
+    const RowBytes* const locs = loc_smem + (n % kStages) * kBlockN;
     // 16-byte chunks per row: D / 8 of T, or D / 16 of fp8. Up to 16 threads per row, so
     // that a warp's copies cover whole 256-byte row segments.
     constexpr int kChunks = kFp8 ? D / 16 : D / 8;
     constexpr int kPerRow = kChunks < 16 ? kChunks : 16;
     constexpr int kRowsPerPass = kThreads / kPerRow;
     constexpr int kElems = kFp8 ? 16 : 8;
-    constexpr int kEs = kFp8 ? 1 : 2;
+    constexpr int kRowBytes = kFp8 ? D : 2 * D;  // a tile row in shared memory
+    static_assert(kRowsPerPass % 8 == 0, "a pass keeps each thread's row modulo 8");
     const int lrow = tid / kPerRow;
     const int lcol = tid % kPerRow;
     const int k_chunks = head_size / kElems;
@@ -247,27 +264,22 @@ KVSTREAM_CUDA_UNROLL
     // This thread's first chunk of a row.
     const uint8_t* const k = static_cast<const uint8_t*>(p.k_cache) + lcol * 16;
     const uint8_t* const v = static_cast<const uint8_t*>(p.v_cache) + lcol * 16;
+    const uint32_t stage_base =
+        kv_base + stage * (kFp8 ? Traits::kRawStageBytes : Traits::kStageBytes);
+    constexpr uint32_t kVOffset = kFp8 ? kBlockN * D : Traits::kTileBytes;
 KVSTREAM_CUDA_UNROLL
-    for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
-      const int r = lrow + pass * kRowsPerPass;
-      const RowOffsets loc = locs[r];
-      const bool valid = loc.k >= 0;
-      // An invalid row copies nothing (src-size 0) from the cache's first row.
-      const uint8_t* const k_row = k + (valid ? loc.k * kEs : 0);
-      const uint8_t* const v_row = v + (valid ? loc.v * kEs : 0);
+    for (int i = 0; i < kChunks / kPerRow; ++i) {
+      const int c = lcol + i * kPerRow;
+      if (c >= k_chunks && c >= v_chunks) break;  // head sizes below D: padding columns
+      // Row lrow of the tile; pass `pass` adds whole rows (the swizzle repeats every 8).
+      const uint32_t dst0 = stage_base + (kFp8 ? static_cast<uint32_t>(lrow * D + c * 16)
+                                               : SwizzledChunk<D>(lrow, c));
 KVSTREAM_CUDA_UNROLL
-      for (int i = 0; i < kChunks / kPerRow; ++i) {
-        const int c = lcol + i * kPerRow;
-        uint32_t k_dst, v_dst;
-        if constexpr (kFp8) {
-          k_dst = kv_base + stage * Traits::kRawStageBytes + r * D + c * 16;
-          v_dst = k_dst + kBlockN * D;
-        } else {
-          k_dst = kv_base + stage * Traits::kStageBytes + SwizzledChunk<D>(r, c);
-          v_dst = k_dst + Traits::kTileBytes;
-        }
-        if (c < k_chunks) CpAsync16(k_dst, k_row + i * kPerRow * 16, valid);
-        if (c < v_chunks) CpAsync16(v_dst, v_row + i * kPerRow * 16, valid);
+      for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
+        const RowBytes loc = locs[lrow + pass * kRowsPerPass];
+        const uint32_t k_dst = dst0 + pass * kRowsPerPass * kRowBytes;
+        if (c < k_chunks) CpAsync16(k_dst, k + loc.k + i * kPerRow * 16, true);
+        if (c < v_chunks) CpAsync16(k_dst + kVOffset, v + loc.v + i * kPerRow * 16, true);
       }
     }
   };
@@ -370,8 +382,9 @@ KVSTREAM_CUDA_UNROLL
   const uint32_t k_lane_off = static_cast<uint32_t>((16 * warp + (lane & 15)) * D * 2);
   const uint32_t v_lane_off =
       static_cast<uint32_t>((16 * warp + (lane & 7) + ((lane >> 4) << 3)) * D * 2);
-  const int k_steps = (head_size + 15) / 16;     // k16 steps of K Q^T that are not padding
-  const int dv_steps = (head_size_v + 15) / 16;  // m16 steps of V^T P^T that are not padding
+  // Every k16 step of K Q^T and m16 block of V^T P^T runs, also those of padding columns
+  // (head sizes below D): the padding of Q, K and V is zero, so they add exact zeros and
+  // the loops keep constant bounds.
   constexpr int kBatch = 4;  // K / V fragments loaded ahead of their mma chains
   // Q^T fragments stay in registers unless D = 256 with two n8 blocks (64 registers that
   // the output accumulators need); then they are read from shared memory per step.
@@ -445,26 +458,22 @@ KVSTREAM_CUDA_UNROLL
 KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int kk = k0 + i;
-        if (kk < k_steps) {
-          LdMatrixX4(ka[i], k_base + k_lane_off + (kk >> 2) * 128 + (swz_k ^ ((kk & 3) << 5)));
-          if constexpr (!kQInRegisters) {
-            LdMatrixX4(qb[i], q_lane_addr + (kk >> 2) * 128 + (swz_v ^ ((kk & 3) << 5)));
-          }
+        LdMatrixX4(ka[i], k_base + k_lane_off + (kk >> 2) * 128 + (swz_k ^ ((kk & 3) << 5)));
+        if constexpr (!kQInRegisters) {
+          LdMatrixX4(qb[i], q_lane_addr + (kk >> 2) * 128 + (swz_v ^ ((kk & 3) << 5)));
         }
       }
 KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int kk = k0 + i;
-        if (kk < k_steps) {
 KVSTREAM_CUDA_UNROLL
-          for (int nt = 0; nt < kNT; ++nt) {
-            if constexpr (kQInRegisters) {
-              Mma16816<T>(acc_s[nt], ka[i], q_frag[kQInRegisters ? kk : 0][nt][0],
-                          q_frag[kQInRegisters ? kk : 0][nt][1]);
-            } else {
-              Mma16816<T>(acc_s[nt], ka[i], qb[kQInRegisters ? 0 : i][2 * nt],
-                          qb[kQInRegisters ? 0 : i][2 * nt + 1]);
-            }
+        for (int nt = 0; nt < kNT; ++nt) {
+          if constexpr (kQInRegisters) {
+            Mma16816<T>(acc_s[nt], ka[i], q_frag[kQInRegisters ? kk : 0][nt][0],
+                        q_frag[kQInRegisters ? kk : 0][nt][1]);
+          } else {
+            Mma16816<T>(acc_s[nt], ka[i], qb[kQInRegisters ? 0 : i][2 * nt],
+                        qb[kQInRegisters ? 0 : i][2 * nt + 1]);
           }
         }
       }
@@ -521,12 +530,10 @@ KVSTREAM_CUDA_UNROLL
     if (__any_sync(0xffffffffu, moved)) {
 KVSTREAM_CUDA_UNROLL
       for (int dd = 0; dd < kDSteps; ++dd) {
-        if (dd < dv_steps) {
 KVSTREAM_CUDA_UNROLL
-          for (int nt = 0; nt < kNT; ++nt) {
+        for (int nt = 0; nt < kNT; ++nt) {
 KVSTREAM_CUDA_UNROLL
-            for (int e = 0; e < 4; ++e) acc_o[dd][nt][e] *= alpha[nt][e & 1];
-          }
+          for (int e = 0; e < 4; ++e) acc_o[dd][nt][e] *= alpha[nt][e & 1];
         }
       }
     }
@@ -545,17 +552,14 @@ KVSTREAM_CUDA_UNROLL
 KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
         const int dd = d0 + i;
-        if (dd < dv_steps) {
-          LdMatrixX4Trans(va[i], v_base + v_lane_off + (dd >> 2) * 128 +
-                                     (swz_v ^ ((dd & 3) << 5)));
-        }
+        LdMatrixX4Trans(va[i],
+                        v_base + v_lane_off + (dd >> 2) * 128 + (swz_v ^ ((dd & 3) << 5)));
       }
 KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < kBatch; ++i) {
-        const int dd = d0 + i;
-        if (dd < dv_steps) {
 KVSTREAM_CUDA_UNROLL
-          for (int nt = 0; nt < kNT; ++nt) Mma16816<T>(acc_o[dd][nt], va[i], pb[nt][0], pb[nt][1]);
+        for (int nt = 0; nt < kNT; ++nt) {
+          Mma16816<T>(acc_o[d0 + i][nt], va[i], pb[nt][0], pb[nt][1]);
         }
       }
     }
@@ -579,10 +583,8 @@ KVSTREAM_CUDA_UNROLL
       float* const row = red + (warp * kRows + m) * D;
 KVSTREAM_CUDA_UNROLL
       for (int dd = 0; dd < kDSteps; ++dd) {
-        if (dd < dv_steps) {
-          row[16 * dd + g] = acc_o[dd][nt][j];
-          row[16 * dd + g + 8] = acc_o[dd][nt][j + 2];
-        }
+        row[16 * dd + g] = acc_o[dd][nt][j];
+        row[16 * dd + g + 8] = acc_o[dd][nt][j + 2];
       }
       if (g == 0) {
         ml[(warp * kRows + m) * 2] = head_max[nt][j];
