@@ -25,6 +25,23 @@ namespace kvstream {
 namespace internal {
 namespace cuda {
 
+// Programmatic dependent launch (compute capability 9.0 and newer; nothing elsewhere and
+// in host builds). AllowDependentLaunch: the next kernel in the stream, when launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization, may start its CTAs once every CTA of
+// this grid has called it or exited. WaitForPrerequisiteGrids: blocks until the grids this
+// one depends on have completed and their memory writes are visible; everything before it
+// must not read what they write.
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WaitForPrerequisiteGrids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 template <typename T>
 struct IsFp8Type {
   static constexpr bool value = false;

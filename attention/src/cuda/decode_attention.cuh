@@ -205,6 +205,7 @@ __global__ void __launch_bounds__(kThreads, kG * kChunks >= 8 ? 1 : 3)
   constexpr int kR = ChunkElems<CacheT>::value;
   constexpr int kEs = static_cast<int>(sizeof(CacheT));
   extern __shared__ __align__(16) unsigned char smem[];
+  cuda::AllowDependentLaunch();  // the merge kernel waits for this grid's end itself
 
   const int seq = static_cast<int>(blockIdx.y);
   const int kv_head = static_cast<int>(blockIdx.x) / geo.head_tiles;
@@ -548,6 +549,11 @@ __global__ void __launch_bounds__(kThreads)
   const int q_row = bounds.q_start;
   const int S = geo.num_splits;
   const int64_t first_slot = (static_cast<int64_t>(seq) * p.num_heads + h) * S;
+  const int kv_head = h / (p.num_heads / p.num_kv_heads);
+  const float v_scale = p.v_scale[p.num_scales == 1 ? 0 : kv_head];
+  // Launched as a dependent of the split kernel: the partial results are complete and
+  // visible only past this point.
+  cuda::WaitForPrerequisiteGrids();
   if (threadIdx.x == 0) {
     float big = -INFINITY;
     for (int i = 0; i < S; ++i) big = fmaxf(big, geo.partial_ml[(first_slot + i) * 2]);
@@ -561,8 +567,6 @@ __global__ void __launch_bounds__(kThreads)
     inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
   }
   __syncthreads();
-  const int kv_head = h / (p.num_heads / p.num_kv_heads);
-  const float v_scale = p.v_scale[p.num_scales == 1 ? 0 : kv_head];
   const int Dv = p.head_size_v;
   for (int d = static_cast<int>(threadIdx.x); d < Dv; d += kThreads) {
     float o = 0.0f;

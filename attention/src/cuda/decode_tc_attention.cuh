@@ -163,6 +163,7 @@ __global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
   const uint32_t q_base = SmemAddress(q_smem);
   const uint32_t kv_base = SmemAddress(kv_smem);
 
+  cuda::AllowDependentLaunch();  // the merge kernel waits for this grid's end itself
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
