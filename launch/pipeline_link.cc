@@ -17,6 +17,7 @@
 #include <fstream>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -27,7 +28,7 @@ namespace {
 
 constexpr uint32_t kFrameMagic = 0x4650564B;  // "KVPF"
 constexpr uint32_t kHelloMagic = 0x4850564B;  // "KVPH"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the hello carries the group key
 constexpr size_t kFrameHeaderBytes = 12;  // magic, payload length
 // step, schedule, value count, error count: the payload of an empty message.
 constexpr uint64_t kMinPayload = 8 + 8 + 8 + 4;
@@ -152,26 +153,32 @@ absl::Status RecvAll(int fd, char* out, size_t len, absl::Time deadline, absl::s
   return absl::OkStatus();
 }
 
-std::string EncodeHello(int stage, int num_stages) {
+// Hello: magic, version, stage, number of stages, group key length (4 bytes each), key.
+std::string EncodeHello(int stage, int num_stages, const std::string& group_key) {
   std::string out;
   Put(out, kHelloMagic, 4);
   Put(out, kVersion, 4);
   Put(out, static_cast<uint32_t>(stage), 4);
   Put(out, static_cast<uint32_t>(num_stages), 4);
+  Put(out, group_key.size(), 4);
+  out += group_key;
   return out;
 }
 
-// Receives the other side's hello and checks it is `want_stage` of `num_stages`.
-absl::Status ExpectHello(int fd, int want_stage, int num_stages, absl::Time deadline) {
-  std::string buf(16, '\0');
+// Receives the other side's hello and checks it is `want_stage` of `num_stages` with the
+// same group key.
+absl::Status ExpectHello(int fd, int want_stage, int num_stages, const std::string& group_key,
+                         absl::Time deadline) {
+  std::string buf(20, '\0');
   size_t got = 0;
   RETURN_IF_ERROR(RecvAll(fd, buf.data(), buf.size(), deadline, "pipeline stage hello", &got));
   Reader r(buf);
-  uint64_t magic = 0, version = 0, stage = 0, stages = 0;
+  uint64_t magic = 0, version = 0, stage = 0, stages = 0, key_bytes = 0;
   r.Get(4, magic);
   r.Get(4, version);
   r.Get(4, stage);
   r.Get(4, stages);
+  r.Get(4, key_bytes);
   if (magic != kHelloMagic || version != kVersion) {
     return absl::FailedPreconditionError(
         "pipeline stage hello: not a kvstream stage (or another version)");
@@ -180,6 +187,19 @@ absl::Status ExpectHello(int fd, int want_stage, int num_stages, absl::Time dead
     return absl::FailedPreconditionError(absl::StrCat(
         "pipeline stage hello: expected stage ", want_stage, " of ", num_stages, ", got stage ",
         stage, " of ", stages, " (do the decode ranks agree on the pipeline size?)"));
+  }
+  if (key_bytes > kMaxStageGroupKeyBytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("pipeline stage hello: stage ", stage, " announces a group key of ",
+                     key_bytes, " bytes, more than ", kMaxStageGroupKeyBytes));
+  }
+  std::string key(static_cast<size_t>(key_bytes), '\0');
+  RETURN_IF_ERROR(RecvAll(fd, key.data(), key.size(), deadline, "pipeline stage hello", &got));
+  if (key != group_key) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pipeline stage hello: stage ", stage, " belongs to group '", absl::CHexEscape(key),
+        "', this stage to '", absl::CHexEscape(group_key),
+        "' (stages of another job or model on the same rendezvous path?)"));
   }
   return absl::OkStatus();
 }
@@ -543,6 +563,11 @@ absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOp
   if (o.num_stages > 1 && o.rendezvous.empty()) {
     return absl::InvalidArgumentError("pipeline stages need a rendezvous path");
   }
+  if (o.group_key.size() > kMaxStageGroupKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline stage group key of ",
+                                                   o.group_key.size(), " bytes, more than ",
+                                                   kMaxStageGroupKeyBytes));
+  }
   if (o.max_frame_bytes < kMinPayload) {
     return absl::InvalidArgumentError(absl::StrCat("pipeline stage frames of at most ",
                                                    o.max_frame_bytes, " bytes cannot hold a ",
@@ -562,9 +587,9 @@ absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOp
     ASSIGN_OR_RETURN(next, ConnectNext(absl::StrCat(o.rendezvous, ".pp", o.stage + 1), deadline));
     NoDelay(next.get());
     size_t sent = 0;
-    RETURN_IF_ERROR(SendAll(next.get(), EncodeHello(o.stage, o.num_stages), deadline,
-                            "pipeline stage hello", &sent));
-    RETURN_IF_ERROR(ExpectHello(next.get(), o.stage + 1, o.num_stages, deadline));
+    RETURN_IF_ERROR(SendAll(next.get(), EncodeHello(o.stage, o.num_stages, o.group_key),
+                            deadline, "pipeline stage hello", &sent));
+    RETURN_IF_ERROR(ExpectHello(next.get(), o.stage + 1, o.num_stages, o.group_key, deadline));
   }
   if (o.stage > 0) {
     RETURN_IF_ERROR(WaitFor(listener.get(), POLLIN, deadline,
@@ -572,10 +597,10 @@ absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOp
     prev = Fd(accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
     if (!prev.valid()) return Errno("accepting the previous pipeline stage");
     NoDelay(prev.get());
-    RETURN_IF_ERROR(ExpectHello(prev.get(), o.stage - 1, o.num_stages, deadline));
+    RETURN_IF_ERROR(ExpectHello(prev.get(), o.stage - 1, o.num_stages, o.group_key, deadline));
     size_t sent = 0;
-    RETURN_IF_ERROR(SendAll(prev.get(), EncodeHello(o.stage, o.num_stages), deadline,
-                            "pipeline stage hello", &sent));
+    RETURN_IF_ERROR(SendAll(prev.get(), EncodeHello(o.stage, o.num_stages, o.group_key),
+                            deadline, "pipeline stage hello", &sent));
     Unpublish(published_path, published);
   }
   return std::unique_ptr<StageChannel>(

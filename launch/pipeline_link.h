@@ -11,8 +11,10 @@
 //   RETURN_IF_ERROR(channel->SendBackward(logits_and_errors, deadline));
 //
 // ConnectStages joins the stages over TCP: stage s > 0 listens and publishes its address in
-// the file "<rendezvous>.pp<s>"; stage s < last connects to stage s + 1. Frames are
-// length-prefixed, capped in size and decoded strictly; every wait has a deadline.
+// the file "<rendezvous>.pp<s>"; stage s < last connects to stage s + 1, and the two check
+// each other's stage number, stage count and group key (the worker's: group engine id,
+// model, mpirun job) in a hello. Frames are length-prefixed, capped in size and decoded
+// strictly; every wait has a deadline.
 //
 // A link to a neighbour carries a byte stream, so a frame cut short leaves it out of step:
 // once any byte of a frame has moved, a failure (deadline, socket error, malformed frame)
@@ -34,7 +36,8 @@
 
 namespace kvstream {
 
-// Limits of a StageError on the wire.
+// Limits of a StageError on the wire, and of a group key.
+inline constexpr size_t kMaxStageGroupKeyBytes = 1024;
 inline constexpr size_t kMaxStageRequestIdBytes = 256;
 inline constexpr size_t kMaxStageErrorMessageBytes = 4096;
 
@@ -86,6 +89,10 @@ struct StageChannelOptions {
   // Where stages > 0 listen: "127.0.0.1" on one host, "0.0.0.0" across hosts (the file then
   // holds this host's first non-loopback address).
   std::string listen_host = "127.0.0.1";
+  // What every stage of one group must share (at most kMaxStageGroupKeyBytes): stages whose
+  // keys differ refuse each other at the hello, so that stages of another job or of another
+  // model that find the same rendezvous files never exchange hidden states.
+  std::string group_key;
   absl::Duration timeout = absl::Seconds(60);  // for the whole setup
   // Largest payload of one frame, either way. Send refuses bigger messages; Receive refuses a
   // bigger announced length before reading its payload, and grows its buffer only as bytes
@@ -97,7 +104,8 @@ struct StageChannelOptions {
 // Connects this stage to its neighbours (see above). InvalidArgument for bad options
 // (including a max_frame_bytes too small for an empty message);
 // DeadlineExceeded when a neighbour does not show up in time; Unavailable for socket errors;
-// FailedPrecondition when the peer is not the expected stage of as many stages.
+// FailedPrecondition when the peer is not the expected stage of as many stages or has
+// another group key.
 absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOptions& options);
 
 // The address peers should dial for a listening "host:port": a wildcard host is replaced by

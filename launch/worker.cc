@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -188,6 +189,19 @@ absl::StatusOr<std::pair<std::string, int>> ReadAddressFile(const std::string& p
       absl::StrCat("the prefill worker did not write ", path, " in time"));
 }
 
+// What the pipeline stages of one decode group must share (StageChannelOptions::group_key):
+// the group's engine id, every model field that changes the numbers the stages pass along,
+// and under mpirun the job (its PMIx namespace), so that stages of another job or model that
+// find the same rendezvous files are refused at the hello.
+std::string StageGroupKey(const std::string& group_engine_id, const ToyModelConfig& m) {
+  const char* job = std::getenv("PMIX_NAMESPACE");
+  return absl::StrCat("engine ", group_engine_id, "; model vocab ", m.vocab_size, " layers ",
+                      m.num_layers, " heads ", m.num_heads, "/", m.num_kv_heads, " head size ",
+                      m.head_size, " mlp ", m.intermediate_size, " rope ", m.rope_theta,
+                      " block ", m.block_size, " kv ", m.kv_cache_dtype, " ", m.layout,
+                      " seed ", m.seed, "; job ", job != nullptr ? job : "-");
+}
+
 int Fail(std::ostream& err, const absl::Status& s) {
   err << "kvstream worker: " << s << "\n";
   return 1;
@@ -250,6 +264,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   }
   const bool last_stage = !pipeline || k.pipeline_rank + 1 == k.pipeline_parallel_size;
   absl::StrAppend(&config->engine_id, prefill ? "-prefill" : "-decode", o.index);
+  const std::string group_engine_id = config->engine_id;
   if (pipeline) absl::StrAppend(&config->engine_id, "-pp", k.pipeline_rank);
 
   // The stages of a decode group meet before building their models (which can take long).
@@ -270,6 +285,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
                          ? "127.0.0.1"
                          : "0.0.0.0";
     so.timeout = absl::Seconds(o.connect_timeout_s);
+    so.group_key = StageGroupKey(group_engine_id, o.model);
     auto channel = ConnectStages(so);
     if (!channel.ok()) return Fail(err, channel.status());
     stages = std::move(*channel);

@@ -233,13 +233,14 @@ class StageLinkTest : public ::testing::Test {
     EXPECT_GE(peer_, 0);
     const timeval two_seconds{2, 0};
     setsockopt(peer_, SOL_SOCKET, SO_RCVTIMEO, &two_seconds, sizeof(two_seconds));
-    std::string hello(16, '\0');
-    EXPECT_EQ(recv(peer_, hello.data(), hello.size(), MSG_WAITALL), 16);
+    std::string hello(20, '\0');
+    EXPECT_EQ(recv(peer_, hello.data(), hello.size(), MSG_WAITALL), 20);  // empty group key
     hello.clear();
     Put(hello, 0x4850564B, 4);  // "KVPH"
-    Put(hello, 1, 4);           // version
+    Put(hello, 2, 4);           // version
     Put(hello, 1, 4);           // stage 1
     Put(hello, 2, 4);           // of 2
+    Put(hello, 0, 4);           // group key: empty, as stage 0's
     Write(hello);
     connect.join();
     EXPECT_TRUE(channel.ok()) << channel.status();
@@ -476,6 +477,38 @@ TEST_F(StageLinkTest, StagesThatDisagreeOnThePipelineSizeAreRejected) {
   EXPECT_EQ(last.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(last.status().message(), HasSubstr("expected stage 0 of 2, got stage 0 of 3"));
   EXPECT_FALSE(first.ok());
+}
+
+TEST_F(StageLinkTest, StagesOfAnotherGroupAreRejected) {
+  absl::StatusOr<std::unique_ptr<StageChannel>> first = absl::UnknownError("unset");
+  absl::StatusOr<std::unique_ptr<StageChannel>> last = absl::UnknownError("unset");
+  StageChannelOptions a = Options(0, 2, absl::Seconds(20));
+  a.group_key = "engine kvs-decode0; job one";
+  StageChannelOptions b = Options(1, 2, absl::Seconds(20));
+  b.group_key = "engine kvs-decode0; job two";
+  std::thread t0([&] { first = ConnectStages(a); });
+  std::thread t1([&] { last = ConnectStages(b); });
+  t0.join();
+  t1.join();
+  EXPECT_EQ(last.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(last.status().message(),
+              HasSubstr("stage 0 belongs to group 'engine kvs-decode0; job one', this stage to "
+                        "'engine kvs-decode0; job two'"));
+  EXPECT_FALSE(first.ok());
+
+  // Equal keys connect; a key over the limit is refused before anything is published.
+  b.group_key = a.group_key;
+  std::thread t2([&] { first = ConnectStages(a); });
+  std::thread t3([&] { last = ConnectStages(b); });
+  t2.join();
+  t3.join();
+  EXPECT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(last.ok()) << last.status();
+  StageChannelOptions long_key = Options(1, 2, absl::Seconds(1));
+  long_key.group_key.assign(kMaxStageGroupKeyBytes + 1, 'k');
+  const auto refused = ConnectStages(long_key);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("group key"));
 }
 
 TEST_F(StageLinkTest, MissingNeighbourIsADeadline) {
