@@ -88,9 +88,9 @@ struct DecodeTcTraits {
   static constexpr int kBlockN = 64;     // keys per tile: 16 per warp
   static constexpr int kRows = 8 * kNT;  // query heads per CTA
   // Stages and CTAs per SM for D = 64 / 128 / 256: 4 x 3, 2 x 3, 2 x 1. At D = 128 three
-  // CTAs of two stages (12 warps, 168 registers) measured 0.82-0.85 of the streaming read
-  // on the H200 against 0.69-0.72 for two CTAs of three stages (docs/benchmarks.md): the
-  // kernel is bound by instruction latency more than by bytes in flight.
+  // CTAs of two stages (12 warps) measured 0.93-0.95 of the streaming read on the H200
+  // against 0.78-0.83 for two CTAs of three stages and for four CTAs of three warps
+  // (48-key tiles) (docs/benchmarks.md).
   static constexpr int kStages = D == 64 ? 4 : 2;
   static constexpr int kMinBlocksPerSm = D == 64 ? 3 : D == 128 ? 3 : 1;
   static constexpr int kTileBytes = kBlockN * D * 2;     // one 16-bit K or V tile
