@@ -9,6 +9,8 @@
 #                      pipeline stages (layers 0 and 1-3): bit-identical outputs, and each
 #                      stage received exactly its layers' bytes
 #   mismatch           different block sizes: rejected at handshake, requests fail clearly
+#   mismatch-pp        two pipeline stages of one decode worker built with different model
+#                      seeds: they refuse each other at the stage hello and both exit non-zero
 #   kill-producer      the prefill worker dies mid-stream: load errors, recompute, correct
 #                      output, no block leaked on the decode worker
 #   kill-producer-pp   the same with a decode worker of two pipeline stages: the prefill worker
@@ -190,6 +192,18 @@ case "$scenario" in
     run_decode
     [ $drc -eq 3 ] || fail "decode worker exited $drc, expected 3 (requests failed)"
     grep -q "compatibility mismatch" "$work/decode.out" || fail "no compatibility error"
+    ;;
+  mismatch-pp)
+    start_prefill --idle-timeout=5
+    "$bin" worker --role=decode --kv-transfer-config="$(cfg decode)" $model $prompts \
+        --address-file="$addr" --pp-layers=0,1-3 --pp-rank=0 --seed=2 \
+        >"$work/decode0.out" 2>&1 &
+    d0pid=$!
+    run_decode --pp-layers=0,1-3 --pp-rank=1
+    wait $d0pid; d0rc=$?
+    cat "$work/decode0.out" >>"$work/decode.out"
+    [ $drc -ne 0 ] && [ $d0rc -ne 0 ] || fail "stages of different models ran (exit $d0rc and $drc)"
+    grep -q "belongs to group" "$work/decode.out" || fail "no group key error"
     ;;
   kill-producer)
     start_prefill --crash-after-layer=1
