@@ -39,10 +39,12 @@ using ::kvstream::gpu_test::DeviceAttnProblem;
 using ::kvstream::gpu_test::ExpectMatchesReference;
 using ::kvstream::gpu_test::ToDevice;
 using ::kvstream::gpu_test::ToHost;
-using ::kvstream::testing_util::AllCacheKinds;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::CacheKind;
+using ::kvstream::testing_util::DTypeGrid;
+using ::kvstream::testing_util::DTypeGridName;
+using ::kvstream::testing_util::DTypeGridParam;
 using ::kvstream::testing_util::QuantSuffix;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::ShortDType;
@@ -169,7 +171,7 @@ TEST_F(CudaBackendTest, BorrowedStreamIsUsedAndLeftAlive) {
 
 class CudaBackendDecodeTest
     : public CudaBackendTest,
-      public ::testing::WithParamInterface<std::tuple<DType, CacheKind, TestLayout>> {};
+      public ::testing::WithParamInterface<DTypeGridParam> {};
 
 TEST_P(CudaBackendDecodeTest, MatchesReference) {
   const auto& [q_dtype, cache, layout] = GetParam();
@@ -189,18 +191,7 @@ TEST_P(CudaBackendDecodeTest, MatchesReference) {
   ExpectMatches(pb);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllDTypes, CudaBackendDecodeTest,
-    ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-                       ::testing::ValuesIn(AllCacheKinds()),
-                       ::testing::Values(TestLayout::kNHD, TestLayout::kHND)),
-    [](const auto& param_info) {
-      const CacheKind& cache = std::get<1>(param_info.param);
-      return absl::StrCat("q", ShortDType(std::get<0>(param_info.param)), "_cache",
-                          ShortDType(cache.dtype),
-                          QuantSuffix(cache.quant),
-                          "_", TestLayoutName(std::get<2>(param_info.param)));
-    });
+INSTANTIATE_TEST_SUITE_P(AllDTypes, CudaBackendDecodeTest, DTypeGrid(), DTypeGridName);
 
 // ---------------------------------------------------------------------------------------
 // Mixed batches (prefill, chunked prefill and decode together): the prefill kernel, with
@@ -208,7 +199,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 class CudaBackendMixedDTypeTest
     : public CudaBackendTest,
-      public ::testing::WithParamInterface<std::tuple<DType, CacheKind, TestLayout>> {};
+      public ::testing::WithParamInterface<DTypeGridParam> {};
 
 TEST_P(CudaBackendMixedDTypeTest, MatchesReference) {
   const auto& [q_dtype, cache, layout] = GetParam();

@@ -31,11 +31,11 @@ namespace {
 
 using ::kvstream::gpu_test::DeviceAttnProblem;
 using ::kvstream::gpu_test::ExpectMatchesReference;
-using ::kvstream::testing_util::AllCacheKinds;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
-using ::kvstream::testing_util::CacheKind;
-using ::kvstream::testing_util::QuantSuffix;
+using ::kvstream::testing_util::DTypeGrid;
+using ::kvstream::testing_util::DTypeGridName;
+using ::kvstream::testing_util::DTypeGridParam;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
@@ -146,7 +146,7 @@ class CudaDecodeTest : public ::testing::Test {
 
 class CudaDecodeDTypeTest
     : public CudaDecodeTest,
-      public ::testing::WithParamInterface<std::tuple<DType, CacheKind, TestLayout>> {};
+      public ::testing::WithParamInterface<DTypeGridParam> {};
 
 TEST_P(CudaDecodeDTypeTest, MatchesReference) {
   const auto& [q_dtype, cache, layout] = GetParam();
@@ -166,19 +166,7 @@ TEST_P(CudaDecodeDTypeTest, MatchesReference) {
   ExpectTensorCoresMatch(c);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllDTypes, CudaDecodeDTypeTest,
-    ::testing::Combine(
-        ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-        ::testing::ValuesIn(AllCacheKinds()),
-        ::testing::Values(TestLayout::kNHD, TestLayout::kHND)),
-    [](const auto& param_info) {
-      const CacheKind& cache = std::get<1>(param_info.param);
-      return absl::StrCat("q", ShortDType(std::get<0>(param_info.param)), "_cache",
-                          ShortDType(cache.dtype),
-                          QuantSuffix(cache.quant),
-                          "_", TestLayoutName(std::get<2>(param_info.param)));
-    });
+INSTANTIATE_TEST_SUITE_P(AllDTypes, CudaDecodeDTypeTest, DTypeGrid(), DTypeGridName);
 
 TEST_F(CudaDecodeTest, OutputDTypeDiffersFromQuery) {
   for (DType q : {DType::kBFloat16, DType::kFloat32}) {

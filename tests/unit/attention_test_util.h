@@ -17,7 +17,10 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
 #include "kvstream/attention/backend.h"
@@ -431,6 +434,21 @@ inline const char* ShortDType(DType d) {
     case DType::kFloat8E5M2: return "e5m2";
     default: return "other";
   }
+}
+
+// The dtype grid of the attention tests (CPU, and the CUDA decode and backend tests): every
+// q dtype (float32, float16, bfloat16) x cache kind x layout (NHD, HND), with test names
+// "q<q>_cache<cache><scale mode>_<layout>" (DTypeGridName).
+using DTypeGridParam = std::tuple<DType, CacheKind, TestLayout>;
+inline auto DTypeGrid() {
+  return ::testing::Combine(
+      ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+      ::testing::ValuesIn(AllCacheKinds()), ::testing::Values(TestLayout::kNHD, TestLayout::kHND));
+}
+inline std::string DTypeGridName(const ::testing::TestParamInfo<DTypeGridParam>& info) {
+  const CacheKind& cache = std::get<1>(info.param);
+  return absl::StrCat("q", ShortDType(std::get<0>(info.param)), "_cache", ShortDType(cache.dtype),
+                      QuantSuffix(cache.quant), "_", TestLayoutName(std::get<2>(info.param)));
 }
 
 // One output element of a batch's query rows: sequence s, its token t (output row `row`),

@@ -30,14 +30,14 @@
 namespace kvstream {
 namespace {
 
-using ::kvstream::testing_util::AllCacheKinds;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
-using ::kvstream::testing_util::CacheKind;
+using ::kvstream::testing_util::DTypeGrid;
+using ::kvstream::testing_util::DTypeGridName;
+using ::kvstream::testing_util::DTypeGridParam;
 using ::kvstream::testing_util::ForEachQueryOutput;
 using ::kvstream::testing_util::OutputTolerance;
 using ::kvstream::testing_util::PromptData;
-using ::kvstream::testing_util::QuantSuffix;
 using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::ShortDType;
@@ -373,7 +373,7 @@ TEST(CpuAttentionMaskTest, QueryHeadsReadTheirGroupsKvHead) {
 
 // Every query dtype x every cache dtype and scale mode x both dense layouts.
 class CpuAttentionDTypeGridTest
-    : public ::testing::TestWithParam<std::tuple<DType, CacheKind, TestLayout>> {};
+    : public ::testing::TestWithParam<DTypeGridParam> {};
 
 TEST_P(CpuAttentionDTypeGridTest, FastMatchesReference) {
   const auto& [q_dtype, cache, layout] = GetParam();
@@ -389,19 +389,7 @@ TEST_P(CpuAttentionDTypeGridTest, FastMatchesReference) {
   ExpectFastMatchesReference(pb);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllDTypes, CpuAttentionDTypeGridTest,
-    ::testing::Combine(
-        ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-        ::testing::ValuesIn(AllCacheKinds()),
-        ::testing::Values(TestLayout::kNHD, TestLayout::kHND)),
-    [](const auto& test_info) {
-      const CacheKind& cache = std::get<1>(test_info.param);
-      return absl::StrCat("q", ShortDType(std::get<0>(test_info.param)), "_cache",
-                          ShortDType(cache.dtype),
-                          QuantSuffix(cache.quant),
-                          "_", TestLayoutName(std::get<2>(test_info.param)));
-    });
+INSTANTIATE_TEST_SUITE_P(AllDTypes, CpuAttentionDTypeGridTest, DTypeGrid(), DTypeGridName);
 
 TEST(CpuAttentionMixedDTypeTest, OutputDTypeDiffersFromQuery) {
   for (DType out : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
