@@ -43,6 +43,7 @@ using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::CacheKind;
 using ::kvstream::testing_util::DTypeGrid;
+using ::kvstream::testing_util::DTypeGridCase;
 using ::kvstream::testing_util::DTypeGridName;
 using ::kvstream::testing_util::DTypeGridParam;
 using ::kvstream::testing_util::QuantSuffix;
@@ -174,13 +175,7 @@ class CudaBackendDecodeTest
       public ::testing::WithParamInterface<DTypeGridParam> {};
 
 TEST_P(CudaBackendDecodeTest, MatchesReference) {
-  const auto& [q_dtype, cache, layout] = GetParam();
-  AttnCase c;
-  c.q_dtype = q_dtype;
-  c.out_dtype = q_dtype;
-  c.cache_dtype = cache.dtype;
-  c.quant = cache.quant;
-  c.layout = layout;
+  AttnCase c = DTypeGridCase(GetParam());
   c.block_size = 16;
   c.num_kv_heads = 2;
   c.group = 4;

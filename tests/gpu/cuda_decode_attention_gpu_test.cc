@@ -34,6 +34,7 @@ using ::kvstream::gpu_test::ExpectMatchesReference;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::DTypeGrid;
+using ::kvstream::testing_util::DTypeGridCase;
 using ::kvstream::testing_util::DTypeGridName;
 using ::kvstream::testing_util::DTypeGridParam;
 using ::kvstream::testing_util::SeqSpec;
@@ -149,13 +150,7 @@ class CudaDecodeDTypeTest
       public ::testing::WithParamInterface<DTypeGridParam> {};
 
 TEST_P(CudaDecodeDTypeTest, MatchesReference) {
-  const auto& [q_dtype, cache, layout] = GetParam();
-  AttnCase c;
-  c.q_dtype = q_dtype;
-  c.out_dtype = q_dtype;
-  c.cache_dtype = cache.dtype;
-  c.quant = cache.quant;
-  c.layout = layout;
+  AttnCase c = DTypeGridCase(GetParam());
   c.block_size = 5;
   c.head_size = 64;
   c.head_size_v = 64;

@@ -445,6 +445,18 @@ inline auto DTypeGrid() {
       ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
       ::testing::ValuesIn(AllCacheKinds()), ::testing::Values(TestLayout::kNHD, TestLayout::kHND));
 }
+// A case of the grid point: q and out of its q dtype, its cache dtype, scale mode and
+// layout; everything else at AttnCase's defaults.
+inline AttnCase DTypeGridCase(const DTypeGridParam& param) {
+  const auto& [q_dtype, cache, layout] = param;
+  AttnCase c;
+  c.q_dtype = q_dtype;
+  c.out_dtype = q_dtype;
+  c.cache_dtype = cache.dtype;
+  c.quant = cache.quant;
+  c.layout = layout;
+  return c;
+}
 inline std::string DTypeGridName(const ::testing::TestParamInfo<DTypeGridParam>& info) {
   const CacheKind& cache = std::get<1>(info.param);
   return absl::StrCat("q", ShortDType(std::get<0>(info.param)), "_cache", ShortDType(cache.dtype),

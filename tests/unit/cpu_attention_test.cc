@@ -33,6 +33,7 @@ namespace {
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::DTypeGrid;
+using ::kvstream::testing_util::DTypeGridCase;
 using ::kvstream::testing_util::DTypeGridName;
 using ::kvstream::testing_util::DTypeGridParam;
 using ::kvstream::testing_util::ForEachQueryOutput;
@@ -376,13 +377,7 @@ class CpuAttentionDTypeGridTest
     : public ::testing::TestWithParam<DTypeGridParam> {};
 
 TEST_P(CpuAttentionDTypeGridTest, FastMatchesReference) {
-  const auto& [q_dtype, cache, layout] = GetParam();
-  AttnCase c;
-  c.q_dtype = q_dtype;
-  c.out_dtype = q_dtype;
-  c.cache_dtype = cache.dtype;
-  c.quant = cache.quant;
-  c.layout = layout;
+  AttnCase c = DTypeGridCase(GetParam());
   c.block_size = 5;
   c.seed = 7;
   AttnProblem pb(c);
