@@ -34,6 +34,10 @@ using ::kvstream::gpu_test::ExpectMatchesReference;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::DTypeGrid;
+using ::kvstream::testing_util::FeatureGrid;
+using ::kvstream::testing_util::FeatureGridCase;
+using ::kvstream::testing_util::FeatureGridName;
+using ::kvstream::testing_util::FeatureGridParam;
 using ::kvstream::testing_util::DTypeGridCase;
 using ::kvstream::testing_util::DTypeGridName;
 using ::kvstream::testing_util::DTypeGridParam;
@@ -257,41 +261,18 @@ TEST_F(CudaDecodeTest, LargeHeadsOfWideAndNarrowCaches) {
 // ---------------------------------------------------------------------------------------
 // Features alone and combined.
 
-using FeatureParam = std::tuple<bool, int, bool, bool, int, TestLayout>;
 class CudaDecodeFeatureTest : public CudaDecodeTest,
-                              public ::testing::WithParamInterface<FeatureParam> {};
-
-std::string FeatureName(const ::testing::TestParamInfo<FeatureParam>& param_info) {
-  const auto& [causal, window, alibi, cap, head_size_v, layout] = param_info.param;
-  return absl::StrCat(causal ? "causal" : "bidir", "_window", window, alibi ? "_alibi" : "",
-                      cap ? "_cap" : "", "_dv", head_size_v, "_", TestLayoutName(layout));
-}
+                              public ::testing::WithParamInterface<FeatureGridParam> {};
 
 TEST_P(CudaDecodeFeatureTest, MatchesReference) {
-  const auto& [causal, window, alibi, cap, head_size_v, layout] = GetParam();
-  AttnCase c;
-  c.causal = causal;
-  c.sliding_window = window;
-  c.alibi = alibi;
-  c.soft_cap = cap ? 2.0f : 0.0f;
-  c.head_size_v = head_size_v;
-  c.layout = layout;
-  c.cache_dtype = DType::kBFloat16;
-  c.scale = 0.3f;  // a sharp softmax, so that masks and caps change the answer visibly
-  c.block_size = 16;
+  AttnCase c = FeatureGridCase(GetParam());
   c.seqs = {{150, 1}, {200, 1}, {3, 1}, {40, 1}, {0, 1}, {69, 1}, {70, 1}, {700, 1}};
-  c.seed = 11;
   AttnProblem pb(c);
   ExpectMatches(pb, {0, 1, 3});
   ExpectTensorCoresMatch(c);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Features, CudaDecodeFeatureTest,
-    ::testing::Combine(::testing::Bool(), ::testing::Values(0, 5, 70), ::testing::Bool(),
-                       ::testing::Bool(), ::testing::Values(64, 48),
-                       ::testing::Values(TestLayout::kNHD, TestLayout::kHND)),
-    FeatureName);
+INSTANTIATE_TEST_SUITE_P(Features, CudaDecodeFeatureTest, FeatureGrid(), FeatureGridName);
 
 // fp8 with every feature at once, and a window shorter than a block.
 TEST_F(CudaDecodeTest, Fp8WithEveryFeature) {

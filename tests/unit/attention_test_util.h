@@ -463,6 +463,38 @@ inline std::string DTypeGridName(const ::testing::TestParamInfo<DTypeGridParam>&
                       QuantSuffix(cache.quant), "_", TestLayoutName(std::get<2>(info.param)));
 }
 
+// The feature grid of the attention tests (CPU and CUDA decode): causal or not x sliding
+// window (0, 5, 70) x ALiBi x soft cap x head_size_v (64, 48) x layout (NHD, HND), named
+// by FeatureGridName.
+using FeatureGridParam = std::tuple<bool, int, bool, bool, int, TestLayout>;
+inline auto FeatureGrid() {
+  return ::testing::Combine(::testing::Bool(), ::testing::Values(0, 5, 70), ::testing::Bool(),
+                            ::testing::Bool(), ::testing::Values(64, 48),
+                            ::testing::Values(TestLayout::kNHD, TestLayout::kHND));
+}
+inline std::string FeatureGridName(const ::testing::TestParamInfo<FeatureGridParam>& info) {
+  const auto& [causal, window, alibi, cap, head_size_v, layout] = info.param;
+  return absl::StrCat(causal ? "causal" : "bidir", "_window", window, alibi ? "_alibi" : "",
+                      cap ? "_cap" : "", "_dv", head_size_v, "_", TestLayoutName(layout));
+}
+// A case of the grid point on a bfloat16 cache, block size 16, with a sharp softmax (scale
+// 0.3), so that masks and caps change the answer visibly; sequences are the caller's.
+inline AttnCase FeatureGridCase(const FeatureGridParam& param) {
+  const auto& [causal, window, alibi, cap, head_size_v, layout] = param;
+  AttnCase c;
+  c.causal = causal;
+  c.sliding_window = window;
+  c.alibi = alibi;
+  c.soft_cap = cap ? 2.0f : 0.0f;
+  c.head_size_v = head_size_v;
+  c.layout = layout;
+  c.cache_dtype = DType::kBFloat16;
+  c.scale = 0.3f;
+  c.block_size = 16;
+  c.seed = 11;
+  return c;
+}
+
 // One output element of a batch's query rows: sequence s, its token t (output row `row`),
 // head h, element d of the head.
 struct QueryOutput {

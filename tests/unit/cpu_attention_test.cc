@@ -33,6 +33,10 @@ namespace {
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::DTypeGrid;
+using ::kvstream::testing_util::FeatureGrid;
+using ::kvstream::testing_util::FeatureGridCase;
+using ::kvstream::testing_util::FeatureGridName;
+using ::kvstream::testing_util::FeatureGridParam;
 using ::kvstream::testing_util::DTypeGridCase;
 using ::kvstream::testing_util::DTypeGridName;
 using ::kvstream::testing_util::DTypeGridParam;
@@ -444,39 +448,16 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Every feature alone and in combination: causal or not x sliding window x ALiBi x soft
 // cap x head_size_v, on both layouts, with sequences long enough to skip whole KV tiles.
-using FeatureParam = std::tuple<bool, int, bool, bool, int, TestLayout>;
-class CpuAttentionFeatureGridTest : public ::testing::TestWithParam<FeatureParam> {};
-
-std::string FeatureName(const ::testing::TestParamInfo<FeatureParam>& test_info) {
-  const auto& [causal, window, alibi, cap, head_size_v, layout] = test_info.param;
-  return absl::StrCat(causal ? "causal" : "bidir", "_window", window, alibi ? "_alibi" : "",
-                      cap ? "_cap" : "", "_dv", head_size_v, "_", TestLayoutName(layout));
-}
+class CpuAttentionFeatureGridTest : public ::testing::TestWithParam<FeatureGridParam> {};
 
 TEST_P(CpuAttentionFeatureGridTest, FastMatchesReference) {
-  const auto& [causal, window, alibi, cap, head_size_v, layout] = GetParam();
-  AttnCase c;
-  c.causal = causal;
-  c.sliding_window = window;
-  c.alibi = alibi;
-  c.soft_cap = cap ? 2.0f : 0.0f;
-  c.head_size_v = head_size_v;
-  c.layout = layout;
-  c.cache_dtype = DType::kBFloat16;
-  c.scale = 0.3f;  // sharper softmax, so that masks and caps change the answer visibly
-  c.block_size = 16;
+  AttnCase c = FeatureGridCase(GetParam());
   c.seqs = {{0, 21}, {150, 20}, {200, 1}, {3, 1}, {40, 3}};
-  c.seed = 11;
   AttnProblem pb(c);
   ExpectFastMatchesReference(pb);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Features, CpuAttentionFeatureGridTest,
-    ::testing::Combine(::testing::Bool(), ::testing::Values(0, 5, 70), ::testing::Bool(),
-                       ::testing::Bool(), ::testing::Values(64, 48),
-                       ::testing::Values(TestLayout::kNHD, TestLayout::kHND)),
-    FeatureName);
+INSTANTIATE_TEST_SUITE_P(Features, CpuAttentionFeatureGridTest, FeatureGrid(), FeatureGridName);
 
 // Strides that match neither dense layout: padded heads, tokens and blocks, and a strided
 // head dimension.
