@@ -46,8 +46,12 @@ using ::kvstream::testing_util::DTypeGrid;
 using ::kvstream::testing_util::DTypeGridCase;
 using ::kvstream::testing_util::DTypeGridName;
 using ::kvstream::testing_util::DTypeGridParam;
+using ::kvstream::testing_util::HeadConfig;
+using ::kvstream::testing_util::HeadSizes;
 using ::kvstream::testing_util::QuantSuffix;
 using ::kvstream::testing_util::SeqSpec;
+using ::kvstream::testing_util::ShapeGridCase;
+using ::kvstream::testing_util::ShapeGridName;
 using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
@@ -228,15 +232,6 @@ INSTANTIATE_TEST_SUITE_P(
                           "_", TestLayoutName(std::get<2>(param_info.param)));
     });
 
-struct HeadConfig {
-  int num_kv_heads;
-  int group;
-};
-struct HeadSizes {
-  int k;
-  int v;
-};
-
 // Block sizes x head configurations x head sizes, decode-only and mixed batches.
 class CudaBackendShapeTest
     : public CudaBackendTest,
@@ -244,16 +239,9 @@ class CudaBackendShapeTest
 
 TEST_P(CudaBackendShapeTest, MatchesReference) {
   const auto& [block_size, heads, sizes, mixed] = GetParam();
-  AttnCase c;
-  c.block_size = block_size;
-  c.num_kv_heads = heads.num_kv_heads;
-  c.group = heads.group;
-  c.head_size = sizes.k;
-  c.head_size_v = sizes.v;
+  AttnCase c = ShapeGridCase(block_size, heads, sizes);
   c.q_dtype = DType::kBFloat16;
   c.out_dtype = DType::kBFloat16;
-  c.cache_dtype = DType::kBFloat16;
-  c.layout = block_size == 5 ? TestLayout::kHND : TestLayout::kNHD;
   c.seqs = mixed ? std::vector<SeqSpec>{{0, 33}, {67, 33}, {99, 1}, {6, 1}, {0, 7}, {0, 1}}
                  : std::vector<SeqSpec>{{0, 1}, {67, 1}, {99, 1}, {6, 1}, {500, 1}, {0, 1}};
   c.seed = static_cast<uint32_t>(block_size * 100 + heads.group * 10 + sizes.v);
@@ -271,11 +259,9 @@ INSTANTIATE_TEST_SUITE_P(
                                          HeadSizes{64, 32}, HeadSizes{128, 64}),
                        ::testing::Bool()),
     [](const auto& param_info) {
-      const HeadConfig& h = std::get<1>(param_info.param);
-      const HeadSizes& s = std::get<2>(param_info.param);
-      return absl::StrCat(std::get<3>(param_info.param) ? "mixed" : "decode", "_bs",
-                          std::get<0>(param_info.param), "_kv", h.num_kv_heads, "x", h.group,
-                          h.num_kv_heads == 1 ? "MQA" : "", "_d", s.k, "_dv", s.v);
+      return absl::StrCat(std::get<3>(param_info.param) ? "mixed" : "decode", "_",
+                          ShapeGridName(std::get<0>(param_info.param), std::get<1>(param_info.param),
+                                        std::get<2>(param_info.param)));
     });
 
 using FeatureParam = std::tuple<bool, int, bool, bool, bool>;

@@ -34,14 +34,18 @@ using ::kvstream::gpu_test::ExpectMatchesReference;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::DTypeGrid;
+using ::kvstream::testing_util::DTypeGridCase;
+using ::kvstream::testing_util::DTypeGridName;
+using ::kvstream::testing_util::DTypeGridParam;
 using ::kvstream::testing_util::FeatureGrid;
 using ::kvstream::testing_util::FeatureGridCase;
 using ::kvstream::testing_util::FeatureGridName;
 using ::kvstream::testing_util::FeatureGridParam;
-using ::kvstream::testing_util::DTypeGridCase;
-using ::kvstream::testing_util::DTypeGridName;
-using ::kvstream::testing_util::DTypeGridParam;
+using ::kvstream::testing_util::HeadConfig;
+using ::kvstream::testing_util::HeadSizes;
 using ::kvstream::testing_util::SeqSpec;
+using ::kvstream::testing_util::ShapeGridCase;
+using ::kvstream::testing_util::ShapeGridName;
 using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
@@ -185,31 +189,15 @@ TEST_F(CudaDecodeTest, OutputDTypeDiffersFromQuery) {
 // ---------------------------------------------------------------------------------------
 // Block sizes x head configurations x head sizes.
 
-struct HeadConfig {
-  int num_kv_heads;
-  int group;
-};
-struct HeadSizes {
-  int k;
-  int v;
-};
-
 class CudaDecodeShapeTest
     : public CudaDecodeTest,
       public ::testing::WithParamInterface<std::tuple<int, HeadConfig, HeadSizes>> {};
 
 TEST_P(CudaDecodeShapeTest, MatchesReference) {
   const auto& [block_size, heads, sizes] = GetParam();
-  AttnCase c;
-  c.block_size = block_size;
-  c.num_kv_heads = heads.num_kv_heads;
-  c.group = heads.group;
-  c.head_size = sizes.k;
-  c.head_size_v = sizes.v;
+  AttnCase c = ShapeGridCase(block_size, heads, sizes);
   c.q_dtype = DType::kBFloat16;
   c.out_dtype = DType::kFloat32;
-  c.cache_dtype = DType::kBFloat16;
-  c.layout = block_size == 5 ? TestLayout::kHND : TestLayout::kNHD;
   c.seqs = {{0, 1}, {67, 1}, {99, 1}, {6, 1}, {600, 1}, {0, 0}};
   c.seed = static_cast<uint32_t>(block_size * 100 + heads.group * 10 + sizes.v);
   AttnProblem pb(c);
@@ -231,10 +219,8 @@ INSTANTIATE_TEST_SUITE_P(
                                          HeadSizes{128, 64}, HeadSizes{40, 128},
                                          HeadSizes{512, 512}, HeadSizes{96, 100})),
     [](const auto& param_info) {
-      const HeadConfig& h = std::get<1>(param_info.param);
-      const HeadSizes& s = std::get<2>(param_info.param);
-      return absl::StrCat("bs", std::get<0>(param_info.param), "_kv", h.num_kv_heads, "x", h.group,
-                          h.num_kv_heads == 1 ? "MQA" : "", "_d", s.k, "_dv", s.v);
+      return ShapeGridName(std::get<0>(param_info.param), std::get<1>(param_info.param),
+                           std::get<2>(param_info.param));
     });
 
 // Two chunks per lane for 32-bit caches (head sizes past 128), fp8 at the largest size.

@@ -41,9 +41,12 @@ using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::CacheKind;
 using ::kvstream::testing_util::ForEachQueryOutput;
+using ::kvstream::testing_util::HeadConfig;
+using ::kvstream::testing_util::HeadSizes;
 using ::kvstream::testing_util::QuantSuffix;
 using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
+using ::kvstream::testing_util::ShapeGridCase;
 using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
@@ -313,15 +316,6 @@ std::vector<SeqSpec> MixedBatch() {
 // Block sizes x head configurations, each over every head size (64, 80, 128, 256, and
 // head_size_v != head_size: 192/128, 64/48), bfloat16.
 
-struct HeadConfig {
-  int num_kv_heads;
-  int group;
-};
-struct HeadSizes {
-  int k;
-  int v;
-};
-
 class CudaPrefillShapeTest : public ::testing::TestWithParam<std::tuple<int, HeadConfig>> {
  protected:
   void SetUp() override { SKIP_WITHOUT_GPU(); }
@@ -332,16 +326,9 @@ TEST_P(CudaPrefillShapeTest, MatchesReference) {
   for (HeadSizes sizes : {HeadSizes{64, 64}, HeadSizes{80, 80}, HeadSizes{128, 128},
                           HeadSizes{256, 256}, HeadSizes{192, 128}, HeadSizes{64, 48}}) {
     SCOPED_TRACE(absl::StrCat("head_size ", sizes.k, " head_size_v ", sizes.v));
-    AttnCase c;
-    c.block_size = block_size;
-    c.num_kv_heads = heads.num_kv_heads;
-    c.group = heads.group;
-    c.head_size = sizes.k;
-    c.head_size_v = sizes.v;
+    AttnCase c = ShapeGridCase(block_size, heads, sizes);
     c.q_dtype = DType::kBFloat16;
     c.out_dtype = DType::kBFloat16;
-    c.cache_dtype = DType::kBFloat16;
-    c.layout = block_size == 5 ? TestLayout::kHND : TestLayout::kNHD;
     c.seqs = MixedBatch();
     c.seed = static_cast<uint32_t>(block_size * 1000 + heads.group * 10 + sizes.v);
     AttnProblem pb(c);

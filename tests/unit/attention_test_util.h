@@ -463,6 +463,34 @@ inline std::string DTypeGridName(const ::testing::TestParamInfo<DTypeGridParam>&
                       QuantSuffix(cache.quant), "_", TestLayoutName(std::get<2>(info.param)));
 }
 
+// The shape grids of the attention tests: KV heads x group size, and head sizes (K, V).
+struct HeadConfig {
+  int num_kv_heads;
+  int group;
+};
+struct HeadSizes {
+  int k;
+  int v;
+};
+// A shape grid's case: block size, heads and head sizes on a bfloat16 cache, HND for block
+// size 5 and NHD otherwise; dtypes of q and out, sequences and seed are the caller's.
+inline AttnCase ShapeGridCase(int block_size, const HeadConfig& heads, const HeadSizes& sizes) {
+  AttnCase c;
+  c.block_size = block_size;
+  c.num_kv_heads = heads.num_kv_heads;
+  c.group = heads.group;
+  c.head_size = sizes.k;
+  c.head_size_v = sizes.v;
+  c.cache_dtype = DType::kBFloat16;
+  c.layout = block_size == 5 ? TestLayout::kHND : TestLayout::kNHD;
+  return c;
+}
+// "bs<block size>_kv<KV heads>x<group>[MQA]_d<k>_dv<v>".
+inline std::string ShapeGridName(int block_size, const HeadConfig& h, const HeadSizes& s) {
+  return absl::StrCat("bs", block_size, "_kv", h.num_kv_heads, "x", h.group,
+                      h.num_kv_heads == 1 ? "MQA" : "", "_d", s.k, "_dv", s.v);
+}
+
 // The feature grid of the attention tests (CPU and CUDA decode): causal or not x sliding
 // window (0, 5, 70) x ALiBi x soft cap x head_size_v (64, 48) x layout (NHD, HND), named
 // by FeatureGridName.

@@ -33,18 +33,22 @@ namespace {
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::DTypeGrid;
+using ::kvstream::testing_util::DTypeGridCase;
+using ::kvstream::testing_util::DTypeGridName;
+using ::kvstream::testing_util::DTypeGridParam;
 using ::kvstream::testing_util::FeatureGrid;
 using ::kvstream::testing_util::FeatureGridCase;
 using ::kvstream::testing_util::FeatureGridName;
 using ::kvstream::testing_util::FeatureGridParam;
-using ::kvstream::testing_util::DTypeGridCase;
-using ::kvstream::testing_util::DTypeGridName;
-using ::kvstream::testing_util::DTypeGridParam;
 using ::kvstream::testing_util::ForEachQueryOutput;
+using ::kvstream::testing_util::HeadConfig;
+using ::kvstream::testing_util::HeadSizes;
 using ::kvstream::testing_util::OutputTolerance;
 using ::kvstream::testing_util::PromptData;
 using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
+using ::kvstream::testing_util::ShapeGridCase;
+using ::kvstream::testing_util::ShapeGridName;
 using ::kvstream::testing_util::ShortDType;
 using ::kvstream::testing_util::TestLayout;
 using ::kvstream::testing_util::TestLayoutName;
@@ -402,15 +406,6 @@ TEST(CpuAttentionMixedDTypeTest, OutputDTypeDiffersFromQuery) {
   }
 }
 
-struct HeadConfig {
-  int num_kv_heads;
-  int group;
-};
-struct HeadSizes {
-  int k;
-  int v;
-};
-
 // Block sizes x GQA ratios (MHA, GQA 3/4/8, MQA) x head sizes, over a batch with sequence
 // lengths 1, 7, 33 and 100 in prefill, chunked prefill and decode.
 class CpuAttentionShapeGridTest
@@ -418,14 +413,7 @@ class CpuAttentionShapeGridTest
 
 TEST_P(CpuAttentionShapeGridTest, FastMatchesReference) {
   const auto& [block_size, heads, sizes] = GetParam();
-  AttnCase c;
-  c.block_size = block_size;
-  c.num_kv_heads = heads.num_kv_heads;
-  c.group = heads.group;
-  c.head_size = sizes.k;
-  c.head_size_v = sizes.v;
-  c.cache_dtype = DType::kBFloat16;
-  c.layout = block_size == 5 ? TestLayout::kHND : TestLayout::kNHD;
+  AttnCase c = ShapeGridCase(block_size, heads, sizes);
   c.seqs = {{0, 33}, {67, 33}, {99, 1}, {6, 1}, {0, 7}, {0, 1}};
   c.seed = static_cast<uint32_t>(block_size * 100 + heads.group * 10 + sizes.v);
   AttnProblem pb(c);
@@ -440,10 +428,8 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(HeadSizes{64, 64}, HeadSizes{64, 80},
                                          HeadSizes{64, 32}, HeadSizes{72, 40})),
     [](const auto& test_info) {
-      const HeadConfig& h = std::get<1>(test_info.param);
-      const HeadSizes& s = std::get<2>(test_info.param);
-      return absl::StrCat("bs", std::get<0>(test_info.param), "_kv", h.num_kv_heads, "x", h.group,
-                          h.num_kv_heads == 1 ? "MQA" : "", "_d", s.k, "_dv", s.v);
+      return ShapeGridName(std::get<0>(test_info.param), std::get<1>(test_info.param),
+                           std::get<2>(test_info.param));
     });
 
 // Every feature alone and in combination: causal or not x sliding window x ALiBi x soft
