@@ -40,6 +40,7 @@ namespace {
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::CacheKind;
+using ::kvstream::testing_util::FeatureGridCase;
 using ::kvstream::testing_util::ForEachQueryOutput;
 using ::kvstream::testing_util::HeadConfig;
 using ::kvstream::testing_util::HeadSizes;
@@ -418,20 +419,10 @@ TEST_P(CudaPrefillFeatureTest, MatchesReference) {
   for (int head_size_v : {64, 48}) {
     for (TestLayout layout : {TestLayout::kNHD, TestLayout::kHND}) {
       SCOPED_TRACE(absl::StrCat("head_size_v ", head_size_v, " ", TestLayoutName(layout)));
-      AttnCase c;
-      c.causal = causal;
-      c.sliding_window = window;
-      c.alibi = alibi;
-      c.soft_cap = cap ? 2.0f : 0.0f;
-      c.head_size_v = head_size_v;
-      c.layout = layout;
+      AttnCase c = FeatureGridCase({causal, window, alibi, cap, head_size_v, layout});
       c.q_dtype = DType::kBFloat16;
       c.out_dtype = DType::kBFloat16;
-      c.cache_dtype = DType::kBFloat16;
-      c.scale = 0.3f;  // a sharper softmax, so that masks and caps move the answer
-      c.block_size = 16;
       c.seqs = {{0, 21}, {150, 20}, {200, 1}, {3, 1}, {40, 3}, {0, 150}, {250, 0}};
-      c.seed = 11;
       AttnProblem pb(c);
       ExpectGpuMatchesReference(pb, GpuIo{layout == TestLayout::kHND});
       if (HasFailure()) return;
