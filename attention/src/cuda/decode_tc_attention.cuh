@@ -196,9 +196,11 @@ __global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
   const int64_t es = fp8 ? 1 : 2;
   const int64_t k_head_offset = static_cast<int64_t>(kv_head) * p.k_head_stride;
   const int64_t v_head_offset = static_cast<int64_t>(kv_head) * p.v_head_stride;
+  // The zero row's offsets from the caches, as integers (the arrays are distinct objects).
+  const uintptr_t zero_address = reinterpret_cast<uintptr_t>(kDecodeZeroRow);
   const RowBytes zero_row{
-      reinterpret_cast<const uint8_t*>(kDecodeZeroRow) - static_cast<const uint8_t*>(p.k_cache),
-      reinterpret_cast<const uint8_t*>(kDecodeZeroRow) - static_cast<const uint8_t*>(p.v_cache)};
+      static_cast<int64_t>(zero_address - reinterpret_cast<uintptr_t>(p.k_cache)),
+      static_cast<int64_t>(zero_address - reinterpret_cast<uintptr_t>(p.v_cache))};
   // Page-table lookup of key row r of tile n: the row's byte offsets, or the zero row's past
   // the split or for an id outside the cache (validation checked the host mirror; a device
   // table that disagrees leaves the row zero, not read out of bounds).
