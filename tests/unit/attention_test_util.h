@@ -23,6 +23,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "dtype_names.h"  // ShortDType
 #include "kvstream/attention/backend.h"
 #include "kvstream/cache/kv_cache.h"
 #include "kvstream/cache/kv_cache_spec.h"
@@ -424,17 +425,6 @@ inline const char* QuantSuffix(KvQuantMode quant) {
                                             : "";
 }
 
-// A dtype's short name for test names: f32, f16, bf16, e4m3, e5m2.
-inline const char* ShortDType(DType d) {
-  switch (d) {
-    case DType::kFloat32: return "f32";
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat8E4M3: return "e4m3";
-    case DType::kFloat8E5M2: return "e5m2";
-    default: return "other";
-  }
-}
 
 // The dtype grid of the attention tests (CPU, and the CUDA decode and backend tests): every
 // q dtype (float32, float16, bfloat16) x cache kind x layout (NHD, HND), with test names

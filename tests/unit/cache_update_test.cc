@@ -23,6 +23,7 @@
 #include "kvstream/cache/slot_mapping.h"
 #include "kvstream/common/numeric.h"
 #include "kvstream/common/tensor.h"
+#include "tests/unit/dtype_names.h"
 
 namespace kvstream {
 namespace {
@@ -206,16 +207,7 @@ Input MakeInput(DType dtype, int64_t num_tokens, int64_t heads, int64_t head_siz
   return in;
 }
 
-std::string ShortName(DType d) {
-  switch (d) {
-    case DType::kFloat32: return "f32";
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat8E4M3: return "e4m3";
-    case DType::kFloat8E5M2: return "e5m2";
-    default: return "other";
-  }
-}
+using ::kvstream::testing_util::ShortDType;
 
 struct GridCase {
   DType input;
@@ -227,7 +219,7 @@ struct GridCase {
 
 std::string CaseName(const ::testing::TestParamInfo<GridCase>& info) {
   const GridCase& c = info.param;
-  std::string name = absl::StrCat(ShortName(c.input), "_to_", ShortName(c.cache), "_",
+  std::string name = absl::StrCat(ShortDType(c.input), "_to_", ShortDType(c.cache), "_",
                                   KvLayoutName(c.layout), "_bs", c.shape.block_size, "_h",
                                   c.shape.heads, "_d", c.shape.head_size, "_v",
                                   c.shape.head_size_v);
@@ -237,7 +229,7 @@ std::string CaseName(const ::testing::TestParamInfo<GridCase>& info) {
 
 // gtest prints a failing case through this instead of as raw bytes.
 void PrintTo(const GridCase& c, std::ostream* os) {
-  *os << ShortName(c.input) << " -> " << ShortName(c.cache) << " " << KvLayoutName(c.layout)
+  *os << ShortDType(c.input) << " -> " << ShortDType(c.cache) << " " << KvLayoutName(c.layout)
       << " block_size " << c.shape.block_size << " heads " << c.shape.heads << " head_size "
       << c.shape.head_size << " head_size_v " << c.shape.head_size_v << " "
       << KvQuantModeName(c.quant);
