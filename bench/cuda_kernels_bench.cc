@@ -67,6 +67,7 @@ constexpr int kHoldTimeoutMs = 20000;
 struct Gpu {
   CudaStream stream;
   int num_sms = 0;
+  int compute_major = 0;
   int* flag = nullptr;  // pinned host memory the hold kernel polls
   DeviceBuffer flag_buffer;
   DeviceBuffer sink;
@@ -81,6 +82,10 @@ absl::StatusOr<Gpu*> GetGpu() {
       ASSIGN_OR_RETURN(g->stream, CudaStream::Create(0));
       RETURN_IF_ERROR(CudaErrorToStatus(
           static_cast<int>(cudaDeviceGetAttribute(&g->num_sms, cudaDevAttrMultiProcessorCount, 0)),
+          "cudaDeviceGetAttribute"));
+      RETURN_IF_ERROR(CudaErrorToStatus(
+          static_cast<int>(
+              cudaDeviceGetAttribute(&g->compute_major, cudaDevAttrComputeCapabilityMajor, 0)),
           "cudaDeviceGetAttribute"));
       ASSIGN_OR_RETURN(g->flag_buffer, DeviceBuffer::CreateZeroed(sizeof(int), MemoryKind::kPinned));
       g->flag = g->flag_buffer.data_as<int>();
@@ -409,6 +414,7 @@ void BM_Decode(benchmark::State& state) {
     ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
     internal::DecodeLaunchOptions options;
     options.num_sms = gpu->num_sms;
+    options.dependent_merge = gpu->compute_major >= 9;  // as the backend launches it
     options.kernel = kernel;
     options.num_splits = forced_splits;
     ASSIGN_OR_RETURN(size_t workspace_bytes,

@@ -68,6 +68,9 @@ class CudaDecodeTest : public ::testing::Test {
     auto sms = gpu_test::NumSms();
     ASSERT_TRUE(sms.ok()) << sms.status();
     num_sms_ = *sms;
+    auto cc9 = gpu_test::ComputeCapability9();
+    ASSERT_TRUE(cc9.ok()) << cc9.status();
+    dependent_merge_ = *cc9;
   }
 
   // Validates, plans and launches the decode kernels for device params `p`, then waits.
@@ -76,6 +79,7 @@ class CudaDecodeTest : public ::testing::Test {
     ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
     internal::DecodeLaunchOptions options;
     options.num_sms = num_sms_;
+    options.dependent_merge = dependent_merge_;  // as the backend launches the merge
     options.num_splits = num_splits;
     options.kernel = kernel;
     const DType cache_dtype = p.cache.spec.dtype;
@@ -148,6 +152,7 @@ class CudaDecodeTest : public ::testing::Test {
 
   CudaStream stream_;
   int num_sms_ = 0;
+  bool dependent_merge_ = false;
 };
 
 // ---------------------------------------------------------------------------------------

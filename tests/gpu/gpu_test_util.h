@@ -57,6 +57,15 @@ inline absl::Status ToHost(const void* device, size_t bytes, void* out) {
       "cudaMemcpy to host");
 }
 
+// Whether `device` has compute capability 9.0 or newer (DecodeLaunchOptions::dependent_merge).
+inline absl::StatusOr<bool> ComputeCapability9(int device = 0) {
+  int major = 0;
+  RETURN_IF_ERROR(CudaErrorToStatus(
+      static_cast<int>(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)),
+      "cudaDeviceGetAttribute"));
+  return major >= 9;
+}
+
 inline absl::StatusOr<int> NumSms(int device = 0) {
   int n = 0;
   RETURN_IF_ERROR(CudaErrorToStatus(

@@ -22,9 +22,11 @@ namespace {
 
 class CudaBackend final : public CudaAttentionBackend {
  public:
-  CudaBackend(int device, int num_sms, CudaStream owned_stream, void* stream, CudaEvent done)
+  CudaBackend(int device, int num_sms, int compute_major, CudaStream owned_stream,
+              void* stream, CudaEvent done)
       : device_(device),
         num_sms_(num_sms),
+        compute_major_(compute_major),
         owned_stream_(std::move(owned_stream)),
         stream_(stream),
         done_(std::move(done)) {}
@@ -56,6 +58,7 @@ class CudaBackend final : public CudaAttentionBackend {
     if (params.max_query_len <= 1) {
       internal::DecodeLaunchOptions options;
       options.num_sms = num_sms_;
+      options.dependent_merge = compute_major_ >= 9;
       ASSIGN_OR_RETURN(size_t bytes,
                        internal::DecodeAttentionWorkspaceBytes(kp, cache_dtype, options));
       if (bytes > workspace_.size()) {
@@ -81,6 +84,7 @@ class CudaBackend final : public CudaAttentionBackend {
  private:
   const int device_;
   const int num_sms_;
+  const int compute_major_;
   CudaStream owned_stream_;  // empty when the caller supplied the stream
   void* const stream_;
   CudaEvent done_;
@@ -109,6 +113,11 @@ absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateCudaAttentionBackend(
       static_cast<int>(
           cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, options.device)),
       "cuda attention backend: cudaDeviceGetAttribute(multiprocessor count)"));
+  int compute_major = 0;
+  RETURN_IF_ERROR(CudaErrorToStatus(
+      static_cast<int>(cudaDeviceGetAttribute(&compute_major, cudaDevAttrComputeCapabilityMajor,
+                                              options.device)),
+      "cuda attention backend: cudaDeviceGetAttribute(compute capability)"));
   CudaStream owned;
   void* stream = options.stream;
   if (stream == nullptr) {
@@ -117,7 +126,8 @@ absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateCudaAttentionBackend(
   }
   ASSIGN_OR_RETURN(CudaEvent done, CudaEvent::Create(/*enable_timing=*/false));
   return std::unique_ptr<AttentionBackend>(
-      new CudaBackend(options.device, num_sms, std::move(owned), stream, std::move(done)));
+      new CudaBackend(options.device, num_sms, compute_major, std::move(owned), stream,
+                      std::move(done)));
 }
 
 CudaAttentionBackend* AsCudaAttentionBackend(AttentionBackend* backend) {

@@ -341,17 +341,9 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
     RETURN_IF_ERROR(LaunchCudaCoreSplit(params, plan, stream));
   }
   if (plan.geo.num_splits > 1) {
-    // From compute capability 9.0 the merge kernel is a programmatic dependent of the split
+    // With options.dependent_merge the merge kernel is a programmatic dependent of the split
     // kernel: its launch and CTAs start while the split kernel's last CTAs run, and it
     // waits for the partial results inside (WaitForPrerequisiteGrids).
-    int device = 0;
-    int major = 0;
-    RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetDevice(&device)),
-                                      "cuda decode attention: cudaGetDevice"));
-    RETURN_IF_ERROR(CudaErrorToStatus(
-        static_cast<int>(
-            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)),
-        "cuda decode attention: cudaDeviceGetAttribute(compute capability)"));
     cudaLaunchAttribute dependent{};
     dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     dependent.val.programmaticStreamSerializationAllowed = 1;
@@ -361,7 +353,7 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
     config.dynamicSmemBytes = 0;
     config.stream = stream;
     config.attrs = &dependent;
-    config.numAttrs = major >= 9 ? 1 : 0;
+    config.numAttrs = options.dependent_merge ? 1 : 0;
     RETURN_IF_ERROR(CudaErrorToStatus(
         static_cast<int>(cudaLaunchKernelEx(&config, dec::DecodeMergeKernel, params, plan.geo)),
         "cuda decode attention: merge kernel launch"));

@@ -70,6 +70,10 @@ enum class DecodeKernel {
 struct DecodeLaunchOptions {
   // SMs of the device the stream runs on; decides how finely keys are split.
   int num_sms = 132;
+  // Whether that device has compute capability 9.0 or newer: the merge kernel then launches
+  // as a programmatic dependent of the split kernel (its launch and first CTAs overlap the
+  // split kernel's last ones). Must be false on older devices.
+  bool dependent_merge = false;
   // > 0: split every sequence's keys into exactly this many parts (at most 256) instead
   // of choosing from num_sms; for tests of the split and merge paths.
   int num_splits = 0;
