@@ -7,6 +7,7 @@
 // to 256, including empty splits; and the errors the launcher and validation report.
 // Each problem runs with the launcher's own split choice and with one split, so both the
 // direct write and the merge kernel are checked.
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -458,17 +459,68 @@ class CudaDecodeErrorTest : public CudaDecodeTest {
 
 // The split choice (a host function: runs without a GPU). 132 SMs x 3 CTAs = 396 slots.
 TEST(DecodeSplitChoiceTest, FewestSplitsWithAMostlyFullLastWave) {
-  // 64 sequences x 8 KV heads: 2 splits give 2.6 waves (last one 86% full).
-  EXPECT_EQ(internal::ChooseDecodeSplits(512, 396, 16), 2);
+  // 64 sequences x 8 KV heads, two full waves at least: 2 splits give 2.6 waves (last one
+  // 86% full).
+  EXPECT_EQ(internal::ChooseDecodeSplits(512, 396, 16, 2), 2);
   // 16 x 8: 7 splits are the fewest with 2 waves but leave a last wave 75% full; 8 do not.
-  EXPECT_EQ(internal::ChooseDecodeSplits(128, 396, 128), 8);
+  EXPECT_EQ(internal::ChooseDecodeSplits(128, 396, 128, 2), 8);
   // Never more than the keys allow, never fewer than one.
-  EXPECT_EQ(internal::ChooseDecodeSplits(128, 396, 4), 4);
-  EXPECT_EQ(internal::ChooseDecodeSplits(1, 396, 1), 1);
+  EXPECT_EQ(internal::ChooseDecodeSplits(128, 396, 4, 2), 4);
+  EXPECT_EQ(internal::ChooseDecodeSplits(1, 396, 1, 2), 1);
   // Enough CTAs without splitting.
-  EXPECT_EQ(internal::ChooseDecodeSplits(4096, 396, 64), 1);
+  EXPECT_EQ(internal::ChooseDecodeSplits(4096, 396, 64, 2), 1);
   // Degenerate inputs stay in range instead of dividing by zero.
-  EXPECT_EQ(internal::ChooseDecodeSplits(0, 0, 0), 1);
+  EXPECT_EQ(internal::ChooseDecodeSplits(0, 0, 0, 0), 1);
+}
+
+// No full wave required (sequences of equal length): 132 SMs x 4 CTAs = 528 slots.
+TEST(DecodeSplitChoiceTest, OneMostlyFullWaveWhenNoFullWaveIsRequired) {
+  // 64 x 8 CTAs fill 97% of one wave unsplit (two full waves would take 3 splits).
+  EXPECT_EQ(internal::ChooseDecodeSplits(512, 528, 16, 0), 1);
+  EXPECT_EQ(internal::ChooseDecodeSplits(512, 528, 16, 2), 3);
+  // 16 x 8: 3 splits fill 73% of a wave, 4 splits 97%.
+  EXPECT_EQ(internal::ChooseDecodeSplits(128, 528, 128, 0), 4);
+}
+
+internal::PagedKernelParams BatchOf(std::vector<int32_t> seq_lens, int32_t sliding_window) {
+  internal::PagedKernelParams p{};
+  p.num_seqs = static_cast<int32_t>(seq_lens.size());
+  p.sliding_window = sliding_window;
+  for (int32_t len : seq_lens) {
+    p.max_seq_len = std::max(p.max_seq_len, len);
+    p.total_visible_keys += sliding_window > 0 ? std::min(len, sliding_window) : len;
+  }
+  return p;
+}
+
+TEST(DecodeSplitChoiceTest, NoFullWaveRequiredOnlyForSequencesOfAboutEqualLength) {
+  EXPECT_EQ(internal::DecodeMinFullWaves(BatchOf({4096, 4096, 4096, 4096}, 0)), 0);
+  EXPECT_EQ(internal::DecodeMinFullWaves(BatchOf({4096, 4090, 4000, 4096}, 0)), 0);
+  EXPECT_EQ(internal::DecodeMinFullWaves(BatchOf({4096, 1024, 4096, 4096}, 0)), 2);
+  // A window caps what the long sequences see: 5000 and 9000 keys both see 512.
+  EXPECT_EQ(internal::DecodeMinFullWaves(BatchOf({5000, 9000}, 512)), 0);
+  EXPECT_EQ(internal::DecodeMinFullWaves(BatchOf({5000, 9000}, 0)), 2);
+  // Unknown lengths (no host mirror): as for uneven ones.
+  internal::PagedKernelParams unknown = BatchOf({4096, 4096}, 0);
+  unknown.total_visible_keys = 0;
+  EXPECT_EQ(internal::DecodeMinFullWaves(unknown), 2);
+}
+
+// The planner's count of visible keys comes from the host mirror of seq_lens.
+TEST_F(CudaDecodeErrorTest, KernelParamsCountVisibleKeysFromTheHostMirror) {
+  PagedAttentionParams p = dev_->params();
+  ASSERT_NE(p.host.seq_lens, nullptr);
+  for (const int32_t window : {0, 8}) {
+    p.sliding_window = window;
+    int64_t want = 0;
+    for (int32_t i = 0; i < p.num_seqs; ++i) {
+      want += window > 0 ? std::min(p.host.seq_lens[i], window) : p.host.seq_lens[i];
+    }
+    auto kp = internal::MakePagedKernelParams(p);
+    ASSERT_TRUE(kp.ok()) << kp.status();
+    EXPECT_GT(want, 0);
+    EXPECT_EQ(kp->total_visible_keys, want) << "sliding_window " << window;
+  }
 }
 
 TEST_F(CudaDecodeErrorTest, BadBlockIdInTheHostMirror) {

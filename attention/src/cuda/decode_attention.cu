@@ -7,10 +7,11 @@
 //
 // Split count. A CTA streams one KV head's keys of one split; with few sequences or KV heads
 // there are too few CTAs to keep 132 SMs busy, and with CTAs of equal work a last partial
-// wave idles most of the GPU. So the keys are split into the fewest parts that give a few
-// waves of CTAs with a mostly full last wave (ChooseDecodeSplits), but never into splits
-// shorter than kMinTokensPerSplit keys (the pipeline's start-up and the merge would then
-// cost more than they save).
+// wave idles most of the GPU. So the keys are split into the fewest parts that give one
+// mostly full wave of CTAs (sequences of about equal length) or a few waves with a mostly
+// full last one (ChooseDecodeSplits, DecodeMinFullWaves), but never into splits shorter than
+// kMinTokensPerSplit keys (the pipeline's start-up and the merge would then cost more than
+// they save).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -35,8 +36,10 @@ namespace {
 
 namespace dec = decode;
 
-constexpr int64_t kMinWaves = 2;
 constexpr int64_t kMaxWaves = 16;
+// Sequences whose visible keys average at least this fraction of the longest one's count
+// as equal for DecodeMinFullWaves: one wave then loses at most 5% to the spread.
+constexpr double kBalancedKeys = 0.95;
 constexpr double kMinLastWaveFill = 0.8;
 constexpr int kMinTokensPerSplit = 256;
 constexpr int kMaxDynamicSmem = 227 * 1024;  // H100/H200 per-block opt-in limit
@@ -190,7 +193,8 @@ absl::StatusOr<DecodePlan> Plan(const PagedKernelParams& p, DType cache_dtype,
   const int64_t splits =
       options.num_splits > 0
           ? options.num_splits
-          : ChooseDecodeSplits(base_ctas, int64_t{num_sms} * ctas_per_sm, DecodeSplitLimit(p));
+          : ChooseDecodeSplits(base_ctas, int64_t{num_sms} * ctas_per_sm, DecodeSplitLimit(p),
+                               DecodeMinFullWaves(p));
   geo.num_splits = static_cast<int32_t>(splits);
 
   const int64_t grid_x = int64_t{p.num_kv_heads} * geo.head_tiles;
@@ -242,23 +246,36 @@ int64_t DecodeSplitLimit(const PagedKernelParams& p) {
                            CeilDiv(std::max<int64_t>(visible, 1), kMinTokensPerSplit)));
 }
 
-// At least kMinWaves waves of CTAs where the keys allow (sequences of different lengths
-// then balance out across SMs), at most kMaxWaves; among those the fewest splits whose last
-// wave is at least kMinLastWaveFill full (CTAs of one call do about equal work, so a last
-// wave one-tenth full leaves nine-tenths of the GPU idle for a CTA's duration), or the
-// fullest when none is. Fewer splits are better otherwise: each costs a partial result, a
-// share of the merge, and a CTA's pipeline start-up (on the H200, 64 x 4096 keys: 2 splits
-// 0.82 of the streaming read, 3 splits 0.76, 8 splits 0.77).
-int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits) {
+int64_t DecodeMinFullWaves(const PagedKernelParams& p) {
+  const int64_t longest =
+      p.sliding_window > 0 ? std::min<int64_t>(p.max_seq_len, p.sliding_window) : p.max_seq_len;
+  const double all_longest = static_cast<double>(longest) * static_cast<double>(p.num_seqs);
+  const bool balanced = p.total_visible_keys > 0 &&
+                        static_cast<double>(p.total_visible_keys) >= kBalancedKeys * all_longest;
+  return balanced ? 0 : 2;
+}
+
+// At least `min_full_waves` full waves of CTAs where the keys allow (with 2, sequences of
+// different lengths balance out across SMs), at most kMaxWaves; among those the fewest
+// splits whose last wave is at least kMinLastWaveFill full (CTAs of one call do about equal
+// work, so a last wave one-tenth full leaves nine-tenths of the GPU idle for a CTA's
+// duration), or the fullest when none is. Fewer splits are better otherwise: each costs a
+// partial result, a share of the merge, and a CTA's pipeline start-up (on the H200,
+// tensor-core kernel with four CTAs per SM, 64 x 4096 keys: 1 split 0.95 of the streaming
+// read, 2 splits 0.91, 3 (two full waves) 0.90; 16 x 32768: 4 splits (one wave) 0.97, 8
+// splits 0.955).
+int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits,
+                           int64_t min_full_waves) {
   base_ctas = std::max<int64_t>(base_ctas, 1);
   slots = std::max<int64_t>(slots, 1);
   max_splits = std::max<int64_t>(max_splits, 1);
+  min_full_waves = std::max<int64_t>(min_full_waves, 0);
   auto fill = [&](int64_t s) {
     const double waves = static_cast<double>(base_ctas * s) / static_cast<double>(slots);
     return waves / std::ceil(waves);
   };
   const int64_t lo =
-      std::min(max_splits, std::max<int64_t>(1, CeilDiv(kMinWaves * slots, base_ctas)));
+      std::min(max_splits, std::max<int64_t>(1, CeilDiv(min_full_waves * slots, base_ctas)));
   const int64_t hi =
       std::min(max_splits, std::max<int64_t>(lo, (kMaxWaves * slots) / base_ctas));
   int64_t best = lo;

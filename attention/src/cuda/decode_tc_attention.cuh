@@ -83,16 +83,19 @@ template <int D, int kNT>
 struct DecodeTcTraits {
   static_assert(D == 64 || D == 128 || D == 256, "padded head sizes 64, 128 and 256");
   static_assert(kNT == 1 || kNT == 2, "one or two n8 tiles of query heads");
-  static constexpr int kWarps = 4;
+  // Warps, stages and CTAs per SM for D = 64 / 128 / 256: 4 x 4 x 3, 3 x 2 x 4,
+  // 3 x 2 x 2. Three warps (48-key tiles) let four CTAs of two stages share an SM at
+  // D = 128 (two at 256): 64 sequences x 8 KV heads then run in one wave of 132 SMs
+  // without splits or a partial wave. On the H200 (bf16, 32/8 heads, d128) that measured
+  // 0.947 of the streaming read at 64 x 4096 and 0.963 at 16 x 32768 against 0.93 and
+  // 0.95 for three CTAs of four warps; four CTAs of three warps with 4 threads per row
+  // copy measured 0.78 (docs/benchmarks.md).
+  static constexpr int kWarps = D == 64 ? 4 : 3;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockN = 64;     // keys per tile: 16 per warp
-  static constexpr int kRows = 8 * kNT;  // query heads per CTA
-  // Stages and CTAs per SM for D = 64 / 128 / 256: 4 x 3, 2 x 3, 2 x 1. At D = 128 three
-  // CTAs of two stages (12 warps) measured 0.93-0.95 of the streaming read on the H200
-  // against 0.78-0.83 for two CTAs of three stages and for four CTAs of three warps
-  // (48-key tiles) (docs/benchmarks.md).
+  static constexpr int kBlockN = 16 * kWarps;  // keys per tile: 16 per warp
+  static constexpr int kRows = 8 * kNT;        // query heads per CTA
   static constexpr int kStages = D == 64 ? 4 : 2;
-  static constexpr int kMinBlocksPerSm = D == 64 ? 3 : D == 128 ? 3 : 1;
+  static constexpr int kMinBlocksPerSm = D == 64 ? 3 : D == 128 ? 4 : 2;
   static constexpr int kTileBytes = kBlockN * D * 2;     // one 16-bit K or V tile
   static constexpr int kStageBytes = 2 * kTileBytes;     // K and V
   static constexpr int kRawStageBytes = 2 * kBlockN * D;  // fp8 K and V
@@ -259,7 +262,9 @@ KVSTREAM_CUDA_UNROLL
     constexpr int kRowsPerPass = kThreads / kPerRow;
     constexpr int kElems = kFp8 ? 16 : 8;
     constexpr int kRowBytes = kFp8 ? D : 2 * D;  // a tile row in shared memory
-    static_assert(kRowsPerPass % 8 == 0, "a pass keeps each thread's row modulo 8");
+    // With 96 threads a pass covers 6 rows: the swizzle of each pass's row is then its own.
+    constexpr bool kSwizzleRepeats = kRowsPerPass % 8 == 0;
+    static_assert(kBlockN % kRowsPerPass == 0, "passes cover the tile's rows");
     const int lrow = tid / kPerRow;
     const int lcol = tid % kPerRow;
     const int k_chunks = head_size / kElems;
@@ -279,8 +284,11 @@ KVSTREAM_CUDA_UNROLL
                                                : SwizzledChunk<D>(lrow, c));
 KVSTREAM_CUDA_UNROLL
       for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
-        const RowBytes loc = locs[lrow + pass * kRowsPerPass];
-        const uint32_t k_dst = dst0 + pass * kRowsPerPass * kRowBytes;
+        const int r = lrow + pass * kRowsPerPass;
+        const RowBytes loc = locs[r];
+        const uint32_t k_dst =
+            kFp8 || kSwizzleRepeats ? dst0 + pass * kRowsPerPass * kRowBytes
+                                    : stage_base + SwizzledChunk<D>(r, c);
         if (c < k_chunks) CpAsync16(k_dst, k + loc.k + i * kPerRow * 16, true);
         if (c < v_chunks) CpAsync16(k_dst + kVOffset, v + loc.v + i * kPerRow * 16, true);
       }

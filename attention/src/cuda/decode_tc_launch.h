@@ -23,9 +23,15 @@ namespace internal {
 // shorter than 256 of the keys the longest sequence sees.
 inline constexpr int kMaxDecodeSplits = 256;
 int64_t DecodeSplitLimit(const PagedKernelParams& params);
-// The split count for `base_ctas` CTAs per split on a GPU that runs `slots` CTAs at once,
-// at most `max_splits` (>= 1).
-int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits);
+// The full waves of CTAs a launch needs before the split choice looks at how full the
+// last wave is: 0 when the sequences see about the same number of keys (CTAs of equal work
+// finish together, so one mostly full wave is best), 2 otherwise or when that is unknown
+// (total_visible_keys 0), so that short sequences' CTAs leave room for the long ones'.
+int64_t DecodeMinFullWaves(const PagedKernelParams& params);
+// The split count for `base_ctas` CTAs per split on a GPU that runs `slots` CTAs at once:
+// at least `min_full_waves` full waves where the keys allow, at most `max_splits` (>= 1).
+int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits,
+                           int64_t min_full_waves);
 
 struct DecodeTcPlan {
   int num_splits = 1;

@@ -1,6 +1,9 @@
 // MakePagedKernelParams: the public params checked and flattened for the CUDA kernels.
 #include "cuda/kernel_params.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kvstream/common/status_macros.h"
@@ -50,6 +53,14 @@ absl::StatusOr<PagedKernelParams> MakePagedKernelParams(const PagedAttentionPara
   p.num_seqs = params.num_seqs;
   p.max_query_len = params.max_query_len;
   p.max_seq_len = params.max_seq_len;
+  p.total_visible_keys = 0;
+  if (params.host.seq_lens != nullptr) {
+    for (int32_t i = 0; i < params.num_seqs; ++i) {
+      const int64_t len = params.host.seq_lens[i];
+      p.total_visible_keys +=
+          params.sliding_window > 0 ? std::min<int64_t>(len, params.sliding_window) : len;
+    }
+  }
   p.num_heads = params.num_heads;
   p.num_kv_heads = cache.spec.num_kv_heads;
   p.head_size = cache.spec.head_size;

@@ -48,6 +48,10 @@ struct PagedKernelParams {
   int32_t num_seqs;
   int32_t max_query_len;
   int32_t max_seq_len;
+  // For the host's launch planning only (kernels do not read it): the sum over sequences of
+  // the keys a query sees (seq_len, at most sliding_window), from the host mirror of
+  // seq_lens; 0 when there is none.
+  int64_t total_visible_keys;
   int32_t num_heads;
   int32_t num_kv_heads;
   int32_t head_size;
