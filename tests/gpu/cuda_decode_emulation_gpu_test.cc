@@ -74,7 +74,6 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
   args.cache_kind = cache_dtype == DType::kFloat8E4M3   ? tc::kCacheE4M3
                     : cache_dtype == DType::kFloat8E5M2 ? tc::kCacheE5M2
                                                         : tc::kCache16;
-  args.zero_fill = kp.head_size < D || kp.head_size_v < D;
   args.partial_out = num_splits > 1 ? partial_out.data() : nullptr;
   args.partial_ml = num_splits > 1 ? partial_ml.data() : nullptr;
 

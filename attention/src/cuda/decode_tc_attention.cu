@@ -172,7 +172,6 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
   args.cache_kind = cache_dtype == DType::kFloat8E4M3   ? tc::kCacheE4M3
                     : cache_dtype == DType::kFloat8E5M2 ? tc::kCacheE5M2
                                                         : tc::kCache16;
-  args.zero_fill = p.head_size < padded || p.head_size_v < padded;
   args.partial_out = partial_out;
   args.partial_ml = partial_ml;
   const TcKernel kernel = q_dtype == DType::kBFloat16

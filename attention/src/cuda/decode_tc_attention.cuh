@@ -16,12 +16,14 @@
 // Data flow inside a CTA:
 //   k_cache: [num_blocks, block_size, num_kv_heads, head_size]    (strides from params)
 //   v_cache: [num_blocks, block_size, num_kv_heads, head_size_v]
-//   -> kStages-deep cp.async pipeline of 64-key tiles, one page-table lookup per key row
-//      (looked up one iteration ahead of the copy, through a small ring in shared memory
-//      that holds each row's K and V byte offsets (RowBytes), so that a copy is an add and
-//      a cp.async; rows with nothing to load point at kDecodeZeroRow):
-//      16-bit caches straight into swizzled [64][D] K and V tiles of T; fp8 caches raw
-//      into [64][D] byte tiles, converted to T into one swizzled K/V tile per iteration
+//   -> a cp.async pipeline over a ring of kRing half tiles (a 64-key tile's K, then its
+//      V: while the warps use one, kRing - 1 are in flight, and a half's slot is reused as
+//      soon as it is consumed), one page-table lookup per key row (looked up ahead of the
+//      copy, through a small ring in shared memory that holds each row's K and V byte
+//      offsets (RowBytes), so that a copy is an add and a cp.async; rows with nothing to
+//      load point at kDecodeZeroRow): 16-bit caches straight into swizzled [64][D] tiles
+//      of T; fp8 caches raw into [64][D] byte tiles, each converted to T into one swizzled
+//      tile when its turn comes
 //   -> warp w takes keys [16 w, 16 w + 16) of every tile: S^T = K Q^T (K from the swizzled
 //      tile by ldmatrix, Q^T fragments in registers, fp32 accumulators), base-2 online
 //      softmax per head column, P^T turned into the B fragment by movmatrix.trans,
@@ -34,8 +36,8 @@
 //
 // fp8: the K scale is folded into the softmax scale, the V scale into the output.
 //
-// Shared memory (bytes): loc [kStages][64] RowBytes | q [8 kNT][D] T (swizzled) |
-//   16-bit: kv [kStages][2][64][D] T  /  fp8: raw [kStages][2][64][D] bytes, kv [2][64][D] T
+// Shared memory (bytes): loc [kLocTiles][64] RowBytes | q [8 kNT][D] T (swizzled) |
+//   16-bit: ring [kRing][64][D] T  /  fp8: raw ring [kRing][64][D] bytes, tile [64][D] T
 //
 // A host build that defines KVSTREAM_CUDA_EMULATION provides the PTX wrappers (mma_ptx.cuh; and
 // __syncthreads, __shfl_xor_sync, threadIdx, blockIdx, shared memory) itself, so that the
@@ -71,7 +73,6 @@ struct DecodeTcArgs {
   int32_t head_tiles;  // ceil(group_size / DecodeTcHeadTileRows(group_size))
   int32_t num_splits;  // 1 .. 256
   int32_t cache_kind;  // DecodeTcCacheKind
-  int32_t zero_fill;   // head sizes below D: the tiles' padding columns must be zeroed
   float* partial_out;  // num_splits > 1: the workspace (see the file comment)
   float* partial_ml;
 };
@@ -83,28 +84,27 @@ template <int D, int kNT>
 struct DecodeTcTraits {
   static_assert(D == 64 || D == 128 || D == 256, "padded head sizes 64, 128 and 256");
   static_assert(kNT == 1 || kNT == 2, "one or two n8 tiles of query heads");
-  // Warps, stages and CTAs per SM for D = 64 / 128 / 256: 4 x 4 x 3, 3 x 2 x 4,
-  // 3 x 2 x 2. Three warps (48-key tiles) let four CTAs of two stages share an SM at
-  // D = 128 (two at 256): 64 sequences x 8 KV heads then run in one wave of 132 SMs
-  // without splits or a partial wave. On the H200 (bf16, 32/8 heads, d128) that measured
-  // 0.947 of the streaming read at 64 x 4096 and 0.963 at 16 x 32768 against 0.93 and
-  // 0.95 for three CTAs of four warps; four CTAs of three warps with 4 threads per row
-  // copy measured 0.78 (docs/benchmarks.md).
-  static constexpr int kWarps = D == 64 ? 4 : 3;
+  static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = 16 * kWarps;  // keys per tile: 16 per warp
   static constexpr int kRows = 8 * kNT;        // query heads per CTA
-  static constexpr int kStages = D == 64 ? 4 : 2;
-  static constexpr int kMinBlocksPerSm = D == 64 ? 3 : D == 128 ? 4 : 2;
-  static constexpr int kTileBytes = kBlockN * D * 2;     // one 16-bit K or V tile
-  static constexpr int kStageBytes = 2 * kTileBytes;     // K and V
-  static constexpr int kRawStageBytes = 2 * kBlockN * D;  // fp8 K and V
-  static constexpr int kLocBytes = kStages * kBlockN * 16;  // RowBytes per key row
+  // The copy pipeline is a ring of kRing half tiles (a tile's K or its V): kRing - 1 of
+  // them are in flight while one is consumed. Ring and CTAs per SM for D = 64 / 128 / 256:
+  // 8 x 3, 3 x 4 (3 with two n8 tiles, whose registers do not fit four), 3 x 2. At D = 128
+  // four CTAs of 55 KiB share an SM, so that 64 sequences x 8 KV heads run in one wave of
+  // 132 SMs.
+  static constexpr int kRing = D == 64 ? 8 : 3;
+  static constexpr int kMinBlocksPerSm = D == 64 ? 3 : D == 128 ? (kNT == 1 ? 4 : 3) : 2;
+  static constexpr int kTileBytes = kBlockN * D * 2;   // one 16-bit K or V tile
+  static constexpr int kRawTileBytes = kBlockN * D;    // one fp8 K or V tile
+  // Page-table rows of the tiles between their lookup and their V copy (DecodeTcKernel).
+  static constexpr int kLocTiles = (kRing + 1) / 2 + 1;
+  static constexpr int kLocBytes = kLocTiles * kBlockN * 16;  // RowBytes per key row
   static constexpr int kQOffset = kLocBytes;
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kKvOffset = kQOffset + kQBytes;
   static constexpr int SmemBytes(bool fp8) {
-    return kKvOffset + (fp8 ? kStages * kRawStageBytes + kStageBytes : kStages * kStageBytes);
+    return kKvOffset + (fp8 ? kRing * kRawTileBytes + kTileBytes : kRing * kTileBytes);
   }
   // The warps' partial results at the end: [kWarps][kRows][D] + [kWarps][kRows][2] floats.
   static constexpr int kMergeBytes = kWarps * kRows * (D + 2) * 4;
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
   constexpr int kThreads = Traits::kThreads;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kRows = Traits::kRows;
-  constexpr int kStages = Traits::kStages;
+  constexpr int kRing = Traits::kRing;
   constexpr int kDSteps = D / 16;  // k16 steps of K Q^T, m16 blocks of the output
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kNegInf = -INFINITY;
@@ -220,18 +220,17 @@ __global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
         (block * p.v_block_stride + offset * p.v_token_stride + v_head_offset) * es};
   };
 
-  // ---- Prologue: zero padding, page table of the first kStages tiles, Q.
-  if (a.zero_fill) {
-    const int bytes = fp8 ? Traits::kStageBytes : kStages * Traits::kStageBytes;
-    uint8_t* const tiles = fp8 ? kv_smem + kStages * Traits::kRawStageBytes : kv_smem;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int i = tid; i < bytes / 16; i += kThreads) reinterpret_cast<uint4*>(tiles)[i] = zero;
-  }
-  RowBytes loc_ahead = zero_row;  // threads tid < kBlockN: lookup of tile t + kStages + 1
+  // ---- Prologue: the page table of the first tiles, Q.
+  // The rows of tile n are stored in loc slot n % kLocTiles at the loop's half h = 2 n -
+  // kRing (before the loop when that is negative), after the barrier that follows the
+  // issue of its slot's previous tile's V half (two tiles earlier), and read by the issues
+  // of its K and V halves (h + 1 and h + 2).
+  constexpr int kFirstLocTiles = (kRing + 1) / 2;
+  RowBytes loc_ahead = zero_row;  // threads tid < kBlockN: the next tile's rows to store
   if (tid < kBlockN) {
 KVSTREAM_CUDA_UNROLL
-    for (int st = 0; st < kStages; ++st) loc_smem[st * kBlockN + tid] = lookup(st, tid);
-    loc_ahead = lookup(kStages, tid);
+    for (int n = 0; n < kFirstLocTiles; ++n) loc_smem[n * kBlockN + tid] = lookup(n, tid);
+    loc_ahead = lookup(kFirstLocTiles, tid);
   }
   {
     // Q tile: row m is head first_head + m; rows past the group and columns past
@@ -250,99 +249,114 @@ KVSTREAM_CUDA_UNROLL
   }
   __syncthreads();
 
-  // Issues the copies of tile n into stage `stage` (16-bit tiles, or raw fp8 tiles).
-  // kFp8Tag: std::true_type for raw fp8 tiles, so that the loop bounds are constants.
-  auto issue_tile_as = [&](auto fp8_tag, int n, int stage) {
+  // Issues the copies of half tile j (tile j / 2's K for even j, its V for odd j) into
+  // ring slot j % kRing (16-bit tiles, or raw fp8 tiles). Columns past the head size are
+  // copied as zeros (cp.async with no source bytes): a slot holds K and V in turn, and
+  // their head sizes may differ. kFp8Tag: std::true_type for raw fp8 tiles, so that the
+  // loop bounds are constants.
+  auto issue_half_as = [&](auto fp8_tag, int j) {
     constexpr bool kFp8 = decltype(fp8_tag)::value;
-    const RowBytes* const locs = loc_smem + (n % kStages) * kBlockN;
+    const bool is_v = (j & 1) != 0;
+    const RowBytes* const locs = loc_smem + ((j >> 1) % Traits::kLocTiles) * kBlockN;
     // 16-byte chunks per row: D / 8 of T, or D / 16 of fp8. Up to 16 threads per row, so
     // that a warp's copies cover whole 256-byte row segments.
     constexpr int kChunks = kFp8 ? D / 16 : D / 8;
     constexpr int kPerRow = kChunks < 16 ? kChunks : 16;
     constexpr int kRowsPerPass = kThreads / kPerRow;
-    constexpr int kElems = kFp8 ? 16 : 8;
     constexpr int kRowBytes = kFp8 ? D : 2 * D;  // a tile row in shared memory
-    // With 96 threads a pass covers 6 rows: the swizzle of each pass's row is then its own.
-    constexpr bool kSwizzleRepeats = kRowsPerPass % 8 == 0;
-    static_assert(kBlockN % kRowsPerPass == 0, "passes cover the tile's rows");
+    static_assert(kRowsPerPass % 8 == 0, "a pass keeps each thread's row modulo 8");
     const int lrow = tid / kPerRow;
     const int lcol = tid % kPerRow;
-    const int k_chunks = head_size / kElems;
-    const int v_chunks = head_size_v / kElems;
+    const int chunks = (is_v ? head_size_v : head_size) / (kFp8 ? 16 : 8);
     // This thread's first chunk of a row.
-    const uint8_t* const k = static_cast<const uint8_t*>(p.k_cache) + lcol * 16;
-    const uint8_t* const v = static_cast<const uint8_t*>(p.v_cache) + lcol * 16;
-    const uint32_t stage_base =
-        kv_base + stage * (kFp8 ? Traits::kRawStageBytes : Traits::kStageBytes);
-    constexpr uint32_t kVOffset = kFp8 ? kBlockN * D : Traits::kTileBytes;
+    const uint8_t* const src =
+        static_cast<const uint8_t*>(is_v ? p.v_cache : p.k_cache) + lcol * 16;
+    const uint32_t slot_base =
+        kv_base + (j % kRing) * (kFp8 ? Traits::kRawTileBytes : Traits::kTileBytes);
 KVSTREAM_CUDA_UNROLL
     for (int i = 0; i < kChunks / kPerRow; ++i) {
       const int c = lcol + i * kPerRow;
-      if (c >= k_chunks && c >= v_chunks) break;  // head sizes below D: padding columns
       // Row lrow of the tile; pass `pass` adds whole rows (the swizzle repeats every 8).
-      const uint32_t dst0 = stage_base + (kFp8 ? static_cast<uint32_t>(lrow * D + c * 16)
-                                               : SwizzledChunk<D>(lrow, c));
+      const uint32_t dst0 = slot_base + (kFp8 ? static_cast<uint32_t>(lrow * D + c * 16)
+                                              : SwizzledChunk<D>(lrow, c));
 KVSTREAM_CUDA_UNROLL
       for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
-        const int r = lrow + pass * kRowsPerPass;
-        const RowBytes loc = locs[r];
-        const uint32_t k_dst =
-            kFp8 || kSwizzleRepeats ? dst0 + pass * kRowsPerPass * kRowBytes
-                                    : stage_base + SwizzledChunk<D>(r, c);
-        if (c < k_chunks) CpAsync16(k_dst, k + loc.k + i * kPerRow * 16, true);
-        if (c < v_chunks) CpAsync16(k_dst + kVOffset, v + loc.v + i * kPerRow * 16, true);
+        const RowBytes loc = locs[lrow + pass * kRowsPerPass];
+        CpAsync16(dst0 + pass * kRowsPerPass * kRowBytes,
+                  src + (is_v ? loc.v : loc.k) + i * kPerRow * 16, c < chunks);
       }
     }
   };
-  auto issue_tile = [&](int n, int stage) {
+  auto issue_half = [&](int j) {
     if (fp8) {
-      issue_tile_as(std::true_type(), n, stage);
+      issue_half_as(std::true_type(), j);
     } else {
-      issue_tile_as(std::false_type(), n, stage);
+      issue_half_as(std::false_type(), j);
     }
   };
 
-  // fp8: converts raw stage `stage` into the 16-bit K and V tiles.
-  uint8_t* const conv_tiles = kv_smem + kStages * Traits::kRawStageBytes;
-  auto convert_raw = [&](int stage) {
+  // fp8: converts the raw half tile j into the one 16-bit tile (zeros past the head size).
+  uint8_t* const conv_tile = kv_smem + kRing * Traits::kRawTileBytes;
+  auto convert_raw = [&](int j) {
     constexpr int kRawChunks = D / 16;
-    const uint8_t* const raw = kv_smem + stage * Traits::kRawStageBytes;
-    for (int i = tid; i < 2 * kBlockN * kRawChunks; i += kThreads) {
-      const bool is_v = i >= kBlockN * kRawChunks;
-      const int rest = is_v ? i - kBlockN * kRawChunks : i;
-      const int r = rest / kRawChunks;
-      const int c = rest - r * kRawChunks;
-      if (c >= (is_v ? head_size_v : head_size) / 16) continue;
-      const uint4 bits =
-          *reinterpret_cast<const uint4*>(raw + (is_v ? kBlockN * D : 0) + r * D + c * 16);
-      const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
-      uint32_t out[8];
-      if (a.cache_kind == kCacheE4M3) {
+    const uint8_t* const raw = kv_smem + (j % kRing) * Traits::kRawTileBytes;
+    const int chunks = ((j & 1) != 0 ? head_size_v : head_size) / 16;
+    for (int i = tid; i < kBlockN * kRawChunks; i += kThreads) {
+      const int r = i / kRawChunks;
+      const int c = i - r * kRawChunks;
+      uint32_t out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (c < chunks) {
+        const uint4 bits = *reinterpret_cast<const uint4*>(raw + r * D + c * 16);
+        const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
+        if (a.cache_kind == kCacheE4M3) {
 KVSTREAM_CUDA_UNROLL
-        for (int w = 0; w < 4; ++w) {
-          out[2 * w] = Fp8PairTo<T, __NV_E4M3>(words[w] & 0xffffu);
-          out[2 * w + 1] = Fp8PairTo<T, __NV_E4M3>(words[w] >> 16);
-        }
-      } else {
+          for (int w = 0; w < 4; ++w) {
+            out[2 * w] = Fp8PairTo<T, __NV_E4M3>(words[w] & 0xffffu);
+            out[2 * w + 1] = Fp8PairTo<T, __NV_E4M3>(words[w] >> 16);
+          }
+        } else {
 KVSTREAM_CUDA_UNROLL
-        for (int w = 0; w < 4; ++w) {
-          out[2 * w] = Fp8PairTo<T, __NV_E5M2>(words[w] & 0xffffu);
-          out[2 * w + 1] = Fp8PairTo<T, __NV_E5M2>(words[w] >> 16);
+          for (int w = 0; w < 4; ++w) {
+            out[2 * w] = Fp8PairTo<T, __NV_E5M2>(words[w] & 0xffffu);
+            out[2 * w + 1] = Fp8PairTo<T, __NV_E5M2>(words[w] >> 16);
+          }
         }
       }
-      uint8_t* const tile = conv_tiles + (is_v ? Traits::kTileBytes : 0);
-      *reinterpret_cast<uint4*>(tile + SwizzledChunk<D>(r, 2 * c)) =
+      *reinterpret_cast<uint4*>(conv_tile + SwizzledChunk<D>(r, 2 * c)) =
           make_uint4(out[0], out[1], out[2], out[3]);
-      *reinterpret_cast<uint4*>(tile + SwizzledChunk<D>(r, 2 * c + 1)) =
+      *reinterpret_cast<uint4*>(conv_tile + SwizzledChunk<D>(r, 2 * c + 1)) =
           make_uint4(out[4], out[5], out[6], out[7]);
     }
   };
 
+  const int num_halves = 2 * num_tiles;
 KVSTREAM_CUDA_UNROLL
-  for (int st = 0; st < kStages - 1; ++st) {
-    if (st < num_tiles) issue_tile(st, st);
+  for (int j = 0; j < kRing - 1; ++j) {
+    if (j < num_halves) issue_half(j);
     CpAsyncCommit();
   }
+
+  // The start of half h: waits for its copies, issues half h + kRing - 1 into the slot the
+  // previous half leaves, stores a tile's rows when due, converts fp8; returns the shared
+  // address of half h's 16-bit tile.
+  const uint32_t conv_base = SmemAddress(conv_tile);
+  auto begin_half = [&](int h) -> uint32_t {
+    CpAsyncWaitGroup<kRing - 2>();
+    __syncthreads();  // half h landed for every thread; half h - 1 is consumed
+    if (h + kRing - 1 < num_halves) issue_half(h + kRing - 1);
+    CpAsyncCommit();
+    if (((h + kRing) & 1) == 0 && tid < kBlockN) {
+      const int n = (h + kRing) >> 1;
+      loc_smem[(n % Traits::kLocTiles) * kBlockN + tid] = loc_ahead;
+      loc_ahead = lookup(n + 1, tid);
+    }
+    if (fp8) {
+      convert_raw(h);
+      __syncthreads();
+      return conv_base;
+    }
+    return kv_base + (h % kRing) * Traits::kTileBytes;
+  };
 
   // ---- Per-thread state. g = lane / 4, t = lane % 4. In the S^T tile of n8 block nt the
   // thread holds keys g and g + 8 of the warp's 16 (elements {0, 1} and {2, 3}) for heads
@@ -429,134 +443,120 @@ KVSTREAM_CUDA_UNROLL
     }
   }
 
-  // ---- Main loop over key tiles.
+  // ---- Main loop over key tiles: the K half, then the V half.
+  uint32_t pb[kNT][2] = {};  // P^T of the warp's keys, from the K half to the V half
   for (int t = 0; t < num_tiles; ++t) {
-    CpAsyncWaitGroup<kStages - 2>();
-    __syncthreads();  // tile t landed for every thread; tile t - 1 is consumed
-    uint32_t k_base, v_base;
-    if (fp8) {
-      convert_raw(t % kStages);
-      __syncthreads();
-      k_base = kv_base + kStages * Traits::kRawStageBytes;
-    } else {
-      k_base = kv_base + (t % kStages) * Traits::kStageBytes;
-    }
-    v_base = k_base + Traits::kTileBytes;
-    if (t + kStages - 1 < num_tiles) issue_tile(t + kStages - 1, (t + kStages - 1) % kStages);
-    CpAsyncCommit();
-    if (tid < kBlockN) {
-      // Slot t % kStages held tile t's rows (issued long ago); it now takes tile
-      // t + kStages, read by the issue of the next iteration after its barrier.
-      loc_smem[(t % kStages) * kBlockN + tid] = loc_ahead;
-      loc_ahead = lookup(t + kStages + 1, tid);
-    }
-
+    const uint32_t k_base = begin_half(2 * t);
     const int tile_lo = s_begin + t * kBlockN;
-    const int n_valid = min(kBlockN, s_end - tile_lo);
-    if (16 * warp >= n_valid) continue;  // warp-uniform: none of the warp's keys exist
-
-    // S^T = K Q^T for the warp's 16 keys.
-    float acc_s[kNT][4];
+    // Warp-uniform: whether any of the warp's 16 keys exist.
+    const bool warp_keys = 16 * warp < min(kBlockN, s_end - tile_lo);
+    if (warp_keys) {
+      // S^T = K Q^T for the warp's 16 keys.
+      float acc_s[kNT][4];
 KVSTREAM_CUDA_UNROLL
-    for (int nt = 0; nt < kNT; ++nt) {
+      for (int nt = 0; nt < kNT; ++nt) {
 KVSTREAM_CUDA_UNROLL
-      for (int e = 0; e < 4; ++e) acc_s[nt][e] = 0.0f;
-    }
-KVSTREAM_CUDA_UNROLL
-    for (int k0 = 0; k0 < kDSteps; k0 += kBatch) {
-      uint32_t ka[kBatch][4];
-      uint32_t qb[kQInRegisters ? 1 : kBatch][4];
-KVSTREAM_CUDA_UNROLL
-      for (int i = 0; i < kBatch; ++i) {
-        const int kk = k0 + i;
-        LdMatrixX4(ka[i], k_base + k_lane_off + (kk >> 2) * 128 + (swz_k ^ ((kk & 3) << 5)));
-        if constexpr (!kQInRegisters) {
-          LdMatrixX4(qb[i], q_lane_addr + (kk >> 2) * 128 + (swz_v ^ ((kk & 3) << 5)));
-        }
+        for (int e = 0; e < 4; ++e) acc_s[nt][e] = 0.0f;
       }
 KVSTREAM_CUDA_UNROLL
-      for (int i = 0; i < kBatch; ++i) {
-        const int kk = k0 + i;
+      for (int k0 = 0; k0 < kDSteps; k0 += kBatch) {
+        uint32_t ka[kBatch][4];
+        uint32_t qb[kQInRegisters ? 1 : kBatch][4];
 KVSTREAM_CUDA_UNROLL
-        for (int nt = 0; nt < kNT; ++nt) {
-          if constexpr (kQInRegisters) {
-            Mma16816<T>(acc_s[nt], ka[i], q_frag[kQInRegisters ? kk : 0][nt][0],
-                        q_frag[kQInRegisters ? kk : 0][nt][1]);
-          } else {
-            Mma16816<T>(acc_s[nt], ka[i], qb[kQInRegisters ? 0 : i][2 * nt],
-                        qb[kQInRegisters ? 0 : i][2 * nt + 1]);
+        for (int i = 0; i < kBatch; ++i) {
+          const int kk = k0 + i;
+          LdMatrixX4(ka[i], k_base + k_lane_off + (kk >> 2) * 128 + (swz_k ^ ((kk & 3) << 5)));
+          if constexpr (!kQInRegisters) {
+            LdMatrixX4(qb[i], q_lane_addr + (kk >> 2) * 128 + (swz_v ^ ((kk & 3) << 5)));
+          }
+        }
+KVSTREAM_CUDA_UNROLL
+        for (int i = 0; i < kBatch; ++i) {
+          const int kk = k0 + i;
+KVSTREAM_CUDA_UNROLL
+          for (int nt = 0; nt < kNT; ++nt) {
+            if constexpr (kQInRegisters) {
+              Mma16816<T>(acc_s[nt], ka[i], q_frag[kQInRegisters ? kk : 0][nt][0],
+                          q_frag[kQInRegisters ? kk : 0][nt][1]);
+            } else {
+              Mma16816<T>(acc_s[nt], ka[i], qb[kQInRegisters ? 0 : i][2 * nt],
+                          qb[kQInRegisters ? 0 : i][2 * nt + 1]);
+            }
           }
         }
       }
-    }
 
-    // Scores in base 2: soft cap, then ALiBi, then the end of the split.
-    const int key0 = tile_lo + 16 * warp + g;  // key of acc_s[.][0] and [1]; [2], [3]: + 8
+      // Scores in base 2: soft cap, then ALiBi, then the end of the split.
+      const int key0 = tile_lo + 16 * warp + g;  // key of acc_s[.][0] and [1]; [2], [3]: + 8
 KVSTREAM_CUDA_UNROLL
-    for (int nt = 0; nt < kNT; ++nt) {
+      for (int nt = 0; nt < kNT; ++nt) {
 KVSTREAM_CUDA_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        float s = acc_s[nt][e];
-        if (soft_cap) {
-          // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7.
-          const float x = s * inv_cap;
-          s = cap2 * (1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f));
-        } else {
-          s *= scale2;
-        }
-        const int key = key0 + 8 * (e >> 1);
-        // slope * (key - q_pos), with key - q_pos formed exactly in integers.
-        if (alibi) s += head_slope2[nt][e & 1] * static_cast<float>(key - q_pos);
-        acc_s[nt][e] = key < s_end ? s : kNegInf;
-      }
-    }
-
-    // Online softmax per head: running max and (per-thread partial) sum, O rescaled. A
-    // head's 16 keys are spread over its thread's two elements and the 8 lanes of equal
-    // t. Deep into a sequence the running max rarely moves, so the rescale of the output
-    // accumulators is skipped when no head of the warp needs it.
-    float alpha[kNT][2];
-    bool moved = false;
-KVSTREAM_CUDA_UNROLL
-    for (int nt = 0; nt < kNT; ++nt) {
-KVSTREAM_CUDA_UNROLL
-      for (int j = 0; j < 2; ++j) {
-        float tile_max = fmaxf(acc_s[nt][j], acc_s[nt][j + 2]);
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 8));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 16));
-        const float new_max = fmaxf(head_max[nt][j], tile_max);
-        // A head with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
-        const float use_max = new_max == kNegInf ? 0.0f : new_max;
-        alpha[nt][j] = FastExp2(head_max[nt][j] - use_max);
-        moved = moved || alpha[nt][j] != 1.0f;
-        head_max[nt][j] = new_max;
-        const float p0 = FastExp2(acc_s[nt][j] - use_max);
-        const float p1 = FastExp2(acc_s[nt][j + 2] - use_max);
-        acc_s[nt][j] = p0;
-        acc_s[nt][j + 2] = p1;
-        head_sum[nt][j] = head_sum[nt][j] * alpha[nt][j] + (p0 + p1);
-      }
-    }
-    if (__any_sync(0xffffffffu, moved)) {
-KVSTREAM_CUDA_UNROLL
-      for (int dd = 0; dd < kDSteps; ++dd) {
-KVSTREAM_CUDA_UNROLL
-        for (int nt = 0; nt < kNT; ++nt) {
-KVSTREAM_CUDA_UNROLL
-          for (int e = 0; e < 4; ++e) acc_o[dd][nt][e] *= alpha[nt][e & 1];
+        for (int e = 0; e < 4; ++e) {
+          float s = acc_s[nt][e];
+          if (soft_cap) {
+            // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7.
+            const float x = s * inv_cap;
+            s = cap2 * (1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f));
+          } else {
+            s *= scale2;
+          }
+          const int key = key0 + 8 * (e >> 1);
+          // slope * (key - q_pos), with key - q_pos formed exactly in integers.
+          if (alibi) s += head_slope2[nt][e & 1] * static_cast<float>(key - q_pos);
+          acc_s[nt][e] = key < s_end ? s : kNegInf;
         }
       }
-    }
 
-    // O^T += V^T P^T. P^T's accumulator holds (key, head) where the B fragment wants
-    // (head, key): each 8 x 8 half is transposed in registers.
-    uint32_t pb[kNT][2];
+      // Online softmax per head: running max and (per-thread partial) sum, O rescaled. A
+      // head's 16 keys are spread over its thread's two elements and the 8 lanes of equal
+      // t. Deep into a sequence the running max rarely moves, so the rescale of the output
+      // accumulators is skipped when no head of the warp needs it.
+      float alpha[kNT][2];
+      bool moved = false;
 KVSTREAM_CUDA_UNROLL
-    for (int nt = 0; nt < kNT; ++nt) {
-      pb[nt][0] = MovMatrixTrans(PackPair<T>(acc_s[nt][0], acc_s[nt][1]));
-      pb[nt][1] = MovMatrixTrans(PackPair<T>(acc_s[nt][2], acc_s[nt][3]));
-    }
+      for (int nt = 0; nt < kNT; ++nt) {
+KVSTREAM_CUDA_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          float tile_max = fmaxf(acc_s[nt][j], acc_s[nt][j + 2]);
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 8));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 16));
+          const float new_max = fmaxf(head_max[nt][j], tile_max);
+          // A head with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
+          const float use_max = new_max == kNegInf ? 0.0f : new_max;
+          alpha[nt][j] = FastExp2(head_max[nt][j] - use_max);
+          moved = moved || alpha[nt][j] != 1.0f;
+          head_max[nt][j] = new_max;
+          const float p0 = FastExp2(acc_s[nt][j] - use_max);
+          const float p1 = FastExp2(acc_s[nt][j + 2] - use_max);
+          acc_s[nt][j] = p0;
+          acc_s[nt][j + 2] = p1;
+          head_sum[nt][j] = head_sum[nt][j] * alpha[nt][j] + (p0 + p1);
+        }
+      }
+      if (__any_sync(0xffffffffu, moved)) {
+KVSTREAM_CUDA_UNROLL
+        for (int dd = 0; dd < kDSteps; ++dd) {
+KVSTREAM_CUDA_UNROLL
+          for (int nt = 0; nt < kNT; ++nt) {
+KVSTREAM_CUDA_UNROLL
+            for (int e = 0; e < 4; ++e) acc_o[dd][nt][e] *= alpha[nt][e & 1];
+          }
+        }
+      }
+
+      // P^T's accumulator holds (key, head) where the B fragment of O^T += V^T P^T wants
+      // (head, key): each 8 x 8 half is transposed in registers.
+KVSTREAM_CUDA_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        pb[nt][0] = MovMatrixTrans(PackPair<T>(acc_s[nt][0], acc_s[nt][1]));
+        pb[nt][1] = MovMatrixTrans(PackPair<T>(acc_s[nt][2], acc_s[nt][3]));
+      }
+    }  // warp_keys
+
+    const uint32_t v_base = begin_half(2 * t + 1);
+    if (!warp_keys) continue;
+    // O^T += V^T P^T.
 KVSTREAM_CUDA_UNROLL
     for (int d0 = 0; d0 < kDSteps; d0 += kBatch) {
       uint32_t va[kBatch][4];
