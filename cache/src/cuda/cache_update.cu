@@ -84,16 +84,19 @@ void SetWalkSteps(cu::KernelParams& p) {
       internal::MakeDivMagic(static_cast<uint32_t>(p.head_size_v / cu::kVecElems));
 }
 
-// The vector kernels' ways to an fp8 quotient, fastest first: one multiply by 1 / scale
-// when every scale is a power of two (exact, cache_update.cuh), FastQuotient when every
-// scale is in its range, else (and for kDivision) the division.
-enum class Fp8Quotient { kPowerOfTwo, kReciprocal, kDivision };
+// The vector kernels' ways to an fp8 quotient, fastest first: none when every scale is 1,
+// one multiply by 1 / scale when every scale is a power of two (exact, cache_update.cuh),
+// FastQuotient when every scale is in its range, else (and for kDivision) the division.
+enum class Fp8Way { kUnit, kPowerOfTwo, kReciprocal, kDivision };
 
-Fp8Quotient PickFp8Quotient(const cu::KernelParams& p, internal::CacheUpdateFp8Method method) {
-  if (method != internal::CacheUpdateFp8Method::kReciprocal) return Fp8Quotient::kDivision;
-  if (AllScales(p, internal::Fp8ScaleIsPowerOfTwo)) return Fp8Quotient::kPowerOfTwo;
-  if (AllScales(p, InReciprocalRange)) return Fp8Quotient::kReciprocal;
-  return Fp8Quotient::kDivision;
+bool IsOne(float scale) { return scale == 1.0f; }
+
+Fp8Way PickFp8Way(const cu::KernelParams& p, internal::CacheUpdateFp8Method method) {
+  if (method != internal::CacheUpdateFp8Method::kReciprocal) return Fp8Way::kDivision;
+  if (AllScales(p, IsOne)) return Fp8Way::kUnit;
+  if (AllScales(p, internal::Fp8ScaleIsPowerOfTwo)) return Fp8Way::kPowerOfTwo;
+  if (AllScales(p, InReciprocalRange)) return Fp8Way::kReciprocal;
+  return Fp8Way::kDivision;
 }
 
 absl::Status LaunchStatus() {
@@ -116,15 +119,20 @@ absl::Status Launch(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes
   cu::KernelParams vec = p;
   SetWalkSteps(vec);
   if constexpr (Out::kFp8) {
-    switch (PickFp8Quotient(p, method)) {
-      case Fp8Quotient::kPowerOfTwo:
-        cu::CacheUpdateKernel<In, Out, true, true, true>
+    switch (PickFp8Way(p, method)) {
+      case Fp8Way::kUnit:
+        cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kUnit>
             <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
         return LaunchStatus();
-      case Fp8Quotient::kReciprocal:
-        cu::CacheUpdateKernel<In, Out, true, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+      case Fp8Way::kPowerOfTwo:
+        cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kPowerOfTwo>
+            <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
         return LaunchStatus();
-      case Fp8Quotient::kDivision: break;
+      case Fp8Way::kReciprocal:
+        cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kReciprocal>
+            <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+        return LaunchStatus();
+      case Fp8Way::kDivision: break;
     }
   }
   cu::CacheUpdateKernel<In, Out, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);

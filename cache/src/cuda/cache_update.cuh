@@ -606,14 +606,38 @@ __device__ __noinline__ uint2 Fp8ChunkByDivision(Vec8<typename In::Bits> in, flo
   return *reinterpret_cast<const uint2*>(&out);
 }
 
+// How UpdateTokenVecFp8 forms x / scale (the launcher picks by the scales).
+enum class Fp8Quotient {
+  kReciprocal,  // FastQuotient: every scale in [2^-30, 2^30]
+  kPowerOfTwo,  // x * (1 / scale): every scale 2^e with e in [-126, 126]
+  kUnit,        // x itself: every scale is 1 (the default)
+};
+
+// Four fp8 codes (one per byte) with every NaN code made 0x7f, the host's NaN whatever the
+// sign or payload: e4m3's NaNs are the codes whose low seven bits are all ones, e5m2's
+// those above 0x7c in them. Adding 1 (or 3) to the low seven bits of each byte carries
+// into its bit 7 exactly for those, never into the next byte.
+template <typename Out>
+__device__ __forceinline__ uint32_t HostNaNCodes(uint32_t codes) {
+  constexpr bool kE4M3 = std::is_same<Out, ElemE4M3>::value;
+  const uint32_t nan = ((codes & 0x7f7f7f7fu) + (kE4M3 ? 0x01010101u : 0x03030303u)) & 0x80808080u;
+  if constexpr (kE4M3) return codes & ~nan;  // the low seven bits are 0x7f already
+  const uint32_t bytes = nan | (nan - (nan >> 7));  // 0xff in each NaN byte
+  return (codes & ~bytes) | (0x7f7f7f7fu & bytes);
+}
+
 // UpdateTokenVec for fp8 caches without a division per element. Same REQUIRES as
-// UpdateTokenVec, plus:
-//  * kPow2Scales = false: every scale in [2^-30, 2^30] (FastQuotient).
-//  * kPow2Scales = true: every scale 2^e with e in [-126, 126] (Fp8ScaleIsPowerOfTwo).
-//    Then RN(1 / s) = 2^-e exactly, so x * RN(1 / s) is the real number x / s rounded once,
-//    the same float as the division for every x (subnormal, overflowing and infinite
-//    quotients included): one multiply per element.
-template <typename In, typename Out, bool kPow2Scales>
+// UpdateTokenVec, plus, by kQuotient:
+//  * kReciprocal: every scale in [2^-30, 2^30] (FastQuotient).
+//  * kPowerOfTwo: every scale 2^e with e in [-126, 126] (Fp8ScaleIsPowerOfTwo). Then
+//    RN(1 / s) = 2^-e exactly, so x * RN(1 / s) is the real number x / s rounded once, the
+//    same float as the division for every x (subnormal, overflowing and infinite quotients
+//    included): one multiply per element.
+//  * kUnit: every scale 1: x / 1 = x.
+// A NaN input gives a NaN code through the multiply (or none) and the conversion, made the
+// host's 0x7f by HostNaNCodes; FastQuotient turns a NaN into a finite value, so there a
+// chunk holding a NaN is redone by the division.
+template <typename In, typename Out, Fp8Quotient kQuotient>
 __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t token,
                                                   const int64_t* slot_ptr, int lane) {
   static_assert(Out::kFp8 && !In::kFp8, "fp8 caches from 16/32-bit inputs");
@@ -642,17 +666,23 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
         uint32_t pairs[kVecElems / 2];
 #pragma unroll
         for (int e = 0; e < kVecElems; e += 2) {
-          // One unordered compare per pair (LLVM folds the two self-compares).
-          any_nan |= (x[e] != x[e]) | (x[e + 1] != x[e + 1]);
-          if constexpr (kPow2Scales) {
+          if constexpr (kQuotient == Fp8Quotient::kUnit) {
+            pairs[e / 2] = Fp8Pair<Out>(x[e], x[e + 1]);
+          } else if constexpr (kQuotient == Fp8Quotient::kPowerOfTwo) {
             pairs[e / 2] = Fp8Pair<Out>(x[e] * sc.r, x[e + 1] * sc.r);
           } else {
+            // One unordered compare per pair (LLVM folds the two self-compares).
+            any_nan |= (x[e] != x[e]) | (x[e + 1] != x[e + 1]);
             pairs[e / 2] = Fp8Pair<Out>(FastQuotient(x[e], sc), FastQuotient(x[e + 1], sc));
           }
         }
         uint2 out = make_uint2(pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16));
-        // Rare: the division path's NaN handling (0x7f whatever the sign) for the chunk.
-        if (any_nan) out = Fp8ChunkByDivision<In, Out>(in, sc.s);
+        if constexpr (kQuotient == Fp8Quotient::kReciprocal) {
+          // Rare: the division path's NaN handling (0x7f whatever the sign) for the chunk.
+          if (any_nan) out = Fp8ChunkByDivision<In, Out>(in, sc.s);
+        } else {
+          out = make_uint2(HostNaNCodes<Out>(out.x), HostNaNCodes<Out>(out.y));
+        }
         *reinterpret_cast<uint2*>(dst.Address(k_row, v_row)) = out;
       });
 }
@@ -694,7 +724,7 @@ __device__ __forceinline__ void UpdateTokenScalar(const KernelParams& p, int64_t
 // Grid: ceil(num_tokens / kWarpsPerCta) CTAs of kThreadsPerCta threads; warp w of CTA b
 // writes token b * kWarpsPerCta + w.
 // kFastFp8 (vector path, fp8 cache): UpdateTokenVecFp8 instead of UpdateTokenVec, with
-// kPow2Scales as there.
+// kQuotient as there.
 // CTAs per SM the register budget is sized for: four (32 warps, 64 registers), so that at a
 // few thousand tokens (one warp per token) a whole call runs in one wave instead of one and
 // a fraction.
@@ -702,7 +732,7 @@ template <typename In, typename Out>
 inline constexpr int kMinCtasPerSm = 4;
 
 template <typename In, typename Out, bool kVectorized, bool kFastFp8 = false,
-          bool kPow2Scales = false>
+          Fp8Quotient kQuotient = Fp8Quotient::kReciprocal>
 __global__ void __launch_bounds__(kThreadsPerCta, (kMinCtasPerSm<In, Out>))
     CacheUpdateKernel(const __grid_constant__ KernelParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -710,7 +740,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, (kMinCtasPerSm<In, Out>))
       static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + static_cast<int64_t>(threadIdx.x >> 5);
   if (token >= p.num_tokens) return;
   if constexpr (kVectorized && kFastFp8) {
-    UpdateTokenVecFp8<In, Out, kPow2Scales>(p, token, p.slot_mapping + token, lane);
+    UpdateTokenVecFp8<In, Out, kQuotient>(p, token, p.slot_mapping + token, lane);
   } else if constexpr (kVectorized) {
     UpdateTokenVec<In, Out>(p, token, p.slot_mapping + token, lane);
   } else {
