@@ -18,13 +18,13 @@
 // beyond 32-bit offsets).
 //
 // fp8 caches (kReciprocal, the default) get x / scale without a division per element. When
-// every scale is a power of two (the default scale 1 included), it is x * (1 / scale): 1 /
-// scale is exact, so the product is x / scale rounded once. Otherwise, for scales in
-// [2^-30, 2^30], it comes from a reciprocal taken once per scale plus two FMA corrections,
-// which yields the correctly rounded quotient, i.e. the same float as the division (proof
-// at FastQuotient). Quotients are converted two at a time with the packed cvt; a chunk
-// holding a NaN input is redone with the division. kDivision keeps the per-element
-// division, for comparison.
+// every scale is 1 (the default) it is x; when every scale is a power of two, x * (1 /
+// scale): 1 / scale is exact, so the product is x / scale rounded once. Otherwise, for
+// scales in [2^-30, 2^30], it comes from a reciprocal taken once per scale plus two FMA
+// corrections, which yields the correctly rounded quotient, i.e. the same float as the
+// division (proof at FastQuotient). Quotients are converted two at a time with the packed
+// cvt, and NaN codes made the host's on the packed bytes (HostNaNCodes). kDivision keeps
+// the per-element division, for comparison.
 //
 // The part above `#if defined(__CUDACC__)` is plain C++ so that tests and benchmarks
 // compiled by the host compiler can pick the method.
@@ -573,9 +573,11 @@ struct Fp8Scale {
 //    theorem (r within half an ulp of 1/s, q1 within one ulp of a/s, no underflow or
 //    overflow): e1' = a - q1 s is exact and q2 = RN(q1 + e1' r) = RN(a / s).
 // The sign is put back last: RN(-y) = -RN(y), and -0 / s = -0 keeps its sign since a = +0
-// gives q2 = +0. (A NaN x gives a finite value here; callers redo NaN chunks.)
+// gives q2 = +0. A NaN x stays NaN: the minimum is min.NaN, which returns a NaN operand
+// where fminf would return the other one.
 __device__ __forceinline__ float FastQuotient(float x, const Fp8Scale& c) {
-  const float a = fminf(fabsf(x), c.hi);
+  float a;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(a) : "f"(fabsf(x)), "f"(c.hi));
   float q = a * c.r;
   float e = fmaf(-q, c.s, a);
   q = fmaf(e, c.r, q);
@@ -594,16 +596,6 @@ __device__ __forceinline__ uint32_t Fp8Pair(float q0, float q1) {
       std::is_same<Out, ElemE4M3>::value ? __NV_E4M3 : __NV_E5M2;
   return static_cast<uint32_t>(
       __nv_cvt_float2_to_fp8x2(make_float2(q0, q1), __NV_SATFINITE, kFormat));
-}
-
-// A chunk as the division path converts it; out of line, since UpdateTokenVecFp8 needs it
-// only for chunks holding a NaN and eight inlined divisions would crowd the hot loop's code.
-template <typename In, typename Out>
-__device__ __noinline__ uint2 Fp8ChunkByDivision(Vec8<typename In::Bits> in, float scale) {
-  Vec8<uint8_t> out;
-#pragma unroll
-  for (int e = 0; e < kVecElems; ++e) out.v[e] = Convert<In, Out>(in.v[e], scale);
-  return *reinterpret_cast<const uint2*>(&out);
 }
 
 // How UpdateTokenVecFp8 forms x / scale (the launcher picks by the scales).
@@ -634,9 +626,8 @@ __device__ __forceinline__ uint32_t HostNaNCodes(uint32_t codes) {
 //    same float as the division for every x (subnormal, overflowing and infinite quotients
 //    included): one multiply per element.
 //  * kUnit: every scale 1: x / 1 = x.
-// A NaN input gives a NaN code through the multiply (or none) and the conversion, made the
-// host's 0x7f by HostNaNCodes; FastQuotient turns a NaN into a finite value, so there a
-// chunk holding a NaN is redone by the division.
+// A NaN input gives a NaN code through the quotient and the conversion, made the host's
+// 0x7f by HostNaNCodes.
 template <typename In, typename Out, Fp8Quotient kQuotient>
 __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t token,
                                                   const int64_t* slot_ptr, int lane) {
@@ -662,7 +653,6 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
 #pragma unroll
           for (int e = 0; e < kVecElems; ++e) x[e] = In::ToFloat(ChunkElement(in, e));
         }
-        bool any_nan = false;
         uint32_t pairs[kVecElems / 2];
 #pragma unroll
         for (int e = 0; e < kVecElems; e += 2) {
@@ -671,18 +661,11 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
           } else if constexpr (kQuotient == Fp8Quotient::kPowerOfTwo) {
             pairs[e / 2] = Fp8Pair<Out>(x[e] * sc.r, x[e + 1] * sc.r);
           } else {
-            // One unordered compare per pair (LLVM folds the two self-compares).
-            any_nan |= (x[e] != x[e]) | (x[e + 1] != x[e + 1]);
             pairs[e / 2] = Fp8Pair<Out>(FastQuotient(x[e], sc), FastQuotient(x[e + 1], sc));
           }
         }
-        uint2 out = make_uint2(pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16));
-        if constexpr (kQuotient == Fp8Quotient::kReciprocal) {
-          // Rare: the division path's NaN handling (0x7f whatever the sign) for the chunk.
-          if (any_nan) out = Fp8ChunkByDivision<In, Out>(in, sc.s);
-        } else {
-          out = make_uint2(HostNaNCodes<Out>(out.x), HostNaNCodes<Out>(out.y));
-        }
+        const uint2 out = make_uint2(HostNaNCodes<Out>(pairs[0] | (pairs[1] << 16)),
+                                     HostNaNCodes<Out>(pairs[2] | (pairs[3] << 16)));
         *reinterpret_cast<uint2*>(dst.Address(k_row, v_row)) = out;
       });
 }
