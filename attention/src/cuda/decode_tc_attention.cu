@@ -6,7 +6,7 @@
 //
 // Split count. As for the CUDA-core kernel (decode_attention.cu: DecodeSplitLimit,
 // ChooseDecodeSplits, DecodeMinFullWaves), with the CTAs per SM the kernel is built for
-// (3 / 4 / 2 for padded head sizes 64 / 128 / 256).
+// (3 / 4 / 2 for padded head sizes 64 / 128 / 256; 3 at 128 with two n8 tiles).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -49,18 +49,6 @@ int SmemBytesFor(int padded, bool fp8) {
 }
 int SmemBytes(int padded, int n_tiles, bool fp8) {
   return n_tiles == 1 ? SmemBytesFor<1>(padded, fp8) : SmemBytesFor<2>(padded, fp8);
-}
-
-template <int kNT>
-int ThreadsFor(int padded) {
-  switch (padded) {
-    case 64: return tc::DecodeTcTraits<64, kNT>::kThreads;
-    case 128: return tc::DecodeTcTraits<128, kNT>::kThreads;
-    default: return tc::DecodeTcTraits<256, kNT>::kThreads;
-  }
-}
-int Threads(int padded, int n_tiles) {
-  return n_tiles == 1 ? ThreadsFor<1>(padded) : ThreadsFor<2>(padded);
 }
 
 template <int kNT>
@@ -189,7 +177,7 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * args.head_tiles),
                   static_cast<unsigned>(p.num_seqs),
                   static_cast<unsigned>(plan.num_splits));
-  kernel<<<grid, static_cast<unsigned>(Threads(padded, n_tiles)), static_cast<size_t>(smem), stream>>>(p, args);
+  kernel<<<grid, tc::DecodeTcTraits<64, 1>::kThreads, static_cast<size_t>(smem), stream>>>(p, args);
   return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
                            "cuda decode attention (tensor cores): split kernel launch");
 }

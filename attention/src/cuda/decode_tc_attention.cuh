@@ -84,7 +84,7 @@ template <int D, int kNT>
 struct DecodeTcTraits {
   static_assert(D == 64 || D == 128 || D == 256, "padded head sizes 64, 128 and 256");
   static_assert(kNT == 1 || kNT == 2, "one or two n8 tiles of query heads");
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = 4;  // every instantiation: the launcher relies on it
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = 16 * kWarps;  // keys per tile: 16 per warp
   static constexpr int kRows = 8 * kNT;        // query heads per CTA
