@@ -221,10 +221,10 @@ __global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
   };
 
   // ---- Prologue: the page table of the first tiles, Q.
-  // The rows of tile n are stored in loc slot n % kLocTiles at the loop's half h = 2 n -
-  // kRing (before the loop when that is negative), after the barrier that follows the
-  // issue of its slot's previous tile's V half (two tiles earlier), and read by the issues
-  // of its K and V halves (h + 1 and h + 2).
+  // The rows of tile n are stored in loc slot n % kLocTiles after the barrier of the loop's
+  // half h = 2 n - kRing (before the loop when that is negative) and read by the issues of
+  // its K and V halves, at halves h + 1 and h + 2; the slot's previous tile was last read
+  // at half h + 2 - 2 kLocTiles < h, its next one is stored at h + 2 kLocTiles > h + 2.
   constexpr int kFirstLocTiles = (kRing + 1) / 2;
   RowBytes loc_ahead = zero_row;  // threads tid < kBlockN: the next tile's rows to store
   if (tid < kBlockN) {
