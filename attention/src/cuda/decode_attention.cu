@@ -261,9 +261,9 @@ int64_t DecodeMinFullWaves(const PagedKernelParams& p) {
 // work, so a last wave one-tenth full leaves nine-tenths of the GPU idle for a CTA's
 // duration), or the fullest when none is. Fewer splits are better otherwise: each costs a
 // partial result, a share of the merge, and a CTA's pipeline start-up (on the H200,
-// tensor-core kernel with four CTAs per SM, 64 x 4096 keys: 1 split 0.95 of the streaming
-// read, 2 splits 0.91, 3 (two full waves) 0.90; 16 x 32768: 4 splits (one wave) 0.97, 8
-// splits 0.955).
+// tensor-core kernel with four CTAs per SM, 64 x 4096 keys: 1 split (one wave) 0.97 of the
+// streaming read, 2 splits 0.93, 4 splits 0.92; 16 x 32768: 4 splits (one wave) 0.965, 8
+// splits 0.95).
 int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits,
                            int64_t min_full_waves) {
   base_ctas = std::max<int64_t>(base_ctas, 1);
