@@ -265,7 +265,14 @@ INSTANTIATE_TEST_SUITE_P(
         EmuCase{"d256_bf16_group16_q_from_shared_memory", 256, 256, 1, 16, 16, kBf16, kBf16,
                 KvQuantMode::kNone, TestLayout::kNHD, 0, false, 0, 1},
         EmuCase{"d256_f16_e4m3_gqa4_window", 256, 256, 1, 4, 16, kF16, DType::kFloat8E4M3,
-                KvQuantMode::kPerTensor, TestLayout::kNHD, 40, false, 0, 1}),
+                KvQuantMode::kPerTensor, TestLayout::kNHD, 40, false, 0, 1},
+        // 16-bit halves narrower than the tile: their padding columns must be copied as
+        // zeros, or the emulator's patterned shared memory (and, in a reused slot, the
+        // wider V half's columns) would reach K Q^T.
+        EmuCase{"d96_128_bf16_gqa4_two_splits", 96, 128, 2, 4, 16, kBf16, kBf16,
+                KvQuantMode::kNone, TestLayout::kNHD, 0, false, 0, 2},
+        EmuCase{"d80_f16_mha_hnd_bs5", 80, 80, 2, 1, 5, kF16, kF16, KvQuantMode::kNone,
+                TestLayout::kHND, 0, false, 0, 1}),
     [](const auto& test_info) { return std::string(test_info.param.name); });
 
 // A causal bf16 decode case of head size d (K and V), kv_heads KV heads of `group` query
