@@ -118,7 +118,7 @@ using ptx::CpAsync16;
 using ptx::CpAsyncCommit;
 using ptx::CpAsyncWaitGroup;
 using ptx::FastExp2;
-using ptx::Fp8PairTo;
+using ptx::Fp8ChunkTo;
 using ptx::LdMatrixX4;
 using ptx::LdMatrixX4Trans;
 using ptx::Log2IfPowerOfTwo;
@@ -306,21 +306,8 @@ KVSTREAM_CUDA_UNROLL
       const int c = i - r * kRawChunks;
       uint32_t out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       if (c < chunks) {
-        const uint4 bits = *reinterpret_cast<const uint4*>(raw + r * D + c * 16);
-        const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
-        if (a.cache_kind == kCacheE4M3) {
-KVSTREAM_CUDA_UNROLL
-          for (int w = 0; w < 4; ++w) {
-            out[2 * w] = Fp8PairTo<T, __NV_E4M3>(words[w] & 0xffffu);
-            out[2 * w + 1] = Fp8PairTo<T, __NV_E4M3>(words[w] >> 16);
-          }
-        } else {
-KVSTREAM_CUDA_UNROLL
-          for (int w = 0; w < 4; ++w) {
-            out[2 * w] = Fp8PairTo<T, __NV_E5M2>(words[w] & 0xffffu);
-            out[2 * w + 1] = Fp8PairTo<T, __NV_E5M2>(words[w] >> 16);
-          }
-        }
+        Fp8ChunkTo<T>(*reinterpret_cast<const uint4*>(raw + r * D + c * 16),
+                      a.cache_kind == kCacheE4M3, out);
       }
       *reinterpret_cast<uint4*>(conv_tile + SwizzledChunk<D>(r, 2 * c)) =
           make_uint4(out[0], out[1], out[2], out[3]);

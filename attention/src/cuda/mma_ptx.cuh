@@ -116,6 +116,26 @@ __device__ __forceinline__ uint32_t Fp8PairTo(uint32_t two_codes) {
   }
 }
 
+// One 16-byte chunk of 16 fp8 codes (e4m3 when `e4m3`, else e5m2) as 16 values of T:
+// out[0..3] and out[4..7] are the two 16-byte chunks they fill; exact.
+template <typename T>
+__device__ __forceinline__ void Fp8ChunkTo(uint4 codes, bool e4m3, uint32_t (&out)[8]) {
+  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+  if (e4m3) {
+KVSTREAM_CUDA_UNROLL
+    for (int w = 0; w < 4; ++w) {
+      out[2 * w] = Fp8PairTo<T, __NV_E4M3>(words[w] & 0xffffu);
+      out[2 * w + 1] = Fp8PairTo<T, __NV_E4M3>(words[w] >> 16);
+    }
+  } else {
+KVSTREAM_CUDA_UNROLL
+    for (int w = 0; w < 4; ++w) {
+      out[2 * w] = Fp8PairTo<T, __NV_E5M2>(words[w] & 0xffffu);
+      out[2 * w + 1] = Fp8PairTo<T, __NV_E5M2>(words[w] >> 16);
+    }
+  }
+}
+
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] 16-bit tile.
 template <int D>
 __device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {

@@ -165,7 +165,7 @@ using ptx::CpAsync16;
 using ptx::CpAsyncCommit;
 using ptx::CpAsyncWaitGroup;
 using ptx::FastExp2;
-using ptx::Fp8PairTo;
+using ptx::Fp8ChunkTo;
 using ptx::LdMatrixX4;
 using ptx::LdMatrixX4Trans;
 using ptx::Log2IfPowerOfTwo;
@@ -422,21 +422,8 @@ KVSTREAM_CUDA_UNROLL
       if (c >= (is_v ? head_size_v : head_size) / 16) continue;
       const uint4 raw =
           *reinterpret_cast<const uint4*>(raw_smem + (is_v ? kBlockN * D : 0) + r * D + c * 16);
-      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
       uint32_t out[8];
-      if (cache_kind == kPrefillCacheE4M3) {
-KVSTREAM_CUDA_UNROLL
-        for (int w = 0; w < 4; ++w) {
-          out[2 * w] = Fp8PairTo<T, __NV_E4M3>(words[w] & 0xffffu);
-          out[2 * w + 1] = Fp8PairTo<T, __NV_E4M3>(words[w] >> 16);
-        }
-      } else {
-KVSTREAM_CUDA_UNROLL
-        for (int w = 0; w < 4; ++w) {
-          out[2 * w] = Fp8PairTo<T, __NV_E5M2>(words[w] & 0xffffu);
-          out[2 * w + 1] = Fp8PairTo<T, __NV_E5M2>(words[w] >> 16);
-        }
-      }
+      Fp8ChunkTo<T>(raw, cache_kind == kPrefillCacheE4M3, out);
       uint8_t* const tile = is_v ? v_tile : k_tile;
       *reinterpret_cast<uint4*>(tile + SwizzledChunk<D>(r, 2 * c)) =
           make_uint4(out[0], out[1], out[2], out[3]);
