@@ -247,6 +247,17 @@ class LayerwiseConnectorTest : public ::testing::TestWithParam<KvLayout> {
     return errors;
   }
 
+  // Consumer d_: request `id` failed with one load error whose message says `why`, no
+  // request reached the producer's engine, and the request is reported finished.
+  void ExpectConsumerRequestFailed(const std::string& id, const std::string& why) {
+    std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].request_id, id);
+    EXPECT_THAT(errors[0].status.message(), HasSubstr(why));
+    EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+    EXPECT_TRUE(PollFinished(*d_->connector, id, false).finished_recving.count(id));
+  }
+
   // Producer side: waits for `n` requests to arrive.
   std::vector<KvRequest> ProducerTake(size_t n) {
     std::vector<KvRequest> got;
@@ -545,12 +556,7 @@ TEST_P(LayerwiseConnectorTest, DestinationBlocksOutsideTheCacheRejected) {
   ConsumerAdmit("oob", 5, {999, 1});
   ConsumerStep({{"oob", 0, 5}});
   // The producer rejects the hand-off; the consumer learns it asynchronously.
-  std::vector<LoadError> errors;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (errors.empty() && absl::Now() < deadline) {
-    errors = d_->connector->TakeLoadErrors();
-    absl::SleepFor(absl::Milliseconds(2));
-  }
+  std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
   ASSERT_EQ(errors.size(), 1u);
   EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kOutOfRange);
   EXPECT_THAT(errors[0].status.message(), HasSubstr("999"));
@@ -633,12 +639,7 @@ TEST_P(LayerwiseConnectorTest, MissingPipelineStageFailsTheRequest) {
   AdmitOn(*d_, "req", 9, {1, 2, 3});
   StepOn(*d_, {{"req", 0, 9}});
   // Stage 1 never hands the request over: the producer gives up on it and says why.
-  std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
-  ASSERT_EQ(errors.size(), 1u);
-  EXPECT_EQ(errors[0].request_id, "req");
-  EXPECT_THAT(errors[0].status.message(), HasSubstr("no consumer asked for layers 1-2"));
-  EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
-  EXPECT_TRUE(PollFinished(*d_->connector, "req", false).finished_recving.count("req"));
+  ExpectConsumerRequestFailed("req", "no consumer asked for layers 1-2");
   std::vector<PeerConnectorStats> peers = d_->connector->peer_stats();
   ASSERT_EQ(peers.size(), 1u);
   EXPECT_EQ(peers[0].peer, "p");
@@ -675,12 +676,7 @@ TEST_P(LayerwiseConnectorTest, RejectedStageFailsTheRequestForTheOtherStage) {
       good_stage();
       bad_stage();
     }
-    std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
-    ASSERT_EQ(errors.size(), 1u);
-    EXPECT_EQ(errors[0].request_id, "req");
-    EXPECT_THAT(errors[0].status.message(), HasSubstr("999"));
-    EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
-    EXPECT_TRUE(PollFinished(*d_->connector, "req", false).finished_recving.count("req"));
+    ExpectConsumerRequestFailed("req", "999");
     d1.reset();  // the next round starts its nodes afresh
     d_.reset();
     p_.reset();
