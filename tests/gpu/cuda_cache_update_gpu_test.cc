@@ -6,6 +6,7 @@
 // general and power-of-two scales; a device KvCache; and every rejected input leaving the
 // cache untouched.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -329,11 +330,13 @@ INSTANTIATE_TEST_SUITE_P(
                           "_", TestLayoutName(std::get<2>(param_info.param)));
     });
 
-// The fp8 methods (cache_update.cuh: reciprocal + correction, and the per-element
-// division) against the CPU, byte for byte, on every 16-bit input bit pattern (and random
-// 32-bit ones) under scales that stress the quotient: 1, small, tiny, odd, 448/65504 (the
-// fp16 range mapped onto e4m3's), and scales outside the reciprocal's range, which fall back
-// to the division.
+// The fp8 methods (cache_update.cuh: the reciprocal bracket with the exact quotient where
+// its ends disagree, and the per-element division) against the CPU, byte for byte, on every
+// 16-bit input bit pattern (and random 32-bit ones) under scales that stress the quotient:
+// 1, small, tiny, odd, 448/65504 (the fp16 range mapped onto e4m3's), and scales outside
+// the reciprocal's range, which fall back to the division. Some of these inputs land
+// between the bracket's ends and a rounding boundary: without the exact fallback the
+// kernel writes the neighbouring code for them (checked by mutation: 16 failures).
 TEST_F(CudaCacheUpdateTest, Fp8MethodsMatchCpuOnEveryInputBitPattern) {
   using internal::CacheUpdateFp8Method;
   struct ScaleSet {
@@ -392,6 +395,36 @@ TEST(CudaCacheUpdatePowerOfTwoTest, OnlyNormalPowersOfTwoWithNormalReciprocals) 
                         std::numeric_limits<float>::quiet_NaN()}) {
     EXPECT_FALSE(Fp8ScaleIsPowerOfTwo(s)) << s;
   }
+}
+
+// The reciprocal bracket (the fast fp8 path's two multipliers): the floats either side of
+// the real 1 / scale, adjacent unless 1 / scale is a float, one of them RN(1 / scale).
+// Products of two floats are exact in double, so the sides are checked exactly.
+TEST(CudaCacheUpdateBracketTest, FloatsEitherSideOfTheReciprocal) {
+  std::vector<float> scales = {1.0f,    0.25f,      0x1p-30f,           0x1p30f,
+                               3.0f,    0.05f,      0.3333333f,         7.3f,
+                               0.1f,    1.0000001f, 448.0f / 65504.0f,  0.99999994f};
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> log2_scale(-30.0f, 30.0f);
+  for (int i = 0; i < 20000; ++i) scales.push_back(std::exp2(log2_scale(rng)));
+  int exact = 0;
+  for (const float s : scales) {
+    float down = 0.0f;
+    float up = 0.0f;
+    internal::Fp8ReciprocalBracket(s, &down, &up);
+    const double ds = static_cast<double>(s);
+    EXPECT_LE(static_cast<double>(down) * ds, 1.0) << s;
+    EXPECT_GE(static_cast<double>(up) * ds, 1.0) << s;
+    if (static_cast<double>(down) * ds == 1.0) {
+      EXPECT_EQ(down, up) << s;
+      ++exact;
+    } else {
+      EXPECT_EQ(std::nextafter(down, std::numeric_limits<float>::infinity()), up) << s;
+    }
+    const float r = 1.0f / s;
+    EXPECT_TRUE(r == down || r == up) << s;
+  }
+  EXPECT_GE(exact, 3);  // 1, 0.25, 2^-30, 2^30 at least
 }
 
 // Power-of-two scales (the kernel multiplies by 1 / scale instead of dividing) against the

@@ -91,6 +91,14 @@ enum class Fp8Way { kUnit, kPowerOfTwo, kReciprocal, kDivision };
 
 bool IsOne(float scale) { return scale == 1.0f; }
 
+// 1 / s by IEEE division on the host, RN(1 / s), and its bracket where the kernel uses it
+// (scales in FastQuotient's range; zeros elsewhere).
+cu::Fp8ScaleConsts MakeScaleConsts(float scale) {
+  cu::Fp8ScaleConsts c{scale, 1.0f / scale, 0.0f, 0.0f};
+  if (InReciprocalRange(scale)) internal::Fp8ReciprocalBracket(scale, &c.recip_down, &c.recip_up);
+  return c;
+}
+
 Fp8Way PickFp8Way(const cu::KernelParams& p, internal::CacheUpdateFp8Method method) {
   if (method != internal::CacheUpdateFp8Method::kReciprocal) return Fp8Way::kDivision;
   if (AllScales(p, IsOne)) return Fp8Way::kUnit;
@@ -219,9 +227,8 @@ absl::Status CacheUpdateCudaWithMethod(const CacheUpdateParams& params, void* cu
     }
     p.num_scales = cache.num_scales;
     for (int i = 0; i < cache.num_scales; ++i) {
-      // 1 / s: IEEE division on the host, RN(1 / s).
-      p.fp8_scale[i] = {cache.k_scale[i], 1.0f / cache.k_scale[i]};
-      p.fp8_scale[cu::kMaxScales + i] = {cache.v_scale[i], 1.0f / cache.v_scale[i]};
+      p.fp8_scale[i] = MakeScaleConsts(cache.k_scale[i]);
+      p.fp8_scale[cu::kMaxScales + i] = MakeScaleConsts(cache.v_scale[i]);
     }
   }
   const cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);

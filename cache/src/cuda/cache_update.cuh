@@ -17,22 +17,27 @@
 // 8-element vectors do not fit (odd head sizes, misaligned or dim-strided caches, rows
 // beyond 32-bit offsets).
 //
-// fp8 caches (kReciprocal, the default) get x / scale without a division per element. When
-// every scale is 1 (the default) it is x; when every scale is a power of two, x * (1 /
-// scale): 1 / scale is exact, so the product is x / scale rounded once. Otherwise, for
-// scales in [2^-30, 2^30], it comes from a reciprocal taken once per scale plus two FMA
-// corrections, which yields the correctly rounded quotient, i.e. the same float as the
-// division (proof at FastQuotient). Quotients are converted two at a time with the packed
-// cvt, and NaN codes made the host's on the packed bytes (HostNaNCodes). kDivision keeps
-// the per-element division, for comparison.
+// fp8 caches (kReciprocal, the default) get fp8(x / scale) without a division per element.
+// When every scale is 1 (the default) it is fp8(x); when every scale is a power of two,
+// x * (1 / scale): 1 / scale is exact, so the product is x / scale rounded once. Otherwise,
+// for scales in [2^-30, 2^30], x is multiplied by the floats just below and above 1 / scale
+// (rounding toward zero and to nearest): the two products bracket the quotient the host's
+// division gives, so where they convert to the same code, that is its code; where they do
+// not (rounding boundaries in between, a few per million elements), the lane computes the
+// quotient itself: a reciprocal plus two FMA corrections, the correctly rounded quotient
+// (proof at FastQuotient). Quotients are converted two at a time with the packed cvt, and
+// NaN codes made the host's on the packed bytes (HostNaNCodes). kDivision keeps the
+// per-element division, for comparison.
 //
 // The part above `#if defined(__CUDACC__)` is plain C++ so that tests and benchmarks
 // compiled by the host compiler can pick the method.
 #ifndef KVSTREAM_CACHE_CUDA_CACHE_UPDATE_CUH_
 #define KVSTREAM_CACHE_CUDA_CACHE_UPDATE_CUH_
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "absl/status/status.h"
 #include "kvstream/cache/cache_update.h"
@@ -42,7 +47,7 @@ namespace internal {
 
 // How the CUDA cache update computes fp8(x / scale). Both write the same bytes.
 enum class CacheUpdateFp8Method {
-  kReciprocal,  // reciprocal + exact correction, packed conversion (default)
+  kReciprocal,  // reciprocal bracket, exact quotient where it is too wide (default)
   kDivision,    // one IEEE division per element (the previous kernel)
 };
 
@@ -64,6 +69,18 @@ inline bool Fp8ScaleIsPowerOfTwo(float scale) {
   std::memcpy(&bits, &scale, sizeof(bits));
   const uint32_t biased_exp = bits >> 23;  // sign bit included: negative scales fail
   return (bits & 0x7fffffu) == 0 && biased_exp >= 127 - 126 && biased_exp <= 127 + 126;
+}
+
+// The floats just below and above the real number 1 / scale: *down <= 1 / scale <= *up,
+// adjacent floats, or both 1 / scale when it is a float. RN(1 / scale) is one of them: the
+// residual RN(1 / scale) * scale - 1 is exact in double (24-bit times 24-bit significands)
+// and says on which side of 1 / scale it lies.
+// REQUIRES: scale and 1 / scale positive normal floats.
+inline void Fp8ReciprocalBracket(float scale, float* down, float* up) {
+  const float r = 1.0f / scale;
+  const double residual = static_cast<double>(r) * static_cast<double>(scale) - 1.0;
+  *down = residual > 0.0 ? std::nextafter(r, 0.0f) : r;
+  *up = residual < 0.0 ? std::nextafter(r, std::numeric_limits<float>::infinity()) : r;
 }
 
 // Magic numbers for n / d with a multiply and a shift, exact for 0 <= n < 2^31 and
@@ -103,10 +120,13 @@ inline constexpr int kWarpsPerCta = 8;
 inline constexpr int kThreadsPerCta = kWarpsPerCta * 32;
 inline constexpr int kVecElems = 8;
 
-// One fp8 scale and its reciprocal (IEEE, from the host), fetched together.
-struct alignas(8) Fp8ScalePair {
+// One fp8 scale and what the quotient paths need of its reciprocal, from the host (see
+// Fp8ReciprocalBracket); the bracket is one 8-byte load.
+struct alignas(16) Fp8ScaleConsts {
   float scale;
-  float recip;
+  float recip;       // RN(1 / scale), IEEE division
+  float recip_down;  // the largest float <= the real 1 / scale
+  float recip_up;    // the smallest float >= the real 1 / scale
 };
 
 struct KernelParams {
@@ -143,9 +163,9 @@ struct KernelParams {
   // fp8 caches: stored = fp8(x / scale); 1 scale (per tensor) or num_kv_heads (per head).
   // Unused (num_scales = 0) for 16/32-bit caches.
   int32_t num_scales;
-  // {scale, RN(1 / scale)} per scale: K's at [0, kMaxScales), V's at [kMaxScales,
-  // 2 * kMaxScales), so that one index (ScaleIndex) and one 8-byte load fetch a chunk's pair.
-  Fp8ScalePair fp8_scale[2 * kMaxScales];
+  // Per scale: K's at [0, kMaxScales), V's at [kMaxScales, 2 * kMaxScales), so that one
+  // index (ScaleIndex) finds a chunk's.
+  Fp8ScaleConsts fp8_scale[2 * kMaxScales];
   // Vector paths (LaneWalk): a step of 32 chunks moves a lane's chunk by *_step_head heads
   // and *_step_first elements (< the head size), plus a carry; chunks per head (head size
   // / 8) as magic numbers, to locate a lane's first chunk in K and in V.
@@ -600,7 +620,7 @@ __device__ __forceinline__ uint32_t Fp8Pair(float q0, float q1) {
 
 // How UpdateTokenVecFp8 forms x / scale (the launcher picks by the scales).
 enum class Fp8Quotient {
-  kReciprocal,  // FastQuotient: every scale in [2^-30, 2^30]
+  kReciprocal,  // the bracket, else FastQuotient: every scale in [2^-30, 2^30]
   kPowerOfTwo,  // x * (1 / scale): every scale 2^e with e in [-126, 126]
   kUnit,        // x itself: every scale is 1 (the default)
 };
@@ -620,7 +640,7 @@ __device__ __forceinline__ uint32_t HostNaNCodes(uint32_t codes) {
 
 // UpdateTokenVec for fp8 caches without a division per element. Same REQUIRES as
 // UpdateTokenVec, plus, by kQuotient:
-//  * kReciprocal: every scale in [2^-30, 2^30] (FastQuotient).
+//  * kReciprocal: every scale in [2^-30, 2^30] (the bracket below, FastQuotient).
 //  * kPowerOfTwo: every scale 2^e with e in [-126, 126] (Fp8ScaleIsPowerOfTwo). Then
 //    RN(1 / s) = 2^-e exactly, so x * RN(1 / s) is the real number x / s rounded once, the
 //    same float as the division for every x (subnormal, overflowing and infinite quotients
@@ -636,9 +656,8 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
   WalkTokenVec<InBits, uint8_t, true>(
       p, token, slot_ptr, lane,
       [&](const Vec8<InBits>& in, const ChunkDst& dst, uint8_t* k_row, uint8_t* v_row) {
-        // One 8-byte constant load; lanes of a step share one or a few heads' scales.
-        const Fp8ScalePair pair = p.fp8_scale[dst.scale_index];
-        const Fp8Scale sc{pair.scale, pair.recip, pair.scale * 262144.0f};  // 2^18 s, exact
+        // Constant loads; lanes of a step share one or a few heads' scales.
+        const Fp8ScaleConsts& consts = p.fp8_scale[dst.scale_index];
         float x[kVecElems];
         if constexpr (std::is_same<In, ElemBF16>::value) {
           // A bf16 pair is one 32-bit word: the low one shifted up, the high one masked.
@@ -654,14 +673,40 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
           for (int e = 0; e < kVecElems; ++e) x[e] = In::ToFloat(ChunkElement(in, e));
         }
         uint32_t pairs[kVecElems / 2];
+        if constexpr (kQuotient == Fp8Quotient::kUnit) {
 #pragma unroll
-        for (int e = 0; e < kVecElems; e += 2) {
-          if constexpr (kQuotient == Fp8Quotient::kUnit) {
-            pairs[e / 2] = Fp8Pair<Out>(x[e], x[e + 1]);
-          } else if constexpr (kQuotient == Fp8Quotient::kPowerOfTwo) {
-            pairs[e / 2] = Fp8Pair<Out>(x[e] * sc.r, x[e + 1] * sc.r);
-          } else {
-            pairs[e / 2] = Fp8Pair<Out>(FastQuotient(x[e], sc), FastQuotient(x[e + 1], sc));
+          for (int e = 0; e < kVecElems; e += 2) pairs[e / 2] = Fp8Pair<Out>(x[e], x[e + 1]);
+        } else if constexpr (kQuotient == Fp8Quotient::kPowerOfTwo) {
+          const float r = consts.recip;
+#pragma unroll
+          for (int e = 0; e < kVecElems; e += 2) {
+            pairs[e / 2] = Fp8Pair<Out>(x[e] * r, x[e + 1] * r);
+          }
+        } else {
+          // The bracket: RZ(x * recip_down) and RN(x * recip_up) have the sign of x / s and
+          // magnitudes below and above |RN(x / s)| (RZ and RN are monotone and symmetric,
+          // |x| recip_down <= |x / s| <= |x| recip_up). The saturating conversion to fp8
+          // is monotone too, so where both ends give the same code, so does RN(x / s): two
+          // multiplies and two conversions per pair. The ends are one or two float ulps
+          // apart, so they straddle one of fp8's rounding boundaries (2^20 ulps apart in
+          // e4m3, 2^21 in e5m2) a few times per million elements; then the lane takes the
+          // exact quotient, FastQuotient. Infinities and zeros give equal
+          // ends; a NaN x gives the same NaN code at both ends.
+          const float down = consts.recip_down;
+          const float up = consts.recip_up;
+          uint32_t differ = 0;
+#pragma unroll
+          for (int e = 0; e < kVecElems; e += 2) {
+            pairs[e / 2] = Fp8Pair<Out>(x[e] * up, x[e + 1] * up);
+            const uint32_t low = Fp8Pair<Out>(__fmul_rz(x[e], down), __fmul_rz(x[e + 1], down));
+            differ |= pairs[e / 2] ^ low;
+          }
+          if (differ != 0) {
+            const Fp8Scale sc{consts.scale, consts.recip, consts.scale * 262144.0f};  // 2^18 s
+#pragma unroll
+            for (int e = 0; e < kVecElems; e += 2) {
+              pairs[e / 2] = Fp8Pair<Out>(FastQuotient(x[e], sc), FastQuotient(x[e + 1], sc));
+            }
           }
         }
         const uint2 out = make_uint2(HostNaNCodes<Out>(pairs[0] | (pairs[1] << 16)),
