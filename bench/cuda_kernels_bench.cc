@@ -417,13 +417,13 @@ void BM_Decode(benchmark::State& state) {
     options.dependent_merge = gpu->compute_major >= 9;  // as the backend launches it
     options.kernel = kernel;
     options.num_splits = forced_splits;
-    ASSIGN_OR_RETURN(size_t workspace_bytes,
-                     internal::DecodeAttentionWorkspaceBytes(kp, spec.dtype, options));
-    ASSIGN_OR_RETURN(DeviceBuffer workspace,
-                     DeviceBuffer::Create(std::max<size_t>(workspace_bytes, 16),
-                                          MemoryKind::kDevice));
-    options.workspace = workspace.data();
-    options.workspace_bytes = workspace_bytes;
+    DeviceBuffer workspace;
+    options.workspace = [&workspace](size_t bytes) -> absl::StatusOr<void*> {
+      if (bytes > workspace.size()) {
+        ASSIGN_OR_RETURN(workspace, DeviceBuffer::Create(bytes, MemoryKind::kDevice));
+      }
+      return workspace.data();
+    };
     auto enqueue = [&] {
       return internal::LaunchDecodeAttention(kp, p.q_dtype, p.out_dtype, spec.dtype, options,
                                              static_cast<cudaStream_t>(gpu->stream.get()));
@@ -506,6 +506,9 @@ BENCHMARK(BM_Decode)
       // The launcher's split choice against fixed ones (tensor cores).
       for (const int64_t splits : {1, 2, 4, 8}) b->Args({64, 4096, 1, splits});
       for (const int64_t splits : {4, 8, 16, 32}) b->Args({16, 32768, 1, splits});
+      // A batch below one wave (64 CTAs without splits): the launcher's choice against
+      // fixed ones.
+      for (const int64_t splits : {0, 2, 4, 8, 16}) b->Args({8, 4096, 1, splits});
     })
     ->UseManualTime()
     ->Iterations(kIterations)

@@ -84,11 +84,11 @@ class CudaDecodeTest : public ::testing::Test {
     options.num_splits = num_splits;
     options.kernel = kernel;
     const DType cache_dtype = p.cache.spec.dtype;
-    ASSIGN_OR_RETURN(size_t bytes,
-                     internal::DecodeAttentionWorkspaceBytes(kp, cache_dtype, options));
-    ASSIGN_OR_RETURN(DeviceBuffer workspace, DeviceBuffer::Create(bytes, MemoryKind::kDevice));
-    options.workspace = workspace.data();
-    options.workspace_bytes = bytes;
+    DeviceBuffer workspace;  // exactly the bytes the launch asks for, so that overruns show
+    options.workspace = [&workspace](size_t bytes) -> absl::StatusOr<void*> {
+      ASSIGN_OR_RETURN(workspace, DeviceBuffer::Create(bytes, MemoryKind::kDevice));
+      return workspace.data();
+    };
     RETURN_IF_ERROR(internal::LaunchDecodeAttention(kp, p.q_dtype, p.out_dtype, cache_dtype,
                                                     options,
                                                     static_cast<cudaStream_t>(stream_.get())));
@@ -573,21 +573,61 @@ TEST_F(CudaDecodeErrorTest, DimStridedCacheIsRejected) {
   EXPECT_THAT(std::string(st.message()), HasSubstr("dim strides must be 1"));
 }
 
-TEST_F(CudaDecodeErrorTest, ShortWorkspace) {
+// The workspace provider: asked once, for the bytes of the planned split count, by a
+// launch that splits; its errors, a missing provider and unusable pointers fail the launch
+// before anything is enqueued; a launch that does not split never asks.
+TEST_F(CudaDecodeErrorTest, WorkspaceProvider) {
   auto kp = internal::MakePagedKernelParams(dev_->params());
   ASSERT_TRUE(kp.ok()) << kp.status();
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_.get());
+  auto launch = [&](const internal::DecodeLaunchOptions& options) {
+    return internal::LaunchDecodeAttention(*kp, DType::kFloat32, DType::kFloat32,
+                                           DType::kFloat32, options, stream);
+  };
   internal::DecodeLaunchOptions options;
   options.num_sms = num_sms_;
   options.num_splits = 4;
-  auto bytes = internal::DecodeAttentionWorkspaceBytes(*kp, DType::kFloat32, options);
-  ASSERT_TRUE(bytes.ok());
-  ASSERT_GT(*bytes, 0u);
-  options.workspace_bytes = *bytes - 1;
-  const absl::Status st = internal::LaunchDecodeAttention(
-      *kp, DType::kFloat32, DType::kFloat32, DType::kFloat32, options,
-      static_cast<cudaStream_t>(stream_.get()));
+
+  absl::Status st = launch(options);  // no provider
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-  EXPECT_THAT(std::string(st.message()), HasSubstr("workspace"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("no workspace provider"));
+
+  std::vector<size_t> asked;
+  options.workspace = [&asked](size_t bytes) -> absl::StatusOr<void*> {
+    asked.push_back(bytes);
+    return absl::ResourceExhaustedError("test provider: out of workspace");
+  };
+  st = launch(options);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("test provider"));
+  ASSERT_EQ(asked.size(), 1u);
+  // 4 splits of every (sequence, query head): partial outputs and (max, sum) pairs.
+  const size_t slots = static_cast<size_t>(kp->num_seqs) * kp->num_heads * 4;
+  EXPECT_GE(asked[0], slots * (kp->head_size_v + 2) * sizeof(float));
+
+  auto buffer = DeviceBuffer::Create(asked[0] + 16, MemoryKind::kDevice);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  for (void* bad : {static_cast<void*>(nullptr),
+                    static_cast<void*>(static_cast<char*>(buffer->data()) + 4)}) {
+    options.workspace = [bad](size_t) -> absl::StatusOr<void*> { return bad; };
+    st = launch(options);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("16-byte aligned"));
+  }
+
+  auto out = dev_->Out();
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(*out, pb_->NewOut()) << "wrote output despite the errors";
+
+  asked.clear();
+  options.num_splits = 1;
+  options.workspace = [&asked](size_t bytes) -> absl::StatusOr<void*> {
+    asked.push_back(bytes);
+    return absl::InternalError("must not be asked");
+  };
+  EXPECT_TRUE(launch(options).ok());
+  EXPECT_TRUE(asked.empty());
+  EXPECT_TRUE(stream_.Synchronize(absl::Seconds(60)).ok());
 }
 
 TEST_F(CudaDecodeErrorTest, HeadSizeTooLarge) {

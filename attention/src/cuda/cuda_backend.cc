@@ -59,14 +59,14 @@ class CudaBackend final : public CudaAttentionBackend {
       internal::DecodeLaunchOptions options;
       options.num_sms = num_sms_;
       options.dependent_merge = compute_major_ >= 9;
-      ASSIGN_OR_RETURN(size_t bytes,
-                       internal::DecodeAttentionWorkspaceBytes(kp, cache_dtype, options));
-      if (bytes > workspace_.size()) {
-        // Grow by half again, so that a slowly growing batch does not reallocate each step.
-        ASSIGN_OR_RETURN(workspace_, DeviceBuffer::CreateAsync(bytes + bytes / 2, stream_));
-      }
-      options.workspace = workspace_.data();
-      options.workspace_bytes = workspace_.size();
+      options.workspace = [this](size_t bytes) -> absl::StatusOr<void*> {
+        if (bytes > workspace_.size()) {
+          // Grow by half again, so that a slowly growing batch does not reallocate each
+          // step. The old buffer is freed in stream order, after the kernels that used it.
+          ASSIGN_OR_RETURN(workspace_, DeviceBuffer::CreateAsync(bytes + bytes / 2, stream_));
+        }
+        return workspace_.data();
+      };
       return internal::LaunchDecodeAttention(kp, params.q_dtype, params.out_dtype, cache_dtype,
                                              options, stream);
     }

@@ -291,25 +291,6 @@ int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits,
   return best;
 }
 
-absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const PagedKernelParams& params,
-                                                     DType cache_dtype,
-                                                     const DecodeLaunchOptions& options) {
-  ASSIGN_OR_RETURN(DecodePlan plan, Plan(params, cache_dtype, options));
-  size_t bytes = plan.workspace_bytes;
-  if (options.kernel == DecodeKernel::kCudaCores) return bytes;
-  // Whether the tensor-core kernel runs also depends on the q dtype, which this call does
-  // not know: kAuto reserves enough for either kernel.
-  const DType q_dtype = IsFp8(cache_dtype) ? DType::kBFloat16 : cache_dtype;
-  std::string why;
-  if (!DecodeTensorCoresApply(params, q_dtype, q_dtype, cache_dtype, &why)) {
-    if (options.kernel == DecodeKernel::kAuto) return bytes;
-    return Invalid(absl::StrCat("the tensor-core kernel does not apply: ", why));
-  }
-  ASSIGN_OR_RETURN(DecodeTcPlan tc, PlanDecodeTc(params, cache_dtype, options));
-  return options.kernel == DecodeKernel::kAuto ? std::max(bytes, tc.workspace_bytes)
-                                                : tc.workspace_bytes;
-}
-
 absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtype,
                                    DType out_dtype, DType cache_dtype,
                                    const DecodeLaunchOptions& options, cudaStream_t stream) {
@@ -329,31 +310,32 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   if (options.kernel == DecodeKernel::kTensorCores && !tensor_cores) {
     return Invalid(absl::StrCat("the tensor-core kernel does not apply: ", why));
   }
+  DecodeTcPlan tc;
   if (tensor_cores) {
-    ASSIGN_OR_RETURN(DecodeTcPlan tc, PlanDecodeTc(params, cache_dtype, options));
+    ASSIGN_OR_RETURN(tc, PlanDecodeTc(params, cache_dtype, options));
     plan.geo.num_splits = tc.num_splits;
     plan.workspace_bytes = tc.workspace_bytes;
     plan.partial_out_bytes = tc.partial_out_bytes;
   }
   if (plan.workspace_bytes > 0) {
-    if (options.workspace == nullptr || options.workspace_bytes < plan.workspace_bytes) {
-      return Invalid(absl::StrCat("needs ", plan.workspace_bytes,
-                                  " bytes of workspace for ", plan.geo.num_splits,
-                                  " splits, got ", options.workspace_bytes));
+    if (!options.workspace) {
+      return Invalid(absl::StrCat("needs ", plan.workspace_bytes, " bytes of workspace for ",
+                                  plan.geo.num_splits, " splits and has no workspace provider"));
     }
-    if (!Aligned(options.workspace, 16)) return Invalid("workspace must be 16-byte aligned");
-    plan.geo.partial_out = static_cast<float*>(options.workspace);
-    plan.geo.partial_ml = reinterpret_cast<float*>(static_cast<char*>(options.workspace) +
-                                                   plan.partial_out_bytes);
+    ASSIGN_OR_RETURN(void* const workspace, options.workspace(plan.workspace_bytes));
+    if (workspace == nullptr || !Aligned(workspace, 16)) {
+      return Invalid("the workspace provider returned a null or not 16-byte aligned pointer");
+    }
+    plan.geo.partial_out = static_cast<float*>(workspace);
+    plan.geo.partial_ml =
+        reinterpret_cast<float*>(static_cast<char*>(workspace) + plan.partial_out_bytes);
   }
   plan.geo.q_dtype = ActivationCode(q_dtype);
   plan.geo.out_dtype = ActivationCode(out_dtype);
 
   if (tensor_cores) {
-    RETURN_IF_ERROR(LaunchDecodeTcSplit(params, q_dtype, cache_dtype,
-                                        DecodeTcPlan{plan.geo.num_splits, plan.workspace_bytes,
-                                                     plan.partial_out_bytes},
-                                        plan.geo.partial_out, plan.geo.partial_ml, stream));
+    RETURN_IF_ERROR(LaunchDecodeTcSplit(params, q_dtype, cache_dtype, tc, plan.geo.partial_out,
+                                        plan.geo.partial_ml, stream));
   } else {
     RETURN_IF_ERROR(LaunchCudaCoreSplit(params, plan, stream));
   }

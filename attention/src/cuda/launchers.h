@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -77,11 +78,12 @@ struct DecodeLaunchOptions {
   // > 0: split every sequence's keys into exactly this many parts (at most 256) instead
   // of choosing from num_sms; for tests of the split and merge paths.
   int num_splits = 0;
-  // Device memory for partial results, at least DecodeAttentionWorkspaceBytes() bytes and
-  // 16-byte aligned; may be null when that is 0. Must stay allocated until the kernels
-  // have run (stream order).
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
+  // Device memory for the partial results of a launch that splits the keys: called once
+  // by such a launch, after it is planned, with the bytes it needs (> 0); returns memory
+  // of at least that size, 16-byte aligned, that stays allocated until the kernels have
+  // run (stream order), or an error, which the launch returns. Unset: such launches fail
+  // with InvalidArgument. Launches that do not split never call it.
+  std::function<absl::StatusOr<void*>(size_t bytes)> workspace;
   // Which kernel runs.
   DecodeKernel kernel = DecodeKernel::kAuto;
 };
@@ -90,14 +92,6 @@ struct DecodeLaunchOptions {
 // and `why` is not null, *why says what it lacks.
 bool DecodeTensorCoresApply(const PagedKernelParams& params, DType q_dtype, DType out_dtype,
                             DType cache_dtype, std::string* why = nullptr);
-
-// Workspace bytes LaunchDecodeAttention needs for `params` with `options` (num_sms,
-// num_splits, kernel; the workspace fields are ignored), 0 when the keys are not split.
-// InvalidArgument for what the decode kernel does not support (max_query_len > 1, head
-// sizes too large, num_splits out of range).
-absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const PagedKernelParams& params,
-                                                     DType cache_dtype,
-                                                     const DecodeLaunchOptions& options);
 
 // Lets `kernel` (a __global__ function) launch with `bytes` of dynamic shared memory on
 // the calling thread's current device, and with `max_carveout` all of the unified L1 as
@@ -108,9 +102,11 @@ absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const PagedKernelParams& pa
 absl::Status AllowDynamicSharedMemory(const void* kernel, int bytes, bool max_carveout,
                                       absl::string_view what);
 
-// Enqueues the decode kernels on `stream`; returns without waiting. InvalidArgument as
-// DecodeAttentionWorkspaceBytes, for unsupported dtypes or a missing/short workspace;
-// the CUDA launch error otherwise.
+// Plans the launch once (kernel, split count, workspace), takes the workspace from
+// options.workspace when the keys are split, and enqueues the decode kernels on `stream`;
+// returns without waiting. InvalidArgument for what the decode kernels do not support
+// (max_query_len > 1, head sizes too large, num_splits out of range, dtypes) or a missing
+// or misaligned workspace; the provider's error; the CUDA launch error otherwise.
 absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtype,
                                    DType out_dtype, DType cache_dtype,
                                    const DecodeLaunchOptions& options, cudaStream_t stream);
