@@ -431,6 +431,9 @@ inline uint32_t SmemAddress(const void* p) { return gpu_test::emulation::SmemAdd
 inline void CpAsync16(uint32_t dst, const void* src, bool valid) {
   gpu_test::emulation::CpAsync16(dst, src, valid);
 }
+inline void CpAsync16EvictFirst(uint32_t dst, const void* src, bool valid) {
+  gpu_test::emulation::CpAsync16(dst, src, valid);  // a cache policy changes no data
+}
 inline void CpAsyncCommit() { gpu_test::emulation::CpAsyncCommit(); }
 template <int kPending>
 void CpAsyncWaitGroup() {

@@ -16,14 +16,14 @@
 // Data flow inside a CTA:
 //   k_cache: [num_blocks, block_size, num_kv_heads, head_size]    (strides from params)
 //   v_cache: [num_blocks, block_size, num_kv_heads, head_size_v]
-//   -> a cp.async pipeline over a ring of kRing half tiles (a 64-key tile's K, then its
-//      V: while the warps use one, kRing - 1 are in flight, and a half's slot is reused as
-//      soon as it is consumed), one page-table lookup per key row (looked up ahead of the
-//      copy, through a small ring in shared memory that holds each row's K and V byte
-//      offsets (RowBytes), so that a copy is an add and a cp.async; rows with nothing to
-//      load point at kDecodeZeroRow): 16-bit caches straight into swizzled [64][D] tiles
-//      of T; fp8 caches raw into [64][D] byte tiles, each converted to T into one swizzled
-//      tile when its turn comes
+//   -> a cp.async pipeline (L2 evict-first: every row is read once) over a ring of kRing
+//      half tiles (a 64-key tile's K, then its V: while the warps use one, kRing - 1 are in
+//      flight, and a half's slot is reused as soon as it is consumed), one page-table
+//      lookup per key row (looked up ahead of the copy, through a small ring in shared
+//      memory that holds each row's K and V byte offsets (RowBytes), so that a copy is an
+//      add and a cp.async; rows with nothing to load point at kDecodeZeroRow): 16-bit
+//      caches straight into swizzled [64][D] tiles of T; fp8 caches raw into [64][D] byte
+//      tiles, each converted to T into one swizzled tile when its turn comes
 //   -> warp w takes keys [16 w, 16 w + 16) of every tile: S^T = K Q^T (K from the swizzled
 //      tile by ldmatrix, Q^T fragments in registers, fp32 accumulators), base-2 online
 //      softmax per head column, P^T turned into the B fragment by movmatrix.trans,
@@ -114,7 +114,7 @@ struct DecodeTcTraits {
 
 // ---------------------------------------------------------------------------------------
 // The shared PTX pieces (mma_ptx.cuh).
-using ptx::CpAsync16;
+using ptx::CpAsync16EvictFirst;
 using ptx::CpAsyncCommit;
 using ptx::CpAsyncWaitGroup;
 using ptx::FastExp2;
@@ -282,8 +282,8 @@ KVSTREAM_CUDA_UNROLL
 KVSTREAM_CUDA_UNROLL
       for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
         const RowBytes loc = locs[lrow + pass * kRowsPerPass];
-        CpAsync16(dst0 + pass * kRowsPerPass * kRowBytes,
-                  src + (is_v ? loc.v : loc.k) + i * kPerRow * 16, c < chunks);
+        CpAsync16EvictFirst(dst0 + pass * kRowsPerPass * kRowBytes,
+                            src + (is_v ? loc.v : loc.k) + i * kPerRow * 16, c < chunks);
       }
     }
   };
