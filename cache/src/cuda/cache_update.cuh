@@ -690,8 +690,8 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
           // multiplies and two conversions per pair. The ends are one or two float ulps
           // apart, so they straddle one of fp8's rounding boundaries (2^20 ulps apart in
           // e4m3, 2^21 in e5m2) a few times per million elements; then the lane takes the
-          // exact quotient, FastQuotient. Infinities and zeros give equal
-          // ends; a NaN x gives the same NaN code at both ends.
+          // exact quotient, FastQuotient. Infinities and zeros give equal ends; a NaN x
+          // gives the same NaN code at both ends.
           const float down = consts.recip_down;
           const float up = consts.recip_up;
           uint32_t differ = 0;
