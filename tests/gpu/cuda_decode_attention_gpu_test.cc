@@ -506,6 +506,70 @@ TEST(DecodeSplitChoiceTest, NoFullWaveRequiredOnlyForSequencesOfAboutEqualLength
   EXPECT_EQ(internal::DecodeMinFullWaves(unknown), 2);
 }
 
+// The workspace provider's contract on the host side (no GPU needed: the launch plans,
+// asks and checks before it touches the device): asked once by a launch that splits, for
+// at least the partial results' bytes; its error returned as is; no provider, a null or a
+// misaligned pointer are InvalidArgument. For both kernels.
+TEST(DecodeWorkspaceProviderTest, AskedOnceForThePlannedBytes) {
+  internal::PagedKernelParams p = BatchOf({4096, 4096}, 0);
+  p.max_query_len = 1;
+  p.num_tokens = 2;
+  p.num_heads = 8;
+  p.num_kv_heads = 2;
+  p.head_size = p.head_size_v = 128;
+  p.block_size = 16;
+  p.num_blocks = 2 * 4096 / 16;
+  p.block_table_stride = 4096 / 16;
+  p.k_head_stride = p.v_head_stride = 128;
+  p.k_token_stride = p.v_token_stride = 2 * 128;
+  p.k_block_stride = p.v_block_stride = 16 * 2 * 128;
+  p.q_head_stride = p.o_head_stride = 128;
+  p.q_token_stride = p.o_token_stride = 8 * 128;
+  p.scale = 0.088f;
+  p.num_scales = 1;
+  p.k_scale[0] = p.v_scale[0] = 1.0f;
+  // Never dereferenced: nothing is launched. 16-byte aligned, as the kernels require.
+  void* const fake = reinterpret_cast<void*>(uintptr_t{1} << 20);
+  p.q = p.k_cache = p.v_cache = fake;
+  p.out = fake;
+  const size_t slots = size_t{2} * 8 * 4;  // sequences x heads x splits
+  for (const auto& [kernel, dtype] :
+       {std::pair{internal::DecodeKernel::kCudaCores, DType::kFloat32},
+        std::pair{internal::DecodeKernel::kTensorCores, DType::kBFloat16}}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    internal::DecodeLaunchOptions options;
+    options.num_sms = 132;
+    options.num_splits = 4;
+    options.kernel = kernel;
+    auto launch = [&] {
+      return internal::LaunchDecodeAttention(p, dtype, dtype, dtype, options, nullptr);
+    };
+    absl::Status st = launch();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("no workspace provider"));
+
+    std::vector<size_t> asked;
+    options.workspace = [&asked](size_t bytes) -> absl::StatusOr<void*> {
+      asked.push_back(bytes);
+      return absl::ResourceExhaustedError("test provider: out of workspace");
+    };
+    st = launch();
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("test provider"));
+    ASSERT_EQ(asked.size(), 1u);
+    EXPECT_GE(asked[0], slots * (128 + 2) * sizeof(float));  // partial outputs, (max, sum)
+
+    for (const uintptr_t bad : {uintptr_t{0}, (uintptr_t{1} << 20) + 4}) {
+      options.workspace = [bad](size_t) -> absl::StatusOr<void*> {
+        return reinterpret_cast<void*>(bad);
+      };
+      st = launch();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_THAT(std::string(st.message()), HasSubstr("16-byte aligned"));
+    }
+  }
+}
+
 // The planner's count of visible keys comes from the host mirror of seq_lens.
 TEST_F(CudaDecodeErrorTest, KernelParamsCountVisibleKeysFromTheHostMirror) {
   PagedAttentionParams p = dev_->params();
@@ -573,59 +637,34 @@ TEST_F(CudaDecodeErrorTest, DimStridedCacheIsRejected) {
   EXPECT_THAT(std::string(st.message()), HasSubstr("dim strides must be 1"));
 }
 
-// The workspace provider: asked once, for the bytes of the planned split count, by a
-// launch that splits; its errors, a missing provider and unusable pointers fail the launch
-// before anything is enqueued; a launch that does not split never asks.
+// On the device: a provider's error fails the launch with nothing written, and a launch
+// that does not split never asks (the contract's host side: DecodeWorkspaceProviderTest).
 TEST_F(CudaDecodeErrorTest, WorkspaceProvider) {
   auto kp = internal::MakePagedKernelParams(dev_->params());
   ASSERT_TRUE(kp.ok()) << kp.status();
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_.get());
-  auto launch = [&](const internal::DecodeLaunchOptions& options) {
-    return internal::LaunchDecodeAttention(*kp, DType::kFloat32, DType::kFloat32,
-                                           DType::kFloat32, options, stream);
-  };
   internal::DecodeLaunchOptions options;
   options.num_sms = num_sms_;
-  options.num_splits = 4;
-
-  absl::Status st = launch(options);  // no provider
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-  EXPECT_THAT(std::string(st.message()), HasSubstr("no workspace provider"));
-
   std::vector<size_t> asked;
   options.workspace = [&asked](size_t bytes) -> absl::StatusOr<void*> {
     asked.push_back(bytes);
     return absl::ResourceExhaustedError("test provider: out of workspace");
   };
-  st = launch(options);
+  options.num_splits = 4;
+  absl::Status st = internal::LaunchDecodeAttention(*kp, DType::kFloat32, DType::kFloat32,
+                                                    DType::kFloat32, options, stream);
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
-  EXPECT_THAT(std::string(st.message()), HasSubstr("test provider"));
-  ASSERT_EQ(asked.size(), 1u);
-  // 4 splits of every (sequence, query head): partial outputs and (max, sum) pairs.
-  const size_t slots = static_cast<size_t>(kp->num_seqs) * kp->num_heads * 4;
-  EXPECT_GE(asked[0], slots * (kp->head_size_v + 2) * sizeof(float));
-
-  auto buffer = DeviceBuffer::Create(asked[0] + 16, MemoryKind::kDevice);
-  ASSERT_TRUE(buffer.ok()) << buffer.status();
-  for (void* bad : {static_cast<void*>(nullptr),
-                    static_cast<void*>(static_cast<char*>(buffer->data()) + 4)}) {
-    options.workspace = [bad](size_t) -> absl::StatusOr<void*> { return bad; };
-    st = launch(options);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-    EXPECT_THAT(std::string(st.message()), HasSubstr("16-byte aligned"));
-  }
-
+  EXPECT_EQ(asked.size(), 1u);
+  ASSERT_TRUE(stream_.Synchronize(absl::Seconds(60)).ok());
   auto out = dev_->Out();
   ASSERT_TRUE(out.ok()) << out.status();
-  EXPECT_EQ(*out, pb_->NewOut()) << "wrote output despite the errors";
+  EXPECT_EQ(*out, pb_->NewOut()) << "wrote output despite the provider's error";
 
   asked.clear();
   options.num_splits = 1;
-  options.workspace = [&asked](size_t bytes) -> absl::StatusOr<void*> {
-    asked.push_back(bytes);
-    return absl::InternalError("must not be asked");
-  };
-  EXPECT_TRUE(launch(options).ok());
+  st = internal::LaunchDecodeAttention(*kp, DType::kFloat32, DType::kFloat32, DType::kFloat32,
+                                       options, stream);
+  EXPECT_TRUE(st.ok()) << st;
   EXPECT_TRUE(asked.empty());
   EXPECT_TRUE(stream_.Synchronize(absl::Seconds(60)).ok());
 }
