@@ -27,6 +27,7 @@
 #include "attention_test_util.h"
 #include "cuda/kernel_params.h"
 #include "cuda/launchers.h"
+#include "gpu_test_util.h"
 #include "kvstream/attention/backend.h"
 #include "kvstream/attention/cpu_attention.h"
 #include "kvstream/cache/kv_cache_spec.h"
@@ -37,15 +38,14 @@
 namespace kvstream {
 namespace {
 
+using ::kvstream::gpu_test::ExpectQueryRowsClose;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
 using ::kvstream::testing_util::CacheKind;
 using ::kvstream::testing_util::FeatureGridCase;
-using ::kvstream::testing_util::ForEachQueryOutput;
 using ::kvstream::testing_util::HeadConfig;
 using ::kvstream::testing_util::HeadSizes;
 using ::kvstream::testing_util::QuantSuffix;
-using ::kvstream::testing_util::QueryOutput;
 using ::kvstream::testing_util::SeqSpec;
 using ::kvstream::testing_util::ShapeGridCase;
 using ::kvstream::testing_util::ShortDType;
@@ -277,34 +277,8 @@ void ExpectVariantMatchesReference(AttnProblem& pb, const std::vector<uint8_t>& 
   }
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_EQ(pb.CountStrayWrites(out), 0) << "wrote outside the batch's rows";
-  const float tol = AbsTolerance(c.out_dtype);
-  int failures = 0;
-  int nans = 0;
-  double worst = 0;
-  ForEachQueryOutput(pb, [&](const QueryOutput& o) {
-    const auto [s, t, row, h, d] = o;
-    const float want = pb.Out(ref_out, row, h, d);
-    const float got = pb.Out(out, row, h, d);
-    if (std::isnan(want) || std::isnan(got)) {
-      if (++nans <= 3) {
-        ADD_FAILURE() << "NaN at seq " << s << " token " << t << " head " << h << " d "
-                      << d << ": reference " << want << " gpu " << got;
-      }
-      return;
-    }
-    const double err = std::fabs(static_cast<double>(want) - got);
-    worst = std::max(worst, err);
-    if (err > tol + 1e-2 * std::fabs(want)) {
-      if (++failures <= 5) {
-        ADD_FAILURE() << "seq " << s << " (context " << c.seqs[s].context_len
-                      << ", query_len " << c.seqs[s].query_len << ") token " << t
-                      << " head " << h << " d " << d << ": reference " << want
-                      << " gpu " << got;
-      }
-    }
-  });
-  EXPECT_EQ(failures, 0) << "worst absolute error " << worst;
-  EXPECT_EQ(nans, 0);
+  // Absolute tolerance by dtype, plus 1% relative.
+  ExpectQueryRowsClose(pb, ref_out, out, AbsTolerance(c.out_dtype), 1e-2);
 }
 
 // The batch most grids use: prefill, chunked prefill and decode rows, an empty query, and

@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -145,21 +146,17 @@ inline float GpuTolerance(DType dtype) {
   }
 }
 
-// Compares `got` (a whole output buffer in NewOut()'s layout) with the golden reference
-// on the same problem: every element of every query row within GpuTolerance (absolute,
-// plus as much relative), no NaN, and no byte outside the rows written. Reports at most a
-// few elements.
-inline void ExpectMatchesReference(testing_util::AttnProblem& pb, const std::vector<uint8_t>& got,
-                                   const std::string& what) {
-  SCOPED_TRACE(what);
+// Compares every element of the batch's query rows of `got` with `want` (whole output
+// buffers in NewOut()'s layout): |want - got| <= abs_tol + rel_tol * |want|, and no NaN on
+// either side. Reports at most a few elements, and the worst absolute error.
+inline void ExpectQueryRowsClose(const testing_util::AttnProblem& pb,
+                                 const std::vector<uint8_t>& want,
+                                 const std::vector<uint8_t>& got, double abs_tol,
+                                 double rel_tol) {
   const testing_util::AttnCase& c = pb.config();
-  std::vector<uint8_t> want = pb.NewOut();
-  const absl::Status st = RunAttentionReference(pb.params(want));
-  ASSERT_TRUE(st.ok()) << st;
-  EXPECT_EQ(pb.CountStrayWrites(got), 0) << "wrote outside the query rows";
-  const float tol = GpuTolerance(c.out_dtype);
   int failures = 0;
   int nans = 0;
+  double worst = 0;
   testing_util::ForEachQueryOutput(pb, [&](const testing_util::QueryOutput& o) {
     const auto [s, t, row, h, d] = o;
     const float w = pb.Out(want, row, h, d);
@@ -167,20 +164,37 @@ inline void ExpectMatchesReference(testing_util::AttnProblem& pb, const std::vec
     if (std::isnan(g) || std::isnan(w)) {
       if (++nans <= 3) {
         ADD_FAILURE() << "NaN at seq " << s << " token " << t << " head " << h << " d "
-                      << d << ": reference " << w << " cuda " << g;
+                      << d << ": reference " << w << " gpu " << g;
       }
       return;
     }
-    if (std::fabs(w - g) > tol + tol * std::fabs(w)) {
+    const double err = std::fabs(static_cast<double>(w) - g);
+    worst = std::max(worst, err);
+    if (err > abs_tol + rel_tol * std::fabs(w)) {
       if (++failures <= 5) {
-        ADD_FAILURE() << "seq " << s << " (seq_len " << pb.seq_len(s) << ") token " << t
-                      << " head " << h << " d " << d << ": reference " << w << " cuda "
-                      << g;
+        ADD_FAILURE() << "seq " << s << " (seq_len " << pb.seq_len(s) << ", query_len "
+                      << c.seqs[s].query_len << ") token " << t << " head " << h << " d "
+                      << d << ": reference " << w << " gpu " << g;
       }
     }
   });
-  EXPECT_EQ(failures, 0);
+  EXPECT_EQ(failures, 0) << "worst absolute error " << worst;
   EXPECT_EQ(nans, 0);
+}
+
+// Compares `got` (a whole output buffer in NewOut()'s layout) with the golden reference
+// on the same problem: every element of every query row within GpuTolerance (absolute,
+// plus as much relative), no NaN, and no byte outside the rows written. Reports at most a
+// few elements.
+inline void ExpectMatchesReference(testing_util::AttnProblem& pb, const std::vector<uint8_t>& got,
+                                   const std::string& what) {
+  SCOPED_TRACE(what);
+  std::vector<uint8_t> want = pb.NewOut();
+  const absl::Status st = RunAttentionReference(pb.params(want));
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(pb.CountStrayWrites(got), 0) << "wrote outside the query rows";
+  const double tol = GpuTolerance(pb.config().out_dtype);
+  ExpectQueryRowsClose(pb, want, got, tol, tol);
 }
 
 }  // namespace gpu_test
