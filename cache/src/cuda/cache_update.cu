@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -84,11 +85,6 @@ void SetWalkSteps(cu::KernelParams& p) {
       internal::MakeDivMagic(static_cast<uint32_t>(p.head_size_v / cu::kVecElems));
 }
 
-// The vector kernels' ways to an fp8 quotient, fastest first: none when every scale is 1,
-// one multiply by 1 / scale when every scale is a power of two (exact, cache_update.cuh),
-// FastQuotient when every scale is in its range, else (and for kDivision) the division.
-enum class Fp8Way { kUnit, kPowerOfTwo, kReciprocal, kDivision };
-
 bool IsOne(float scale) { return scale == 1.0f; }
 
 // 1 / s by IEEE division on the host, RN(1 / s), and its bracket where the kernel uses it
@@ -99,12 +95,17 @@ cu::Fp8ScaleConsts MakeScaleConsts(float scale) {
   return c;
 }
 
-Fp8Way PickFp8Way(const cu::KernelParams& p, internal::CacheUpdateFp8Method method) {
-  if (method != internal::CacheUpdateFp8Method::kReciprocal) return Fp8Way::kDivision;
-  if (AllScales(p, IsOne)) return Fp8Way::kUnit;
-  if (AllScales(p, internal::Fp8ScaleIsPowerOfTwo)) return Fp8Way::kPowerOfTwo;
-  if (AllScales(p, InReciprocalRange)) return Fp8Way::kReciprocal;
-  return Fp8Way::kDivision;
+// The vector kernels' way to an fp8 quotient, fastest first: none when every scale is 1,
+// one multiply by 1 / scale when every scale is a power of two (exact, cache_update.cuh),
+// the reciprocal bracket when every scale is in FastQuotient's range; nullopt for the
+// division (then, and for kDivision).
+std::optional<cu::Fp8Quotient> PickFp8Quotient(const cu::KernelParams& p,
+                                               internal::CacheUpdateFp8Method method) {
+  if (method != internal::CacheUpdateFp8Method::kReciprocal) return std::nullopt;
+  if (AllScales(p, IsOne)) return cu::Fp8Quotient::kUnit;
+  if (AllScales(p, internal::Fp8ScaleIsPowerOfTwo)) return cu::Fp8Quotient::kPowerOfTwo;
+  if (AllScales(p, InReciprocalRange)) return cu::Fp8Quotient::kReciprocal;
+  return std::nullopt;
 }
 
 absl::Status LaunchStatus() {
@@ -127,20 +128,22 @@ absl::Status Launch(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes
   cu::KernelParams vec = p;
   SetWalkSteps(vec);
   if constexpr (Out::kFp8) {
-    switch (PickFp8Way(p, method)) {
-      case Fp8Way::kUnit:
-        cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kUnit>
-            <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
-        return LaunchStatus();
-      case Fp8Way::kPowerOfTwo:
-        cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kPowerOfTwo>
-            <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
-        return LaunchStatus();
-      case Fp8Way::kReciprocal:
-        cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kReciprocal>
-            <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
-        return LaunchStatus();
-      case Fp8Way::kDivision: break;
+    if (const std::optional<cu::Fp8Quotient> quotient = PickFp8Quotient(p, method)) {
+      switch (*quotient) {
+        case cu::Fp8Quotient::kUnit:
+          cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kUnit>
+              <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+          break;
+        case cu::Fp8Quotient::kPowerOfTwo:
+          cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kPowerOfTwo>
+              <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+          break;
+        case cu::Fp8Quotient::kReciprocal:
+          cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kReciprocal>
+              <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+          break;
+      }
+      return LaunchStatus();
     }
   }
   cu::CacheUpdateKernel<In, Out, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);

@@ -568,16 +568,10 @@ __device__ __forceinline__ void UpdateTokenVec(const KernelParams& p, int64_t to
 
 // ---- Fast fp8 quotients: without a division per element ----
 
-// Per-scale inputs of FastQuotient: s the scale, r = RN(1 / s), hi = s * 2^18 (exact).
-struct Fp8Scale {
-  float s;
-  float r;
-  float hi;
-};
-
-// The float x / s rounded to nearest even (what `x / s` gives), for s in [2^-30, 2^30] and
-// every float x that is not NaN, up to a value change that the fp8 encoders do not see.
-// Let a = min(|x|, hi) and u = 2^-24.
+// The float x / s rounded to nearest even (what `x / s` gives), for s = c.scale in
+// [2^-30, 2^30] and every float x that is not NaN, up to a value change that the fp8
+// encoders do not see. With r = c.recip = RN(1 / s), hi = s * 2^18 (exact), let
+// a = min(|x|, hi) and u = 2^-24.
 //  * a = hi (|x| >= s * 2^18): the result is 2^18 exactly (below), and x / s >= 2^18 too;
 //    both saturate in e4m3 (>= 448) and e5m2 (>= 57344). Infinities land here.
 //  * a / s < 2^-22: every step below stays finite and the result is < 2^-21 (errors are
@@ -595,14 +589,16 @@ struct Fp8Scale {
 // The sign is put back last: RN(-y) = -RN(y), and -0 / s = -0 keeps its sign since a = +0
 // gives q2 = +0. A NaN x stays NaN: the minimum is min.NaN, which returns a NaN operand
 // where fminf would return the other one.
-__device__ __forceinline__ float FastQuotient(float x, const Fp8Scale& c) {
+__device__ __forceinline__ float FastQuotient(float x, const Fp8ScaleConsts& c) {
+  const float s = c.scale;
+  const float r = c.recip;
   float a;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(a) : "f"(fabsf(x)), "f"(c.hi));
-  float q = a * c.r;
-  float e = fmaf(-q, c.s, a);
-  q = fmaf(e, c.r, q);
-  e = fmaf(-q, c.s, a);
-  q = fmaf(e, c.r, q);
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(a) : "f"(fabsf(x)), "f"(s * 262144.0f));
+  float q = a * r;
+  float e = fmaf(-q, s, a);
+  q = fmaf(e, r, q);
+  e = fmaf(-q, s, a);
+  q = fmaf(e, r, q);
   return copysignf(q, x);
 }
 
@@ -702,10 +698,10 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
             differ |= pairs[e / 2] ^ low;
           }
           if (differ != 0) {
-            const Fp8Scale sc{consts.scale, consts.recip, consts.scale * 262144.0f};  // 2^18 s
 #pragma unroll
             for (int e = 0; e < kVecElems; e += 2) {
-              pairs[e / 2] = Fp8Pair<Out>(FastQuotient(x[e], sc), FastQuotient(x[e + 1], sc));
+              pairs[e / 2] =
+                  Fp8Pair<Out>(FastQuotient(x[e], consts), FastQuotient(x[e + 1], consts));
             }
           }
         }
