@@ -1,8 +1,8 @@
 // The tensor-core decode kernel's launcher half (decode_tc_launch.h): what the kernel
 // takes (DecodeTensorCoresApply), its split count and the dispatch over padded head size
 // (64 / 128 / 256) x n8 tiles of query heads (1 for groups up to 8, else 2) x activation
-// type: twelve instantiations; fp8 caches are converted while
-// staging, not a template argument.
+// type: twelve instantiations; fp8 caches are converted while staging, not a template
+// argument.
 //
 // Split count. As for the CUDA-core kernel (decode_attention.cu: DecodeSplitLimit,
 // ChooseDecodeSplits, DecodeMinFullWaves), with the CTAs per SM the kernel is built for
