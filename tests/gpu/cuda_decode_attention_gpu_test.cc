@@ -405,7 +405,8 @@ TEST_F(CudaDecodeTest, TensorCoreShapesAndFeatures) {
                         Case{4, 80, 80, DType::kFloat8E4M3, 100, true, 0},
                         Case{4, 128, 128, DType::kFloat8E5M2, 0, false, 5.0f},
                         Case{8, 128, 128, DType::kBFloat16, 70, true, 2.0f}}) {
-    for (int block_size : {1, 5, 16}) {
+    // Block sizes below, at and above the 64-key tile (128: tiles inside one block).
+    for (int block_size : {1, 5, 16, 32, 128}) {
       SCOPED_TRACE(absl::StrCat("group ", k.group, " d ", k.d, "/", k.dv, " cache ",
                                 ShortDType(k.cache), " window ", k.window, " bs ", block_size));
       AttnCase c;
@@ -421,7 +422,7 @@ TEST_F(CudaDecodeTest, TensorCoreShapesAndFeatures) {
       c.soft_cap = k.cap;
       c.scale = 0.3f;
       c.block_size = block_size;
-      c.layout = block_size == 5 ? TestLayout::kHND : TestLayout::kNHD;
+      c.layout = block_size == 5 || block_size == 32 ? TestLayout::kHND : TestLayout::kNHD;
       c.seqs = {{0, 1}, {67, 1}, {6, 0}, {600, 1}, {127, 1}, {1000, 1}};
       ExpectTensorCoresMatch(c, {0, 1, 2, 5});
     }
