@@ -234,7 +234,8 @@ int main(int argc, char** argv) {
                          "Prefill: exit after serving this many requests (0: when idle)")
       ->capture_default_str();
   worker_cmd->add_option("--idle-timeout", worker.idle_timeout_s,
-                         "Prefill: seconds without work before exiting")->capture_default_str();
+                         "Prefill: seconds without work before exiting, and at most to "
+                         "finish the work in hand on SIGTERM or SIGINT")->capture_default_str();
   worker_cmd->add_option("--connect-timeout", worker.connect_timeout_s,
                          "Decode: seconds to wait for the prefill worker (and pipeline stages "
                          "for each other)")->capture_default_str();

@@ -3,6 +3,7 @@
 
 #include <signal.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -207,6 +208,38 @@ int Fail(std::ostream& err, const absl::Status& s) {
   return 1;
 }
 
+// The SIGTERM or SIGINT a serving prefill worker received (0: none); see StopSignals.
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void RecordStopSignal(int signal_number) { g_stop_signal = signal_number; }
+
+// While it lives, SIGTERM and SIGINT are recorded (received()) instead of ending the
+// process, so that a prefill worker asked to stop (a service manager, Ctrl-C) finishes the
+// transfers in hand and checks its blocks before it exits. The previous handlers are
+// restored on destruction.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = RecordStopSignal;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGTERM, &action, &old_term_);
+    sigaction(SIGINT, &action, &old_int_);
+  }
+  ~StopSignals() {
+    sigaction(SIGTERM, &old_term_, nullptr);
+    sigaction(SIGINT, &old_int_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+  int received() const { return g_stop_signal; }
+
+ private:
+  struct sigaction old_term_ {};
+  struct sigaction old_int_ {};
+};
+
 }  // namespace
 
 int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
@@ -341,8 +374,19 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
         return Fail(err, absl::InternalError(absl::StrCat("cannot write ", path)));
       }
     }
+    const StopSignals stop;
     absl::Time last_work = absl::Now();
     while (true) {
+      if (stop.received() != 0) {
+        // Asked to stop: finish the work in hand (bounded by the idle timeout), then the
+        // block check below.
+        out << "prefill worker: " << (stop.received() == SIGTERM ? "SIGTERM" : "SIGINT")
+            << ", exiting" << std::endl;
+        const absl::Status drained =
+            Drain(**engine, absl::Now() + absl::Seconds(o.idle_timeout_s));
+        if (!drained.ok()) return Fail(err, drained);
+        break;
+      }
       auto ran = (*engine)->Step();
       if (!ran.ok()) return Fail(err, ran.status());
       if (*ran || (*engine)->HasWork()) last_work = absl::Now();

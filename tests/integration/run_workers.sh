@@ -17,7 +17,8 @@
 #                      dies after sending stage 0's layers, so stage 1 sees load errors; both
 #                      stages recompute the same requests and the outputs stay bit-identical
 #   kill-consumer      the decode worker dies mid-stream: the prefill worker frees its blocks
-#   metrics            the prefill worker's Prometheus endpoint is scraped after a run
+#   metrics            the prefill worker's Prometheus endpoint is scraped after a run; then
+#                      SIGTERM stops the worker cleanly (exit 0, every block free)
 #   metrics-pp         the same with a decode worker of two pipeline stages: one peer label
 #                      per stage, each with its own layers' transfers
 set -u
@@ -104,7 +105,9 @@ case "$scenario" in
     fi
     ;;
   metrics|metrics-pp)
-    start_prefill --metrics-port=0 --idle-timeout=4
+    # No idle exit: the worker must still serve the scrape however long the decode side
+    # took; SIGTERM ends it below.
+    start_prefill --metrics-port=0
     if [ "$scenario" = metrics ]; then
       run_decode --json="$work/report.json"
       [ $drc -eq 0 ] || fail "decode worker exited $drc"
@@ -161,7 +164,12 @@ case "$scenario" in
       grep -q "\"peers\":{\"prefill-prefill0\":{[^}]*\"bytes_received\":$((layers * layer_bytes / 4))," "$work/flat.json" || fail "$f: bytes received from the prefill worker"
       grep -q "\"layer_latency_count\":$layers," "$work/flat.json" || fail "$f: latency count"
     done
-    wait $ppid
+    # Asked to stop, the prefill worker finishes, checks its blocks and exits 0.
+    kill -TERM $ppid
+    wait $ppid; prc=$?
+    [ $prc -eq 0 ] || fail "prefill worker exited $prc after SIGTERM"
+    grep -q "prefill worker: SIGTERM, exiting" "$work/prefill.out" || fail "no SIGTERM line"
+    grep -q "128/128 blocks free" "$work/prefill.out" || fail "prefill worker did not free every block"
     ;;
   mpirun-1p2d-pp)
     mpirun -np 3 --oversubscribe --bind-to none "$bin" worker --mpi --prefill-workers=1 \
