@@ -3,7 +3,6 @@
 
 #include <signal.h>
 
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -209,7 +208,7 @@ int Fail(std::ostream& err, const absl::Status& s) {
 }
 
 // The SIGTERM or SIGINT a serving prefill worker received (0: none); see StopSignals.
-volatile std::sig_atomic_t g_stop_signal = 0;
+volatile sig_atomic_t g_stop_signal = 0;
 extern "C" void RecordStopSignal(int signal_number) { g_stop_signal = signal_number; }
 
 // While it lives, SIGTERM and SIGINT are recorded (received()) instead of ending the

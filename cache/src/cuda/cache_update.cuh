@@ -480,8 +480,8 @@ __device__ __forceinline__ const InBits* NextChunk(const KernelParams& p, const 
                                        exists, dst);
 }
 
-// The loads of a batch: steps s0 .. s0 + kUnroll - 1 (chunks 32 * s0 + u * 32 + lane), all
-// issued before any is used.
+// The loads of a batch: steps s0 .. s0 + kSteps - 1 (chunks 32 * s0 + u * 32 + lane), all
+// issued before any is used; the walk `w` moves on past them.
 template <typename InBits, bool kFp8Cache, int kSteps>
 __device__ __forceinline__ void LoadChunks(const KernelParams& p, const InBits* key,
                                            const InBits* value, int s0, int total,
