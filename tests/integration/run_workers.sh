@@ -20,7 +20,7 @@
 #   metrics            the prefill worker's Prometheus endpoint is scraped after a run; then
 #                      SIGTERM stops the worker cleanly (exit 0, every block free)
 #   metrics-pp         the same with a decode worker of two pipeline stages: one peer label
-#                      per stage, each with its own layers' transfers
+#                      per stage, each with its own layers' transfers; SIGINT stops the worker
 set -u
 bin=$1
 scenario=$2
@@ -164,11 +164,13 @@ case "$scenario" in
       grep -q "\"peers\":{\"prefill-prefill0\":{[^}]*\"bytes_received\":$((layers * layer_bytes / 4))," "$work/flat.json" || fail "$f: bytes received from the prefill worker"
       grep -q "\"layer_latency_count\":$layers," "$work/flat.json" || fail "$f: latency count"
     done
-    # Asked to stop, the prefill worker finishes, checks its blocks and exits 0.
-    kill -TERM $ppid
+    # Asked to stop (SIGTERM, or SIGINT in the pipeline scenario), the prefill worker
+    # finishes, checks its blocks and exits 0.
+    sig=TERM; [ "$scenario" = metrics-pp ] && sig=INT
+    kill -$sig $ppid
     wait $ppid; prc=$?
-    [ $prc -eq 0 ] || fail "prefill worker exited $prc after SIGTERM"
-    grep -q "prefill worker: SIGTERM, exiting" "$work/prefill.out" || fail "no SIGTERM line"
+    [ $prc -eq 0 ] || fail "prefill worker exited $prc after SIG$sig"
+    grep -q "prefill worker: SIG$sig, exiting" "$work/prefill.out" || fail "no SIG$sig line"
     grep -q "128/128 blocks free" "$work/prefill.out" || fail "prefill worker did not free every block"
     ;;
   mpirun-1p2d-pp)
