@@ -1,11 +1,12 @@
 // Benchmarks of the CUDA kernels, each beside the bandwidth (or nothing) it should be
 // compared with, measured in the same run on the same GPU:
-//   CacheUpdate/<tokens>/<fp8>/<division>: CacheUpdateCuda, 8 KV heads x 128, block size
-//     16, bf16 inputs into a bf16 cache (fp8 0) or an fp8 e4m3 cache with a per-tensor
-//     scale of 0.05 (fp8 1: a calibrated scale, the reciprocal method) or of 1 (fp8 2:
-//     the default scale, a power of two: one multiply), or through the per-element
-//     division (division 1; cache_update.cuh, CacheUpdateFp8Method); GB/s of bytes read +
-//     written, and the ratio to cudaMemcpyAsync device-to-device of the same traffic.
+//   CacheUpdate/<tokens>/<fp8>/<method>: CacheUpdateCuda, 8 KV heads x 128, block size 16,
+//     bf16 inputs into a bf16 cache (fp8 0) or an fp8 e4m3 cache with a per-tensor scale of
+//     0.05 (fp8 1: a calibrated scale) or of 1 (fp8 2: the default scale, converted as is),
+//     with method 0 the default (kReciprocal: the split reciprocal for 0.05), 1 the
+//     per-element division, 2 the reciprocal bracket (cache_update.cuh,
+//     CacheUpdateFp8Method); GB/s of bytes read + written, and the ratio to
+//     cudaMemcpyAsync device-to-device of the same traffic.
 //   Decode/<seqs>/<seq_len>/<kernel>/<splits>: LaunchDecodeAttention (bf16, 32 query / 8 KV
 //     heads, head size 128, block size 16, shuffled blocks) with kernel 0 the CUDA-core one
 //     and 1 the tensor-core one (launchers.h, DecodeKernel), splits 0 the launcher's choice
@@ -296,13 +297,15 @@ void BM_CacheUpdate(benchmark::State& state) {
   const int64_t tokens = state.range(0);
   const DType cache_dtype = state.range(1) == 0 ? DType::kBFloat16 : DType::kFloat8E4M3;
   const bool unit_scale = state.range(1) == 2;
-  const internal::CacheUpdateFp8Method method = state.range(2) != 0
-                                                    ? internal::CacheUpdateFp8Method::kDivision
-                                                    : internal::CacheUpdateFp8Method::kReciprocal;
-  state.SetLabel(state.range(1) == 0   ? "bf16->bf16"
-                 : state.range(2) != 0 ? "bf16->fp8_e4m3 scale 0.05, division"
-                 : unit_scale          ? "bf16->fp8_e4m3 scale 1, power-of-two multiply"
-                                       : "bf16->fp8_e4m3 scale 0.05, reciprocal");
+  const internal::CacheUpdateFp8Method method =
+      state.range(2) == 1   ? internal::CacheUpdateFp8Method::kDivision
+      : state.range(2) == 2 ? internal::CacheUpdateFp8Method::kBracket
+                            : internal::CacheUpdateFp8Method::kReciprocal;
+  state.SetLabel(state.range(1) == 0    ? "bf16->bf16"
+                 : state.range(2) == 1  ? "bf16->fp8_e4m3 scale 0.05, division"
+                 : state.range(2) == 2  ? "bf16->fp8_e4m3 scale 0.05, bracket"
+                 : unit_scale           ? "bf16->fp8_e4m3 scale 1, unit"
+                                        : "bf16->fp8_e4m3 scale 0.05, reciprocal");
   auto run = [&]() -> absl::Status {
     KvCacheSpec spec;
     spec.block_size = kBlockSize;
@@ -484,13 +487,14 @@ void BM_Prefill(benchmark::State& state) {
 }
 
 BENCHMARK(BM_CacheUpdate)
-    ->ArgNames({"tokens", "fp8", "division"})
+    ->ArgNames({"tokens", "fp8", "method"})
     ->Apply([](benchmark::internal::Benchmark* b) {
       for (const int64_t tokens : {4096, 16384, 65536}) {
         b->Args({tokens, 0, 0});  // bf16 cache (the method does not apply)
-        b->Args({tokens, 1, 0});  // fp8, scale 0.05: reciprocal
+        b->Args({tokens, 1, 0});  // fp8, scale 0.05: reciprocal (the split reciprocal)
+        b->Args({tokens, 1, 2});  // fp8, scale 0.05: the bracket
         b->Args({tokens, 1, 1});  // fp8, scale 0.05: division
-        b->Args({tokens, 2, 0});  // fp8, scale 1 (the default): power-of-two multiply
+        b->Args({tokens, 2, 0});  // fp8, scale 1 (the default): no multiply
       }
     })
     ->UseManualTime()

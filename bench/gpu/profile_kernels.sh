@@ -29,7 +29,7 @@ done <<'LIST'
 decode_tc Decode/seqs:64/seq_len:4096/kernel:1/splits:0 DecodeTc
 decode_cuda_cores Decode/seqs:64/seq_len:4096/kernel:0/splits:0 DecodeSplit
 prefill_fast Prefill/tokens:8192/fast:1 PrefillAttention
-cache_update_bf16 CacheUpdate/tokens:65536/fp8:0/division:0 CacheUpdate
-cache_update_fp8 CacheUpdate/tokens:65536/fp8:1/division:0 CacheUpdate
+cache_update_bf16 CacheUpdate/tokens:65536/fp8:0/method:0 CacheUpdate
+cache_update_fp8 CacheUpdate/tokens:65536/fp8:1/method:0 CacheUpdate
 LIST
 exit $status

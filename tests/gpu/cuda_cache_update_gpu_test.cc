@@ -48,6 +48,19 @@ using ::testing::HasSubstr;
 
 constexpr uint8_t kCacheFill = 0xa5;  // initial cache bytes: untouched bytes must keep it
 
+constexpr internal::CacheUpdateFp8Method kAllFp8Methods[] = {
+    internal::CacheUpdateFp8Method::kReciprocal, internal::CacheUpdateFp8Method::kBracket,
+    internal::CacheUpdateFp8Method::kDivision};
+
+const char* Fp8MethodName(internal::CacheUpdateFp8Method method) {
+  switch (method) {
+    case internal::CacheUpdateFp8Method::kReciprocal: return "reciprocal";
+    case internal::CacheUpdateFp8Method::kBracket: return "bracket";
+    case internal::CacheUpdateFp8Method::kDivision: return "division";
+  }
+  return "?";
+}
+
 struct Shape {
   int block_size;
   int heads;
@@ -330,9 +343,10 @@ INSTANTIATE_TEST_SUITE_P(
                           "_", TestLayoutName(std::get<2>(param_info.param)));
     });
 
-// The fp8 methods (cache_update.cuh: the reciprocal bracket with the exact quotient where
-// its ends disagree, and the per-element division) against the CPU, byte for byte, on every
-// 16-bit input bit pattern (and random 32-bit ones) under scales that stress the quotient:
+// The fp8 methods (cache_update.cuh: the split reciprocal for 16-bit inputs, the reciprocal
+// bracket with the exact quotient where its ends disagree, and the per-element division)
+// against the CPU, byte for byte, on every 16-bit input bit pattern (and random 32-bit
+// ones) under scales that stress the quotient:
 // 1, small, tiny, odd, 448/65504 (the fp16 range mapped onto e4m3's), and scales outside
 // the reciprocal's range, which fall back to the division. Some of these inputs land
 // between the bracket's ends and a rounding boundary: without the exact fallback the
@@ -367,13 +381,10 @@ TEST_F(CudaCacheUpdateTest, Fp8MethodsMatchCpuOnEveryInputBitPattern) {
           pb.FillEveryBitPattern();
           std::vector<uint8_t> cpu_k, cpu_v;
           pb.CpuResult(cpu_k, cpu_v);
-          for (const CacheUpdateFp8Method method :
-               {CacheUpdateFp8Method::kReciprocal, CacheUpdateFp8Method::kDivision}) {
+          for (const CacheUpdateFp8Method method : kAllFp8Methods) {
             SCOPED_TRACE(absl::StrCat(ShortDType(input), "->", ShortDType(cache), " ",
                                       TestLayoutName(layout), " scale set ", si, " method ",
-                                      method == CacheUpdateFp8Method::kReciprocal
-                                          ? "reciprocal"
-                                          : "division"));
+                                      Fp8MethodName(method)));
             ExpectMethodGives(pb, method, cpu_k, cpu_v);
           }
         }
@@ -427,6 +438,53 @@ TEST(CudaCacheUpdateBracketTest, FloatsEitherSideOfTheReciprocal) {
   EXPECT_GE(exact, 3);  // 1, 0.25, 2^-30, 2^30 at least
 }
 
+// The split reciprocal (the default fp8 path for 16-bit inputs): where
+// Fp8SplitReciprocalExact passes for a scale, fma(x, high, RN(x * low)) must encode like
+// the division x / scale for every bf16 / fp16 bit pattern, infinities and NaNs included
+// (emulated here with the host's correctly rounded fmaf), in e4m3 and e5m2; the check
+// passes for typical scales and powers of two; and a pair that is not a split of
+// 1 / scale (low = 0: RN(x * high) alone) fails the check. Runs without a GPU.
+TEST(CudaCacheUpdateSplitTest, CheckedSplitsEncodeLikeTheDivision) {
+  std::vector<float> scales = {0.05f, 0.023f, 0.3333333f, 7.3f, 1.7e-3f, 448.0f / 65504.0f,
+                               0.1f,  3e-5f,  0x1.000002p-30f, 0x1.fffffep29f,
+                               // Powers of two (taken with others in one launch): low is
+                               // tiny then, but positive, or infinities would give NaN.
+                               1.0f, 0.25f, 0x1p-30f, 0x1p30f};
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> log2_scale(-30.0f, 30.0f);
+  for (int i = 0; i < 40; ++i) scales.push_back(std::exp2(log2_scale(rng)));
+  int checked = 0;
+  for (const float s : scales) {
+    float high = 0.0f;
+    float low = 0.0f;
+    internal::Fp8SplitReciprocal(s, &high, &low);
+    EXPECT_GT(low, 0.0f) << s;
+    if (!internal::Fp8ScaleIsPowerOfTwo(s)) {
+      EXPECT_FALSE(internal::Fp8SplitReciprocalExact(s, high, 0.0f, 8) &&
+                   internal::Fp8SplitReciprocalExact(s, high, 0.0f, 11))
+          << s << ": RN(x * high) alone passed the check";
+    }
+    for (const int bits : {8, 11}) {
+      if (!internal::Fp8SplitReciprocalExact(s, high, low, bits)) continue;
+      ++checked;
+      for (uint32_t b = 0; b < 65536; ++b) {
+        const uint16_t h = static_cast<uint16_t>(b);
+        const float x = bits == 8 ? BFloat16ToFloat(h) : HalfToFloat(h);
+        const float t = static_cast<float>(static_cast<double>(x) * static_cast<double>(low));
+        const float q = std::fma(x, high, t);
+        const float want = x / s;
+        if (FloatToFp8E4M3(q) != FloatToFp8E4M3(want) ||
+            FloatToFp8E5M2(q) != FloatToFp8E5M2(want)) {
+          ADD_FAILURE() << "scale " << s << ", " << (bits == 8 ? "bf16" : "fp16") << " bits 0x"
+                        << std::hex << b << ": split " << q << ", division " << want;
+          break;
+        }
+      }
+    }
+  }
+  EXPECT_GE(checked, static_cast<int>(2 * scales.size()) * 9 / 10);
+}
+
 // Power-of-two scales (the kernel multiplies by 1 / scale instead of dividing) against the
 // CPU, byte for byte, on every 16-bit input bit pattern (NaN payloads and infinities
 // included; random bit patterns for 32-bit inputs), per tensor and per head, with scales
@@ -468,13 +526,11 @@ TEST_F(CudaCacheUpdateTest, PowerOfTwoScalesMatchCpuOnEveryInputBitPattern) {
             pb.FillEveryBitPattern();
             std::vector<uint8_t> cpu_k, cpu_v;
             pb.CpuResult(cpu_k, cpu_v);
-            for (const CacheUpdateFp8Method method :
-                 {CacheUpdateFp8Method::kReciprocal, CacheUpdateFp8Method::kDivision}) {
-              SCOPED_TRACE(absl::StrCat(
-                  "heads ", shape.heads, " d ", shape.head_size, "/", shape.head_size_v, " ",
-                  ShortDType(input), "->", ShortDType(cache), " ", TestLayoutName(layout),
-                  " scale set ", si, " method ",
-                  method == CacheUpdateFp8Method::kReciprocal ? "reciprocal" : "division"));
+            for (const CacheUpdateFp8Method method : kAllFp8Methods) {
+              SCOPED_TRACE(absl::StrCat("heads ", shape.heads, " d ", shape.head_size, "/",
+                                        shape.head_size_v, " ", ShortDType(input), "->",
+                                        ShortDType(cache), " ", TestLayoutName(layout),
+                                        " scale set ", si, " method ", Fp8MethodName(method)));
               ExpectMethodGives(pb, method, cpu_k, cpu_v);
             }
           }

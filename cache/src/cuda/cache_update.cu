@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 
@@ -85,27 +86,99 @@ void SetWalkSteps(cu::KernelParams& p) {
       internal::MakeDivMagic(static_cast<uint32_t>(p.head_size_v / cu::kVecElems));
 }
 
+// The regular walk (cache_update.cuh, WalkTokenRegular) with runs of `adjacent` chunks and
+// groups of `group` steps: where the shape qualifies, sets its params and returns true.
+// REQUIRES: head sizes multiples of 8.
+bool SetRegularWalk(cu::KernelParams& p, int adjacent, int group) {
+  const int chunks = p.head_size / cu::kVecElems;
+  const int runs = chunks / adjacent;
+  if (p.head_size != p.head_size_v || p.key_head_stride != p.value_head_stride ||
+      p.k_head_stride != p.v_head_stride || chunks % adjacent != 0 || runs > 32 ||
+      (runs & (runs - 1)) != 0) {
+    return false;
+  }
+  const int64_t k_runs = int64_t{p.num_kv_heads} * runs;
+  if (k_runs % (32 * group) != 0) return false;
+  int shift = 0;
+  while ((1 << shift) < runs) ++shift;
+  p.run_shift = shift;
+  p.regular_k_groups = static_cast<int32_t>(k_runs / (32 * group));
+  // 32 / R heads; offsets wrap modulo 2^32 only past the last head (HeadOffsetsFitInt32).
+  const uint32_t heads_per_step = static_cast<uint32_t>(32 / runs);
+  p.step_in = heads_per_step * static_cast<uint32_t>(p.key_head_stride);
+  p.step_out = heads_per_step * static_cast<uint32_t>(p.k_head_stride);
+  return true;
+}
+
+// A vector kernel, with the regular walk or the general one.
+template <typename In, typename Out, bool kFastFp8,
+          cu::Fp8Quotient kQuotient = cu::Fp8Quotient::kReciprocal>
+void LaunchVector(const cu::KernelParams& p, bool regular, dim3 grid, cudaStream_t stream) {
+  if (regular) {
+    cu::CacheUpdateKernel<In, Out, true, true, kFastFp8, kQuotient>
+        <<<grid, cu::kThreadsPerCta, 0, stream>>>(p);
+  } else {
+    cu::CacheUpdateKernel<In, Out, true, false, kFastFp8, kQuotient>
+        <<<grid, cu::kThreadsPerCta, 0, stream>>>(p);
+  }
+}
+
 bool IsOne(float scale) { return scale == 1.0f; }
 
 // 1 / s by IEEE division on the host, RN(1 / s), and its bracket where the kernel uses it
 // (scales in FastQuotient's range; zeros elsewhere).
 cu::Fp8ScaleConsts MakeScaleConsts(float scale) {
-  cu::Fp8ScaleConsts c{scale, 1.0f / scale, 0.0f, 0.0f};
-  if (InReciprocalRange(scale)) internal::Fp8ReciprocalBracket(scale, &c.recip_down, &c.recip_up);
+  cu::Fp8ScaleConsts c{scale, 1.0f / scale, 0.0f, 0.0f, 0.0f};
+  if (InReciprocalRange(scale)) {
+    internal::Fp8ReciprocalBracket(scale, &c.recip_down, &c.recip_up);
+    internal::Fp8SplitReciprocal(scale, &c.recip_down, &c.recip_low);
+  }
   return c;
+}
+
+// Fp8SplitReciprocalExact for a scale's constants, remembered per thread for the last
+// scales seen (a check is 128 or 1024 multiply-adds and divisions; a model's scales are a
+// handful, the same at every call). REQUIRES: c from MakeScaleConsts, scale in range.
+bool SplitExact(const cu::Fp8ScaleConsts& c, int significand_bits) {
+  struct Entry {
+    uint32_t scale_bits = 0;
+    int significand_bits = 0;  // 0: empty
+    bool exact = false;
+  };
+  thread_local Entry memo[64];
+  uint32_t bits;
+  std::memcpy(&bits, &c.scale, sizeof(bits));
+  Entry& e = memo[(bits ^ (bits >> 11) ^ static_cast<uint32_t>(significand_bits)) % 64];
+  if (e.significand_bits != significand_bits || e.scale_bits != bits) {
+    e.scale_bits = bits;
+    e.significand_bits = significand_bits;
+    e.exact = internal::Fp8SplitReciprocalExact(c.scale, c.recip_down, c.recip_low,
+                                                significand_bits);
+  }
+  return e.exact;
 }
 
 // The vector kernels' way to an fp8 quotient, fastest first: none when every scale is 1,
 // one multiply by 1 / scale when every scale is a power of two (exact, cache_update.cuh),
-// the reciprocal bracket when every scale is in FastQuotient's range; nullopt for the
-// division (then, and for kDivision).
+// the split reciprocal for inputs of at most 11 significand bits when every scale is in
+// range and passes its check (kReciprocal only), the reciprocal bracket when every scale
+// is in FastQuotient's range; nullopt for the division (then, and for kDivision).
 std::optional<cu::Fp8Quotient> PickFp8Quotient(const cu::KernelParams& p,
-                                               internal::CacheUpdateFp8Method method) {
-  if (method != internal::CacheUpdateFp8Method::kReciprocal) return std::nullopt;
+                                               internal::CacheUpdateFp8Method method,
+                                               int input_significand_bits) {
+  if (method == internal::CacheUpdateFp8Method::kDivision) return std::nullopt;
   if (AllScales(p, IsOne)) return cu::Fp8Quotient::kUnit;
   if (AllScales(p, internal::Fp8ScaleIsPowerOfTwo)) return cu::Fp8Quotient::kPowerOfTwo;
-  if (AllScales(p, InReciprocalRange)) return cu::Fp8Quotient::kReciprocal;
-  return std::nullopt;
+  if (!AllScales(p, InReciprocalRange)) return std::nullopt;
+  if (method == internal::CacheUpdateFp8Method::kReciprocal && input_significand_bits <= 11) {
+    bool exact = true;
+    for (int i = 0; i < p.num_scales && exact; ++i) {
+      exact = SplitExact(p.fp8_scale[i], input_significand_bits) &&
+              SplitExact(p.fp8_scale[cu::kMaxScales + i], input_significand_bits);
+    }
+    if (exact) return cu::Fp8Quotient::kSplit;
+  }
+  return cu::Fp8Quotient::kReciprocal;
 }
 
 absl::Status LaunchStatus() {
@@ -127,26 +200,34 @@ absl::Status Launch(const cu::KernelParams& p, size_t in_bytes, size_t out_bytes
   }
   cu::KernelParams vec = p;
   SetWalkSteps(vec);
+  using InBits = typename In::Bits;
   if constexpr (Out::kFp8) {
-    if (const std::optional<cu::Fp8Quotient> quotient = PickFp8Quotient(p, method)) {
+    if (const std::optional<cu::Fp8Quotient> quotient =
+            PickFp8Quotient(p, method, In::kSignificandBits)) {
+      const bool regular = SetRegularWalk(vec, cu::kRegularAdjacent<InBits, /*kHalves=*/true>,
+                                          cu::kRegularGroup<InBits, /*kHalves=*/true>);
       switch (*quotient) {
         case cu::Fp8Quotient::kUnit:
-          cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kUnit>
-              <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+          LaunchVector<In, Out, true, cu::Fp8Quotient::kUnit>(vec, regular, grid, stream);
           break;
         case cu::Fp8Quotient::kPowerOfTwo:
-          cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kPowerOfTwo>
-              <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+          LaunchVector<In, Out, true, cu::Fp8Quotient::kPowerOfTwo>(vec, regular, grid, stream);
           break;
         case cu::Fp8Quotient::kReciprocal:
-          cu::CacheUpdateKernel<In, Out, true, true, cu::Fp8Quotient::kReciprocal>
-              <<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+          LaunchVector<In, Out, true, cu::Fp8Quotient::kReciprocal>(vec, regular, grid, stream);
+          break;
+        case cu::Fp8Quotient::kSplit:
+          if constexpr (In::kSignificandBits <= 11) {
+            LaunchVector<In, Out, true, cu::Fp8Quotient::kSplit>(vec, regular, grid, stream);
+          }
           break;
       }
       return LaunchStatus();
     }
   }
-  cu::CacheUpdateKernel<In, Out, true><<<grid, cu::kThreadsPerCta, 0, stream>>>(vec);
+  const bool regular = SetRegularWalk(vec, cu::kRegularAdjacent<InBits, /*kHalves=*/false>,
+                                      cu::kRegularGroup<InBits, /*kHalves=*/false>);
+  LaunchVector<In, Out, false>(vec, regular, grid, stream);
   return LaunchStatus();
 }
 

@@ -46,18 +46,21 @@
 namespace kvstream {
 namespace internal {
 
-// How the CUDA cache update computes fp8(x / scale). Both write the same bytes.
+// How the CUDA cache update computes fp8(x / scale). All write the same bytes.
 enum class CacheUpdateFp8Method {
-  kReciprocal,  // reciprocal bracket, exact quotient where it is too wide (default)
-  kDivision,    // one IEEE division per element (the previous kernel)
+  kReciprocal,  // the fastest exact way to the quotient (below; the default)
+  kBracket,     // kReciprocal without the split reciprocal: the bracket for every input
+  kDivision,    // one IEEE division per element (the first kernel)
 };
 
 // CacheUpdateCuda with the fp8 method chosen (CacheUpdateCuda uses kReciprocal). Same
 // contract as CacheUpdateCuda. kReciprocal multiplies by 1 / scale alone when every scale
-// is a power of two (Fp8ScaleIsPowerOfTwo); otherwise it falls back to kDivision when a
-// scale lies outside [2^-30, 2^30] (the range FastQuotient's proof covers). Both divide,
-// in the scalar kernel, where the vector path does not apply (odd sizes or strides, or a
-// token's rows beyond 32-bit offsets).
+// is a power of two (Fp8ScaleIsPowerOfTwo); else, for 16-bit inputs, by the split
+// reciprocal when Fp8SplitReciprocalExact holds for every scale; else it takes the bracket
+// (cache_update.cuh). Both fall back to kDivision when a scale lies outside [2^-30, 2^30]
+// (the range FastQuotient's proof and the split's argument cover). All divide, in the
+// scalar kernel, where the vector path does not apply (odd sizes or strides, or a token's
+// rows beyond 32-bit offsets).
 absl::Status CacheUpdateCudaWithMethod(const CacheUpdateParams& params, void* cuda_stream,
                                        CacheUpdateFp8Method method);
 
@@ -82,6 +85,51 @@ inline void Fp8ReciprocalBracket(float scale, float* down, float* up) {
   const double residual = static_cast<double>(r) * static_cast<double>(scale) - 1.0;
   *down = residual > 0.0 ? std::nextafter(r, 0.0f) : r;
   *up = residual < 0.0 ? std::nextafter(r, std::numeric_limits<float>::infinity()) : r;
+}
+
+// The split reciprocal: high = the largest float <= 1 / scale (Fp8ReciprocalBracket's
+// down) and low > 0, a float near the rest 1 / scale - high, so that
+// fma(x, high, RN(x * low)) is x / scale to about 2^-46 relative: one rounding of a
+// near-exact quotient, where RN(x * RN(1 / scale)) rounds twice. 1 - high * scale is
+// exact in double (a 48-bit product close to 1), so low = RN of (1 - high * scale) / scale,
+// twice rounded: close enough, since Fp8SplitReciprocalExact checks the pair as it is.
+// Where 1 / scale is a float (scale a power of two) the rest is 0 and low is high * 2^-64
+// instead, far below half an ulp of any product: low must be positive, or an infinite x
+// would give inf + inf * 0, a NaN.
+// REQUIRES: scale in [2^-30, 2^30].
+inline void Fp8SplitReciprocal(float scale, float* high, float* low) {
+  float up = 0.0f;
+  Fp8ReciprocalBracket(scale, high, &up);
+  const double rest = 1.0 - static_cast<double>(*high) * static_cast<double>(scale);
+  *low = rest > 0.0 ? static_cast<float>(rest / static_cast<double>(scale))
+                    : std::ldexp(*high, -64);
+}
+
+// Whether q(x) = fma(x, high, RN(x * low)) is the float x / scale (IEEE division: what the
+// CPU update encodes) for every input whose significand has at most `significand_bits`
+// bits (8 for bf16, 11 for fp16): up to a difference no fp8 encoding sees. A proof by
+// exhaustion over the 2^(significand_bits - 1) significands m in [1, 2), for (high, low)
+// from Fp8SplitReciprocal and scale in [2^-30, 2^30] (so low >= 2^-65 / scale: 1 - high *
+// scale is a nonzero multiple of 2^-47 unless scale is a power of two). For x = +-m 2^k:
+//  * |x / scale| in [2^-18, 2^127): x, x * high, x * low (at least 2^-65 |x / scale|, so
+//    2^-83) and the result are normal floats, so every rounding commutes with the power
+//    of two: q(x) = +-2^k q(m) and RN(x / scale) = +-2^k RN(m / scale). Equal
+//    where the check found them equal.
+//  * |x / scale| < 2^-18: both are below 2^-17 in magnitude (q within 2^-40 relative of
+//    the quotient, plus underflow's absolute 2^-149), with the sign of x or zero; both
+//    encode to a zero of that sign in e4m3 and e5m2 (whose smallest subnormal is 2^-16).
+//  * |x / scale| >= 2^127, and infinities: both are at least 2^126 or infinite, with the
+//    sign of x (high and low are not negative, so no inf - inf); both saturate.
+//  * NaN gives NaN.
+inline bool Fp8SplitReciprocalExact(float scale, float high, float low, int significand_bits) {
+  const int n = 1 << (significand_bits - 1);
+  for (int i = 0; i < n; ++i) {
+    const float m = 1.0f + static_cast<float>(i) / static_cast<float>(n);  // exact
+    // m * low in double is exact (at most 11 + 24 bits); the cast rounds it once.
+    const float t = static_cast<float>(static_cast<double>(m) * static_cast<double>(low));
+    if (std::fma(m, high, t) != m / scale) return false;
+  }
+  return true;
 }
 
 // Magic numbers for n / d with a multiply and a shift, exact for 0 <= n < 2^31 and
@@ -122,11 +170,12 @@ inline constexpr int kThreadsPerCta = kWarpsPerCta * 32;
 inline constexpr int kVecElems = 8;
 
 // One fp8 scale and what the quotient paths need of its reciprocal, from the host (see
-// Fp8ReciprocalBracket); the bracket is one 8-byte load.
+// Fp8ReciprocalBracket, Fp8SplitReciprocal); the split is one 8-byte load.
 struct alignas(16) Fp8ScaleConsts {
   float scale;
   float recip;       // RN(1 / scale), IEEE division
-  float recip_down;  // the largest float <= the real 1 / scale
+  float recip_down;  // the largest float <= the real 1 / scale; the split's high part
+  float recip_low;   // the split's low part (Fp8SplitReciprocal)
   float recip_up;    // the smallest float >= the real 1 / scale
 };
 
@@ -176,6 +225,13 @@ struct KernelParams {
   int32_t v_step_head;
   DivMagic k_chunks_per_head;
   DivMagic v_chunks_per_head;
+  // The regular walk (WalkTokenRegular), where the launcher takes it: log2 of the runs per
+  // head R, K's groups of kRegularGroup steps, and what a step of 32 runs moves a lane's
+  // offsets by (32 / R heads).
+  int32_t run_shift;
+  int32_t regular_k_groups;
+  uint32_t step_in;   // 32 / R heads of an input row (K's and V's head strides are equal)
+  uint32_t step_out;  // ... of a cache row (K's and V's equal too)
 };
 
 // ---- Bit-exact conversions: device versions of common/numeric.h ----
@@ -241,18 +297,21 @@ __device__ __forceinline__ uint8_t FloatToE5M2Bits(float f) {
 struct ElemF32 {
   using Bits = uint32_t;
   static constexpr bool kFp8 = false;
+  static constexpr int kSignificandBits = 24;  // the hidden bit included
   __device__ static float ToFloat(Bits b) { return __uint_as_float(b); }
   __device__ static Bits FromFloat(float x) { return __float_as_uint(x); }
 };
 struct ElemF16 {
   using Bits = uint16_t;
   static constexpr bool kFp8 = false;
+  static constexpr int kSignificandBits = 11;  // the hidden bit included
   __device__ static float ToFloat(Bits b) { return HalfBitsToFloat(b); }
   __device__ static Bits FromFloat(float x) { return FloatToHalfBits(x); }
 };
 struct ElemBF16 {
   using Bits = uint16_t;
   static constexpr bool kFp8 = false;
+  static constexpr int kSignificandBits = 8;  // the hidden bit included
   __device__ static float ToFloat(Bits b) { return BFloat16BitsToFloat(b); }
   __device__ static Bits FromFloat(float x) { return FloatToBFloat16Bits(x); }
 };
@@ -412,7 +471,7 @@ struct LaneWalk {
 // the launcher), so that the store needs no other record; for fp8 caches its ScaleIndex.
 struct ChunkDst {
   uint32_t off;
-  int scale_index;
+  int scale_index = 0;
 
   __device__ __forceinline__ bool InV() const { return (off >> 31) != 0; }
   template <typename OutBits>
@@ -556,7 +615,9 @@ __device__ __forceinline__ void WalkTokenVec(const KernelParams& p, int64_t toke
         const int left = total - 32 * s - lane;  // chunk u exists when u * 32 < left
 #pragma unroll
         for (int u = 0; u < kHalf; ++u) {
-          if (u * 32 < left) store_chunk(in[h][u], dst[h][u], k_dst, v_dst);
+          if (u * 32 < left) {
+            store_chunk(in[h][u], dst[h][u].Address(k_dst, v_dst), dst[h][u].scale_index);
+          }
         }
         if (32 * (s + 2 * kHalf) < total) {
           LoadChunks<InBits, kFp8Cache, kHalf>(p, key, value, s + 2 * kHalf, total, walk,
@@ -577,22 +638,122 @@ __device__ __forceinline__ void WalkTokenVec(const KernelParams& p, int64_t toke
       const int left = total - 32 * s0 - lane;  // chunk u exists when u * 32 < left
 #pragma unroll
       for (int u = 0; u < kUnroll<InBits>; ++u) {
-        if (u * 32 < left) store_chunk(in[u], dst[u], k_dst, v_dst);
+        if (u * 32 < left) store_chunk(in[u], dst[u].Address(k_dst, v_dst), dst[u].scale_index);
       }
     }
   }
 }
 
+// ---- Vector paths, regular rows: a walk without bookkeeping per chunk ----
+//
+// Where K and V heads have one size and the same head strides (input and cache), a lane can
+// take kAdj adjacent chunks (one address, the next chunk at an immediate offset) and, where
+// a head's C = head size / 8 chunks are a power of two of such runs, R = C / kAdj <= 32,
+// lane l's run sits, in every step of 32 runs, at the same element (l mod R) * kAdj * 8 of
+// a head 32 / R heads further on: its place is one multiply-add from the lane's first head.
+// Where K's steps are also a whole number of groups of kGroup steps, a group is all K or
+// all V, the same for the whole warp, and every lane has a run in every step: no compare,
+// carry or existence test per chunk (WalkTokenVec spends about 20 instructions per chunk
+// on them). The launcher sets run_shift = log2 R, regular_k_groups (K's groups) and the
+// steps' strides where a shape qualifies (8 KV heads x 128 from 16-bit inputs: runs of 2
+// chunks, 2 K steps).
+//
+// kSlots groups are in flight per lane: 1 (load a group, store it, load the next: the 16-bit
+// copy) or 2 (each slot loaded again as soon as it is stored: the fp8 paths, as
+// WalkTokenVec's kHalves). The slot is resolved while the first loads are in flight, and
+// store_chunk(in, out, scale_index) converts a chunk and writes it at `out`.
+template <typename InBits, typename OutBits, bool kFp8Cache, int kAdj, int kGroup, int kSlots,
+          typename StoreChunk>
+__device__ __forceinline__ void WalkTokenRegular(const KernelParams& p, int64_t token,
+                                                 const int64_t* slot_ptr, int lane,
+                                                 StoreChunk&& store_chunk) {
+  static_assert(kSlots == 1 || kSlots == 2, "groups come in K / V pairs: kSlots divides them");
+  const InBits* __restrict__ key = TokenRow<InBits>(p.key, token, p.key_token_stride);
+  const InBits* __restrict__ value = TokenRow<InBits>(p.value, token, p.value_token_stride);
+  const int64_t slot = *slot_ptr;  // consumed after the first loads are on their way
+  // The lane's run in step 0 of K (and of V: same strides): input and cache offsets. A step
+  // moves both by 32 / R heads (step_in, step_out).
+  const int lane_head = lane >> p.run_shift;
+  const uint32_t first =
+      static_cast<uint32_t>(lane & ((1 << p.run_shift) - 1)) * (kAdj * kVecElems);
+  uint32_t lane_in = static_cast<uint32_t>(lane_head * p.key_head_stride) + first;
+  uint32_t lane_out = static_cast<uint32_t>(lane_head * p.k_head_stride) + first;
+  // Kept in registers: the compiler would otherwise recompute them for every group.
+  asm("" : "+r"(lane_in), "+r"(lane_out));
+  const int k_groups = p.regular_k_groups;
+  const int groups = 2 * k_groups;  // K's, then as many of V's
+  Vec8<InBits> in[kSlots][kGroup][kAdj];
+  // Group g's loads into slot sl (a compile-time index once the callers' loops unroll).
+  auto load_group = [&](int g, int sl) {
+    const bool in_v = g >= k_groups;
+    const uint32_t step0 = static_cast<uint32_t>((in_v ? g - k_groups : g) * kGroup);
+    const InBits* row = in_v ? value : key;
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) {
+      const InBits* src = row + (lane_in + (step0 + u) * p.step_in);
+#pragma unroll
+      for (int a = 0; a < kAdj; ++a) in[sl][u][a] = LoadInputChunk(src + a * kVecElems);
+    }
+  };
+#pragma unroll
+  for (int sl = 0; sl < kSlots; ++sl) load_group(sl, sl);  // groups >= 2
+  OutBits* k_dst = nullptr;
+  OutBits* v_dst = nullptr;
+  if (!ResolveSlot(p, slot, &k_dst, &v_dst)) return;
+  for (int g0 = 0; g0 < groups; g0 += kSlots) {
+#pragma unroll
+    for (int sl = 0; sl < kSlots; ++sl) {
+      const int g = g0 + sl;
+      const bool in_v = g >= k_groups;
+      const uint32_t step0 = static_cast<uint32_t>((in_v ? g - k_groups : g) * kGroup);
+      OutBits* const row = in_v ? v_dst : k_dst;
+#pragma unroll
+      for (int u = 0; u < kGroup; ++u) {
+        OutBits* const out = row + (lane_out + (step0 + u) * p.step_out);
+        const int head = lane_head + static_cast<int>(step0 + u) * (32 >> p.run_shift);
+        const int scale_index = kFp8Cache ? ScaleIndex(p, in_v, head) : 0;
+#pragma unroll
+        for (int a = 0; a < kAdj; ++a) store_chunk(in[sl][u][a], out + a * kVecElems, scale_index);
+      }
+      if (g + kSlots < groups) load_group(g + kSlots, sl);
+    }
+  }
+}
+
+// The regular walk's shape per input type: a lane's batch (64 bytes of input, kUnroll
+// chunks) is kSlots groups (2 with kHalves) of kRegularGroup steps of runs of
+// kRegularAdjacent chunks; runs of 2 where a group still holds a whole run.
+template <typename InBits, bool kHalves>
+inline constexpr int kRegularAdjacent = kHalves && kUnroll<InBits> >= 4 ? 2 : 1;
+template <typename InBits, bool kHalves>
+inline constexpr int kRegularGroup =
+    kUnroll<InBits> / (kHalves ? 2 : 1) / kRegularAdjacent<InBits, kHalves>;
+
+// A token's walk: the regular one where the launcher picked it (kRegular), else the
+// general one. store_chunk(in, out, scale_index) as WalkTokenRegular's.
+template <typename InBits, typename OutBits, bool kFp8Cache, bool kHalves, bool kRegular,
+          typename StoreChunk>
+__device__ __forceinline__ void WalkToken(const KernelParams& p, int64_t token,
+                                          const int64_t* slot_ptr, int lane,
+                                          StoreChunk&& store_chunk) {
+  if constexpr (kRegular) {
+    WalkTokenRegular<InBits, OutBits, kFp8Cache, kRegularAdjacent<InBits, kHalves>,
+                     kRegularGroup<InBits, kHalves>, kHalves ? 2 : 1>(p, token, slot_ptr, lane,
+                                                                      store_chunk);
+  } else {
+    WalkTokenVec<InBits, OutBits, kFp8Cache, kHalves>(p, token, slot_ptr, lane, store_chunk);
+  }
+}
+
 // Same-dtype copies and 16/32-bit conversions (Convert), and fp8 through the division.
-template <typename In, typename Out>
+template <typename In, typename Out, bool kRegular>
 __device__ __forceinline__ void UpdateTokenVec(const KernelParams& p, int64_t token,
                                                const int64_t* slot_ptr, int lane) {
   using InBits = typename In::Bits;
   using OutBits = typename Out::Bits;
-  WalkTokenVec<InBits, OutBits, Out::kFp8>(
-      p, token, slot_ptr, lane,
-      [&](const Vec8<InBits>& in, const ChunkDst& dst, OutBits* k_row, OutBits* v_row) {
-        const float scale = Out::kFp8 ? p.fp8_scale[dst.scale_index].scale : 1.0f;
+  WalkToken<InBits, OutBits, Out::kFp8, /*kHalves=*/false, kRegular>(
+      p, token, slot_ptr, lane, [&](const Vec8<InBits>& in, OutBits* dst, int scale_index) {
+        const float scale = Out::kFp8 ? p.fp8_scale[scale_index].scale : 1.0f;
         Vec8<OutBits> out;
         if constexpr (std::is_same<In, Out>::value) {
           out = in;  // the bits, untouched (Convert)
@@ -602,7 +763,7 @@ __device__ __forceinline__ void UpdateTokenVec(const KernelParams& p, int64_t to
             out.v[e] = Convert<In, Out>(ChunkElement(in, e), scale);
           }
         }
-        *reinterpret_cast<Vec8<OutBits>*>(dst.Address(k_row, v_row)) = out;
+        *reinterpret_cast<Vec8<OutBits>*>(dst) = out;
       });
 }
 
@@ -657,6 +818,7 @@ __device__ __forceinline__ uint32_t Fp8Pair(float q0, float q1) {
 // How UpdateTokenVecFp8 forms x / scale (the launcher picks by the scales).
 enum class Fp8Quotient {
   kReciprocal,  // the bracket, else FastQuotient: every scale in [2^-30, 2^30]
+  kSplit,       // fma(x, high, x * low): 16-bit inputs, Fp8SplitReciprocalExact for each scale
   kPowerOfTwo,  // x * (1 / scale): every scale 2^e with e in [-126, 126]
   kUnit,        // x itself: every scale is 1 (the default)
 };
@@ -668,8 +830,15 @@ enum class Fp8Quotient {
 template <typename Out>
 __device__ __forceinline__ uint32_t HostNaNCodes(uint32_t codes) {
   constexpr bool kE4M3 = std::is_same<Out, ElemE4M3>::value;
-  const uint32_t nan = ((codes & 0x7f7f7f7fu) + (kE4M3 ? 0x01010101u : 0x03030303u)) & 0x80808080u;
-  if constexpr (kE4M3) return codes & ~nan;  // the low seven bits are 0x7f already
+  const uint32_t carry = (codes & 0x7f7f7f7fu) + (kE4M3 ? 0x01010101u : 0x03030303u);
+  if constexpr (kE4M3) {
+    // codes & ~(carry & 0x80808080) as one three-input logic op (the low seven bits of a
+    // NaN code are 0x7f already); left to itself the compiler spends two.
+    uint32_t fixed;
+    asm("lop3.b32 %0, %1, %2, 0x80808080, 0x70;" : "=r"(fixed) : "r"(codes), "r"(carry));
+    return fixed;
+  }
+  const uint32_t nan = carry & 0x80808080u;
   const uint32_t bytes = nan | (nan - (nan >> 7));  // 0xff in each NaN byte
   return (codes & ~bytes) | (0x7f7f7f7fu & bytes);
 }
@@ -681,19 +850,22 @@ __device__ __forceinline__ uint32_t HostNaNCodes(uint32_t codes) {
 //    RN(1 / s) = 2^-e exactly, so x * RN(1 / s) is the real number x / s rounded once, the
 //    same float as the division for every x (subnormal, overflowing and infinite quotients
 //    included): one multiply per element.
+//  * kSplit: 16-bit inputs, every scale in [2^-30, 2^30] and its (recip_down, recip_low)
+//    passing Fp8SplitReciprocalExact for the input's significand bits: then
+//    fma(x, recip_down, RN(x * recip_low)) is x / s, up to differences no fp8 encoder
+//    sees, for every x (see there): two operations per element, no bracket, no fallback.
 //  * kUnit: every scale 1: x / 1 = x.
 // A NaN input gives a NaN code through the quotient and the conversion, made the host's
 // 0x7f by HostNaNCodes.
-template <typename In, typename Out, Fp8Quotient kQuotient>
+template <typename In, typename Out, Fp8Quotient kQuotient, bool kRegular>
 __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t token,
                                                   const int64_t* slot_ptr, int lane) {
   static_assert(Out::kFp8 && !In::kFp8, "fp8 caches from 16/32-bit inputs");
   using InBits = typename In::Bits;
-  WalkTokenVec<InBits, uint8_t, /*kFp8Cache=*/true, /*kHalves=*/true>(
-      p, token, slot_ptr, lane,
-      [&](const Vec8<InBits>& in, const ChunkDst& dst, uint8_t* k_row, uint8_t* v_row) {
+  WalkToken<InBits, uint8_t, /*kFp8Cache=*/true, /*kHalves=*/true, kRegular>(
+      p, token, slot_ptr, lane, [&](const Vec8<InBits>& in, uint8_t* dst, int scale_index) {
         // Constant loads; lanes of a step share one or a few heads' scales.
-        const Fp8ScaleConsts& consts = p.fp8_scale[dst.scale_index];
+        const Fp8ScaleConsts& consts = p.fp8_scale[scale_index];
         float x[kVecElems];
         if constexpr (std::is_same<In, ElemBF16>::value) {
           // A bf16 pair is one 32-bit word: the low one shifted up, the high one masked.
@@ -712,6 +884,15 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
         if constexpr (kQuotient == Fp8Quotient::kUnit) {
 #pragma unroll
           for (int e = 0; e < kVecElems; e += 2) pairs[e / 2] = Fp8Pair<Out>(x[e], x[e + 1]);
+        } else if constexpr (kQuotient == Fp8Quotient::kSplit) {
+          static_assert(sizeof(InBits) == 2, "the split is checked for 16-bit inputs only");
+          const float high = consts.recip_down;
+          const float low = consts.recip_low;
+#pragma unroll
+          for (int e = 0; e < kVecElems; e += 2) {
+            pairs[e / 2] = Fp8Pair<Out>(__fmaf_rn(x[e], high, __fmul_rn(x[e], low)),
+                                        __fmaf_rn(x[e + 1], high, __fmul_rn(x[e + 1], low)));
+          }
         } else if constexpr (kQuotient == Fp8Quotient::kPowerOfTwo) {
           const float r = consts.recip;
 #pragma unroll
@@ -747,7 +928,7 @@ __device__ __forceinline__ void UpdateTokenVecFp8(const KernelParams& p, int64_t
         }
         const uint2 out = make_uint2(HostNaNCodes<Out>(pairs[0] | (pairs[1] << 16)),
                                      HostNaNCodes<Out>(pairs[2] | (pairs[3] << 16)));
-        *reinterpret_cast<uint2*>(dst.Address(k_row, v_row)) = out;
+        *reinterpret_cast<uint2*>(dst) = out;
       });
 }
 
@@ -787,16 +968,17 @@ __device__ __forceinline__ void UpdateTokenScalar(const KernelParams& p, int64_t
 
 // Grid: ceil(num_tokens / kWarpsPerCta) CTAs of kThreadsPerCta threads; warp w of CTA b
 // writes token b * kWarpsPerCta + w.
-// kFastFp8 (vector path, fp8 cache): UpdateTokenVecFp8 instead of UpdateTokenVec, with
-// kQuotient as there.
+// kRegular (vector path): the regular walk, WalkTokenRegular (the launcher checked the
+// shape and set its params). kFastFp8 (vector path, fp8 cache): UpdateTokenVecFp8 instead
+// of UpdateTokenVec, with kQuotient as there.
 // CTAs per SM the register budget is sized for: four (32 warps, 64 registers), so that at a
 // few thousand tokens (one warp per token) a whole call runs in one wave instead of one and
 // a fraction.
 template <typename In, typename Out>
 inline constexpr int kMinCtasPerSm = 4;
 
-template <typename In, typename Out, bool kVectorized, bool kFastFp8 = false,
-          Fp8Quotient kQuotient = Fp8Quotient::kReciprocal>
+template <typename In, typename Out, bool kVectorized, bool kRegular = false,
+          bool kFastFp8 = false, Fp8Quotient kQuotient = Fp8Quotient::kReciprocal>
 __global__ void __launch_bounds__(kThreadsPerCta, (kMinCtasPerSm<In, Out>))
     CacheUpdateKernel(const __grid_constant__ KernelParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -804,9 +986,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, (kMinCtasPerSm<In, Out>))
       static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + static_cast<int64_t>(threadIdx.x >> 5);
   if (token >= p.num_tokens) return;
   if constexpr (kVectorized && kFastFp8) {
-    UpdateTokenVecFp8<In, Out, kQuotient>(p, token, p.slot_mapping + token, lane);
+    UpdateTokenVecFp8<In, Out, kQuotient, kRegular>(p, token, p.slot_mapping + token, lane);
   } else if constexpr (kVectorized) {
-    UpdateTokenVec<In, Out>(p, token, p.slot_mapping + token, lane);
+    UpdateTokenVec<In, Out, kRegular>(p, token, p.slot_mapping + token, lane);
   } else {
     const int64_t slot = p.slot_mapping[token];
     if (slot < 0 || slot >= p.num_slots) return;  // padding (-1), or see KernelParams
