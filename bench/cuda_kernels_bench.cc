@@ -509,7 +509,7 @@ BENCHMARK(BM_Decode)
       }
       // The launcher's split choice against fixed ones (tensor cores).
       for (const int64_t splits : {1, 2, 4, 8}) b->Args({64, 4096, 1, splits});
-      for (const int64_t splits : {4, 8, 16, 32}) b->Args({16, 32768, 1, splits});
+      for (const int64_t splits : {4, 8, 16, 32, 64}) b->Args({16, 32768, 1, splits});
       // A batch below one wave (64 CTAs without splits): the launcher's choice against
       // fixed ones.
       for (const int64_t splits : {0, 2, 4, 8, 16}) b->Args({8, 4096, 1, splits});

@@ -14,19 +14,26 @@
 // the token's slot is read while the first batch's loads are in flight.
 // A lane locates its chunk with a magic-number multiply at the start of a batch and then
 // moves it by fixed steps (LaneWalk), so that a chunk's index math is a few adds, with
-// its destination kept from load to store. A scalar variant handles strides or sizes that
-// 8-element vectors do not fit (odd head sizes, misaligned or dim-strided caches, rows
-// beyond 32-bit offsets).
+// its destination kept from load to store. Where K and V rows are regular (one head size,
+// the same strides, a power-of-two number of chunks per head), the regular walk
+// (WalkTokenRegular) finds every chunk from the lane's first with one multiply-add and no
+// tests, lanes taking runs of two adjacent chunks on the fp8 paths. A scalar variant
+// handles strides or sizes that 8-element vectors do not fit (odd head sizes, misaligned
+// or dim-strided caches, rows beyond 32-bit offsets).
 //
 // fp8 caches (kReciprocal, the default) get fp8(x / scale) without a division per element.
 // When every scale is 1 (the default) it is fp8(x); when every scale is a power of two,
-// x * (1 / scale): 1 / scale is exact, so the product is x / scale rounded once. Otherwise,
-// for scales in [2^-30, 2^30], x is multiplied by the floats just below and above 1 / scale
-// (rounding toward zero and to nearest): the two products bracket the quotient the host's
-// division gives, so where they convert to the same code, that is its code; where they do
-// not (rounding boundaries in between, a few per million elements), the lane computes the
-// quotient itself: a reciprocal plus two FMA corrections, the correctly rounded quotient
-// (proof at FastQuotient). Quotients are converted two at a time with the packed cvt, and
+// x * (1 / scale): 1 / scale is exact, so the product is x / scale rounded once. For
+// 16-bit inputs and scales in [2^-30, 2^30] it is fma(x, high, RN(x * low)) with
+// high + low a split of 1 / scale, which the launcher proves equal to the division for
+// every such input, scale by scale, by exhaustion over the input's significands
+// (Fp8SplitReciprocalExact). Otherwise (f32 inputs, a scale whose split fails the check,
+// or kBracket), for scales in [2^-30, 2^30], x is multiplied by the floats just below and
+// above 1 / scale (rounding toward zero and to nearest): the two products bracket the
+// quotient the host's division gives, so where they convert to the same code, that is its
+// code; where they do not (rounding boundaries in between, a few per million elements),
+// the lane computes the quotient itself: a reciprocal plus two FMA corrections, the
+// correctly rounded quotient (proof at FastQuotient). Quotients are converted two at a time with the packed cvt, and
 // NaN codes made the host's on the packed bytes (HostNaNCodes). kDivision keeps the
 // per-element division, for comparison.
 //
