@@ -125,8 +125,8 @@ void LaunchVector(const cu::KernelParams& p, bool regular, dim3 grid, cudaStream
 
 bool IsOne(float scale) { return scale == 1.0f; }
 
-// 1 / s by IEEE division on the host, RN(1 / s), and its bracket where the kernel uses it
-// (scales in FastQuotient's range; zeros elsewhere).
+// 1 / s by IEEE division on the host, RN(1 / s), and its bracket and split where the kernel
+// uses them (scales in FastQuotient's range; zeros elsewhere).
 cu::Fp8ScaleConsts MakeScaleConsts(float scale) {
   cu::Fp8ScaleConsts c{scale, 1.0f / scale, 0.0f, 0.0f, 0.0f};
   if (InReciprocalRange(scale)) {
