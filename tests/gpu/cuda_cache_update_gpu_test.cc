@@ -408,16 +408,23 @@ TEST(CudaCacheUpdatePowerOfTwoTest, OnlyNormalPowersOfTwoWithNormalReciprocals) 
   }
 }
 
+// `fixed`, then `random` scales drawn log-uniformly from [2^-30, 2^30] (the reciprocal
+// paths' range).
+std::vector<float> ScalesToTry(std::vector<float> fixed, int random, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> log2_scale(-30.0f, 30.0f);
+  for (int i = 0; i < random; ++i) fixed.push_back(std::exp2(log2_scale(rng)));
+  return fixed;
+}
+
 // The reciprocal bracket (the fast fp8 path's two multipliers): the floats either side of
 // the real 1 / scale, adjacent unless 1 / scale is a float, one of them RN(1 / scale).
 // Products of two floats are exact in double, so the sides are checked exactly.
 TEST(CudaCacheUpdateBracketTest, FloatsEitherSideOfTheReciprocal) {
-  std::vector<float> scales = {1.0f,    0.25f,      0x1p-30f,           0x1p30f,
-                               3.0f,    0.05f,      0.3333333f,         7.3f,
-                               0.1f,    1.0000001f, 448.0f / 65504.0f,  0.99999994f};
-  std::mt19937 rng(5);
-  std::uniform_real_distribution<float> log2_scale(-30.0f, 30.0f);
-  for (int i = 0; i < 20000; ++i) scales.push_back(std::exp2(log2_scale(rng)));
+  const std::vector<float> scales =
+      ScalesToTry({1.0f, 0.25f, 0x1p-30f, 0x1p30f, 3.0f, 0.05f, 0.3333333f, 7.3f, 0.1f,
+                   1.0000001f, 448.0f / 65504.0f, 0.99999994f},
+                  20000, 5);
   int exact = 0;
   for (const float s : scales) {
     float down = 0.0f;
@@ -445,14 +452,13 @@ TEST(CudaCacheUpdateBracketTest, FloatsEitherSideOfTheReciprocal) {
 // passes for typical scales and powers of two; and a pair that is not a split of
 // 1 / scale (low = 0: RN(x * high) alone) fails the check. Runs without a GPU.
 TEST(CudaCacheUpdateSplitTest, CheckedSplitsEncodeLikeTheDivision) {
-  std::vector<float> scales = {0.05f, 0.023f, 0.3333333f, 7.3f, 1.7e-3f, 448.0f / 65504.0f,
-                               0.1f,  3e-5f,  0x1.000002p-30f, 0x1.fffffep29f,
-                               // Powers of two (taken with others in one launch): low is
-                               // tiny then, but positive, or infinities would give NaN.
-                               1.0f, 0.25f, 0x1p-30f, 0x1p30f};
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<float> log2_scale(-30.0f, 30.0f);
-  for (int i = 0; i < 40; ++i) scales.push_back(std::exp2(log2_scale(rng)));
+  const std::vector<float> scales =
+      ScalesToTry({0.05f, 0.023f, 0.3333333f, 7.3f, 1.7e-3f, 448.0f / 65504.0f, 0.1f, 3e-5f,
+                   0x1.000002p-30f, 0x1.fffffep29f,
+                   // Powers of two (taken with others in one launch): low is tiny then,
+                   // but positive, or infinities would give NaN.
+                   1.0f, 0.25f, 0x1p-30f, 0x1p30f},
+                  40, 7);
   int checked = 0;
   for (const float s : scales) {
     float high = 0.0f;
