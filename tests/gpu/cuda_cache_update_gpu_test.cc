@@ -462,8 +462,9 @@ TEST(CudaCacheUpdateSplitTest, CheckedSplitsEncodeLikeTheDivision) {
   int checked = 0;
   for (const float s : scales) {
     float high = 0.0f;
-    float low = 0.0f;
-    internal::Fp8SplitReciprocal(s, &high, &low);
+    float up = 0.0f;
+    internal::Fp8ReciprocalBracket(s, &high, &up);
+    const float low = internal::Fp8SplitReciprocalLow(s, high);
     EXPECT_GT(low, 0.0f) << s;
     if (!internal::Fp8ScaleIsPowerOfTwo(s)) {
       EXPECT_FALSE(internal::Fp8SplitReciprocalExact(s, high, 0.0f, 8) &&

@@ -131,7 +131,7 @@ cu::Fp8ScaleConsts MakeScaleConsts(float scale) {
   cu::Fp8ScaleConsts c{scale, 1.0f / scale, 0.0f, 0.0f, 0.0f};
   if (InReciprocalRange(scale)) {
     internal::Fp8ReciprocalBracket(scale, &c.recip_down, &c.recip_up);
-    internal::Fp8SplitReciprocal(scale, &c.recip_down, &c.recip_low);
+    c.recip_low = internal::Fp8SplitReciprocalLow(scale, c.recip_down);
   }
   return c;
 }
