@@ -12,6 +12,11 @@
 //     and 1 the tensor-core one (launchers.h, DecodeKernel), splits 0 the launcher's choice
 //     and > 0 a fixed split count; TB/s of K and V read, and the ratio to a streaming-read
 //     kernel over the same cache buffers.
+//   PagedRead/<seqs>/<seq_len>/<order>/<splits>: decode's reads without its compute
+//     (LaunchPagedRead: the K and V rows of a Decode batch's cache, one CTA per KV head,
+//     sequence and split, cp.async into a shared ring), with order 0 Decode's shuffled block
+//     table, 1 the table sorted and 2 one contiguous run per sequence and head (the
+//     unpaged layout); TB/s and the ratio to the same streaming read.
 //   Prefill/<tokens>/<variant>: the prefill kernel (bf16, causal, head size 128, 32 / 8
 //     heads, one sequence) through LaunchPrefillAttention, variant 0 the baseline
 //     configuration and 1 the fast one (launchers.h, PrefillVariant); TFLOP/s counting
@@ -222,6 +227,23 @@ std::vector<int32_t> ShuffledBlocks(int64_t n, uint32_t seed) {
   return ids;
 }
 
+// TB/s of a streaming read of the cache's whole K and V buffers (one launch each).
+absl::StatusOr<double> StreamingReadTbps(Gpu& gpu, const KvCache& cache) {
+  const size_t k_bytes = static_cast<size_t>(cache.num_blocks() * cache.spec().KBytesPerBlock());
+  const size_t v_bytes = static_cast<size_t>(cache.num_blocks() * cache.spec().VBytesPerBlock());
+  ASSIGN_OR_RETURN(const double read_s, BestSecondsPerCall(gpu, [&]() -> absl::Status {
+    RETURN_IF_ERROR(CudaErrorToStatus(
+        bench::LaunchStreamingRead(cache.view().k, k_bytes, gpu.sink.data_as<uint32_t>(),
+                                   gpu.num_sms, gpu.stream.get()),
+        "streaming read"));
+    return CudaErrorToStatus(
+        bench::LaunchStreamingRead(cache.view().v, v_bytes, gpu.sink.data_as<uint32_t>(),
+                                   gpu.num_sms, gpu.stream.get()),
+        "streaming read");
+  }));
+  return static_cast<double>(k_bytes + v_bytes) / read_s * 1e-12;
+}
+
 // ---------------------------------------------------------------------------------------
 
 constexpr int kKvHeads = 8;
@@ -393,24 +415,11 @@ void BM_Decode(benchmark::State& state) {
     const PagedAttentionParams& p = batch->params;
     const KvCacheSpec& spec = batch->spec;
     const KvCache* cache = batch->cache.get();
-    const int64_t num_blocks = cache->num_blocks();
     const double kv_bytes = static_cast<double>(seqs) * seq_len * kKvHeads *
                             (2.0 * kHeadSize) * 2.0;  // K and V, 2 bytes each
 
     // The reference: one streaming read of the same K and V buffers.
-    const size_t k_bytes = static_cast<size_t>(num_blocks * spec.KBytesPerBlock());
-    const size_t v_bytes = static_cast<size_t>(num_blocks * spec.VBytesPerBlock());
-    ASSIGN_OR_RETURN(double read_s, BestSecondsPerCall(*gpu, [&]() -> absl::Status {
-      RETURN_IF_ERROR(CudaErrorToStatus(
-          bench::LaunchStreamingRead(cache->view().k, k_bytes, gpu->sink.data_as<uint32_t>(),
-                                     gpu->num_sms, gpu->stream.get()),
-          "streaming read"));
-      return CudaErrorToStatus(
-          bench::LaunchStreamingRead(cache->view().v, v_bytes, gpu->sink.data_as<uint32_t>(),
-                                     gpu->num_sms, gpu->stream.get()),
-          "streaming read");
-    }));
-    const double read_tbps = static_cast<double>(k_bytes + v_bytes) / read_s * 1e-12;
+    ASSIGN_OR_RETURN(const double read_tbps, StreamingReadTbps(*gpu, *cache));
 
     // The launcher directly, so that the kernel can be chosen; the workspace is allocated
     // once, as a caller that keeps one would.
@@ -432,6 +441,72 @@ void BM_Decode(benchmark::State& state) {
                                              static_cast<cudaStream_t>(gpu->stream.get()));
     };
 
+    double total_s = 0;
+    int64_t batches = 0;
+    for (auto _ : state) {
+      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, enqueue));
+      state.SetIterationTime(s);
+      total_s += s;
+      ++batches;
+    }
+    const double tbps = kv_bytes * static_cast<double>(batches) / total_s * 1e-12;
+    state.counters["TB/s"] = tbps;
+    state.counters["read_TB/s"] = read_tbps;
+    state.counters["ratio"] = tbps / read_tbps;
+    return absl::OkStatus();
+  };
+  const absl::Status st = run();
+  if (!st.ok()) Fail(state, st);
+}
+
+// Decode's reads alone: the K and V rows BM_Decode reads, from a cache of the same size
+// filled the same way, through LaunchPagedRead (no compute; `splits` CTAs per sequence and
+// head). `order` 0: BM_Decode's shuffled block table; 1: the same table sorted, so that
+// each sequence's blocks lie in order; 2: no table, each (sequence, head)'s keys one
+// contiguous run (the unpaged layout torch's decode reads). TB/s of K and V read, and the
+// ratio to the streaming read of the same buffers.
+void BM_PagedRead(benchmark::State& state) {
+  Gpu* gpu = nullptr;
+  if (SkipWithoutGpu(state, &gpu)) return;
+  const int seqs = static_cast<int>(state.range(0));
+  const int seq_len = static_cast<int>(state.range(1));
+  const int64_t order = state.range(2);
+  const int splits = static_cast<int>(state.range(3));
+  auto run = [&]() -> absl::Status {
+    KvCacheSpec spec;
+    spec.block_size = kBlockSize;
+    spec.num_kv_heads = kKvHeads;
+    spec.head_size = spec.head_size_v = kHeadSize;
+    spec.dtype = DType::kBFloat16;
+    const int blocks_per_seq = (seq_len + kBlockSize - 1) / kBlockSize;
+    const int64_t num_blocks = int64_t{seqs} * blocks_per_seq;
+    ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, RandomCache(*gpu, spec, num_blocks));
+    std::vector<int32_t> table = ShuffledBlocks(num_blocks, 6);  // BM_Decode's seed
+    if (order == 1) std::sort(table.begin(), table.end());
+    ASSIGN_OR_RETURN(DeviceBuffer d_table, Upload(table));
+    ASSIGN_OR_RETURN(DeviceBuffer sink,
+                     DeviceBuffer::Create(static_cast<size_t>(kKvHeads) * seqs * splits * 4,
+                                          MemoryKind::kDevice));
+    const KvCacheView view = cache->view();
+    bench::PagedReadArgs args{};
+    args.k = view.k;
+    args.v = view.v;
+    args.table = order == 2 ? nullptr : d_table.data_as<int32_t>();
+    args.seqs = seqs;
+    args.seq_len = seq_len;
+    args.heads = kKvHeads;
+    args.splits = splits;
+    args.blocks_per_seq = blocks_per_seq;
+    args.block_shift = 4;  // kBlockSize
+    args.block_stride = view.k_strides.block * 2;
+    args.token_stride = view.k_strides.token * 2;
+    args.head_stride = view.k_strides.head * 2;
+    args.sink = sink.data_as<uint32_t>();
+    ASSIGN_OR_RETURN(const double read_tbps, StreamingReadTbps(*gpu, *cache));
+    const double kv_bytes = static_cast<double>(seqs) * seq_len * kKvHeads * kHeadSize * 2.0 * 2.0;
+    auto enqueue = [&] {
+      return CudaErrorToStatus(bench::LaunchPagedRead(args, gpu->stream.get()), "paged read");
+    };
     double total_s = 0;
     int64_t batches = 0;
     for (auto _ : state) {
@@ -513,6 +588,17 @@ BENCHMARK(BM_Decode)
       // A batch below one wave (64 CTAs without splits): the launcher's choice against
       // fixed ones.
       for (const int64_t splits : {0, 2, 4, 8, 16}) b->Args({8, 4096, 1, splits});
+    })
+    ->UseManualTime()
+    ->Iterations(kIterations)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PagedRead)
+    ->ArgNames({"seqs", "seq_len", "order", "splits"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (const int64_t order : {0, 1, 2}) {
+        for (const int64_t splits : {1, 4, 8}) b->Args({64, 4096, order, splits});
+        for (const int64_t splits : {4, 8}) b->Args({16, 32768, order, splits});
+      }
     })
     ->UseManualTime()
     ->Iterations(kIterations)
