@@ -429,6 +429,28 @@ TEST_F(CudaDecodeTest, TensorCoreShapesAndFeatures) {
   }
 }
 
+// The tensor-core kernel lets a head's running max trail its scores by up to 2^8 (base 2)
+// and moves it, rescaling the output, only past that. ALiBi slopes of both signs and many
+// sizes give scores that climb past the trailing max in every tile, now and then, or never
+// (falling from the first key on); a trailing max that moved too late would overflow P.
+TEST_F(CudaDecodeTest, TensorCoresTrailingMaxOnClimbingAndFallingScores) {
+  for (const DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(ShortDType(dtype));
+    AttnCase c;
+    c.num_kv_heads = 2;
+    c.group = 8;
+    c.head_size = c.head_size_v = 128;
+    c.q_dtype = c.out_dtype = c.cache_dtype = dtype;
+    c.alibi = true;
+    c.scale = 0.3f;
+    c.seqs = {{1000, 1}, {63, 1}, {4000, 1}, {300, 1}};
+    AttnProblem pb(c);
+    pb.alibi_slopes() = {4.0f,  1.0f,   0.5f,  0.3f,  0.1f,  0.03f,  0.01f,  0.0f,
+                         -0.01f, -0.1f, -0.5f, -4.0f, 2.0f,  0.2f,   -0.2f,  0.05f};
+    ExpectMatches(pb, {0, 1, 3}, {internal::DecodeKernel::kTensorCores});
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Errors: validation through the host mirrors, and what the decode kernel does not take.
 

@@ -438,12 +438,14 @@ KVSTREAM_CUDA_UNROLL
     // Warp-uniform: whether any of the warp's 16 keys exist.
     const bool warp_keys = 16 * warp < min(kBlockN, s_end - tile_lo);
     if (warp_keys) {
-      // S^T = K Q^T for the warp's 16 keys.
+      // S^T = K Q^T for the warp's 16 keys, the even and the odd k16 steps in two
+      // accumulators (two chains of dependent mmas half as long as one), added at the end.
       float acc_s[kNT][4];
+      float acc_s_odd[kNT][4];
 KVSTREAM_CUDA_UNROLL
       for (int nt = 0; nt < kNT; ++nt) {
 KVSTREAM_CUDA_UNROLL
-        for (int e = 0; e < 4; ++e) acc_s[nt][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_s_odd[nt][e] = 0.0f;
       }
 KVSTREAM_CUDA_UNROLL
       for (int k0 = 0; k0 < kDSteps; k0 += kBatch) {
@@ -462,15 +464,21 @@ KVSTREAM_CUDA_UNROLL
           const int kk = k0 + i;
 KVSTREAM_CUDA_UNROLL
           for (int nt = 0; nt < kNT; ++nt) {
+            float(&acc)[4] = (kk & 1) != 0 ? acc_s_odd[nt] : acc_s[nt];
             if constexpr (kQInRegisters) {
-              Mma16816<T>(acc_s[nt], ka[i], q_frag[kQInRegisters ? kk : 0][nt][0],
+              Mma16816<T>(acc, ka[i], q_frag[kQInRegisters ? kk : 0][nt][0],
                           q_frag[kQInRegisters ? kk : 0][nt][1]);
             } else {
-              Mma16816<T>(acc_s[nt], ka[i], qb[kQInRegisters ? 0 : i][2 * nt],
+              Mma16816<T>(acc, ka[i], qb[kQInRegisters ? 0 : i][2 * nt],
                           qb[kQInRegisters ? 0 : i][2 * nt + 1]);
             }
           }
         }
+      }
+KVSTREAM_CUDA_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+KVSTREAM_CUDA_UNROLL
+        for (int e = 0; e < 4; ++e) acc_s[nt][e] += acc_s_odd[nt][e];
       }
 
       // Scores in base 2: soft cap, then ALiBi, then the end of the split.
@@ -496,38 +504,69 @@ KVSTREAM_CUDA_UNROLL
 
       // Online softmax per head: running max and (per-thread partial) sum, O rescaled. A
       // head's 16 keys are spread over its thread's two elements and the 8 lanes of equal
-      // t. Deep into a sequence the running max rarely moves, so the rescale of the output
-      // accumulators is skipped when no head of the warp needs it.
-      float alpha[kNT][2];
-      bool moved = false;
+      // t. The running max may trail the scores by up to kMaxLag (base 2): while no score
+      // of the warp's tile exceeds its head's max by more, the tile takes the max as it is,
+      // with no shuffles and no rescale, and P stays at most 2^kMaxLag (exact in T; the
+      // sums are in fp32, and the merges take each (max, sum, O) as a consistent triple).
+      // Otherwise the max moves to the tile's, and the output accumulators are rescaled
+      // when some head of the warp needs it.
+      constexpr float kMaxLag = 8.0f;
+      bool over = false;
 KVSTREAM_CUDA_UNROLL
       for (int nt = 0; nt < kNT; ++nt) {
 KVSTREAM_CUDA_UNROLL
         for (int j = 0; j < 2; ++j) {
-          float tile_max = fmaxf(acc_s[nt][j], acc_s[nt][j + 2]);
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 8));
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 16));
-          const float new_max = fmaxf(head_max[nt][j], tile_max);
-          // A head with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
-          const float use_max = new_max == kNegInf ? 0.0f : new_max;
-          alpha[nt][j] = FastExp2(head_max[nt][j] - use_max);
-          moved = moved || alpha[nt][j] != 1.0f;
-          head_max[nt][j] = new_max;
-          const float p0 = FastExp2(acc_s[nt][j] - use_max);
-          const float p1 = FastExp2(acc_s[nt][j + 2] - use_max);
-          acc_s[nt][j] = p0;
-          acc_s[nt][j + 2] = p1;
-          head_sum[nt][j] = head_sum[nt][j] * alpha[nt][j] + (p0 + p1);
+          // A head with max -inf (no visible key yet) is over for any visible score.
+          over = over || fmaxf(acc_s[nt][j], acc_s[nt][j + 2]) > head_max[nt][j] + kMaxLag;
         }
       }
-      if (__any_sync(0xffffffffu, moved)) {
+      if (__any_sync(0xffffffffu, over)) {
+        float alpha[kNT][2];
+        bool moved = false;
 KVSTREAM_CUDA_UNROLL
-        for (int dd = 0; dd < kDSteps; ++dd) {
+        for (int nt = 0; nt < kNT; ++nt) {
 KVSTREAM_CUDA_UNROLL
-          for (int nt = 0; nt < kNT; ++nt) {
+          for (int j = 0; j < 2; ++j) {
+            float tile_max = fmaxf(acc_s[nt][j], acc_s[nt][j + 2]);
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 8));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 16));
+            const float new_max = fmaxf(head_max[nt][j], tile_max);
+            // A head with no visible key so far keeps max -inf; subtract 0 so that exp2
+            // gives 0.
+            const float use_max = new_max == kNegInf ? 0.0f : new_max;
+            alpha[nt][j] = FastExp2(head_max[nt][j] - use_max);
+            moved = moved || alpha[nt][j] != 1.0f;
+            head_max[nt][j] = new_max;
+            const float p0 = FastExp2(acc_s[nt][j] - use_max);
+            const float p1 = FastExp2(acc_s[nt][j + 2] - use_max);
+            acc_s[nt][j] = p0;
+            acc_s[nt][j + 2] = p1;
+            head_sum[nt][j] = head_sum[nt][j] * alpha[nt][j] + (p0 + p1);
+          }
+        }
+        if (__any_sync(0xffffffffu, moved)) {
 KVSTREAM_CUDA_UNROLL
-            for (int e = 0; e < 4; ++e) acc_o[dd][nt][e] *= alpha[nt][e & 1];
+          for (int dd = 0; dd < kDSteps; ++dd) {
+KVSTREAM_CUDA_UNROLL
+            for (int nt = 0; nt < kNT; ++nt) {
+KVSTREAM_CUDA_UNROLL
+              for (int e = 0; e < 4; ++e) acc_o[dd][nt][e] *= alpha[nt][e & 1];
+            }
+          }
+        }
+      } else {
+KVSTREAM_CUDA_UNROLL
+        for (int nt = 0; nt < kNT; ++nt) {
+KVSTREAM_CUDA_UNROLL
+          for (int j = 0; j < 2; ++j) {
+            // Max -inf here means every score of the head is -inf too: P = 0.
+            const float use_max = head_max[nt][j] == kNegInf ? 0.0f : head_max[nt][j];
+            const float p0 = FastExp2(acc_s[nt][j] - use_max);
+            const float p1 = FastExp2(acc_s[nt][j + 2] - use_max);
+            acc_s[nt][j] = p0;
+            acc_s[nt][j + 2] = p1;
+            head_sum[nt][j] += p0 + p1;
           }
         }
       }
