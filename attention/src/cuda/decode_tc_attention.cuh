@@ -26,7 +26,9 @@
 //      tiles, each converted to T into one swizzled tile when its turn comes
 //   -> warp w takes keys [16 w, 16 w + 16) of every tile: S^T = K Q^T (K from the swizzled
 //      tile by ldmatrix, Q^T fragments in registers, fp32 accumulators), base-2 online
-//      softmax per head column, P^T turned into the B fragment by movmatrix.trans,
+//      softmax per head column (its running max may trail the scores by up to 2^8, so
+//      that most tiles need no shuffles and no rescale), P^T turned into the B fragment
+//      by movmatrix.trans,
 //      O^T += V^T P^T (ldmatrix.trans of V)
 //   -> the warps' (max, sum, O) merged through shared memory
 //   -> num_splits == 1: out [num_tokens, num_heads, head_size_v] written directly; else
