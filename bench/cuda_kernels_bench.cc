@@ -244,6 +244,26 @@ absl::StatusOr<double> StreamingReadTbps(Gpu& gpu, const KvCache& cache) {
   return static_cast<double>(k_bytes + v_bytes) / read_s * 1e-12;
 }
 
+// The benchmark's iterations, each one batch of `enqueue` calls that read `bytes` each:
+// reports TB/s, the streaming read's `read_tbps` and their ratio.
+absl::Status TimeTbpsAgainstRead(benchmark::State& state, Gpu& gpu,
+                                 const std::function<absl::Status()>& enqueue, double bytes,
+                                 double read_tbps) {
+  double total_s = 0;
+  int64_t batches = 0;
+  for (auto _ : state) {
+    ASSIGN_OR_RETURN(double s, SecondsPerCall(gpu, enqueue));
+    state.SetIterationTime(s);
+    total_s += s;
+    ++batches;
+  }
+  const double tbps = bytes * static_cast<double>(batches) / total_s * 1e-12;
+  state.counters["TB/s"] = tbps;
+  state.counters["read_TB/s"] = read_tbps;
+  state.counters["ratio"] = tbps / read_tbps;
+  return absl::OkStatus();
+}
+
 // ---------------------------------------------------------------------------------------
 
 constexpr int kKvHeads = 8;
@@ -440,20 +460,7 @@ void BM_Decode(benchmark::State& state) {
       return internal::LaunchDecodeAttention(kp, p.q_dtype, p.out_dtype, spec.dtype, options,
                                              static_cast<cudaStream_t>(gpu->stream.get()));
     };
-
-    double total_s = 0;
-    int64_t batches = 0;
-    for (auto _ : state) {
-      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, enqueue));
-      state.SetIterationTime(s);
-      total_s += s;
-      ++batches;
-    }
-    const double tbps = kv_bytes * static_cast<double>(batches) / total_s * 1e-12;
-    state.counters["TB/s"] = tbps;
-    state.counters["read_TB/s"] = read_tbps;
-    state.counters["ratio"] = tbps / read_tbps;
-    return absl::OkStatus();
+    return TimeTbpsAgainstRead(state, *gpu, enqueue, kv_bytes, read_tbps);
   };
   const absl::Status st = run();
   if (!st.ok()) Fail(state, st);
@@ -507,19 +514,7 @@ void BM_PagedRead(benchmark::State& state) {
     auto enqueue = [&] {
       return CudaErrorToStatus(bench::LaunchPagedRead(args, gpu->stream.get()), "paged read");
     };
-    double total_s = 0;
-    int64_t batches = 0;
-    for (auto _ : state) {
-      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, enqueue));
-      state.SetIterationTime(s);
-      total_s += s;
-      ++batches;
-    }
-    const double tbps = kv_bytes * static_cast<double>(batches) / total_s * 1e-12;
-    state.counters["TB/s"] = tbps;
-    state.counters["read_TB/s"] = read_tbps;
-    state.counters["ratio"] = tbps / read_tbps;
-    return absl::OkStatus();
+    return TimeTbpsAgainstRead(state, *gpu, enqueue, kv_bytes, read_tbps);
   };
   const absl::Status st = run();
   if (!st.ok()) Fail(state, st);
