@@ -81,8 +81,8 @@ __global__ void __launch_bounds__(kPagedReadThreads) PagedReadKernel(const Paged
         const int64_t offset =
             row_table == nullptr
                 ? ((static_cast<int64_t>(seq) * a.heads + head) * a.seq_len + j) * 256
-                : row_table[j >> a.block_shift] * a.block_stride + (j & block_mask) * a.token_stride +
-                      head * a.head_stride;
+                : row_table[j >> a.block_shift] * a.block_stride +
+                      (j & block_mask) * a.token_stride + head * a.head_stride;
         const int64_t chunk = offset + (c & 15) * 16;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(slot + c * 16),
                      "l"(k + chunk));

@@ -508,8 +508,8 @@ KVSTREAM_CUDA_UNROLL
       // head's 16 keys are spread over its thread's two elements and the 8 lanes of equal
       // t. The running max may trail the scores by up to kMaxLag (base 2): while no score
       // of the warp's tile exceeds its head's max by more, the tile takes the max as it is,
-      // with no shuffles and no rescale, and P stays at most 2^kMaxLag (exact in T; the
-      // sums are in fp32, and the merges take each (max, sum, O) as a consistent triple).
+      // with no shuffles and no rescale, and P stays at most 2^kMaxLag (far inside T's
+      // range; the sums are fp32, and the merges take any consistent (max, sum, O)).
       // Otherwise the max moves to the tile's, and the output accumulators are rescaled
       // when some head of the warp needs it.
       constexpr float kMaxLag = 8.0f;
