@@ -244,24 +244,29 @@ absl::StatusOr<double> StreamingReadTbps(Gpu& gpu, const KvCache& cache) {
   return static_cast<double>(k_bytes + v_bytes) / read_s * 1e-12;
 }
 
-// The benchmark's iterations, each one batch of `enqueue` calls that read `bytes` each:
-// reports TB/s, the streaming read's `read_tbps` and their ratio.
-absl::Status TimeTbpsAgainstRead(benchmark::State& state, Gpu& gpu,
-                                 const std::function<absl::Status()>& enqueue, double bytes,
-                                 double read_tbps) {
+// Runs the benchmark's iterations, each one batch of `launches` calls of `enqueue` timed by
+// SecondsPerCall, and returns the mean GPU seconds per call over them.
+absl::StatusOr<double> MeanSecondsPerCall(benchmark::State& state, Gpu& gpu,
+                                          const std::function<absl::Status()>& enqueue,
+                                          int launches = kLaunchesPerBatch) {
   double total_s = 0;
   int64_t batches = 0;
   for (auto _ : state) {
-    ASSIGN_OR_RETURN(double s, SecondsPerCall(gpu, enqueue));
+    ASSIGN_OR_RETURN(double s, SecondsPerCall(gpu, enqueue, launches));
     state.SetIterationTime(s);
     total_s += s;
     ++batches;
   }
-  const double tbps = bytes * static_cast<double>(batches) / total_s * 1e-12;
+  return total_s / static_cast<double>(batches);
+}
+
+// Reports TB/s for calls that read `bytes` each in `seconds`, beside the streaming read's
+// `read_tbps` and their ratio.
+void ReportTbps(benchmark::State& state, double bytes, double seconds, double read_tbps) {
+  const double tbps = bytes / seconds * 1e-12;
   state.counters["TB/s"] = tbps;
   state.counters["read_TB/s"] = read_tbps;
   state.counters["ratio"] = tbps / read_tbps;
-  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -399,17 +404,10 @@ void BM_CacheUpdate(benchmark::State& state) {
     }));
     const double copy_gbps = 2.0 * static_cast<double>(copy_bytes) / copy_s * 1e-9;
 
-    double total_s = 0;
-    int64_t batches = 0;
-    for (auto _ : state) {
-      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, [&] {
-        return internal::CacheUpdateCudaWithMethod(p, gpu->stream.get(), method);
-      }));
-      state.SetIterationTime(s);
-      total_s += s;
-      ++batches;
-    }
-    const double gbps = bytes * static_cast<double>(batches) / total_s * 1e-9;
+    ASSIGN_OR_RETURN(const double seconds, MeanSecondsPerCall(state, *gpu, [&] {
+      return internal::CacheUpdateCudaWithMethod(p, gpu->stream.get(), method);
+    }));
+    const double gbps = bytes / seconds * 1e-9;
     state.counters["GB/s"] = gbps;
     state.counters["memcpy_GB/s"] = copy_gbps;
     state.counters["ratio"] = gbps / copy_gbps;
@@ -460,7 +458,9 @@ void BM_Decode(benchmark::State& state) {
       return internal::LaunchDecodeAttention(kp, p.q_dtype, p.out_dtype, spec.dtype, options,
                                              static_cast<cudaStream_t>(gpu->stream.get()));
     };
-    return TimeTbpsAgainstRead(state, *gpu, enqueue, kv_bytes, read_tbps);
+    ASSIGN_OR_RETURN(const double seconds, MeanSecondsPerCall(state, *gpu, enqueue));
+    ReportTbps(state, kv_bytes, seconds, read_tbps);
+    return absl::OkStatus();
   };
   const absl::Status st = run();
   if (!st.ok()) Fail(state, st);
@@ -514,7 +514,9 @@ void BM_PagedRead(benchmark::State& state) {
     auto enqueue = [&] {
       return CudaErrorToStatus(bench::LaunchPagedRead(args, gpu->stream.get()), "paged read");
     };
-    return TimeTbpsAgainstRead(state, *gpu, enqueue, kv_bytes, read_tbps);
+    ASSIGN_OR_RETURN(const double seconds, MeanSecondsPerCall(state, *gpu, enqueue));
+    ReportTbps(state, kv_bytes, seconds, read_tbps);
+    return absl::OkStatus();
   };
   const absl::Status st = run();
   if (!st.ok()) Fail(state, st);
@@ -541,15 +543,9 @@ void BM_Prefill(benchmark::State& state) {
                                               static_cast<cudaStream_t>(gpu->stream.get()));
     };
 
-    double total_s = 0;
-    int64_t batches = 0;
-    for (auto _ : state) {
-      ASSIGN_OR_RETURN(double s, SecondsPerCall(*gpu, enqueue, /*launches=*/5));
-      state.SetIterationTime(s);
-      total_s += s;
-      ++batches;
-    }
-    state.counters["TFLOP/s"] = flops * static_cast<double>(batches) / total_s * 1e-12;
+    ASSIGN_OR_RETURN(const double seconds,
+                     MeanSecondsPerCall(state, *gpu, enqueue, /*launches=*/5));
+    state.counters["TFLOP/s"] = flops / seconds * 1e-12;
     return absl::OkStatus();
   };
   const absl::Status st = run();
