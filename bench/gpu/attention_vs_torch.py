@@ -15,7 +15,9 @@ the same inputs in one process, on torch's current stream.
          side has a NaN.
 --bench  prefill (bf16, causal, d128, 8k tokens, 32/8 heads): kvstream TFLOP/s beside SDPA's
          flash and cuDNN backends; decode (bf16, 32/8 heads, d128, block size 16, 64 x 4k and
-         16 x 32k): TB/s of KV read beside SDPA (enable_gqa, not paged), with ratios.
+         16 x 32k): TB/s of KV read beside SDPA (enable_gqa, not paged), each backend forced
+         and the plain call (torch's own backend choice), with ratios to the fastest backend
+         and to the plain call.
 Neither flag: both.
 """
 import argparse
@@ -340,10 +342,16 @@ def bench(lib, report):
             except RuntimeError as e:
                 row[f"torch_{name}_tbps"] = None
                 print(f"  torch {name}: unavailable ({str(e).splitlines()[0]})")
+        # The plain call, as an engine would make it: torch picks the backend itself.
+        ms = time_ms(lambda: F.scaled_dot_product_attention(qc, kc, vc, scale=scale, enable_gqa=True), 50)
+        row["torch_default_tbps"] = kv_bytes / ms / 1e9
         ratio = row["kvstream_tbps"] / best[1] if best else float("nan")
         row["ratio_vs_best_torch"] = ratio
+        row["ratio_vs_default_torch"] = row["kvstream_tbps"] / row["torch_default_tbps"]
         print(f"{row['shape']}: kvstream {row['kvstream_tbps']:.2f} TB/s | best torch "
-              f"({best[0] if best else 'none'}) {best[1] if best else float('nan'):.2f} TB/s | ratio {ratio:.2f}")
+              f"({best[0] if best else 'none'}) {best[1] if best else float('nan'):.2f} TB/s | ratio {ratio:.2f}"
+              f" | torch's own choice {row['torch_default_tbps']:.2f} TB/s | ratio "
+              f"{row['ratio_vs_default_torch']:.2f}")
         report.setdefault("bench", []).append(row)
         del p, kc, vc, qc
         torch.cuda.empty_cache()
