@@ -466,8 +466,8 @@ void BM_Decode(benchmark::State& state) {
   if (!st.ok()) Fail(state, st);
 }
 
-// Decode's reads alone: the K and V rows BM_Decode reads, from a cache of the same size
-// filled the same way, through LaunchPagedRead (no compute; `splits` CTAs per sequence and
+// Decode's reads alone: the K and V rows BM_Decode reads, from BM_Decode's batch, through
+// LaunchPagedRead (no compute; `splits` CTAs per sequence and
 // head). `order` 0: BM_Decode's shuffled block table; 1: the same table sorted, so that
 // each sequence's blocks lie in order; 2: no table, each (sequence, head)'s keys one
 // contiguous run (the unpaged layout torch's decode reads). TB/s of K and V read, and the
@@ -480,36 +480,31 @@ void BM_PagedRead(benchmark::State& state) {
   const int64_t order = state.range(2);
   const int splits = static_cast<int>(state.range(3));
   auto run = [&]() -> absl::Status {
-    KvCacheSpec spec;
-    spec.block_size = kBlockSize;
-    spec.num_kv_heads = kKvHeads;
-    spec.head_size = spec.head_size_v = kHeadSize;
-    spec.dtype = DType::kBFloat16;
-    const int blocks_per_seq = (seq_len + kBlockSize - 1) / kBlockSize;
-    const int64_t num_blocks = int64_t{seqs} * blocks_per_seq;
-    ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, RandomCache(*gpu, spec, num_blocks));
-    std::vector<int32_t> table = ShuffledBlocks(num_blocks, 6);  // BM_Decode's seed
-    if (order == 1) std::sort(table.begin(), table.end());
-    ASSIGN_OR_RETURN(DeviceBuffer d_table, Upload(table));
+    ASSIGN_OR_RETURN(std::unique_ptr<PagedBatch> batch, MakePagedBatch(*gpu, seqs, seq_len, 1, 6));
+    std::vector<int32_t> sorted = batch->block_table;
+    std::sort(sorted.begin(), sorted.end());
+    ASSIGN_OR_RETURN(DeviceBuffer d_sorted, Upload(sorted));
     ASSIGN_OR_RETURN(DeviceBuffer sink,
                      DeviceBuffer::Create(static_cast<size_t>(kKvHeads) * seqs * splits * 4,
                                           MemoryKind::kDevice));
-    const KvCacheView view = cache->view();
+    const KvCacheView view = batch->cache->view();
     bench::PagedReadArgs args{};
     args.k = view.k;
     args.v = view.v;
-    args.table = order == 2 ? nullptr : d_table.data_as<int32_t>();
+    args.table = order == 2   ? nullptr
+                 : order == 1 ? d_sorted.data_as<int32_t>()
+                              : batch->d_table.data_as<int32_t>();
     args.seqs = seqs;
     args.seq_len = seq_len;
     args.heads = kKvHeads;
     args.splits = splits;
-    args.blocks_per_seq = blocks_per_seq;
+    args.blocks_per_seq = static_cast<int>(batch->params.block_table_stride);
     args.block_shift = 4;  // kBlockSize
     args.block_stride = view.k_strides.block * 2;
     args.token_stride = view.k_strides.token * 2;
     args.head_stride = view.k_strides.head * 2;
     args.sink = sink.data_as<uint32_t>();
-    ASSIGN_OR_RETURN(const double read_tbps, StreamingReadTbps(*gpu, *cache));
+    ASSIGN_OR_RETURN(const double read_tbps, StreamingReadTbps(*gpu, *batch->cache));
     const double kv_bytes = static_cast<double>(seqs) * seq_len * kKvHeads * kHeadSize * 2.0 * 2.0;
     auto enqueue = [&] {
       return CudaErrorToStatus(bench::LaunchPagedRead(args, gpu->stream.get()), "paged read");
