@@ -3,3 +3,5 @@ kvstream_add_gtest(loopback_transport_test LABELS unit SOURCES loopback_transpor
                    DEPS kvstream::transfer)
 kvstream_add_gtest(ucx_transport_test LABELS unit SOURCES ucx_transport_test.cc
                    DEPS kvstream::transfer)
+kvstream_add_gtest(copy_pool_test LABELS unit SOURCES copy_pool_test.cc
+                   DEPS kvstream::transfer)

@@ -1,7 +1,9 @@
 // Tests of transfer/ucx_transport.h inside one process: two transports talking over shared
-// memory and over TCP on loopback (Progress on both), notification-after-data, bounds and
-// lookup errors, strict decoding of worker info and memory descriptors, cancel, release,
-// disconnect, a destroyed peer, and destruction with transfers outstanding.
+// memory (with UCX puts, and with copy threads: "shm_copy") and over TCP on loopback
+// (Progress on both), notification-after-data, bounds and lookup errors, strict decoding of
+// worker info and memory descriptors, cancel, release, disconnect, a destroyed peer, and
+// destruction with transfers outstanding; with copy threads also the order of notifications
+// behind copies, and handles destroyed while their copies run.
 #include "kvstream/transfer/ucx_transport.h"
 
 #include <algorithm>
@@ -31,10 +33,12 @@ constexpr size_t kBytes = kBlock * kBlocks;
 
 absl::Time Deadline() { return absl::Now() + absl::Seconds(60); }
 
-UcxTransportOptions OptionsFor(const std::string& tls) {
+// "shm_copy": shared memory with two copy threads.
+UcxTransportOptions OptionsFor(const std::string& param) {
   UcxTransportOptions options;
-  options.tls = tls;
-  if (tls == "tcp") options.net_devices = "lo";
+  options.tls = param == "shm_copy" ? "shm" : param;
+  if (param == "tcp") options.net_devices = "lo";
+  if (param == "shm_copy") options.copy_threads = 2;
   return options;
 }
 
@@ -47,6 +51,9 @@ std::unique_ptr<Transport> MakeTransport(const std::string& tls) {
 // "p" writes into "d"; both registered, p connected to d with d's region imported.
 class UcxPairTest : public ::testing::TestWithParam<std::string> {
  protected:
+  static bool Shm() { return GetParam() != "tcp"; }
+  static bool Copying() { return GetParam() == "shm_copy"; }
+
   void SetUp() override {
     p_ = MakeTransport(GetParam());
     d_ = MakeTransport(GetParam());
@@ -487,7 +494,7 @@ TEST_P(UcxPairTest, WritesIntoAllocatedMemoryLandBeforeTheirNotification) {
 // (puts into registered heap memory would be active messages waiting for it; see
 // ucx_transport.h). The notification still needs the receiver's progress to be seen.
 TEST_P(UcxPairTest, SharedMemoryWritesIntoAllocatedMemoryNeedNoReceiverProgress) {
-  if (GetParam() != "shm") GTEST_SKIP() << "one-sided only over shared memory";
+  if (!Shm()) GTEST_SKIP() << "one-sided only over shared memory";
   ASSERT_NO_FATAL_FAILURE(WarmUp());
   auto dst = Allocate(*d_, kBytes);
   ASSERT_NE(dst, nullptr);
@@ -547,7 +554,7 @@ TEST_P(UcxPairTest, RegistrationsInsideAnAllocationReuseIt) {
   EXPECT_EQ(RkeyOf((*whole)->descriptor()), RkeyOf(second->descriptor()));
   EXPECT_EQ(RkeyOf((*last)->descriptor()), RkeyOf(second->descriptor()));
   // Ordinary memory keeps an ordinary registration.
-  if (GetParam() == "shm") {
+  if (Shm()) {
     EXPECT_NE(RkeyOf(dst_reg_->descriptor()), RkeyOf(second->descriptor()));
   }
 
@@ -573,7 +580,7 @@ TEST_P(UcxPairTest, RegistrationsInsideAnAllocationReuseIt) {
   EXPECT_EQ(p_->PostWrite(to_d_, **src_sub, **remote, {beyond}, "").status().code(),
             absl::StatusCode::kOutOfRange);
   absl::StatusOr<TransferState> state =
-      GetParam() == "shm" ? WaitForTransfer(*p_, *id, absl::Now() + absl::Seconds(10))
+      Shm() ? WaitForTransfer(*p_, *id, absl::Now() + absl::Seconds(10))
                           : Wait(*id);
   ASSERT_TRUE(state.ok()) << state.status();
   EXPECT_EQ(*state, TransferState::kDone);
@@ -591,7 +598,249 @@ TEST_P(UcxPairTest, RegistrationsInsideAnAllocationReuseIt) {
   last->reset();
 }
 
-INSTANTIATE_TEST_SUITE_P(Tls, UcxPairTest, ::testing::Values("shm", "tcp"),
+// Copy threads: which writes take them. Only allocated memory over shared memory is mapped
+// into the writer; heap memory registered over shared memory, and anything over TCP, is put.
+TEST_P(UcxPairTest, CopyThreadsTakeWritesIntoMappedMemoryOnly) {
+  auto dst = Allocate(*d_, kBytes);
+  ASSERT_NE(dst, nullptr);
+  auto remote = p_->ImportRemote(to_d_, dst->descriptor());
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  EXPECT_EQ(UcxWritesAreCopied(**remote), Copying());
+  EXPECT_FALSE(UcxWritesAreCopied(*remote_));  // heap memory registered by the receiver
+  remote->reset();
+}
+
+// Large writes through the copy threads (scattered 16 KiB blocks, a segment cut into
+// several pieces, odd lengths), several in flight: every notification arrives in post order
+// and, when it arrives, its write and every earlier one are in place.
+TEST_P(UcxPairTest, CopiedWritesLandBeforeTheirNotificationsInOrder) {
+  constexpr size_t kPool = 16 << 20;
+  constexpr size_t kSlot = 16 << 10;
+  auto src = Allocate(*p_, kPool);
+  auto dst = Allocate(*d_, kPool);
+  ASSERT_NE(src, nullptr);
+  ASSERT_NE(dst, nullptr);
+  std::mt19937 rng(42);
+  char* src_bytes = static_cast<char*>(src->base());
+  for (size_t i = 0; i < kPool; ++i) src_bytes[i] = static_cast<char>(1 + rng() % 255);
+  auto remote = p_->ImportRemote(to_d_, dst->descriptor());
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  ASSERT_EQ(UcxWritesAreCopied(**remote), Copying());
+  ASSERT_NO_FATAL_FAILURE(WarmUp());
+  // Write w: 96 blocks of 16 KiB (+ w bytes, so lengths are odd) into slots of its own, and
+  // write 5 adds one 2.5 MiB segment (cut into pieces of at most 1 MiB).
+  constexpr int kWrites = 6;
+  std::vector<size_t> slots(kPool / kSlot);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  std::vector<std::vector<Segment>> writes(kWrites);
+  size_t next = 0;
+  for (int w = 0; w < kWrites; ++w) {
+    for (int b = 0; b < 96; ++b) {
+      Segment s;
+      s.local_offset = slots[(next + 300) % slots.size()] * kSlot;
+      s.remote_offset = slots[next] * kSlot;
+      s.length = kSlot - 64 + static_cast<size_t>(w);
+      writes[w].push_back(s);
+      ++next;
+    }
+  }
+  Segment big;
+  big.local_offset = 0;
+  big.remote_offset = kPool - (5 << 19) - 3;
+  big.length = (5 << 19) + 3;
+  // Keep the big segment clear of every block of the earlier writes.
+  for (auto& write : writes) {
+    write.erase(std::remove_if(write.begin(), write.end(),
+                               [&](const Segment& s) {
+                                 return s.remote_offset + s.length > big.remote_offset;
+                               }),
+                write.end());
+  }
+  writes[kWrites - 1].push_back(big);
+  std::vector<std::vector<char>> expected(kWrites);
+  std::vector<char> image(kPool, 0);
+  for (int w = 0; w < kWrites; ++w) {
+    for (const Segment& s : writes[w]) {
+      std::memcpy(image.data() + s.remote_offset, src_bytes + s.local_offset, s.length);
+    }
+    expected[w] = image;
+  }
+  std::vector<TransferId> ids;
+  for (int w = 0; w < kWrites; ++w) {
+    auto id = p_->PostWrite(to_d_, *src, **remote, writes[w], absl::StrCat("w", w));
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  // On every notification, the receiver's memory must hold at least that write and the ones
+  // before it: the bytes of those writes equal the image after them (later writes only
+  // touch slots of their own).
+  const char* data = static_cast<const char*>(dst->base());
+  int seen = 0;
+  ProgressUntil([&] {
+    for (const Notification& n : d_->PollNotifications()) {
+      EXPECT_EQ(n.payload, absl::StrCat("w", seen));
+      for (int w = 0; w <= seen && w < kWrites; ++w) {
+        size_t wrong = 0;
+        for (const Segment& s : writes[w]) {
+          wrong += std::memcmp(data + s.remote_offset, expected[seen].data() + s.remote_offset,
+                               s.length) != 0;
+        }
+        EXPECT_EQ(wrong, 0u) << "write " << w << " not in place at notification " << seen;
+      }
+      ++seen;
+    }
+    return seen >= kWrites;
+  });
+  ASSERT_EQ(seen, kWrites);
+  EXPECT_TRUE(std::equal(data, data + kPool, expected[kWrites - 1].begin()));
+  for (TransferId id : ids) {
+    auto state = Wait(id);
+    ASSERT_TRUE(state.ok()) << state.status();
+    EXPECT_EQ(*state, TransferState::kDone);
+    p_->Release(id);
+  }
+  remote->reset();
+}
+
+// A notification alone, and a write that UCX puts (into registered heap memory), posted
+// behind a write still being copied, are delivered after it, in post order.
+TEST_P(UcxPairTest, NotificationsAndPutsPostedBehindCopiesWaitForThem) {
+  constexpr size_t kPool = 32 << 20;
+  auto src = Allocate(*p_, kPool);
+  auto dst = Allocate(*d_, kPool);
+  ASSERT_NE(src, nullptr);
+  ASSERT_NE(dst, nullptr);
+  std::memset(src->base(), 0x5a, kPool);
+  auto remote = p_->ImportRemote(to_d_, dst->descriptor());
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  ASSERT_NO_FATAL_FAILURE(WarmUp());
+  std::vector<Segment> blocks;
+  for (size_t off = 0; off < kPool; off += 16 << 10) {
+    Segment s;
+    s.local_offset = off;
+    s.remote_offset = kPool - (16 << 10) - off;  // reversed order
+    s.length = 16 << 10;
+    blocks.push_back(s);
+  }
+  const std::vector<Segment> puts = Scattered(kBlocks / 2, 5);
+  auto a = p_->PostWrite(to_d_, *src, **remote, blocks, "copies");
+  auto b = p_->PostNotification(to_d_, "alone");
+  auto c = p_->PostWrite(to_d_, *src_reg_, *remote_, puts, "puts");
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  const char* data = static_cast<const char*>(dst->base());
+  std::vector<std::string> order;
+  ProgressUntil([&] {
+    for (const Notification& n : d_->PollNotifications()) {
+      order.push_back(n.payload);
+      // The copied write is complete whenever any of the three is seen.
+      EXPECT_TRUE(std::all_of(data, data + kPool, [](char x) { return x == 0x5a; }))
+          << "at " << n.payload;
+      if (n.payload == "puts") {
+        EXPECT_TRUE(std::equal(dst_.begin(), dst_.end(), Expected(puts).begin()));
+      }
+    }
+    return order.size() >= 3;
+  });
+  EXPECT_EQ(order, (std::vector<std::string>{"copies", "alone", "puts"}));
+  for (TransferId id : {*a, *b, *c}) {
+    auto state = Wait(id);
+    ASSERT_TRUE(state.ok()) << state.status();
+    p_->Release(id);
+  }
+  remote->reset();
+}
+
+// Cancelling, releasing, and destroying the remote or the local handle while a large write
+// is being copied: the transfer ends Cancelled (or kDone if it had finished), never stays in
+// progress, the handles go away safely, and the transport keeps working.
+TEST_P(UcxPairTest, CopiesStopWhenCancelledReleasedOrTheirMemoryGoes) {
+  // (Over shared memory without copy threads the puts are copied inside PostWrite: the same
+  // calls must still end every transfer. Over TCP the writes would need the receiver.)
+  if (!Shm()) GTEST_SKIP() << "writes complete without the receiver only over shared memory";
+  constexpr size_t kPool = 64 << 20;
+  auto dst = Allocate(*d_, kPool);
+  ASSERT_NE(dst, nullptr);
+  ASSERT_NO_FATAL_FAILURE(WarmUp());
+  std::vector<Segment> blocks;
+  for (size_t off = 0; off < kPool; off += 16 << 10) {
+    Segment s;
+    s.local_offset = off;
+    s.remote_offset = off;
+    s.length = 16 << 10;
+    blocks.push_back(s);
+  }
+  auto ends_cancelled_or_done = [&](TransferId id, const char* how) {
+    auto state = WaitForTransfer(*p_, id, Deadline());
+    if (!state.ok()) {
+      EXPECT_EQ(state.status().code(), absl::StatusCode::kCancelled) << how << state.status();
+    }
+  };
+  for (int how = 0; how < 4; ++how) {
+    auto src = Allocate(*p_, kPool);
+    ASSERT_NE(src, nullptr);
+    auto remote = p_->ImportRemote(to_d_, dst->descriptor());
+    ASSERT_TRUE(remote.ok()) << remote.status();
+    auto id = p_->PostWrite(to_d_, *src, **remote, blocks, "doomed");
+    ASSERT_TRUE(id.ok()) << id.status();
+    switch (how) {
+      case 0:
+        ASSERT_TRUE(p_->Cancel(*id).ok());
+        ends_cancelled_or_done(*id, "cancel: ");
+        p_->Release(*id);
+        remote->reset();
+        break;
+      case 1:
+        p_->Release(*id);
+        EXPECT_EQ(p_->Test(*id).status().code(), absl::StatusCode::kNotFound);
+        remote->reset();
+        break;
+      case 2: {
+        remote->reset();
+        auto state = WaitForTransfer(*p_, *id, Deadline());
+        if (!state.ok()) {
+          EXPECT_EQ(state.status().code(), absl::StatusCode::kCancelled) << state.status();
+          EXPECT_THAT(state.status().message(), HasSubstr("remote memory"));
+        }
+        p_->Release(*id);
+        break;
+      }
+      case 3: {
+        src.reset();
+        auto state = WaitForTransfer(*p_, *id, Deadline());
+        if (!state.ok()) {
+          EXPECT_EQ(state.status().code(), absl::StatusCode::kCancelled) << state.status();
+          EXPECT_THAT(state.status().message(), HasSubstr("local registration"));
+        }
+        p_->Release(*id);
+        remote->reset();
+        break;
+      }
+    }
+  }
+  // Notifications of the doomed writes may or may not have gone out; drain them.
+  for (int i = 0; i < 100; ++i) ASSERT_TRUE(d_->Progress().ok());
+  d_->PollNotifications();
+  // Still working: a write and its notification.
+  auto src = Allocate(*p_, kPool);
+  ASSERT_NE(src, nullptr);
+  std::memset(src->base(), 7, 1 << 20);
+  auto remote = p_->ImportRemote(to_d_, dst->descriptor());
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  Segment s;
+  s.length = 1 << 20;
+  auto id = p_->PostWrite(to_d_, *src, **remote, {s}, "after");
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<Notification> notes = WaitForNotifications(1);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0].payload, "after");
+  const char* data = static_cast<const char*>(dst->base());
+  EXPECT_TRUE(std::all_of(data, data + (1 << 20), [](char x) { return x == 7; }));
+  p_->Release(*id);
+  remote->reset();
+}
+
+INSTANTIATE_TEST_SUITE_P(Tls, UcxPairTest, ::testing::Values("shm", "shm_copy", "tcp"),
                          [](const ::testing::TestParamInfo<std::string>& param) {
                            return param.param;
                          });
@@ -651,6 +900,18 @@ TEST(UcxPeerFailureTest, DestroyedTcpPeerFailsOutstandingTransfers) {
   auto later = p->PostWrite(*peer, **src_reg, **remote, {whole}, "late");
   EXPECT_EQ(later.status().code(), absl::StatusCode::kFailedPrecondition) << later.status();
   remote->reset();
+}
+
+TEST(UcxCreateTest, RejectsBadCopyThreadCounts) {
+  UcxTransportOptions options;
+  options.copy_threads = -1;
+  auto t = CreateUcxTransport(options);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr("copy_threads"));
+  options.copy_threads = kMaxCopyThreads + 1;
+  EXPECT_EQ(CreateUcxTransport(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.copy_threads = kMaxCopyThreads;
+  EXPECT_TRUE(CreateUcxTransport(options).ok());
 }
 
 TEST(UcxCreateTest, RejectsUnknownTransports) {

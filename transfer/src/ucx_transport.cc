@@ -14,6 +14,18 @@
 // eager active message whose header carries the sender's uid, so the receiver can name the
 // sender even if it never connected back. The transfer is kDone when that send completes.
 //
+// Copy threads (UcxTransportOptions::copy_threads): where the remote key maps the peer's
+// memory into this process (ucp_rkey_ptr: a shared-memory segment from the peer's
+// AllocateMemory), PostWrite queues the segments on a CopyPool instead of putting them and
+// the transfer starts in kCopying; the pool thread that copies its last byte takes mu and
+// moves it on to the flush and the notification. A peer's transfers wait in `waiting`, in
+// post order, until their copies are done and every earlier one has moved on, so that a
+// notification still follows the data of every write posted before it (a put transfer or a
+// notification posted behind a copying transfer waits there too). A transfer that fails or
+// is cancelled while copying abandons its job, which returns once no piece of it is being
+// copied; destroying a registration or remote memory fails the transfers still copying from
+// or into it the same way, so no copy outlives the memory it touches.
+//
 // Memory: RegisterMemory maps caller-owned memory (ucp_mem_map); AllocateMemory has UCX
 // allocate it (UCP_MEM_MAP_ALLOCATE), which over shared memory gives a sysv/posix segment the
 // writer attaches through the remote key, so its puts are direct copies. The core remembers
@@ -32,7 +44,9 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <random>
@@ -49,6 +63,7 @@
 #include "absl/time/time.h"
 #include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
+#include "copy_pool.h"
 #include "ucx/ucx_handles.h"
 #include "ucx/ucx_status.h"
 #include "ucx/ucx_wire.h"
@@ -67,20 +82,30 @@ constexpr int kMaxProgressCalls = 64;
 struct UcxCore;
 struct UcxPeer;
 
-enum class Phase { kFlushing, kNotifying, kDone, kFailed };
+// kCopying: in its peer's `waiting` queue (copies in flight, or an earlier transfer to the
+// peer still waiting); kFlushing, kNotifying: a UCX request in flight.
+enum class Phase { kCopying, kFlushing, kNotifying, kDone, kFailed };
 
 struct UcxTransfer {
   UcxCore* core = nullptr;
   TransferId id = 0;
-  UcxPeer* peer = nullptr;  // valid while the transfer is active (kFlushing, kNotifying)
+  UcxPeer* peer = nullptr;  // valid while the transfer is active
   Phase phase = Phase::kFlushing;
   absl::Status status;
   void* request = nullptr;  // the pending flush or active-message request, if any
   bool released = false;
   NotificationHeader header{};
   std::string payload;
+  // Copy threads: the job copying the segments, until every byte is copied (copies_done);
+  // the handles it reads and writes through.
+  std::shared_ptr<CopyJob> job;
+  bool copies_done = true;
+  const void* local_handle = nullptr;
+  const void* remote_handle = nullptr;
 
-  bool active() const { return phase == Phase::kFlushing || phase == Phase::kNotifying; }
+  bool active() const {
+    return phase == Phase::kCopying || phase == Phase::kFlushing || phase == Phase::kNotifying;
+  }
 };
 
 struct UcxPeer {
@@ -94,6 +119,7 @@ struct UcxPeer {
   void* close_request = nullptr;
   absl::Status status;                // OK while healthy
   std::set<UcxTransfer*> outstanding;  // active transfers to this peer
+  std::deque<UcxTransfer*> waiting;    // kCopying transfers, in post order
 };
 
 // A memory handle shared by the registration that allocated its memory and registrations of
@@ -163,10 +189,58 @@ struct UcxCore {
 
   void FailTransfer(UcxTransfer* t, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (!t->active()) return;
-    t->peer->outstanding.erase(t);
+    UcxPeer* peer = t->peer;
+    peer->outstanding.erase(t);
+    const bool was_waiting = t->phase == Phase::kCopying;
     t->phase = Phase::kFailed;
     t->status = std::move(status);
+    if (t->job != nullptr && !t->copies_done) CopyPool::Abandon(*t->job);
+    t->job.reset();
+    if (was_waiting) {
+      auto it = std::find(peer->waiting.begin(), peer->waiting.end(), t);
+      if (it != peer->waiting.end()) peer->waiting.erase(it);
+      Pump(peer);  // the transfers behind it may go on
+    }
   }
+
+  // Moves the peer's waiting transfers on to their flush, in post order, as far as their
+  // copies are done.
+  void Pump(UcxPeer* peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    while (!peer->waiting.empty() && peer->status.ok() && !peer->disconnected && peer->ep &&
+           !shut_down) {
+      UcxTransfer* t = peer->waiting.front();
+      if (!t->copies_done) return;
+      peer->waiting.pop_front();
+      t->job.reset();
+      absl::Status status = StartFlush(t);
+      if (!status.ok()) FailTransfer(t, std::move(status));
+    }
+  }
+
+  // A copy job's `done`: every byte of transfer `id` is in the peer's memory.
+  void CopiesDone(TransferId id) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    auto it = transfers.find(id);
+    if (it == transfers.end() || it->second->phase != Phase::kCopying) return;
+    it->second->copies_done = true;
+    Pump(it->second->peer);
+  }
+
+  // Fails the transfers still copying from or into `handle` (a registration or remote
+  // memory being destroyed): when this returns, none of their pieces is being copied.
+  void FailCopiesThrough(const void* handle, absl::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (auto& [id, t] : transfers) {
+      if (t->phase != Phase::kCopying || t->copies_done) continue;
+      if (t->local_handle != handle && t->remote_handle != handle) continue;
+      FailTransfer(t.get(), absl::CancelledError(absl::StrCat(
+                                "UCX transfer ", id, " to ", t->peer->label, " cancelled: ",
+                                what, " was destroyed while the transfer was copying")));
+    }
+  }
+
+  // Flushes the endpoint, then sends the notification (OnFlushed).
+  absl::Status StartFlush(UcxTransfer* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   void CompleteTransfer(UcxTransfer* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     t->peer->outstanding.erase(t);
@@ -278,6 +352,24 @@ void UcxCore::SendNotification(UcxTransfer* t) {
   }
 }
 
+absl::Status UcxCore::StartFlush(UcxTransfer* t) {
+  t->phase = Phase::kFlushing;
+  ucp_request_param_t param;
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = OnFlushed;
+  param.user_data = t;
+  ucs_status_ptr_t request = ucp_ep_flush_nbx(t->peer->ep.get(), &param);
+  if (UCS_PTR_IS_ERR(request)) {
+    return UcxStatusToStatus(UCS_PTR_STATUS(request), "ep_flush_nbx", t->peer->label);
+  }
+  if (request == nullptr) {
+    SendNotification(t);  // the flush completed at once
+  } else {
+    t->request = request;
+  }
+  return absl::OkStatus();
+}
+
 // --- Handles ---
 
 // A registration: of memory the caller owns, of memory AllocateMemory allocated (`allocated`:
@@ -291,6 +383,7 @@ class UcxRegistration final : public MemoryRegistration {
         kind_(kind), descriptor_(std::move(descriptor)), allocated_(allocated) {}
   ~UcxRegistration() override {
     absl::MutexLock lock(&core_->mu);
+    core_->FailCopiesThrough(this, "its local registration");
     if (allocated_) core_->allocations.erase(reinterpret_cast<uintptr_t>(base_));
     memh_.reset();  // unmaps (and frees an allocation) if this was the last user
   }
@@ -314,13 +407,15 @@ class UcxRegistration final : public MemoryRegistration {
 
 class UcxRemote final : public RemoteMemory {
  public:
+  // `mapped`: where the region's first byte is mapped into this process, or null.
   UcxRemote(std::shared_ptr<UcxCore> core, PeerId peer, uint64_t address, uint64_t length,
-            UcxRkey rkey)
+            UcxRkey rkey, char* mapped)
       : core_(std::move(core)), peer_(peer), address_(address), length_(length),
-        rkey_(std::move(rkey)) {}
+        rkey_(std::move(rkey)), mapped_(mapped) {}
   ~UcxRemote() override {
     absl::MutexLock lock(&core_->mu);
-    rkey_.Reset();
+    core_->FailCopiesThrough(this, "its remote memory");
+    rkey_.Reset();  // unmaps a mapped segment
   }
 
   PeerId peer() const override { return peer_; }
@@ -328,6 +423,7 @@ class UcxRemote final : public RemoteMemory {
   const UcxCore* core() const { return core_.get(); }
   uint64_t address() const { return address_; }
   ucp_rkey_h rkey() const { return rkey_.get(); }
+  char* mapped() const { return mapped_; }
 
  private:
   std::shared_ptr<UcxCore> core_;
@@ -335,6 +431,7 @@ class UcxRemote final : public RemoteMemory {
   uint64_t address_;
   uint64_t length_;
   UcxRkey rkey_;
+  char* mapped_;
 };
 
 bool SegmentFits(uint64_t offset, uint64_t length, uint64_t region_length) {
@@ -345,8 +442,13 @@ bool SegmentFits(uint64_t offset, uint64_t length, uint64_t region_length) {
 
 class UcxTransport final : public Transport {
  public:
-  explicit UcxTransport(std::shared_ptr<UcxCore> core) : core_(std::move(core)) {}
-  ~UcxTransport() override { Shutdown(); }
+  UcxTransport(std::shared_ptr<UcxCore> core, std::unique_ptr<CopyPool> pool)
+      : core_(std::move(core)), pool_(std::move(pool)) {}
+  ~UcxTransport() override {
+    // The copy threads first: once joined, no copy is running and no job calls back.
+    pool_.reset();
+    Shutdown();
+  }
 
   absl::string_view name() const override { return "ucx"; }
 
@@ -504,8 +606,14 @@ class UcxTransport final : public Transport {
       // example from a transport with other memory domains): still the caller's input.
       return absl::InvalidArgumentError(status.message());
     }
-    return std::unique_ptr<RemoteMemory>(
-        new UcxRemote(core_, peer_id, d.address, d.length, UcxRkey(NoOwner{}, raw_rkey)));
+    // With copy threads, writes go straight into the region where the key maps it here.
+    void* mapped = nullptr;
+    if (pool_ != nullptr && ucp_rkey_ptr(raw_rkey, d.address, &mapped) != UCS_OK) {
+      mapped = nullptr;
+    }
+    return std::unique_ptr<RemoteMemory>(new UcxRemote(core_, peer_id, d.address, d.length,
+                                                       UcxRkey(NoOwner{}, raw_rkey),
+                                                       static_cast<char*>(mapped)));
   }
 
   absl::StatusOr<TransferId> PostWrite(PeerId peer_id, const MemoryRegistration& local,
@@ -536,6 +644,9 @@ class UcxTransport final : public Transport {
     }
     absl::MutexLock lock(&core_->mu);
     ASSIGN_OR_RETURN(UcxPeer * peer, UsablePeer(peer_id, "PostWrite"));
+    if (pool_ != nullptr && rem->mapped() != nullptr) {
+      return PostCopies(peer, *reg, *rem, segments, notification);
+    }
     ucp_ep_h ep = peer->ep.get();
     // No callback: a put's completion is observed through the flush that follows. The
     // memory handle spares UCX a registration-cache lookup per segment.
@@ -574,6 +685,7 @@ class UcxTransport final : public Transport {
     absl::MutexLock lock(&core_->mu);
     ASSIGN_OR_RETURN(UcxTransfer * t, FindTransfer(id));
     switch (t->phase) {
+      case Phase::kCopying:
       case Phase::kFlushing:
       case Phase::kNotifying:
         return TransferState::kInProgress;
@@ -590,7 +702,7 @@ class UcxTransport final : public Transport {
     ASSIGN_OR_RETURN(UcxTransfer * t, FindTransfer(id));
     // Once the flush completed the data is in place and the notification is handed to UCX,
     // which cannot take it back: the transfer has in effect finished and completes kDone.
-    if (t->phase == Phase::kFlushing) {
+    if (t->phase == Phase::kCopying || t->phase == Phase::kFlushing) {
       core_->FailTransfer(t, absl::CancelledError(absl::StrCat("UCX transfer ", id, " to ",
                                                                t->peer->label, " cancelled")));
     }
@@ -733,7 +845,8 @@ class UcxTransport final : public Transport {
     return it->second.get();
   }
 
-  absl::StatusOr<TransferId> StartFlushAndNotify(UcxPeer* peer, absl::string_view notification)
+  // A new active transfer to `peer`, known to the core and the peer.
+  UcxTransfer* NewTransfer(UcxPeer* peer, absl::string_view notification)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu) {
     auto owned = std::make_unique<UcxTransfer>();
     UcxTransfer* t = owned.get();
@@ -742,21 +855,58 @@ class UcxTransport final : public Transport {
     t->peer = peer;
     t->payload.assign(notification.data(), notification.size());
     if (!t->payload.empty()) t->header = EncodeNotificationHeader(core_->uid);
-    ucp_request_param_t param;
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    param.cb.send = OnFlushed;
-    param.user_data = t;
-    ucs_status_ptr_t request = ucp_ep_flush_nbx(peer->ep.get(), &param);
-    if (UCS_PTR_IS_ERR(request)) {
-      return UcxStatusToStatus(UCS_PTR_STATUS(request), "ep_flush_nbx", peer->label);
-    }
     core_->transfers.emplace(t->id, std::move(owned));
     peer->outstanding.insert(t);
-    if (request == nullptr) {
-      core_->SendNotification(t);  // the flush completed at once
-    } else {
-      t->request = request;
+    return t;
+  }
+
+  // The flush and notification of what was posted so far: at once, or, behind transfers
+  // still waiting for their copies, in turn.
+  absl::StatusOr<TransferId> StartFlushAndNotify(UcxPeer* peer, absl::string_view notification)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu) {
+    UcxTransfer* t = NewTransfer(peer, notification);
+    const TransferId id = t->id;
+    if (!peer->waiting.empty()) {
+      t->phase = Phase::kCopying;  // nothing of its own to copy: copies_done
+      peer->waiting.push_back(t);
+      return id;
     }
+    absl::Status status = core_->StartFlush(t);
+    if (!status.ok()) {
+      peer->outstanding.erase(t);
+      core_->transfers.erase(id);
+      return status;
+    }
+    return id;
+  }
+
+  // PostWrite through the copy threads: the segments are copied into the peer's mapped
+  // region by the pool, then the transfer flushes and notifies in its turn (Pump).
+  absl::StatusOr<TransferId> PostCopies(UcxPeer* peer, const UcxRegistration& local,
+                                        const UcxRemote& remote,
+                                        absl::Span<const Segment> segments,
+                                        absl::string_view notification)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu) {
+    std::vector<CopyPiece> pieces;
+    pieces.reserve(segments.size());
+    const char* local_base = static_cast<const char*>(local.base());
+    for (const Segment& s : segments) {
+      if (s.length == 0) continue;
+      CopyPiece piece;
+      piece.src = local_base + s.local_offset;
+      piece.dst = remote.mapped() + s.remote_offset;
+      piece.length = s.length;
+      pieces.push_back(piece);
+    }
+    UcxTransfer* t = NewTransfer(peer, notification);
+    t->phase = Phase::kCopying;
+    t->copies_done = false;
+    t->local_handle = &local;
+    t->remote_handle = &remote;
+    peer->waiting.push_back(t);
+    // `done` takes mu, which this thread holds until PostWrite returns: it cannot run
+    // before t->job is set.
+    t->job = pool_->Submit(pieces, [core = core_.get(), id = t->id] { core->CopiesDone(id); });
     return t->id;
   }
 
@@ -833,6 +983,7 @@ class UcxTransport final : public Transport {
   }
 
   std::shared_ptr<UcxCore> core_;
+  std::unique_ptr<CopyPool> pool_;  // copy threads, if any (UcxTransportOptions::copy_threads)
 };
 
 // UCX_TLS for the options' tls.
@@ -881,6 +1032,11 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportImpl(
     const UcxTransportOptions& options) {
   if (options.tls.empty()) {
     return absl::InvalidArgumentError("UCX transport: empty tls");
+  }
+  if (options.copy_threads < 0 || options.copy_threads > kMaxCopyThreads) {
+    return absl::InvalidArgumentError(absl::StrCat("UCX transport: copy_threads ",
+                                                   options.copy_threads, " is outside 0..",
+                                                   kMaxCopyThreads));
   }
   ucp_config_t* raw_config = nullptr;
   RETURN_IF_ERROR(UcxStatusToStatus(ucp_config_read(nullptr, nullptr, &raw_config),
@@ -961,13 +1117,22 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportImpl(
   core->uid = info.uid;
   core->local_info = EncodeWorkerInfo(info);
   core->network = AllowsNetwork(tls);
-  return std::unique_ptr<Transport>(new UcxTransport(std::move(core)));
+  std::unique_ptr<CopyPool> pool;
+  if (options.copy_threads > 0) {
+    ASSIGN_OR_RETURN(pool, CopyPool::Create(options.copy_threads));
+  }
+  return std::unique_ptr<Transport>(new UcxTransport(std::move(core), std::move(pool)));
 }
 
 }  // namespace internal
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOptions& options) {
   return internal::CreateUcxTransportImpl(options);
+}
+
+bool UcxWritesAreCopied(const RemoteMemory& remote) {
+  const auto* ucx = dynamic_cast<const internal::UcxRemote*>(&remote);
+  return ucx != nullptr && ucx->mapped() != nullptr;
 }
 
 }  // namespace kvstream

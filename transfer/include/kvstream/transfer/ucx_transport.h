@@ -23,7 +23,13 @@
 //   keepalive (keepalive_interval) or by its closed socket.
 //
 // Thread safety: as Transport (every method from any thread); internally one mutex
-// serialises every UCX call and the worker runs in UCS_THREAD_MODE_SERIALIZED.
+// serialises every UCX call and the worker runs in UCS_THREAD_MODE_SERIALIZED. With
+// copy_threads, those threads copy without the mutex and take it to hand a finished write
+// on to its notification.
+//
+// Lifetimes with copy threads: a write reads its local registration and writes the peer's
+// memory until the transfer leaves kInProgress; destroying either handle before that
+// cancels the transfer (and waits for the piece being copied, at most 1 MiB).
 #ifndef KVSTREAM_TRANSFER_UCX_TRANSPORT_H_
 #define KVSTREAM_TRANSFER_UCX_TRANSPORT_H_
 
@@ -53,13 +59,28 @@ struct UcxTransportOptions {
   // override kvstream's own choices (which include MM_SEG_SIZE=64k for shared memory: with
   // UCX's 8 KiB default every block-sized put is cut into many more fragments).
   std::vector<std::pair<std::string, std::string>> ucx_config;
+  // Threads that copy writes into peer memory this process can map, in place of UCX puts:
+  // over shared memory, memory the peer has from AllocateMemory. A layer's scattered blocks
+  // are then copied by this many cores at once, and PostWrite returns without copying
+  // anything itself. 0 (the default): UCX puts, copied inside PostWrite by the calling
+  // thread. Writes into memory that cannot be mapped (TCP; registered ordinary memory) are
+  // puts either way. An idle copy thread polls for about 100 us before it sleeps. At most
+  // kMaxCopyThreads. See docs/benchmarks.md for what they gain where cores are free.
+  int copy_threads = 0;
 };
+
+inline constexpr int kMaxCopyThreads = 64;
 
 // A transport with its own UCP context and worker. InvalidArgument for an empty tls; the UCX
 // error (naming the UCX call) when UCX cannot start with these options, for example a
 // transport name it does not know. UCX's own UCX_* environment variables still apply, under
 // the options. Does not block on any peer.
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxTransportOptions& options);
+
+// Whether writes into `remote` go through the copy threads (its transport has copy threads
+// and the region is mapped into this process) rather than UCX puts. For diagnostics and
+// tests; false for remote memory of any other transport.
+bool UcxWritesAreCopied(const RemoteMemory& remote);
 
 }  // namespace kvstream
 

@@ -1,0 +1,159 @@
+// CopyPool (see copy_pool.h).
+//
+// A job's pieces are grouped into batches when it is submitted; threads take batch indices
+// with one fetch_add each and count finished batches with another, and the thread that
+// finishes the last batch calls `done`. Those read-modify-writes are acq_rel, so `done` runs
+// after every byte of the job was copied, on whichever threads copied it.
+//
+// Abandon and the threads meet through two atomics, both sequentially consistent: a thread
+// announces itself in `running_` before it reads `abandoned_`, and Abandon sets `abandoned_`
+// before it reads `running_`; so either Abandon sees the thread and waits for it, or the
+// thread sees the flag and copies nothing more.
+#include "copy_pool.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvstream {
+namespace internal {
+namespace {
+
+// How long a thread with nothing to do polls for a new job before it sleeps.
+constexpr std::chrono::microseconds kIdleSpin(100);
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CopyPool>> CopyPool::Create(int threads) {
+  if (threads < 1 || threads > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("copy threads: ", threads, " is outside 1..256"));
+  }
+  std::unique_ptr<CopyPool> pool(new CopyPool());
+  pool->threads_.reserve(static_cast<size_t>(threads));
+  for (int i = 0; i < threads; ++i) pool->threads_.emplace_back([p = pool.get()] { p->Run(); });
+  return pool;
+}
+
+CopyPool::~CopyPool() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    for (const std::shared_ptr<CopyJob>& job : queue_) {
+      job->abandoned_.store(true, std::memory_order_seq_cst);
+    }
+    queue_.clear();
+  }
+  for (std::thread& t : threads_) t.join();
+}
+
+std::shared_ptr<CopyJob> CopyPool::Submit(const std::vector<CopyPiece>& pieces,
+                                          std::function<void()> done) {
+  std::shared_ptr<CopyJob> job(new CopyJob());
+  job->done_ = std::move(done);
+  size_t batch_bytes = 0;
+  job->batch_begin_.push_back(0);
+  for (const CopyPiece& piece : pieces) {
+    for (size_t offset = 0; offset < piece.length; offset += kMaxPieceBytes) {
+      CopyPiece cut;
+      cut.src = piece.src + offset;
+      cut.dst = piece.dst + offset;
+      cut.length = std::min(kMaxPieceBytes, piece.length - offset);
+      job->pieces_.push_back(cut);
+      batch_bytes += cut.length;
+      if (batch_bytes >= kBatchBytes) {
+        job->batch_begin_.push_back(job->pieces_.size());
+        batch_bytes = 0;
+      }
+    }
+  }
+  // The last, partial batch; a job with nothing to copy gets one empty batch, so that a
+  // thread still calls `done`.
+  if (batch_bytes > 0 || job->pieces_.empty()) job->batch_begin_.push_back(job->pieces_.size());
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(job);
+  submitted_.fetch_add(1, std::memory_order_release);
+  return job;
+}
+
+void CopyPool::Abandon(CopyJob& job) {
+  job.abandoned_.store(true, std::memory_order_seq_cst);
+  while (job.running_.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
+}
+
+void CopyPool::Run() {
+  while (std::shared_ptr<CopyJob> job = NextJob()) Work(*job);
+}
+
+std::shared_ptr<CopyJob> CopyPool::NextJob() {
+  while (true) {
+    size_t seen = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      while (!queue_.empty()) {
+        const std::shared_ptr<CopyJob>& front = queue_.front();
+        const size_t batches = front->batch_begin_.size() - 1;
+        if (!front->abandoned_.load(std::memory_order_relaxed) &&
+            front->next_batch_.load(std::memory_order_relaxed) < batches) {
+          return front;
+        }
+        queue_.pop_front();  // handed out in full (threads may still be copying it)
+      }
+      if (stopping_) return nullptr;
+      seen = submitted_.load(std::memory_order_acquire);
+    }
+    const auto until = std::chrono::steady_clock::now() + kIdleSpin;
+    while (submitted_.load(std::memory_order_acquire) == seen &&
+           std::chrono::steady_clock::now() < until) {
+      CpuRelax();
+    }
+    if (submitted_.load(std::memory_order_acquire) != seen) continue;
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](CopyPool* pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool->mu_) {
+          return pool->stopping_ || !pool->queue_.empty();
+        },
+        this));
+  }
+}
+
+void CopyPool::Work(CopyJob& job) {
+  const size_t batches = job.batch_begin_.size() - 1;
+  while (true) {
+    job.running_.fetch_add(1, std::memory_order_seq_cst);
+    if (job.abandoned_.load(std::memory_order_seq_cst)) {
+      job.running_.fetch_sub(1, std::memory_order_seq_cst);
+      return;
+    }
+    const size_t b = job.next_batch_.fetch_add(1, std::memory_order_relaxed);
+    if (b >= batches) {
+      job.running_.fetch_sub(1, std::memory_order_seq_cst);
+      return;
+    }
+    for (size_t i = job.batch_begin_[b]; i < job.batch_begin_[b + 1]; ++i) {
+      const CopyPiece& piece = job.pieces_[i];
+      std::memcpy(piece.dst, piece.src, piece.length);
+    }
+    job.running_.fetch_sub(1, std::memory_order_seq_cst);
+    if (job.batches_done_.fetch_add(1, std::memory_order_acq_rel) + 1 == batches) {
+      job.finished_.store(true, std::memory_order_release);
+      if (!job.abandoned_.load(std::memory_order_acquire) && job.done_) job.done_();
+      return;
+    }
+  }
+}
+
+}  // namespace internal
+}  // namespace kvstream
