@@ -3,8 +3,8 @@
 // same run on the same UCX settings.
 //
 //   kvstream_bench_transfer [--tls=shm|tcp] [--memory=transport|heap] [--depth=N]
-//                           [--perftest=PATH|none] [--ucx=NAME=VALUE ...] [--pin=false]
-//                           [Google Benchmark flags]
+//                           [--copy-threads=N] [--perftest=PATH|none] [--perftest-heap=false]
+//                           [--ucx=NAME=VALUE ...] [--pin=false] [Google Benchmark flags]
 //
 // The program forks and execs itself as the receiver (--role=receiver), which sets up a
 // 128 MiB pool and progresses until told to stop. Both sides' pools come from
@@ -14,7 +14,9 @@
 // with active messages over shared memory, see ucx_transport.h). Each benchmark iteration is one layer: one
 // PostWrite of every block as its own segment (block ids random on both sides, fixed per
 // benchmark, so nothing can be coalesced), which the transport turns into puts + one flush +
-// the notification; with --depth=N up to N layers are in flight. Block sizes: 16 and 64
+// the notification; with --depth=N up to N layers are in flight. --copy-threads=N gives the
+// sender's transport N copy threads (UcxTransportOptions::copy_threads; with transport memory
+// over shared memory they copy the blocks in place of UCX puts). Block sizes: 16 and 64
 // tokens of 8x128 bf16 (4 KiB/token), 2x128 bf16 and 8x64 fp8 (1 KiB/token); layers of
 // 256 KiB to 64 MiB. After the benchmarks, with the receiver stopped, ucx_perftest runs as
 // server and client on localhost (pinned like sender and receiver) and a table follows the
@@ -46,6 +48,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -69,8 +72,12 @@ struct Flags {
   std::string tls = "shm";
   std::string memory = "transport";  // where the KV pools come from: transport | heap
   std::string perftest = "ucx_perftest";
+  bool perftest_heap = true;  // also the heap/* columns (emulated puts: slow at large sizes)
   int depth = 1;  // layers in flight
-  bool pin = true;  // sender on CPU 0, receiver on CPU 1 (perftest's client and server too)
+  int copy_threads = 0;  // the sender transport's copy threads
+  // Sender on CPU 0 (its copy threads on CPUs 2, 3, ...), receiver on CPU 1; perftest's client
+  // and server on CPUs 0 and 1.
+  bool pin = true;
   std::vector<std::pair<std::string, std::string>> ucx_config;  // --ucx=NAME=VALUE
   bool receiver = false;
 };
@@ -80,13 +87,24 @@ struct Flags {
 // waits for a scheduler tick. Pinning them apart keeps figures meaningful on a busy machine.
 bool CanPin() { return ::sysconf(_SC_NPROCESSORS_ONLN) >= 2; }
 
-void PinTo(int cpu) {
+// Pins the calling thread (and the threads it starts later) to `cpus`.
+void PinTo(const std::vector<int>& cpus) {
   cpu_set_t set;
   CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
+  for (int cpu : cpus) CPU_SET(cpu, &set);
   if (::sched_setaffinity(0, sizeof(set), &set) != 0) {
-    std::fprintf(stderr, "sched_setaffinity(%d): %s\n", cpu, std::strerror(errno));
+    std::fprintf(stderr, "sched_setaffinity(%s): %s\n", absl::StrJoin(cpus, ",").c_str(),
+                 std::strerror(errno));
   }
+}
+
+// The sender's CPUs: 0, and for copy threads 2, 3, ... (the receiver has CPU 1), as far as
+// this machine has them.
+std::vector<int> SenderCpus(const Flags& flags) {
+  std::vector<int> cpus = {0};
+  const int online = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
+  for (int cpu = 2; cpu < online && cpu < 2 + flags.copy_threads; ++cpu) cpus.push_back(cpu);
+  return cpus;
 }
 
 UcxTransportOptions OptionsFor(const Flags& flags) {
@@ -94,6 +112,7 @@ UcxTransportOptions OptionsFor(const Flags& flags) {
   options.tls = flags.tls;
   if (flags.tls == "tcp") options.net_devices = "lo";
   options.ucx_config = flags.ucx_config;
+  options.copy_threads = flags.copy_threads;
   return options;
 }
 
@@ -222,7 +241,7 @@ std::unique_ptr<MemoryRegistration> MakePool(Transport& transport, const Flags& 
 }
 
 int RunReceiver(const Flags& flags) {
-  if (flags.pin && CanPin()) PinTo(1);
+  if (flags.pin && CanPin()) PinTo({1});
   auto transport = CreateUcxTransport(OptionsFor(flags));
   if (!transport.ok()) Die(transport.status().ToString());
   std::vector<char> pool;
@@ -536,7 +555,7 @@ void PrintTable(const Flags& flags, const char* pool) {
           return Median(runs);
         };
         for (size_t size : {r.layer, r.block}) {
-          if (!heap.count(size)) heap[size] = measure(size, false);
+          if (flags.perftest_heap && !heap.count(size)) heap[size] = measure(size, false);
         }
         for (size_t size : {r.layer, r.block}) {
           if (!ucxmem.count(size)) ucxmem[size] = measure(size, true);
@@ -549,9 +568,15 @@ void PrintTable(const Flags& flags, const char* pool) {
     return it == m.end() ? -1.0 : it->second;
   };
   auto ratio = [](double a, double b) { return b > 0 ? Fixed(a / b, 2) : std::string("n/a"); };
+  const std::string copying =
+      flags.copy_threads == 0
+          ? std::string("puts + flush + notification")
+          : absl::StrCat("copies by ", flags.copy_threads,
+                         " copy thread(s) where the receiver's pool is mapped, else puts; then "
+                         "flush + notification");
   std::printf(
       "\nkvstream UCX transport (%s, %s memory): layer-sized transfers of randomly scattered\n"
-      "blocks, one segment per block, each transfer = puts + flush + notification, %d layer(s)\n"
+      "blocks, one segment per block, each transfer = %s, %d layer(s)\n"
       "in flight.\n"
       "Beside it ucx_perftest -t ucp_put_bw on the same UCX settings, same run:\n"
       "  heap/layer:   message = layer size, UCX_ALLOC_PRIO=heap (ordinary memory that UCX\n"
@@ -564,8 +589,11 @@ void PrintTable(const Flags& flags, const char* pool) {
       "  memcpy:       memcpy of the same scattered blocks inside one process on one core\n"
       "GB/s = 1e9 bytes/s, medians of the runs (use --benchmark_repetitions=N for more than\n"
       "one kvstream run; perftest runs %d times); r = kvstream / that column. %s.\n\n",
-      flags.tls.c_str(), flags.memory.c_str(), flags.depth, kPerftestRuns,
-      pin ? "Senders pinned to CPU 0, receivers to CPU 1" : "Not pinned");
+      flags.tls.c_str(), flags.memory.c_str(), copying.c_str(), flags.depth, kPerftestRuns,
+      pin ? absl::StrCat("Senders pinned to CPU(s) ", absl::StrJoin(SenderCpus(flags), ","),
+                         " (perftest's to 0), receivers to CPU 1")
+                .c_str()
+          : "Not pinned");
   std::printf("%-10s %-7s %-7s %5s %8s | %10s %5s | %10s %5s | %12s %5s | %12s %5s | %7s %5s\n",
               "shape", "layer", "block", "segs", "kvstream", "heap/layer", "r", "heap/block", "r",
               "ucxmem/layer", "r", "ucxmem/block", "r", "memcpy", "r");
@@ -600,11 +628,18 @@ Flags ParseFlags(int* argc, char** argv) {
       flags.perftest = std::string(arg);
     } else if (absl::ConsumePrefix(&arg, "--depth=")) {
       if (!absl::SimpleAtoi(arg, &flags.depth) || flags.depth < 1) Die("bad --depth");
+    } else if (absl::ConsumePrefix(&arg, "--copy-threads=")) {
+      if (!absl::SimpleAtoi(arg, &flags.copy_threads) || flags.copy_threads < 0 ||
+          flags.copy_threads > kMaxCopyThreads) {
+        Die(absl::StrCat("bad --copy-threads (0..", kMaxCopyThreads, ")"));
+      }
     } else if (absl::ConsumePrefix(&arg, "--ucx=")) {
       size_t eq = arg.find('=');
       if (eq == absl::string_view::npos) Die("--ucx takes NAME=VALUE");
       flags.ucx_config.emplace_back(std::string(arg.substr(0, eq)),
                                     std::string(arg.substr(eq + 1)));
+    } else if (arg == "--perftest-heap=false") {
+      flags.perftest_heap = false;
     } else if (arg == "--pin=false") {
       flags.pin = false;
     } else if (arg == "--role=receiver") {
@@ -623,7 +658,7 @@ int Main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
 
-  if (flags.pin && CanPin()) PinTo(0);
+  if (flags.pin && CanPin()) PinTo(SenderCpus(flags));
   Context ctx;
   ctx.flags = flags;
   auto transport = CreateUcxTransport(OptionsFor(flags));

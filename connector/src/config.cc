@@ -64,6 +64,8 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
       if (s.ucx_tls.empty()) return KeyError(key, v, "a non-empty UCX_TLS value");
     } else if (it.key() == "ucx_net_devices") {
       RETURN_IF_ERROR(GetString(v, key, s.ucx_net_devices));
+    } else if (it.key() == "ucx_copy_threads") {
+      RETURN_IF_ERROR(GetInt32(v, key, 0, 64, s.ucx_copy_threads));
     } else if (it.key() == "load_timeout_ms") {
       RETURN_IF_ERROR(GetInt(v, key, 1, 3600000, s.load_timeout_ms));
     } else if (it.key() == "send_timeout_ms") {
@@ -92,7 +94,8 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "kv_transfer_config: unknown key ", key,
-          " (known: transport, ucx_tls, ucx_net_devices, load_timeout_ms, send_timeout_ms, "
+          " (known: transport, ucx_tls, ucx_net_devices, ucx_copy_threads, load_timeout_ms, "
+          "send_timeout_ms, "
           "handshake_timeout_ms, verify_checksum, secret, pipeline_parallel_size, "
           "pipeline_rank, pipeline_layers)"));
     }

@@ -29,6 +29,7 @@ absl::StatusOr<std::unique_ptr<KvConnector>> CreateKvConnector(
     UcxTransportOptions options;
     options.tls = config.kvstream.ucx_tls;
     options.net_devices = config.kvstream.ucx_net_devices;
+    options.copy_threads = config.kvstream.ucx_copy_threads;
     ASSIGN_OR_RETURN(transport, CreateUcxTransport(options));
   }
   return CreateLayerwiseConnector(config, std::move(transport));

@@ -2,6 +2,8 @@
 # Starts a prefill and a decode worker as two real processes (or under mpirun) and checks
 # what the scenario expects. Usage: run_workers.sh KVSTREAM_BINARY SCENARIO
 #   shm | tcp          1P1D over UCX shared memory / TCP on loopback, outputs bit-identical
+#   shm-copy           shm with two copy threads on each worker (ucx_copy_threads): the
+#                      prefill worker's writes into the decode worker's cache are copies
 #   mpirun             the same under mpirun -np 2 (rank 0 prefill, rank 1 decode)
 #   mpirun-1p2d        mpirun -np 3: one prefill worker serving two decode workers
 #   mpirun-2p1d        mpirun -np 3: two prefill workers serving one decode worker
@@ -17,6 +19,7 @@
 #                      dies after sending stage 0's layers, so stage 1 sees load errors; both
 #                      stages recompute the same requests and the outputs stay bit-identical
 #   kill-consumer      the decode worker dies mid-stream: the prefill worker frees its blocks
+#   kill-consumer-copy the same with copy threads
 #   metrics            the prefill worker's Prometheus endpoint is scraped after a run; then
 #                      SIGTERM stops the worker cleanly (exit 0, every block free)
 #   metrics-pp         the same with a decode worker of two pipeline stages: one peer label
@@ -34,6 +37,7 @@ prompts="--prompts=37,120,9,64 --decode-steps=6"
 layer_bytes=$(( (36 + 119 + 8 + 63) * 2 * 2 * 16 * 4 ))
 tls=shm; extra=""
 [ "$scenario" = tcp ] && { tls=tcp; extra=', "ucx_net_devices": "lo"'; }
+case "$scenario" in *-copy) extra=', "ucx_copy_threads": 2' ;; esac
 policy=recompute
 port=0
 cfg() {  # cfg ROLE [extra json]
@@ -68,7 +72,7 @@ show() { echo "--- prefill"; cat "$work/prefill.out"; echo "--- decode"; cat "$w
 fail() { show; echo "FAIL: $*"; exit 1; }
 
 case "$scenario" in
-  shm|tcp)
+  shm|shm-copy|tcp)
     start_prefill --serve=4
     if [ "$scenario" = tcp ]; then run_decode_explicit --json="$work/report.json"
     else run_decode --json="$work/report.json"; fi
@@ -251,7 +255,7 @@ case "$scenario" in
       grep -q '"blocks_leaked": false' "$work/report.json.pp$s" || fail "stage $s leaked blocks"
     done
     ;;
-  kill-consumer)
+  kill-consumer|kill-consumer-copy)
     start_prefill --serve=4 --idle-timeout=20
     run_decode --crash-after-layer=1
     [ $drc -eq 137 ] || fail "decode worker should have been killed (exit $drc)"

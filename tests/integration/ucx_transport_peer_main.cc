@@ -14,6 +14,8 @@
 //     notification "written", writes "DONE <status>" to fd 3, then progresses until stdin
 //     says "exit" or closes.
 //
+// Both roles take --copy-threads=N (UcxTransportOptions::copy_threads).
+//
 // Exits non-zero with a message on stderr on any error. Lives only as long as its parent.
 #include <poll.h>
 #include <unistd.h>
@@ -158,6 +160,9 @@ int Main(int argc, char** argv) {
   UcxTransportOptions options;
   options.tls = flags.count("tls") ? flags["tls"] : "shm";
   if (options.tls == "tcp") options.net_devices = "lo";
+  if (flags.count("copy-threads")) {
+    options.copy_threads = static_cast<int>(Number(flags, "copy-threads"));
+  }
   auto transport = CreateUcxTransport(options);
   if (!transport.ok()) return Fail(transport.status().ToString());
   const size_t bytes = Number(flags, "bytes");

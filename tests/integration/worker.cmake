@@ -1,6 +1,6 @@
 # Prefill and decode workers as real processes (and under mpirun).
-foreach(scenario shm tcp mismatch mismatch-pp kill-producer kill-producer-pp kill-consumer
-        metrics metrics-pp)
+foreach(scenario shm shm-copy tcp mismatch mismatch-pp kill-producer kill-producer-pp
+        kill-consumer kill-consumer-copy metrics metrics-pp)
   add_test(NAME worker_${scenario}
     COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> ${scenario})
   set_tests_properties(worker_${scenario} PROPERTIES LABELS integration TIMEOUT 300

@@ -21,7 +21,8 @@ TEST(KvTransferConfigTest, ParsesVllmConfigWithKvstreamSettings) {
       "kv_connector_extra_config": {"transport": "ucx", "ucx_tls": "tcp",
                                     "ucx_net_devices": "lo", "load_timeout_ms": 250,
                                     "send_timeout_ms": 900, "verify_checksum": false,
-                                    "secret": "s3", "handshake_timeout_ms": 77}})");
+                                    "secret": "s3", "handshake_timeout_ms": 77,
+                                    "ucx_copy_threads": 4}})");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->kv_connector, "LayerwiseConnector");
   EXPECT_EQ(c->kv_role, KvRole::kConsumer);
@@ -39,6 +40,7 @@ TEST(KvTransferConfigTest, ParsesVllmConfigWithKvstreamSettings) {
   EXPECT_EQ(c->kvstream.handshake_timeout_ms, 77);
   EXPECT_FALSE(c->kvstream.verify_checksum);
   EXPECT_EQ(c->kvstream.secret, "s3");
+  EXPECT_EQ(c->kvstream.ucx_copy_threads, 4);
 }
 
 TEST(KvTransferConfigTest, DefaultsAndGeneratedEngineId) {
@@ -49,6 +51,7 @@ TEST(KvTransferConfigTest, DefaultsAndGeneratedEngineId) {
   EXPECT_EQ(a->kv_ip, "127.0.0.1");
   EXPECT_EQ(a->kv_load_failure_policy, LoadFailurePolicy::kRecompute);
   EXPECT_TRUE(a->kvstream.verify_checksum);
+  EXPECT_EQ(a->kvstream.ucx_copy_threads, 0);
   EXPECT_FALSE(a->engine_id.empty());
   EXPECT_NE(a->engine_id, b->engine_id);
 }
@@ -71,6 +74,9 @@ TEST(KvTransferConfigTest, ErrorsNameTheKeyAndValue) {
       {R"({"kv_connector_extra_config": {"transport": "nccl"}})", "nccl"},
       {R"({"kv_connector_extra_config": {"load_timeout_ms": 0}})", "load_timeout_ms"},
       {R"({"kv_connector_extra_config": {"verify_checksum": "yes"}})", "verify_checksum"},
+      {R"({"kv_connector_extra_config": {"ucx_copy_threads": 65}})", "ucx_copy_threads"},
+      {R"({"kv_connector_extra_config": {"ucx_copy_threads": -1}})", "ucx_copy_threads"},
+      {R"({"kv_connector_extra_config": {"ucx_copy_threads": "4"}})", "ucx_copy_threads"},
       {R"({"kv_connector_extra_config": []})", "kv_connector_extra_config"},
       {R"({"engine_id": ""})", "engine_id"},
       {R"({"kv_connector_extra_config": {"pipeline_parallel_size": 0}})", "pipeline_parallel_size"},
