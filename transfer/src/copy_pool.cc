@@ -49,13 +49,14 @@ absl::StatusOr<std::unique_ptr<CopyPool>> CopyPool::Create(int threads) {
 
 CopyPool::~CopyPool() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
     for (const std::shared_ptr<CopyJob>& job : queue_) {
       job->abandoned_.store(true, std::memory_order_seq_cst);
     }
     queue_.clear();
   }
+  idle_.notify_all();
   for (std::thread& t : threads_) t.join();
 }
 
@@ -82,9 +83,12 @@ std::shared_ptr<CopyJob> CopyPool::Submit(const std::vector<CopyPiece>& pieces,
   // The last, partial batch; a job with nothing to copy gets one empty batch, so that a
   // thread still calls `done`.
   if (batch_bytes > 0 || job->pieces_.empty()) job->batch_begin_.push_back(job->pieces_.size());
-  absl::MutexLock lock(&mu_);
-  queue_.push_back(job);
-  submitted_.fetch_add(1, std::memory_order_release);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(job);
+    submitted_.fetch_add(1, std::memory_order_release);
+  }
+  idle_.notify_all();  // every thread may take batches of it
   return job;
 }
 
@@ -101,7 +105,7 @@ std::shared_ptr<CopyJob> CopyPool::NextJob() {
   while (true) {
     size_t seen = 0;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       while (!queue_.empty()) {
         const std::shared_ptr<CopyJob>& front = queue_.front();
         const size_t batches = front->batch_begin_.size() - 1;
@@ -120,12 +124,8 @@ std::shared_ptr<CopyJob> CopyPool::NextJob() {
       CpuRelax();
     }
     if (submitted_.load(std::memory_order_acquire) != seen) continue;
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](CopyPool* pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool->mu_) {
-          return pool->stopping_ || !pool->queue_.empty();
-        },
-        this));
+    std::unique_lock<std::mutex> lock(mu_);
+    idle_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
   }
 }
 
