@@ -36,6 +36,12 @@ inline void CpuRelax() {
 
 }  // namespace
 
+void CopyPool::SpinLock::lock() {
+  while (locked_.exchange(true, std::memory_order_acquire)) {
+    while (locked_.load(std::memory_order_relaxed)) CpuRelax();
+  }
+}
+
 absl::StatusOr<std::unique_ptr<CopyPool>> CopyPool::Create(int threads) {
   if (threads < 1 || threads > 256) {
     return absl::InvalidArgumentError(
@@ -49,13 +55,14 @@ absl::StatusOr<std::unique_ptr<CopyPool>> CopyPool::Create(int threads) {
 
 CopyPool::~CopyPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
+    std::lock_guard<SpinLock> lock(queue_lock_);
     for (const std::shared_ptr<CopyJob>& job : queue_) {
       job->abandoned_.store(true, std::memory_order_seq_cst);
     }
     queue_.clear();
   }
+  stopping_.store(true, std::memory_order_release);
+  { std::lock_guard<std::mutex> lock(sleep_mu_); }  // see Submit
   idle_.notify_all();
   for (std::thread& t : threads_) t.join();
 }
@@ -84,10 +91,13 @@ std::shared_ptr<CopyJob> CopyPool::Submit(const std::vector<CopyPiece>& pieces,
   // thread still calls `done`.
   if (batch_bytes > 0 || job->pieces_.empty()) job->batch_begin_.push_back(job->pieces_.size());
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<SpinLock> lock(queue_lock_);
     queue_.push_back(job);
-    submitted_.fetch_add(1, std::memory_order_release);
   }
+  submitted_.fetch_add(1, std::memory_order_release);
+  // A sleeper tests submitted_ under sleep_mu_ before it waits: taking the mutex here means
+  // it either saw the new count or is already waiting for this notification.
+  { std::lock_guard<std::mutex> lock(sleep_mu_); }
   idle_.notify_all();  // every thread may take batches of it
   return job;
 }
@@ -103,9 +113,10 @@ void CopyPool::Run() {
 
 std::shared_ptr<CopyJob> CopyPool::NextJob() {
   while (true) {
-    size_t seen = 0;
+    // Read before the queue is looked at: a job queued after this read changes the count.
+    const size_t seen = submitted_.load(std::memory_order_acquire);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<SpinLock> lock(queue_lock_);
       while (!queue_.empty()) {
         const std::shared_ptr<CopyJob>& front = queue_.front();
         const size_t batches = front->batch_begin_.size() - 1;
@@ -115,17 +126,19 @@ std::shared_ptr<CopyJob> CopyPool::NextJob() {
         }
         queue_.pop_front();  // handed out in full (threads may still be copying it)
       }
-      if (stopping_) return nullptr;
-      seen = submitted_.load(std::memory_order_acquire);
     }
+    if (stopping_.load(std::memory_order_acquire)) return nullptr;
     const auto until = std::chrono::steady_clock::now() + kIdleSpin;
     while (submitted_.load(std::memory_order_acquire) == seen &&
            std::chrono::steady_clock::now() < until) {
       CpuRelax();
     }
     if (submitted_.load(std::memory_order_acquire) != seen) continue;
-    std::unique_lock<std::mutex> lock(mu_);
-    idle_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    std::unique_lock<std::mutex> lock(sleep_mu_);
+    idle_.wait(lock, [this, seen] {
+      return stopping_.load(std::memory_order_acquire) ||
+             submitted_.load(std::memory_order_acquire) != seen;
+    });
   }
 }
 

@@ -69,7 +69,7 @@ class CopyPool {
   static constexpr size_t kMaxPieceBytes = size_t{1} << 20;
   // A thread takes consecutive pieces of at least this many bytes at a time (one atomic
   // increment per batch rather than per small block).
-  static constexpr size_t kBatchBytes = size_t{64} << 10;
+  static constexpr size_t kBatchBytes = size_t{32} << 10;
 
   // `threads` copy threads (1 to 256, else InvalidArgument), started now.
   static absl::StatusOr<std::unique_ptr<CopyPool>> Create(int threads);
@@ -101,12 +101,25 @@ class CopyPool {
   // Copies batches of `job` until it has none left to hand out or is abandoned.
   static void Work(CopyJob& job);
 
-  // A standard mutex rather than absl::Mutex: ThreadSanitizer sees through it where the
-  // distribution's Abseil is not instrumented.
-  std::mutex mu_;
-  std::condition_variable idle_;                // threads with nothing to do sleep here
-  std::deque<std::shared_ptr<CopyJob>> queue_;  // guarded by mu_
-  bool stopping_ = false;                       // guarded by mu_
+  // The queue's lock: held for a few instructions, and taken by every thread at once when a
+  // job arrives, so waiters spin rather than sleep in the kernel (a sleeping waiter would
+  // add its wake-up to the job's latency).
+  class SpinLock {
+   public:
+    void lock();
+    void unlock() { locked_.store(false, std::memory_order_release); }
+
+   private:
+    std::atomic<bool> locked_{false};
+  };
+
+  SpinLock queue_lock_;
+  std::deque<std::shared_ptr<CopyJob>> queue_;  // guarded by queue_lock_
+  std::atomic<bool> stopping_{false};
+  // Idle threads sleep on `idle_` (a standard mutex and condition variable, which
+  // ThreadSanitizer sees through where the distribution's Abseil is not instrumented).
+  std::mutex sleep_mu_;
+  std::condition_variable idle_;
   std::atomic<size_t> submitted_{0};  // jobs ever queued: what idle threads spin on
   std::vector<std::thread> threads_;
 };
