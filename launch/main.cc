@@ -282,7 +282,7 @@ int main(int argc, char** argv) {
       "the ratio: attention (CPU attention vs OpenBLAS sgemm), cache (cache update vs memcpy), "
       "transfer (two processes over UCX vs ucx_perftest). Flags after the name go to the "
       "Google Benchmark program (e.g. --benchmark_repetitions=3; transfer: --memory, --tls, "
-      "--depth)");
+      "--depth, --copy-threads, --perftest-heap=false)");
   bench_cmd->add_option("name", bench_name, "attention, cache or transfer")
       ->required()->check(CLI::IsMember({"attention", "cache", "transfer"}));
   bench_cmd->add_option("args", bench_args, "Flags for the benchmark program");
