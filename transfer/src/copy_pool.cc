@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <system_error>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -49,7 +50,14 @@ absl::StatusOr<std::unique_ptr<CopyPool>> CopyPool::Create(int threads) {
   }
   std::unique_ptr<CopyPool> pool(new CopyPool());
   pool->threads_.reserve(static_cast<size_t>(threads));
-  for (int i = 0; i < threads; ++i) pool->threads_.emplace_back([p = pool.get()] { p->Run(); });
+  try {
+    for (int i = 0; i < threads; ++i) pool->threads_.emplace_back([p = pool.get()] { p->Run(); });
+  } catch (const std::system_error& e) {
+    // The destructor stops and joins the threads already started.
+    return absl::ResourceExhaustedError(
+        absl::StrCat("copy threads: could not start thread ", pool->threads_.size() + 1,
+                     " of ", threads, ": ", e.what()));
+  }
   return pool;
 }
 
