@@ -43,8 +43,8 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -61,9 +61,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "copy_pool.h"
 #include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
-#include "copy_pool.h"
 #include "ucx/ucx_handles.h"
 #include "ucx/ucx_status.h"
 #include "ucx/ucx_wire.h"
