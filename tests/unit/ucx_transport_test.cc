@@ -14,12 +14,14 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvstream/common/logging.h"
 #include "kvstream/transfer/transport.h"
 
 namespace kvstream {
@@ -910,8 +912,20 @@ TEST(UcxCreateTest, RejectsBadCopyThreadCounts) {
   EXPECT_THAT(t.status().message(), HasSubstr("copy_threads"));
   options.copy_threads = kMaxCopyThreads + 1;
   EXPECT_EQ(CreateUcxTransport(options).status().code(), absl::StatusCode::kInvalidArgument);
+  // More copy threads than CPUs still works, with a warning that names the counts.
+  std::vector<std::string> warnings;
+  LogSink previous = SetLogSink([&](LogLevel level, absl::string_view message) {
+    if (level == LogLevel::kWarning) warnings.emplace_back(message);
+  });
   options.copy_threads = kMaxCopyThreads;
   EXPECT_TRUE(CreateUcxTransport(options).ok());
+  SetLogSink(previous);
+  const unsigned cpus = std::thread::hardware_concurrency();
+  if (cpus != 0 && cpus <= static_cast<unsigned>(kMaxCopyThreads)) {
+    ASSERT_EQ(warnings.size(), 1u);
+    EXPECT_THAT(warnings[0], HasSubstr(absl::StrCat(kMaxCopyThreads, " copy threads on ", cpus,
+                                                    " CPUs")));
+  }
 }
 
 TEST(UcxCreateTest, RejectsUnknownTransports) {

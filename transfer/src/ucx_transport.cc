@@ -52,6 +52,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -1119,6 +1120,13 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportImpl(
   core->network = AllowsNetwork(tls);
   std::unique_ptr<CopyPool> pool;
   if (options.copy_threads > 0) {
+    const unsigned cpus = std::thread::hardware_concurrency();
+    if (cpus != 0 && static_cast<unsigned>(options.copy_threads) >= cpus) {
+      Log(LogLevel::kWarning,
+          absl::StrCat("UCX transport: ", options.copy_threads, " copy threads on ", cpus,
+                       " CPUs: they share cores with the threads that post and progress, "
+                       "which can make transfers slower than without them"));
+    }
     ASSIGN_OR_RETURN(pool, CopyPool::Create(options.copy_threads));
   }
   return std::unique_ptr<Transport>(new UcxTransport(std::move(core), std::move(pool)));

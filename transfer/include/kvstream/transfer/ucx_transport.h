@@ -65,7 +65,9 @@ struct UcxTransportOptions {
   // anything itself. 0 (the default): UCX puts, copied inside PostWrite by the calling
   // thread. Writes into memory that cannot be mapped (TCP; registered ordinary memory) are
   // puts either way. An idle copy thread polls for about 100 us before it sleeps. At most
-  // kMaxCopyThreads. See docs/benchmarks.md for what they gain where cores are free.
+  // kMaxCopyThreads; as many as this machine has CPUs or more logs a warning (they then
+  // compete with the threads that post and progress). See docs/benchmarks.md for what they
+  // gain where cores are free.
   int copy_threads = 0;
 };
 
