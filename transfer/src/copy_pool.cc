@@ -38,8 +38,16 @@ inline void CpuRelax() {
 }  // namespace
 
 void CopyPool::SpinLock::lock() {
+  int spins = 0;
   while (locked_.exchange(true, std::memory_order_acquire)) {
-    while (locked_.load(std::memory_order_relaxed)) CpuRelax();
+    while (locked_.load(std::memory_order_relaxed)) {
+      // A holder preempted on a machine with fewer cores than threads needs the CPU back.
+      if (++spins % 1024 == 0) {
+        std::this_thread::yield();
+      } else {
+        CpuRelax();
+      }
+    }
   }
 }
 
