@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kvstream/common/status_macros.h"
+#include "kvstream/transfer/ucx_transport.h"
 
 namespace kvstream {
 namespace {
@@ -65,7 +66,7 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
     } else if (it.key() == "ucx_net_devices") {
       RETURN_IF_ERROR(GetString(v, key, s.ucx_net_devices));
     } else if (it.key() == "ucx_copy_threads") {
-      RETURN_IF_ERROR(GetInt32(v, key, 0, 64, s.ucx_copy_threads));
+      RETURN_IF_ERROR(GetInt32(v, key, 0, kMaxCopyThreads, s.ucx_copy_threads));
     } else if (it.key() == "load_timeout_ms") {
       RETURN_IF_ERROR(GetInt(v, key, 1, 3600000, s.load_timeout_ms));
     } else if (it.key() == "send_timeout_ms") {

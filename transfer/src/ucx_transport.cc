@@ -97,16 +97,17 @@ struct UcxTransfer {
   bool released = false;
   NotificationHeader header{};
   std::string payload;
-  // Copy threads: the job copying the segments, until every byte is copied (copies_done);
-  // the handles it reads and writes through.
+  // Copy threads: the job copying the segments (null for a transfer with nothing to copy,
+  // and once it has moved on); the handles it reads and writes through.
   std::shared_ptr<CopyJob> job;
-  bool copies_done = true;
   const void* local_handle = nullptr;
   const void* remote_handle = nullptr;
 
   bool active() const {
     return phase == Phase::kCopying || phase == Phase::kFlushing || phase == Phase::kNotifying;
   }
+  // Whether bytes of its own remain to be copied.
+  bool copying() const { return job != nullptr && !job->finished(); }
 };
 
 struct UcxPeer {
@@ -195,7 +196,7 @@ struct UcxCore {
     const bool was_waiting = t->phase == Phase::kCopying;
     t->phase = Phase::kFailed;
     t->status = std::move(status);
-    if (t->job != nullptr && !t->copies_done) CopyPool::Abandon(*t->job);
+    if (t->copying()) CopyPool::Abandon(*t->job);
     t->job.reset();
     if (was_waiting) {
       auto it = std::find(peer->waiting.begin(), peer->waiting.end(), t);
@@ -210,7 +211,7 @@ struct UcxCore {
     while (!peer->waiting.empty() && peer->status.ok() && !peer->disconnected && peer->ep &&
            !shut_down) {
       UcxTransfer* t = peer->waiting.front();
-      if (!t->copies_done) return;
+      if (t->copying()) return;
       peer->waiting.pop_front();
       t->job.reset();
       absl::Status status = StartFlush(t);
@@ -223,7 +224,6 @@ struct UcxCore {
     absl::MutexLock lock(&mu);
     auto it = transfers.find(id);
     if (it == transfers.end() || it->second->phase != Phase::kCopying) return;
-    it->second->copies_done = true;
     Pump(it->second->peer);
   }
 
@@ -232,7 +232,7 @@ struct UcxCore {
   void FailCopiesThrough(const void* handle, absl::string_view what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (auto& [id, t] : transfers) {
-      if (t->phase != Phase::kCopying || t->copies_done) continue;
+      if (t->phase != Phase::kCopying || !t->copying()) continue;
       if (t->local_handle != handle && t->remote_handle != handle) continue;
       FailTransfer(t.get(), absl::CancelledError(absl::StrCat(
                                 "UCX transfer ", id, " to ", t->peer->label, " cancelled: ",
@@ -868,7 +868,7 @@ class UcxTransport final : public Transport {
     UcxTransfer* t = NewTransfer(peer, notification);
     const TransferId id = t->id;
     if (!peer->waiting.empty()) {
-      t->phase = Phase::kCopying;  // nothing of its own to copy: copies_done
+      t->phase = Phase::kCopying;  // nothing of its own to copy: no job
       peer->waiting.push_back(t);
       return id;
     }
@@ -901,7 +901,6 @@ class UcxTransport final : public Transport {
     }
     UcxTransfer* t = NewTransfer(peer, notification);
     t->phase = Phase::kCopying;
-    t->copies_done = false;
     t->local_handle = &local;
     t->remote_handle = &remote;
     peer->waiting.push_back(t);

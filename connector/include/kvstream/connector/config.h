@@ -33,7 +33,7 @@ struct KvstreamSettings {
   std::string transport = "ucx";  // "ucx" or "loopback"
   std::string ucx_tls = "shm";    // UcxTransportOptions::tls
   std::string ucx_net_devices;    // UcxTransportOptions::net_devices
-  int32_t ucx_copy_threads = 0;   // UcxTransportOptions::copy_threads (0 .. 64)
+  int32_t ucx_copy_threads = 0;   // UcxTransportOptions::copy_threads (0 .. kMaxCopyThreads)
   int64_t load_timeout_ms = 10000;       // consumer: a layer must arrive within this
   int64_t send_timeout_ms = 10000;       // producer: transfers in flight must finish within
                                          // this of the last layer posted
