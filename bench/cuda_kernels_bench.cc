@@ -418,15 +418,16 @@ void BM_CacheUpdate(benchmark::State& state) {
 }
 
 // Decode: `seqs` sequences of `seq_len` keys, one query token each, on the kernel of
-// range(2) (0: CUDA cores, 1: tensor cores).
+// range(2) (0: CUDA cores, 1: tensor cores with cp.async, 2: tensor cores with TMA, the
+// default on this shape).
 void BM_Decode(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
   const int seqs = static_cast<int>(state.range(0));
   const int seq_len = static_cast<int>(state.range(1));
-  const internal::DecodeKernel kernel = state.range(2) != 0
-                                            ? internal::DecodeKernel::kTensorCores
-                                            : internal::DecodeKernel::kCudaCores;
+  const internal::DecodeKernel kernel = state.range(2) == 2   ? internal::DecodeKernel::kTensorCoresTma
+                                        : state.range(2) == 1 ? internal::DecodeKernel::kTensorCores
+                                                              : internal::DecodeKernel::kCudaCores;
   const int forced_splits = static_cast<int>(state.range(3));
   auto run = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(std::unique_ptr<PagedBatch> batch, MakePagedBatch(*gpu, seqs, seq_len, 1, 6));
@@ -445,6 +446,7 @@ void BM_Decode(benchmark::State& state) {
     internal::DecodeLaunchOptions options;
     options.num_sms = gpu->num_sms;
     options.dependent_merge = gpu->compute_major >= 9;  // as the backend launches it
+    options.tma = gpu->compute_major >= 9;
     options.kernel = kernel;
     options.num_splits = forced_splits;
     DeviceBuffer workspace;
@@ -564,16 +566,19 @@ BENCHMARK(BM_CacheUpdate)
 BENCHMARK(BM_Decode)
     ->ArgNames({"seqs", "seq_len", "kernel", "splits"})
     ->Apply([](benchmark::internal::Benchmark* b) {
-      for (const int64_t kernel : {0, 1}) {
+      for (const int64_t kernel : {0, 1, 2}) {
         b->Args({64, 4096, kernel, 0});
         b->Args({16, 32768, kernel, 0});
       }
-      // The launcher's split choice against fixed ones (tensor cores).
+      // The launchers' split choices against fixed ones (tensor cores, cp.async and TMA).
       for (const int64_t splits : {1, 2, 4, 8}) b->Args({64, 4096, 1, splits});
       for (const int64_t splits : {4, 8, 16, 32, 64}) b->Args({16, 32768, 1, splits});
+      for (const int64_t splits : {1, 2}) b->Args({64, 4096, 2, splits});
+      for (const int64_t splits : {2, 4, 8}) b->Args({16, 32768, 2, splits});
       // A batch below one wave (64 CTAs without splits): the launcher's choice against
       // fixed ones.
       for (const int64_t splits : {0, 2, 4, 8, 16}) b->Args({8, 4096, 1, splits});
+      for (const int64_t splits : {0, 4, 8, 16}) b->Args({8, 4096, 2, splits});
     })
     ->UseManualTime()
     ->Iterations(kIterations)

@@ -72,6 +72,7 @@ class CudaDecodeTest : public ::testing::Test {
     auto cc9 = gpu_test::ComputeCapability9();
     ASSERT_TRUE(cc9.ok()) << cc9.status();
     dependent_merge_ = *cc9;
+    tma_ = *cc9;
   }
 
   // Validates, plans and launches the decode kernels for device params `p`, then waits.
@@ -81,6 +82,7 @@ class CudaDecodeTest : public ::testing::Test {
     internal::DecodeLaunchOptions options;
     options.num_sms = num_sms_;
     options.dependent_merge = dependent_merge_;  // as the backend launches the merge
+    options.tma = tma_;
     options.num_splits = num_splits;
     options.kernel = kernel;
     const DType cache_dtype = p.cache.spec.dtype;
@@ -102,19 +104,41 @@ class CudaDecodeTest : public ::testing::Test {
                                                        p.cache.spec.dtype);
   }
 
+  // Whether the TMA kernel takes device params `p` on this device.
+  bool TmaApplies(const PagedAttentionParams& p) const {
+    auto kp = internal::MakePagedKernelParams(p);
+    return tma_ && kp.ok() &&
+           internal::DecodeTmaApplies(*kp, p.q_dtype, p.out_dtype, p.cache.spec.dtype);
+  }
+
+  static const char* KernelName(internal::DecodeKernel kernel) {
+    switch (kernel) {
+      case internal::DecodeKernel::kCudaCores: return "CUDA cores";
+      case internal::DecodeKernel::kTensorCores: return "tensor cores";
+      case internal::DecodeKernel::kTensorCoresTma: return "tensor cores with TMA";
+      default: return "automatic kernel";
+    }
+  }
+
   // Runs `pb` on the GPU with each kernel of `kernels` that takes it (the CUDA-core kernel
-  // takes every problem here; the tensor-core one 16-bit q == out and 16-byte rows), with
-  // the launcher's split choice (0) and with each of `splits`, and compares every output
-  // with the reference.
+  // takes every problem here; the tensor-core one 16-bit q == out and 16-byte rows; the TMA
+  // one d 128, block size 16 and KV heads in fours, on devices with TMA), with the
+  // launcher's split choice (0) and with each of `splits`, and compares every output with
+  // the reference.
   void ExpectMatches(AttnProblem& pb, const std::vector<int>& splits = {0, 1},
                      const std::vector<internal::DecodeKernel>& kernels = {
                          internal::DecodeKernel::kCudaCores,
-                         internal::DecodeKernel::kTensorCores}) {
+                         internal::DecodeKernel::kTensorCores,
+                         internal::DecodeKernel::kTensorCoresTma}) {
     auto dev = DeviceAttnProblem::Create(pb);
     ASSERT_TRUE(dev.ok()) << dev.status();
     for (internal::DecodeKernel kernel : kernels) {
-      const bool tensor_cores = kernel == internal::DecodeKernel::kTensorCores;
-      if (tensor_cores && !TensorCoresApply((*dev)->params())) continue;
+      if (kernel == internal::DecodeKernel::kTensorCores && !TensorCoresApply((*dev)->params())) {
+        continue;
+      }
+      if (kernel == internal::DecodeKernel::kTensorCoresTma && !TmaApplies((*dev)->params())) {
+        continue;
+      }
       for (int num_splits : splits) {
         ASSERT_TRUE((*dev)->ResetOut().ok());
         const absl::Status st = Launch((*dev)->params(), num_splits, kernel);
@@ -123,7 +147,7 @@ class CudaDecodeTest : public ::testing::Test {
         ASSERT_TRUE(out.ok()) << out.status();
         ExpectMatchesReference(
             pb, *out,
-            absl::StrCat(tensor_cores ? "tensor cores, " : "CUDA cores, ",
+            absl::StrCat(KernelName(kernel), ", ",
                          num_splits == 0 ? std::string("automatic splits")
                                          : absl::StrCat(num_splits, " splits")));
       }
@@ -148,12 +172,14 @@ class CudaDecodeTest : public ::testing::Test {
       ASSERT_TRUE(TensorCoresApply((*dev)->params()))
           << "the tensor-core kernel should take d " << c.head_size << "/" << c.head_size_v;
     }
-    ExpectMatches(pb, splits, {internal::DecodeKernel::kTensorCores});
+    ExpectMatches(pb, splits,
+                  {internal::DecodeKernel::kTensorCores, internal::DecodeKernel::kTensorCoresTma});
   }
 
   CudaStream stream_;
   int num_sms_ = 0;
   bool dependent_merge_ = false;
+  bool tma_ = false;  // compute capability 9.0 or newer
 };
 
 // ---------------------------------------------------------------------------------------
@@ -449,6 +475,120 @@ TEST_F(CudaDecodeTest, TensorCoresTrailingMaxOnClimbingAndFallingScores) {
                          -0.01f, -0.1f, -0.5f, -4.0f, 2.0f,  0.2f,   -0.2f,  0.05f};
     ExpectMatches(pb, {0, 1, 3}, {internal::DecodeKernel::kTensorCores});
   }
+}
+
+// The TMA kernel's shapes: 4, 8 and 12 KV heads, groups 1 to 8, NHD and HND, both 16-bit
+// dtypes, sliding windows that start inside a block, ALiBi and soft cap; sequences of one
+// key, exactly one block, one block and a key, partial last blocks, thousands of keys, and
+// none with no query. The cache is NaN wherever no key was written (AttnProblem), so that
+// the rows the kernel copies with a block but must not use (past a sequence's end, before
+// its window) would show.
+TEST_F(CudaDecodeTest, TmaShapesAndFeatures) {
+  if (!tma_) GTEST_SKIP() << "the device has no TMA (compute capability below 9.0)";
+  struct Case {
+    int kv_heads, group;
+    DType dtype;
+    TestLayout layout;
+    int window;
+    bool alibi;
+    float cap;
+  };
+  for (const Case& k : {Case{8, 4, DType::kBFloat16, TestLayout::kNHD, 0, false, 0.0f},
+                        Case{4, 1, DType::kFloat16, TestLayout::kHND, 0, false, 0.0f},
+                        Case{8, 8, DType::kBFloat16, TestLayout::kHND, 70, true, 0.0f},
+                        Case{4, 4, DType::kFloat16, TestLayout::kNHD, 5, false, 3.0f},
+                        Case{12, 3, DType::kBFloat16, TestLayout::kNHD, 1000, true, 2.0f}}) {
+    SCOPED_TRACE(absl::StrCat(k.kv_heads, " KV heads, group ", k.group, ", ", ShortDType(k.dtype),
+                              ", window ", k.window, ", layout ", static_cast<int>(k.layout)));
+    AttnCase c;
+    c.num_kv_heads = k.kv_heads;
+    c.group = k.group;
+    c.head_size = c.head_size_v = 128;
+    c.block_size = 16;
+    c.q_dtype = c.out_dtype = c.cache_dtype = k.dtype;
+    c.layout = k.layout;
+    c.sliding_window = k.window;
+    c.alibi = k.alibi;
+    c.soft_cap = k.cap;
+    c.scale = 0.3f;
+    c.seqs = {{0, 1}, {67, 1}, {6, 0}, {2047, 1}, {15, 1}, {16, 1}, {1000, 1}, {4100, 1}};
+    AttnProblem pb(c);
+    auto dev = DeviceAttnProblem::Create(pb);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    ASSERT_TRUE(TmaApplies((*dev)->params()));
+    // 64 splits: more than the short sequences have blocks, so some splits are empty.
+    ExpectMatches(pb, {0, 1, 2, 5, 64}, {internal::DecodeKernel::kTensorCoresTma});
+  }
+}
+
+// What the TMA kernel leaves to the others: kTensorCoresTma says why, kAuto falls back and
+// matches the reference.
+TEST_F(CudaDecodeTest, TmaRefusesWhatItDoesNotTake) {
+  struct Case {
+    int kv_heads, group, d, block_size;
+    DType cache;
+    const char* why;
+  };
+  for (const Case& k : {Case{2, 4, 128, 16, DType::kBFloat16, "num_kv_heads 2"},
+                        Case{4, 4, 64, 16, DType::kBFloat16, "head sizes 64/64"},
+                        Case{4, 4, 128, 32, DType::kBFloat16, "block size 32"},
+                        Case{4, 16, 128, 16, DType::kBFloat16, "more than 8"},
+                        Case{4, 4, 128, 16, DType::kFloat8E4M3, "fp8"}}) {
+    SCOPED_TRACE(k.why);
+    AttnCase c;
+    c.num_kv_heads = k.kv_heads;
+    c.group = k.group;
+    c.head_size = c.head_size_v = k.d;
+    c.block_size = k.block_size;
+    c.q_dtype = c.out_dtype = DType::kBFloat16;
+    c.cache_dtype = k.cache;
+    c.quant = IsFp8(k.cache) ? KvQuantMode::kPerHead : KvQuantMode::kNone;
+    c.seqs = DecodeSeqs();
+    AttnProblem pb(c);
+    auto dev = DeviceAttnProblem::Create(pb);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    EXPECT_FALSE(TmaApplies((*dev)->params()));
+    const absl::Status st = Launch((*dev)->params(), 0, internal::DecodeKernel::kTensorCoresTma);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(tma_ ? k.why : "the device has no TMA"));
+    ASSERT_TRUE((*dev)->ResetOut().ok());
+    const absl::Status auto_st = Launch((*dev)->params(), 0, internal::DecodeKernel::kAuto);
+    ASSERT_TRUE(auto_st.ok()) << auto_st;
+    auto out = (*dev)->Out();
+    ASSERT_TRUE(out.ok()) << out.status();
+    ExpectMatchesReference(pb, *out, "automatic kernel choice");
+  }
+}
+
+// On the decode shape (8 KV heads, group 4, d 128, bf16, block size 16) kAuto runs
+// the TMA kernel: the same bytes as kTensorCoresTma with the same (automatic) splits.
+TEST_F(CudaDecodeTest, AutoRunsTheTmaKernelWhereItApplies) {
+  if (!tma_) GTEST_SKIP() << "the device has no TMA (compute capability below 9.0)";
+  AttnCase c;
+  c.num_kv_heads = 8;
+  c.group = 4;
+  c.head_size = c.head_size_v = 128;
+  c.block_size = 16;
+  c.q_dtype = c.out_dtype = c.cache_dtype = DType::kBFloat16;
+  c.seqs = {{4095, 1}, {4000, 1}, {1234, 1}, {4096, 1}};
+  AttnProblem pb(c);
+  auto dev = DeviceAttnProblem::Create(pb);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  std::vector<std::vector<uint8_t>> outs;
+  for (const internal::DecodeKernel kernel :
+       {internal::DecodeKernel::kAuto, internal::DecodeKernel::kTensorCoresTma,
+        internal::DecodeKernel::kTensorCores}) {
+    ASSERT_TRUE((*dev)->ResetOut().ok());
+    const absl::Status st = Launch((*dev)->params(), 0, kernel);
+    ASSERT_TRUE(st.ok()) << st;
+    auto out = (*dev)->Out();
+    ASSERT_TRUE(out.ok()) << out.status();
+    ExpectMatchesReference(pb, *out, KernelName(kernel));
+    outs.push_back(*out);
+  }
+  EXPECT_EQ(outs[0], outs[1]) << "kAuto did not run the TMA kernel";
+  EXPECT_NE(outs[0], outs[2]) << "the cp.async and TMA kernels agree to the bit: the check "
+                                 "above cannot tell them apart";
 }
 
 // ---------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ class CudaBackend final : public CudaAttentionBackend {
       internal::DecodeLaunchOptions options;
       options.num_sms = num_sms_;
       options.dependent_merge = compute_major_ >= 9;
+      options.tma = compute_major_ >= 9;
       options.workspace = [this](size_t bytes) -> absl::StatusOr<void*> {
         if (bytes > workspace_.size()) {
           // Grow by half again, so that a slowly growing batch does not reallocate each

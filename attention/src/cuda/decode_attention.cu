@@ -302,17 +302,29 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   }
   ASSIGN_OR_RETURN(DecodePlan plan, Plan(params, cache_dtype, options));
   std::string why;
-  // kAuto runs the tensor-core kernel wherever it applies: about twice the CUDA-core
-  // kernel's bandwidth on the H200 (docs/benchmarks.md).
+  // kAuto runs the first kernel that applies of: TMA (1.5-2% above the cp.async tensor-core
+  // kernel on the H200), tensor cores (about twice the CUDA-core kernel's bandwidth), CUDA
+  // cores (docs/benchmarks.md).
+  const bool tma =
+      (options.kernel == DecodeKernel::kAuto || options.kernel == DecodeKernel::kTensorCoresTma) &&
+      options.tma && DecodeTmaApplies(params, q_dtype, out_dtype, cache_dtype, &why);
+  if (options.kernel == DecodeKernel::kTensorCoresTma && !tma) {
+    return Invalid(absl::StrCat("the TMA kernel does not apply: ",
+                                options.tma ? why : "the device has no TMA"));
+  }
   const bool tensor_cores =
-      options.kernel != DecodeKernel::kCudaCores &&
+      !tma && options.kernel != DecodeKernel::kCudaCores &&
       DecodeTensorCoresApply(params, q_dtype, out_dtype, cache_dtype, &why);
   if (options.kernel == DecodeKernel::kTensorCores && !tensor_cores) {
     return Invalid(absl::StrCat("the tensor-core kernel does not apply: ", why));
   }
   DecodeTcPlan tc;
-  if (tensor_cores) {
+  if (tma) {
+    ASSIGN_OR_RETURN(tc, PlanDecodeTma(params, options));
+  } else if (tensor_cores) {
     ASSIGN_OR_RETURN(tc, PlanDecodeTc(params, cache_dtype, options));
+  }
+  if (tma || tensor_cores) {
     plan.geo.num_splits = tc.num_splits;
     plan.workspace_bytes = tc.workspace_bytes;
     plan.partial_out_bytes = tc.partial_out_bytes;
@@ -333,7 +345,10 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   plan.geo.q_dtype = ActivationCode(q_dtype);
   plan.geo.out_dtype = ActivationCode(out_dtype);
 
-  if (tensor_cores) {
+  if (tma) {
+    RETURN_IF_ERROR(LaunchDecodeTmaSplit(params, q_dtype, tc, plan.geo.partial_out,
+                                         plan.geo.partial_ml, stream));
+  } else if (tensor_cores) {
     RETURN_IF_ERROR(LaunchDecodeTcSplit(params, q_dtype, cache_dtype, tc, plan.geo.partial_out,
                                         plan.geo.partial_ml, stream));
   } else {

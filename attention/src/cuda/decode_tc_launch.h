@@ -1,5 +1,6 @@
-// The tensor-core decode kernel's half of LaunchDecodeAttention (decode_tc_attention.cu):
-// its plan (split count, workspace) and the launch of its split kernel. The merge kernel
+// The tensor-core decode kernels' half of LaunchDecodeAttention (decode_tc_attention.cu,
+// decode_tma_attention.cu): their plans (split count, workspace) and the launches of their
+// split kernels. The merge kernel
 // it shares with the CUDA-core kernel is launched by decode_attention.cu. Private to the
 // CUDA backend.
 #ifndef KVSTREAM_ATTENTION_CUDA_DECODE_TC_LAUNCH_H_
@@ -51,6 +52,16 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& params, DType
 absl::Status LaunchDecodeTcSplit(const PagedKernelParams& params, DType q_dtype,
                                  DType cache_dtype, const DecodeTcPlan& plan, float* partial_out,
                                  float* partial_ml, cudaStream_t stream);
+
+// The TMA kernel (decode_tma_attention.cu): its split count and workspace (one CTA per SM),
+// and the launch of its split kernel, whose partial results are laid out as the others'.
+// REQUIRES: DecodeTmaApplies(params, q_dtype, q_dtype, q_dtype) and a device of compute
+// capability 9.0 or newer.
+absl::StatusOr<DecodeTcPlan> PlanDecodeTma(const PagedKernelParams& params,
+                                           const DecodeLaunchOptions& options);
+absl::Status LaunchDecodeTmaSplit(const PagedKernelParams& params, DType q_dtype,
+                                  const DecodeTcPlan& plan, float* partial_out,
+                                  float* partial_ml, cudaStream_t stream);
 
 }  // namespace internal
 }  // namespace kvstream

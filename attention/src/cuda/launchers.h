@@ -52,20 +52,26 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
                                     cudaStream_t stream);
 
 // Decode (max_query_len <= 1: every sequence has one query token, or none) over the paged
-// cache: split-KV flash decoding, bandwidth-bound. Two kernels:
+// cache: split-KV flash decoding, bandwidth-bound. Three kernels:
 //  - CUDA cores (decode_attention.cuh): q and out dtypes float32, float16 or bfloat16
 //    (independently); cache float32, float16, bfloat16, fp8 e4m3 or e5m2; head sizes up to
 //    512 (256 for float32 caches), any block size, any strides with a unit dim stride.
 //  - tensor cores (decode_tc_attention.cuh): q dtype == out dtype, float16 or bfloat16;
 //    cache of q's dtype or fp8 e4m3 / e5m2; head sizes up to 256, multiples of 8 (16 for
 //    fp8), every cache row 16-byte aligned (base pointers and strides); any block size.
-// Both take the sliding window, ALiBi, soft cap, any group size and NHD / HND strides.
-// kAuto is the tensor-core kernel where it applies (about twice the bandwidth of the
-// CUDA-core one on the H200, docs/benchmarks.md), else the CUDA-core kernel.
+//  - tensor cores fed by TMA (decode_tma_attention.cuh; compute capability 9.0 and newer):
+//    as the tensor-core kernel, but a cache of q's dtype only, head sizes 128/128, block
+//    size 16, num_kv_heads a multiple of 4, up to 8 query heads per KV head.
+// All take the sliding window, ALiBi, soft cap and NHD / HND strides; the first two any
+// group size. kAuto is the TMA kernel where it applies (on the H200 1.5-2% faster than the
+// cp.async tensor-core kernel at the shapes, docs/benchmarks.md), else the
+// tensor-core kernel where it applies (about twice the bandwidth of the CUDA-core one),
+// else the CUDA-core kernel.
 enum class DecodeKernel {
-  kAuto,         // tensor cores where they apply, else CUDA cores
+  kAuto,            // TMA, else tensor cores, else CUDA cores: the first that applies
   kCudaCores,
-  kTensorCores,  // InvalidArgument where they do not apply
+  kTensorCores,     // the cp.async tensor-core kernel; InvalidArgument where it does not apply
+  kTensorCoresTma,  // InvalidArgument where it does not apply or options.tma is false
 };
 
 struct DecodeLaunchOptions {
@@ -75,6 +81,9 @@ struct DecodeLaunchOptions {
   // as a programmatic dependent of the split kernel (its launch and first CTAs overlap the
   // split kernel's last ones). Must be false on older devices.
   bool dependent_merge = false;
+  // Whether that device has the Tensor Memory Accelerator (compute capability 9.0 or
+  // newer): only then may the TMA kernel run. Must be false on older devices.
+  bool tma = false;
   // > 0: split every sequence's keys into exactly this many parts (at most 256) instead
   // of choosing from num_sms; for tests of the split and merge paths.
   int num_splits = 0;
@@ -92,6 +101,11 @@ struct DecodeLaunchOptions {
 // and `why` is not null, *why says what it lacks.
 bool DecodeTensorCoresApply(const PagedKernelParams& params, DType q_dtype, DType out_dtype,
                             DType cache_dtype, std::string* why = nullptr);
+
+// Whether the TMA decode kernel takes this problem on a device that has TMA (see above);
+// when it does not and `why` is not null, *why says what it lacks.
+bool DecodeTmaApplies(const PagedKernelParams& params, DType q_dtype, DType out_dtype,
+                      DType cache_dtype, std::string* why = nullptr);
 
 // Lets `kernel` (a __global__ function) launch with `bytes` of dynamic shared memory on
 // the calling thread's current device, and with `max_carveout` all of the unified L1 as

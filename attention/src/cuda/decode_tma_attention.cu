@@ -1,0 +1,182 @@
+// The TMA decode kernel's launcher half (decode_tc_launch.h): what the kernel takes
+// (DecodeTmaApplies), its split count, the K and V caches' tensor maps and the launch of
+// its split kernel (decode_tma_attention.cuh). The merge kernel it shares with the other
+// decode kernels is launched by decode_attention.cu.
+//
+// Split count. One CTA per SM (the kernel's ring takes 136 KiB of shared memory), so the
+// CTAs of one split, num_seqs * num_kv_heads / 4, are split into the fewest parts that fill
+// one wave mostly (ChooseDecodeSplits with one CTA per SM): 64 x 4096 keys with 8 KV heads
+// run unsplit as 128 CTAs on 132 SMs, 16 x 32768 as 4 splits.
+//
+// Tensor maps. cuTensorMapEncodeTiled is a driver function; it is taken from the runtime
+// (cudaGetDriverEntryPointByVersion) once per process, so that nothing links libcuda
+// directly. A map is 128 bytes of host memory encoded per launch (about a microsecond) and
+// passed by value: caches may move between launches.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "cuda/decode_tc_launch.h"
+#include "cuda/decode_tma_attention.cuh"
+#include "cuda/kernel_params.h"
+#include "cuda/launchers.h"
+#include "kvstream/common/cuda_status.h"
+#include "kvstream/common/dtype.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace internal {
+namespace {
+
+namespace tma = decode_tma;
+using Traits = tma::DecodeTmaTraits;
+
+absl::Status Error(absl::string_view what) {
+  return absl::InternalError(absl::StrCat("cuda decode attention (TMA): ", what));
+}
+
+// cuTensorMapEncodeTiled from the driver, or the reason it is not there.
+absl::StatusOr<PFN_cuTensorMapEncodeTiled_v12000> EncodeFunction() {
+  struct Lookup {
+    PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+    std::string error;
+  };
+  static const Lookup lookup = [] {
+    Lookup l;
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion(
+        "cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      l.error = absl::StrCat("the driver has no cuTensorMapEncodeTiled (",
+                             cudaGetErrorString(err), ")");
+    } else {
+      l.fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }
+    return l;
+  }();
+  if (lookup.fn == nullptr) return Error(lookup.error);
+  return lookup.fn;
+}
+
+// The tensor map of one cache: [block][head][column half][token][64 elements] (innermost
+// last here; the map lists dimensions innermost first), boxes of one block's 16 tokens x
+// 128 elements for Traits::kHeads heads, 128-byte swizzle.
+absl::StatusOr<CUtensorMap> EncodeCacheMap(const PagedKernelParams& p, const void* cache,
+                                           int64_t block_stride, int64_t token_stride,
+                                           int64_t head_stride, DType dtype) {
+  ASSIGN_OR_RETURN(PFN_cuTensorMapEncodeTiled_v12000 encode, EncodeFunction());
+  const cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(Traits::kBlockTokens), 2,
+                              static_cast<cuuint64_t>(p.num_kv_heads),
+                              static_cast<cuuint64_t>(p.num_blocks)};
+  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(token_stride) * 2, 128,
+                                 static_cast<cuuint64_t>(head_stride) * 2,
+                                 static_cast<cuuint64_t>(block_stride) * 2};
+  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(Traits::kBlockTokens), 2,
+                             static_cast<cuuint32_t>(Traits::kHeads), 1};
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = encode(
+      &map,
+      dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      5, const_cast<void*>(cache), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Error(absl::StrCat("cuTensorMapEncodeTiled failed with CUresult ",
+                              static_cast<int>(r), " (strides ", block_stride, "/",
+                              token_stride, "/", head_stride, ", ", p.num_blocks, " blocks)"));
+  }
+  return map;
+}
+
+using TmaKernel = void (*)(PagedKernelParams, CUtensorMap, CUtensorMap, tma::DecodeTmaArgs);
+
+}  // namespace
+
+bool DecodeTmaApplies(const PagedKernelParams& p, DType q_dtype, DType out_dtype,
+                      DType cache_dtype, std::string* why) {
+  auto no = [&](std::string reason) {
+    if (why != nullptr) *why = std::move(reason);
+    return false;
+  };
+  std::string tc_why;
+  if (!DecodeTensorCoresApply(p, q_dtype, out_dtype, cache_dtype, &tc_why)) return no(tc_why);
+  if (cache_dtype != q_dtype) return no("the cache is fp8");
+  if (p.head_size != Traits::kD || p.head_size_v != Traits::kD) {
+    return no(absl::StrCat("head sizes ", p.head_size, "/", p.head_size_v, " are not 128/128"));
+  }
+  if (p.block_size != Traits::kBlockTokens) {
+    return no(absl::StrCat("block size ", p.block_size, " is not 16"));
+  }
+  if (p.num_kv_heads % Traits::kHeads != 0) {
+    return no(absl::StrCat("num_kv_heads ", p.num_kv_heads, " is not a multiple of ",
+                           Traits::kHeads));
+  }
+  if (p.num_heads / p.num_kv_heads > 8) return no("more than 8 query heads per KV head");
+  if (p.num_blocks < 1 || p.num_blocks > INT32_MAX) return no("block count out of range");
+  constexpr int64_t kMaxStride = int64_t{1} << 39;  // tensor-map strides < 2^40 bytes
+  for (int64_t s : {p.k_block_stride, p.k_token_stride, p.k_head_stride, p.v_block_stride,
+                    p.v_token_stride, p.v_head_stride}) {
+    if (s <= 0 || s >= kMaxStride) return no("a cache stride is out of a tensor map's range");
+  }
+  return true;
+}
+
+absl::StatusOr<DecodeTcPlan> PlanDecodeTma(const PagedKernelParams& p,
+                                           const DecodeLaunchOptions& options) {
+  if (options.num_sms <= 0 || options.num_splits < 0 || options.num_splits > kMaxDecodeSplits) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda decode attention (TMA): bad num_sms ", options.num_sms,
+                     " or num_splits ", options.num_splits));
+  }
+  const int64_t base_ctas = int64_t{p.num_seqs} * (p.num_kv_heads / Traits::kHeads);
+  DecodeTcPlan plan;
+  plan.num_splits = static_cast<int>(
+      options.num_splits > 0
+          ? options.num_splits
+          : ChooseDecodeSplits(base_ctas, options.num_sms, DecodeSplitLimit(p),
+                               DecodeMinFullWaves(p)));
+  if (plan.num_splits > 1) {
+    const size_t slots = static_cast<size_t>(p.num_seqs) * p.num_heads * plan.num_splits;
+    plan.partial_out_bytes = (slots * p.head_size_v * sizeof(float) + 255) / 256 * 256;
+    plan.workspace_bytes = plan.partial_out_bytes + slots * 2 * sizeof(float);
+  }
+  return plan;
+}
+
+absl::Status LaunchDecodeTmaSplit(const PagedKernelParams& p, DType q_dtype,
+                                  const DecodeTcPlan& plan, float* partial_out,
+                                  float* partial_ml, cudaStream_t stream) {
+  ASSIGN_OR_RETURN(const CUtensorMap k_map,
+                   EncodeCacheMap(p, p.k_cache, p.k_block_stride, p.k_token_stride,
+                                  p.k_head_stride, q_dtype));
+  ASSIGN_OR_RETURN(const CUtensorMap v_map,
+                   EncodeCacheMap(p, p.v_cache, p.v_block_stride, p.v_token_stride,
+                                  p.v_head_stride, q_dtype));
+  tma::DecodeTmaArgs args{};
+  args.group_size = p.num_heads / p.num_kv_heads;
+  args.num_splits = plan.num_splits;
+  args.partial_out = partial_out;
+  args.partial_ml = partial_ml;
+  const TmaKernel kernel = q_dtype == DType::kBFloat16 ? &tma::DecodeTmaKernel<__nv_bfloat16>
+                                                       : &tma::DecodeTmaKernel<__half>;
+  RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel),
+                                           Traits::kSmemBytes, /*max_carveout=*/true,
+                                           "cuda decode attention (TMA)"));
+  const dim3 grid(static_cast<unsigned>(p.num_kv_heads / Traits::kHeads),
+                  static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(plan.num_splits));
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, k_map, v_map, args);
+  return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
+                           "cuda decode attention (TMA): split kernel launch");
+}
+
+}  // namespace internal
+}  // namespace kvstream
