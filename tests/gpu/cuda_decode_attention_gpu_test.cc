@@ -645,6 +645,16 @@ TEST(DecodeSplitChoiceTest, OneMostlyFullWaveWhenNoFullWaveIsRequired) {
   EXPECT_EQ(internal::ChooseDecodeSplits(128, 528, 128, 0), 4);
 }
 
+// One CTA per SM (the TMA kernel) with a higher bar for the wave's fill: 8 sequences x 2
+// groups of 4 KV heads take 7 splits at the default 80% (112 of 132 SMs) and 8 at 94%.
+TEST(DecodeSplitChoiceTest, AHigherFillBarTakesMoreSplits) {
+  EXPECT_EQ(internal::ChooseDecodeSplits(16, 132, 64, 0), 7);
+  EXPECT_EQ(internal::ChooseDecodeSplits(16, 132, 64, 0, 0.94), 8);
+  // 64 x 2 and 16 x 2 groups: 1 and 4 splits either way (128 CTAs).
+  EXPECT_EQ(internal::ChooseDecodeSplits(128, 132, 16, 0, 0.94), 1);
+  EXPECT_EQ(internal::ChooseDecodeSplits(32, 132, 128, 0, 0.94), 4);
+}
+
 internal::PagedKernelParams BatchOf(std::vector<int32_t> seq_lens, int32_t sliding_window) {
   internal::PagedKernelParams p{};
   p.num_seqs = static_cast<int32_t>(seq_lens.size());

@@ -40,7 +40,6 @@ constexpr int64_t kMaxWaves = 16;
 // Sequences whose visible keys average at least this fraction of the longest one's count
 // as equal for DecodeMinFullWaves: one wave then loses at most 5% to the spread.
 constexpr double kBalancedKeys = 0.95;
-constexpr double kMinLastWaveFill = 0.8;
 constexpr int kMinTokensPerSplit = 256;
 constexpr int kMaxDynamicSmem = 227 * 1024;  // H100/H200 per-block opt-in limit
 constexpr int kSmemPerSm = 228 * 1024;
@@ -257,7 +256,7 @@ int64_t DecodeMinFullWaves(const PagedKernelParams& p) {
 
 // At least `min_full_waves` full waves of CTAs where the keys allow (with 2, sequences of
 // different lengths balance out across SMs), at most kMaxWaves; among those the fewest
-// splits whose last wave is at least kMinLastWaveFill full (CTAs of one call do about equal
+// splits whose last wave is at least min_last_wave_fill full (CTAs of one call do about equal
 // work, so a last wave one-tenth full leaves nine-tenths of the GPU idle for a CTA's
 // duration), or the fullest when none is. Fewer splits are better otherwise: each costs a
 // partial result, a share of the merge, and a CTA's pipeline start-up (on the H200,
@@ -265,7 +264,7 @@ int64_t DecodeMinFullWaves(const PagedKernelParams& p) {
 // streaming read, 2 splits 0.93, 4 splits 0.92; 16 x 32768: 4 splits (one wave) 0.965, 8
 // splits 0.95).
 int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits,
-                           int64_t min_full_waves) {
+                           int64_t min_full_waves, double min_last_wave_fill) {
   base_ctas = std::max<int64_t>(base_ctas, 1);
   slots = std::max<int64_t>(slots, 1);
   max_splits = std::max<int64_t>(max_splits, 1);
@@ -282,7 +281,7 @@ int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits,
   double best_fill = fill(lo);
   for (int64_t s = lo; s <= hi; ++s) {
     const double f = fill(s);
-    if (f >= kMinLastWaveFill) return s;
+    if (f >= min_last_wave_fill) return s;
     if (f > best_fill) {
       best = s;
       best_fill = f;

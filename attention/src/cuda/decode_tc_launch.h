@@ -30,9 +30,13 @@ int64_t DecodeSplitLimit(const PagedKernelParams& params);
 // (total_visible_keys 0), so that short sequences' CTAs leave room for the long ones'.
 int64_t DecodeMinFullWaves(const PagedKernelParams& params);
 // The split count for `base_ctas` CTAs per split on a GPU that runs `slots` CTAs at once:
-// at least `min_full_waves` full waves where the keys allow, at most `max_splits` (>= 1).
+// at least `min_full_waves` full waves where the keys allow, at most `max_splits` (>= 1),
+// the fewest whose last wave is at least `min_last_wave_fill` full (0.8 unless a kernel
+// says otherwise).
+inline constexpr double kDefaultMinLastWaveFill = 0.8;
 int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits,
-                           int64_t min_full_waves);
+                           int64_t min_full_waves,
+                           double min_last_wave_fill = kDefaultMinLastWaveFill);
 
 struct DecodeTcPlan {
   int num_splits = 1;
