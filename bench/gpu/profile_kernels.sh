@@ -26,7 +26,8 @@ while read -r name filter kernel; do
     "$bench" --benchmark_filter="$filter" > "$out/ncu_$name.txt" 2>&1 || status=1
   echo "$name: $(grep -E '^ +Duration' "$out/ncu_$name.txt" | head -1 | tr -s ' ')"
 done <<'LIST'
-decode_tc Decode/seqs:64/seq_len:4096/kernel:1/splits:0 DecodeTc
+decode_tma Decode/seqs:64/seq_len:4096/kernel:2/splits:0 DecodeTma
+decode_tc Decode/seqs:64/seq_len:4096/kernel:1/splits:0 DecodeTcKernel
 decode_cuda_cores Decode/seqs:64/seq_len:4096/kernel:0/splits:0 DecodeSplit
 prefill_fast Prefill/tokens:8192/fast:1 PrefillAttention
 cache_update_bf16 CacheUpdate/tokens:65536/fp8:0/method:0 CacheUpdate
