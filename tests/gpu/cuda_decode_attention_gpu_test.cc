@@ -9,6 +9,7 @@
 // direct write and the merge kernel are checked.
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -677,6 +678,64 @@ TEST(DecodeSplitChoiceTest, NoFullWaveRequiredOnlyForSequencesOfAboutEqualLength
   internal::PagedKernelParams unknown = BatchOf({4096, 4096}, 0);
   unknown.total_visible_keys = 0;
   EXPECT_EQ(internal::DecodeMinFullWaves(unknown), 2);
+}
+
+// What the TMA kernel takes, decided on the host (no GPU needed): the decode shape
+// in NHD and HND, and each thing it refuses, named.
+TEST(DecodeTmaAppliesTest, TakesTheCommonShapeAndNamesWhatItRefuses) {
+  alignas(16) static uint8_t cache[16];  // only the pointers' alignment is looked at
+  auto shape = [](bool hnd) {
+    internal::PagedKernelParams p{};
+    p.k_cache = p.v_cache = cache;
+    p.num_seqs = 16;
+    p.max_query_len = 1;
+    p.max_seq_len = 32768;
+    p.num_heads = 32;
+    p.num_kv_heads = 8;
+    p.head_size = p.head_size_v = 128;
+    p.block_size = 16;
+    p.num_blocks = 16 * 2048;
+    p.k_block_stride = p.v_block_stride = 16 * 8 * 128;
+    p.k_token_stride = p.v_token_stride = hnd ? 128 : 8 * 128;
+    p.k_head_stride = p.v_head_stride = hnd ? 16 * 128 : 128;
+    return p;
+  };
+  const DType bf16 = DType::kBFloat16;
+  for (const bool hnd : {false, true}) {
+    std::string why;
+    EXPECT_TRUE(internal::DecodeTmaApplies(shape(hnd), bf16, bf16, bf16, &why)) << why;
+  }
+  struct Case {
+    std::function<void(internal::PagedKernelParams&)> change;
+    DType cache;
+    const char* why;
+  };
+  const std::vector<Case> cases = {
+      {[](internal::PagedKernelParams&) {}, DType::kFloat8E4M3, "fp8"},
+      {[](internal::PagedKernelParams& p) { p.head_size = p.head_size_v = 64; }, bf16,
+       "head sizes 64/64"},
+      {[](internal::PagedKernelParams& p) { p.head_size_v = 64; }, bf16, "head sizes 128/64"},
+      {[](internal::PagedKernelParams& p) { p.block_size = 32; }, bf16, "block size 32"},
+      {[](internal::PagedKernelParams& p) {
+         p.num_kv_heads = 2;
+         p.num_heads = 8;
+       },
+       bf16, "num_kv_heads 2"},
+      {[](internal::PagedKernelParams& p) { p.num_heads = 8 * 16; }, bf16, "more than 8"},
+      {[](internal::PagedKernelParams& p) { p.num_blocks = int64_t{1} << 32; }, bf16,
+       "block count"},
+      {[](internal::PagedKernelParams& p) { p.k_block_stride = int64_t{1} << 40; }, bf16,
+       "stride"},
+      {[](internal::PagedKernelParams& p) { p.max_query_len = 2; }, bf16, "max_query_len"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.why);
+    internal::PagedKernelParams p = shape(false);
+    k.change(p);
+    std::string why;
+    EXPECT_FALSE(internal::DecodeTmaApplies(p, bf16, bf16, k.cache, &why));
+    EXPECT_THAT(why, HasSubstr(k.why));
+  }
 }
 
 // The workspace provider's contract on the host side (no GPU needed: the launch plans,
