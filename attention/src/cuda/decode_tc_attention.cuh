@@ -58,6 +58,7 @@
 #include <type_traits>
 
 #include "cuda/cuda_common.cuh"
+#include "cuda/decode_softmax.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/mma_ptx.cuh"
 #include "cuda/sequence_bounds.cuh"
@@ -355,12 +356,7 @@ KVSTREAM_CUDA_UNROLL
   const int quad_col = 2 * (lane & 3);  // 2 t
   const float k_scale = p.k_scale[p.num_scales == 1 ? 0 : kv_head];
   const float v_scale = p.v_scale[p.num_scales == 1 ? 0 : kv_head];
-  const bool soft_cap = p.logits_soft_cap > 0.0f;
-  const bool alibi = p.alibi_slopes != nullptr;
-  // Scores in base 2: s2 = scale2 * qk, or cap2 * tanh(qk * inv_cap) with a soft cap.
-  const float scale2 = p.scale * k_scale * kLog2e;
-  const float cap2 = soft_cap ? p.logits_soft_cap * kLog2e : 0.0f;
-  const float inv_cap = soft_cap ? p.scale * k_scale / p.logits_soft_cap : 0.0f;
+  const ScoreParams score_params = MakeScoreParams(p, k_scale, q_pos);
   float head_slope2[kNT][2];
   float head_max[kNT][2];
   float head_sum[kNT][2];
@@ -371,7 +367,7 @@ KVSTREAM_CUDA_UNROLL
     for (int j = 0; j < 2; ++j) {
       const int m = 8 * nt + quad_col + j;
       head_slope2[nt][j] =
-          alibi && m < heads_here ? p.alibi_slopes[first_head + m] * kLog2e : 0.0f;
+          score_params.alibi && m < heads_here ? p.alibi_slopes[first_head + m] * kLog2e : 0.0f;
       head_max[nt][j] = kNegInf;
       head_sum[nt][j] = 0.0f;
     }
@@ -483,95 +479,11 @@ KVSTREAM_CUDA_UNROLL
         for (int e = 0; e < 4; ++e) acc_s[nt][e] += acc_s_odd[nt][e];
       }
 
-      // Scores in base 2: soft cap, then ALiBi, then the end of the split.
+      // Logits in base 2 (soft cap, ALiBi, the end of the split), then the online softmax
+      // (decode_softmax.cuh).
       const int key0 = tile_lo + 16 * warp + g;  // key of acc_s[.][0] and [1]; [2], [3]: + 8
-KVSTREAM_CUDA_UNROLL
-      for (int nt = 0; nt < kNT; ++nt) {
-KVSTREAM_CUDA_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          float s = acc_s[nt][e];
-          if (soft_cap) {
-            // tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, absolute error ~1e-7.
-            const float x = s * inv_cap;
-            s = cap2 * (1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f));
-          } else {
-            s *= scale2;
-          }
-          const int key = key0 + 8 * (e >> 1);
-          // slope * (key - q_pos), with key - q_pos formed exactly in integers.
-          if (alibi) s += head_slope2[nt][e & 1] * static_cast<float>(key - q_pos);
-          acc_s[nt][e] = key < s_end ? s : kNegInf;
-        }
-      }
-
-      // Online softmax per head: running max and (per-thread partial) sum, O rescaled. A
-      // head's 16 keys are spread over its thread's two elements and the 8 lanes of equal
-      // t. The running max may trail the scores by up to kMaxLag (base 2): while no score
-      // of the warp's tile exceeds its head's max by more, the tile takes the max as it is,
-      // with no shuffles and no rescale, and P stays at most 2^kMaxLag (far inside T's
-      // range; the sums are fp32, and the merges take any consistent (max, sum, O)).
-      // Otherwise the max moves to the tile's, and the output accumulators are rescaled
-      // when some head of the warp needs it.
-      constexpr float kMaxLag = 8.0f;
-      bool over = false;
-KVSTREAM_CUDA_UNROLL
-      for (int nt = 0; nt < kNT; ++nt) {
-KVSTREAM_CUDA_UNROLL
-        for (int j = 0; j < 2; ++j) {
-          // A head with max -inf (no visible key yet) is over for any visible score.
-          over = over || fmaxf(acc_s[nt][j], acc_s[nt][j + 2]) > head_max[nt][j] + kMaxLag;
-        }
-      }
-      if (__any_sync(0xffffffffu, over)) {
-        float alpha[kNT][2];
-        bool moved = false;
-KVSTREAM_CUDA_UNROLL
-        for (int nt = 0; nt < kNT; ++nt) {
-KVSTREAM_CUDA_UNROLL
-          for (int j = 0; j < 2; ++j) {
-            float tile_max = fmaxf(acc_s[nt][j], acc_s[nt][j + 2]);
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 8));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 16));
-            const float new_max = fmaxf(head_max[nt][j], tile_max);
-            // A head with no visible key so far keeps max -inf; subtract 0 so that exp2
-            // gives 0.
-            const float use_max = new_max == kNegInf ? 0.0f : new_max;
-            alpha[nt][j] = FastExp2(head_max[nt][j] - use_max);
-            moved = moved || alpha[nt][j] != 1.0f;
-            head_max[nt][j] = new_max;
-            const float p0 = FastExp2(acc_s[nt][j] - use_max);
-            const float p1 = FastExp2(acc_s[nt][j + 2] - use_max);
-            acc_s[nt][j] = p0;
-            acc_s[nt][j + 2] = p1;
-            head_sum[nt][j] = head_sum[nt][j] * alpha[nt][j] + (p0 + p1);
-          }
-        }
-        if (__any_sync(0xffffffffu, moved)) {
-KVSTREAM_CUDA_UNROLL
-          for (int dd = 0; dd < kDSteps; ++dd) {
-KVSTREAM_CUDA_UNROLL
-            for (int nt = 0; nt < kNT; ++nt) {
-KVSTREAM_CUDA_UNROLL
-              for (int e = 0; e < 4; ++e) acc_o[dd][nt][e] *= alpha[nt][e & 1];
-            }
-          }
-        }
-      } else {
-KVSTREAM_CUDA_UNROLL
-        for (int nt = 0; nt < kNT; ++nt) {
-KVSTREAM_CUDA_UNROLL
-          for (int j = 0; j < 2; ++j) {
-            // Max -inf here means every score of the head is -inf too: P = 0.
-            const float use_max = head_max[nt][j] == kNegInf ? 0.0f : head_max[nt][j];
-            const float p0 = FastExp2(acc_s[nt][j] - use_max);
-            const float p1 = FastExp2(acc_s[nt][j + 2] - use_max);
-            acc_s[nt][j] = p0;
-            acc_s[nt][j + 2] = p1;
-            head_sum[nt][j] += p0 + p1;
-          }
-        }
-      }
+      ToBase2Logits<kNT>(acc_s, score_params, head_slope2, key0, s_begin, s_end);
+      OnlineSoftmaxStep<kNT, kDSteps>(acc_s, head_max, head_sum, acc_o);
 
       // P^T's accumulator holds (key, head) where the B fragment of O^T += V^T P^T wants
       // (head, key): each 8 x 8 half is transposed in registers.

@@ -57,6 +57,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_common.cuh"
+#include "cuda/decode_softmax.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/mma_ptx.cuh"
 #include "cuda/sequence_bounds.cuh"
@@ -99,6 +100,10 @@ using ptx::PackPair;
 using ptx::SmemAddress;
 using ptx::SwizzledChunk;
 using cuda::FromFloat;
+using decode_tc::MakeScoreParams;
+using decode_tc::OnlineSoftmaxStep;
+using decode_tc::ScoreParams;
+using decode_tc::ToBase2Logits;
 
 // ---------------------------------------------------------------------------------------
 // mbarrier and TMA (sm_90).
@@ -273,27 +278,25 @@ KVSTREAM_CUDA_UNROLL
   const int quad_col = 2 * (lane & 3);
   const float k_scale = p.k_scale[p.num_scales == 1 ? 0 : kv_head];
   const float v_scale = p.v_scale[p.num_scales == 1 ? 0 : kv_head];
-  const bool soft_cap = p.logits_soft_cap > 0.0f;
-  const bool alibi = p.alibi_slopes != nullptr;
-  const float scale2 = p.scale * k_scale * kLog2e;
-  const float cap2 = soft_cap ? p.logits_soft_cap * kLog2e : 0.0f;
-  const float inv_cap = soft_cap ? p.scale * k_scale / p.logits_soft_cap : 0.0f;
-  const int q_pos = seq_len - 1;
-  float head_slope2[2];
-  float head_max[2];
-  float head_sum[2];
-  float acc_o[kDSteps][4];
+  const ScoreParams score_params = MakeScoreParams(p, k_scale, seq_len - 1);
+  // One n8 block of heads: the [1] dimension is decode_softmax.cuh's nt.
+  float head_slope2[1][2];
+  float head_max[1][2];
+  float head_sum[1][2];
+  float acc_o[kDSteps][1][4];
 KVSTREAM_CUDA_UNROLL
   for (int j = 0; j < 2; ++j) {
     const int m = quad_col + j;
-    head_slope2[j] = alibi && m < a.group_size ? p.alibi_slopes[first_head + m] * kLog2e : 0.0f;
-    head_max[j] = kNegInf;
-    head_sum[j] = 0.0f;
+    head_slope2[0][j] = score_params.alibi && m < a.group_size
+                            ? p.alibi_slopes[first_head + m] * kLog2e
+                            : 0.0f;
+    head_max[0][j] = kNegInf;
+    head_sum[0][j] = 0.0f;
   }
 KVSTREAM_CUDA_UNROLL
   for (int dd = 0; dd < kDSteps; ++dd) {
 KVSTREAM_CUDA_UNROLL
-    for (int e = 0; e < 4; ++e) acc_o[dd][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) acc_o[dd][0][e] = 0.0f;
   }
 
   // ldmatrix addresses in this warp's [2][16][64] region of a slot (a column half is a
@@ -307,7 +310,6 @@ KVSTREAM_CUDA_UNROLL
   const uint32_t k_lane_off = head_off + static_cast<uint32_t>((lane & 15) * 128);
   const uint32_t v_lane_off =
       head_off + static_cast<uint32_t>(((lane & 7) + ((lane >> 4) << 3)) * 128);
-  constexpr float kMaxLag = 8.0f;  // see decode_tc_attention.cuh
 
   for (int b = 0; b < num_blocks; ++b) {
     const int hk = 2 * b;
@@ -321,7 +323,7 @@ KVSTREAM_CUDA_UNROLL
     // S^T = K Q^T for the block's 16 keys, even and odd k16 steps in two chains.
     BarrierWait(SmemAddress(full + slot_k), (hk / kRing) & 1);
     const uint32_t k_base = ring_base + slot_k * kSlotBytes + k_lane_off;
-    float acc_s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc_s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
     float acc_s_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 KVSTREAM_CUDA_UNROLL
     for (int k0 = 0; k0 < kDSteps; k0 += 4) {
@@ -334,74 +336,20 @@ KVSTREAM_CUDA_UNROLL
 KVSTREAM_CUDA_UNROLL
       for (int i = 0; i < 4; ++i) {
         const int kk = k0 + i;
-        Mma16816<T>((kk & 1) != 0 ? acc_s_odd : acc_s, ka[i], q_frag[kk][0], q_frag[kk][1]);
+        Mma16816<T>((kk & 1) != 0 ? acc_s_odd : acc_s[0], ka[i], q_frag[kk][0], q_frag[kk][1]);
       }
     }
     __syncwarp();
     if (lane == 0) BarrierArrive(SmemAddress(empty + slot_k));
 
-    // Scores in base 2: soft cap, then ALiBi, then the mask.
-    const int key0 = key_base + g;
+    // Logits in base 2 (soft cap, ALiBi, the mask), then the online softmax
+    // (decode_softmax.cuh).
 KVSTREAM_CUDA_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      float s = acc_s[e] + acc_s_odd[e];
-      if (soft_cap) {
-        const float x = s * inv_cap;
-        s = cap2 * (1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f));
-      } else {
-        s *= scale2;
-      }
-      const int key = key0 + 8 * (e >> 1);
-      if (alibi) s += head_slope2[e & 1] * static_cast<float>(key - q_pos);
-      acc_s[e] = key >= kv_begin && key < seq_len ? s : kNegInf;
-    }
-
-    // Online softmax per head, as in decode_tc_attention.cuh.
-    bool over = false;
-KVSTREAM_CUDA_UNROLL
-    for (int j = 0; j < 2; ++j) {
-      over = over || fmaxf(acc_s[j], acc_s[j + 2]) > head_max[j] + kMaxLag;
-    }
-    if (__any_sync(0xffffffffu, over)) {
-      float alpha[2];
-      bool moved = false;
-KVSTREAM_CUDA_UNROLL
-      for (int j = 0; j < 2; ++j) {
-        float tile_max = fmaxf(acc_s[j], acc_s[j + 2]);
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 4));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 8));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 16));
-        const float new_max = fmaxf(head_max[j], tile_max);
-        const float use_max = new_max == kNegInf ? 0.0f : new_max;
-        alpha[j] = FastExp2(head_max[j] - use_max);
-        moved = moved || alpha[j] != 1.0f;
-        head_max[j] = new_max;
-        const float p0 = FastExp2(acc_s[j] - use_max);
-        const float p1 = FastExp2(acc_s[j + 2] - use_max);
-        acc_s[j] = p0;
-        acc_s[j + 2] = p1;
-        head_sum[j] = head_sum[j] * alpha[j] + (p0 + p1);
-      }
-      if (__any_sync(0xffffffffu, moved)) {
-KVSTREAM_CUDA_UNROLL
-        for (int dd = 0; dd < kDSteps; ++dd) {
-KVSTREAM_CUDA_UNROLL
-          for (int e = 0; e < 4; ++e) acc_o[dd][e] *= alpha[e & 1];
-        }
-      }
-    } else {
-KVSTREAM_CUDA_UNROLL
-      for (int j = 0; j < 2; ++j) {
-        const float use_max = head_max[j] == kNegInf ? 0.0f : head_max[j];
-        const float p0 = FastExp2(acc_s[j] - use_max);
-        const float p1 = FastExp2(acc_s[j + 2] - use_max);
-        acc_s[j] = p0;
-        acc_s[j + 2] = p1;
-        head_sum[j] += p0 + p1;
-      }
-    }
-    const uint32_t pb0 = MovMatrixTrans(PackPair<T>(acc_s[0], acc_s[1]));
-    const uint32_t pb1 = MovMatrixTrans(PackPair<T>(acc_s[2], acc_s[3]));
+    for (int e = 0; e < 4; ++e) acc_s[0][e] += acc_s_odd[e];
+    ToBase2Logits<1>(acc_s, score_params, head_slope2, key_base + g, kv_begin, seq_len);
+    OnlineSoftmaxStep<1, kDSteps>(acc_s, head_max, head_sum, acc_o);
+    const uint32_t pb0 = MovMatrixTrans(PackPair<T>(acc_s[0][0], acc_s[0][1]));
+    const uint32_t pb1 = MovMatrixTrans(PackPair<T>(acc_s[0][2], acc_s[0][3]));
 
     // O^T += V^T P^T.
     BarrierWait(SmemAddress(full + slot_v), (hv / kRing) & 1);
@@ -431,7 +379,7 @@ KVSTREAM_CUDA_UNROLL
         LdMatrixX4Trans(va[i], v_base + (dd >> 2) * 2048 + (swz_v ^ ((dd & 3) << 5)));
       }
 KVSTREAM_CUDA_UNROLL
-      for (int i = 0; i < 4; ++i) Mma16816<T>(acc_o[d0 + i], va[i], pb0, pb1);
+      for (int i = 0; i < 4; ++i) Mma16816<T>(acc_o[d0 + i][0], va[i], pb0, pb1);
     }
     __syncwarp();
     if (lane == 0) BarrierArrive(SmemAddress(empty + slot_v));
@@ -441,7 +389,7 @@ KVSTREAM_CUDA_UNROLL
   T* const out = static_cast<T*>(p.out);
 KVSTREAM_CUDA_UNROLL
   for (int j = 0; j < 2; ++j) {
-    float sum = head_sum[j];
+    float sum = head_sum[0][j];
     sum += __shfl_xor_sync(0xffffffffu, sum, 4);
     sum += __shfl_xor_sync(0xffffffffu, sum, 8);
     sum += __shfl_xor_sync(0xffffffffu, sum, 16);
@@ -454,19 +402,19 @@ KVSTREAM_CUDA_UNROLL
                      static_cast<int64_t>(h) * p.o_head_stride;
 KVSTREAM_CUDA_UNROLL
       for (int dd = 0; dd < kDSteps; ++dd) {
-        row[16 * dd + g] = FromFloat<T>(acc_o[dd][j] * f);
-        row[16 * dd + g + 8] = FromFloat<T>(acc_o[dd][j + 2] * f);
+        row[16 * dd + g] = FromFloat<T>(acc_o[dd][0][j] * f);
+        row[16 * dd + g + 8] = FromFloat<T>(acc_o[dd][0][j + 2] * f);
       }
     } else {
       const int64_t slot = (static_cast<int64_t>(seq) * p.num_heads + h) * a.num_splits + split;
       float* const row = a.partial_out + slot * kD;
 KVSTREAM_CUDA_UNROLL
       for (int dd = 0; dd < kDSteps; ++dd) {
-        row[16 * dd + g] = acc_o[dd][j];
-        row[16 * dd + g + 8] = acc_o[dd][j + 2];
+        row[16 * dd + g] = acc_o[dd][0][j];
+        row[16 * dd + g + 8] = acc_o[dd][0][j + 2];
       }
       if (g == 0) {
-        a.partial_ml[slot * 2] = head_max[j];
+        a.partial_ml[slot * 2] = head_max[0][j];
         a.partial_ml[slot * 2 + 1] = sum;
       }
     }
