@@ -177,6 +177,26 @@ class CudaDecodeTest : public ::testing::Test {
                   {internal::DecodeKernel::kTensorCores, internal::DecodeKernel::kTensorCoresTma});
   }
 
+  // `kernel` (kTensorCores or kTensorCoresTma) refuses `pb` with InvalidArgument naming
+  // `why`; kAuto then runs another kernel and matches the reference.
+  void ExpectRefusedThenAutoMatches(AttnProblem& pb, internal::DecodeKernel kernel,
+                                    const std::string& why) {
+    auto dev = DeviceAttnProblem::Create(pb);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    EXPECT_FALSE(kernel == internal::DecodeKernel::kTensorCoresTma
+                     ? TmaApplies((*dev)->params())
+                     : TensorCoresApply((*dev)->params()));
+    const absl::Status st = Launch((*dev)->params(), 0, kernel);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(why));
+    ASSERT_TRUE((*dev)->ResetOut().ok());
+    const absl::Status auto_st = Launch((*dev)->params(), 0, internal::DecodeKernel::kAuto);
+    ASSERT_TRUE(auto_st.ok()) << auto_st;
+    auto out = (*dev)->Out();
+    ASSERT_TRUE(out.ok()) << out.status();
+    ExpectMatchesReference(pb, *out, "automatic kernel choice");
+  }
+
   CudaStream stream_;
   int num_sms_ = 0;
   bool dependent_merge_ = false;
@@ -397,19 +417,7 @@ TEST_F(CudaDecodeTest, TensorCoresRefuseWhatTheyDoNotTake) {
     c.head_size_v = k.d;
     c.seqs = DecodeSeqs();
     AttnProblem pb(c);
-    auto dev = DeviceAttnProblem::Create(pb);
-    ASSERT_TRUE(dev.ok()) << dev.status();
-    EXPECT_FALSE(TensorCoresApply((*dev)->params()));
-    const absl::Status st =
-        Launch((*dev)->params(), 0, internal::DecodeKernel::kTensorCores);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-    EXPECT_THAT(std::string(st.message()), HasSubstr(k.why));
-    ASSERT_TRUE((*dev)->ResetOut().ok());
-    const absl::Status auto_st = Launch((*dev)->params(), 0, internal::DecodeKernel::kAuto);
-    ASSERT_TRUE(auto_st.ok()) << auto_st;
-    auto out = (*dev)->Out();
-    ASSERT_TRUE(out.ok()) << out.status();
-    ExpectMatchesReference(pb, *out, "automatic kernel choice");
+    ExpectRefusedThenAutoMatches(pb, internal::DecodeKernel::kTensorCores, k.why);
   }
 }
 
@@ -546,18 +554,8 @@ TEST_F(CudaDecodeTest, TmaRefusesWhatItDoesNotTake) {
     c.quant = IsFp8(k.cache) ? KvQuantMode::kPerHead : KvQuantMode::kNone;
     c.seqs = DecodeSeqs();
     AttnProblem pb(c);
-    auto dev = DeviceAttnProblem::Create(pb);
-    ASSERT_TRUE(dev.ok()) << dev.status();
-    EXPECT_FALSE(TmaApplies((*dev)->params()));
-    const absl::Status st = Launch((*dev)->params(), 0, internal::DecodeKernel::kTensorCoresTma);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-    EXPECT_THAT(std::string(st.message()), HasSubstr(tma_ ? k.why : "the device has no TMA"));
-    ASSERT_TRUE((*dev)->ResetOut().ok());
-    const absl::Status auto_st = Launch((*dev)->params(), 0, internal::DecodeKernel::kAuto);
-    ASSERT_TRUE(auto_st.ok()) << auto_st;
-    auto out = (*dev)->Out();
-    ASSERT_TRUE(out.ok()) << out.status();
-    ExpectMatchesReference(pb, *out, "automatic kernel choice");
+    ExpectRefusedThenAutoMatches(pb, internal::DecodeKernel::kTensorCoresTma,
+                                 tma_ ? k.why : "the device has no TMA");
   }
 }
 

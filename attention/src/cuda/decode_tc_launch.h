@@ -1,8 +1,7 @@
 // The tensor-core decode kernels' half of LaunchDecodeAttention (decode_tc_attention.cu,
 // decode_tma_attention.cu): their plans (split count, workspace) and the launches of their
-// split kernels. The merge kernel
-// it shares with the CUDA-core kernel is launched by decode_attention.cu. Private to the
-// CUDA backend.
+// split kernels. The merge kernel they share with the CUDA-core kernel is launched by
+// decode_attention.cu. Private to the CUDA backend.
 #ifndef KVSTREAM_ATTENTION_CUDA_DECODE_TC_LAUNCH_H_
 #define KVSTREAM_ATTENTION_CUDA_DECODE_TC_LAUNCH_H_
 
