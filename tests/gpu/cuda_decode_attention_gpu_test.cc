@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -489,9 +490,9 @@ TEST_F(CudaDecodeTest, TensorCoresTrailingMaxOnClimbingAndFallingScores) {
 // The TMA kernel's shapes: 4, 8 and 12 KV heads, groups 1 to 8, NHD and HND, both 16-bit
 // dtypes, sliding windows that start inside a block, ALiBi and soft cap; sequences of one
 // key, exactly one block, one block and a key, partial last blocks, thousands of keys, and
-// none with no query. The cache is NaN wherever no key was written (AttnProblem), so that
-// the rows the kernel copies with a block but must not use (past a sequence's end, before
-// its window) would show.
+// none with no query. The rows the kernel copies with a block but must not use are NaN:
+// past a sequence's end (AttnProblem leaves the cache NaN wherever no key was written) and
+// before its window (written NaN here; the reference never reads them).
 TEST_F(CudaDecodeTest, TmaShapesAndFeatures) {
   if (!tma_) GTEST_SKIP() << "the device has no TMA (compute capability below 9.0)";
   struct Case {
@@ -522,6 +523,19 @@ TEST_F(CudaDecodeTest, TmaShapesAndFeatures) {
     c.scale = 0.3f;
     c.seqs = {{0, 1}, {67, 1}, {6, 0}, {2047, 1}, {15, 1}, {16, 1}, {1000, 1}, {4100, 1}};
     AttnProblem pb(c);
+    if (k.window > 0) {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (size_t s = 0; s < c.seqs.size(); ++s) {
+        for (int j = 0; j < pb.seq_len(s) - k.window; ++j) {
+          for (int g = 0; g < c.num_kv_heads; ++g) {
+            for (int d = 0; d < 128; ++d) {
+              pb.SetCache(false, s, j, g, d, nan);
+              pb.SetCache(true, s, j, g, d, nan);
+            }
+          }
+        }
+      }
+    }
     auto dev = DeviceAttnProblem::Create(pb);
     ASSERT_TRUE(dev.ok()) << dev.status();
     ASSERT_TRUE(TmaApplies((*dev)->params()));

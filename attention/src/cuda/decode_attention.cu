@@ -304,12 +304,26 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   // kAuto runs the first kernel that applies of: TMA (1.5-2% above the cp.async tensor-core
   // kernel on the H200), tensor cores (about twice the CUDA-core kernel's bandwidth), CUDA
   // cores (docs/benchmarks.md).
-  const bool tma =
+  bool tma =
       (options.kernel == DecodeKernel::kAuto || options.kernel == DecodeKernel::kTensorCoresTma) &&
       options.tma && DecodeTmaApplies(params, q_dtype, out_dtype, cache_dtype, &why);
   if (options.kernel == DecodeKernel::kTensorCoresTma && !tma) {
     return Invalid(absl::StrCat("the TMA kernel does not apply: ",
                                 options.tma ? why : "the device has no TMA"));
+  }
+  DecodeTmaMaps tma_maps{};
+  if (tma) {
+    // Before the workspace is taken: where the TMA kernel cannot run after all (no encoder
+    // in the driver, a map the driver refuses, too little shared memory on this device),
+    // kAuto takes the tensor-core kernel, kTensorCoresTma returns the error.
+    absl::StatusOr<DecodeTmaMaps> prepared = PrepareDecodeTma(params, q_dtype);
+    if (prepared.ok()) {
+      tma_maps = *prepared;
+    } else if (options.kernel == DecodeKernel::kTensorCoresTma) {
+      return prepared.status();
+    } else {
+      tma = false;
+    }
   }
   const bool tensor_cores =
       !tma && options.kernel != DecodeKernel::kCudaCores &&
@@ -345,7 +359,7 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   plan.geo.out_dtype = ActivationCode(out_dtype);
 
   if (tma) {
-    RETURN_IF_ERROR(LaunchDecodeTmaSplit(params, q_dtype, tc, plan.geo.partial_out,
+    RETURN_IF_ERROR(LaunchDecodeTmaSplit(params, q_dtype, tma_maps, tc, plan.geo.partial_out,
                                          plan.geo.partial_ml, stream));
   } else if (tensor_cores) {
     RETURN_IF_ERROR(LaunchDecodeTcSplit(params, q_dtype, cache_dtype, tc, plan.geo.partial_out,

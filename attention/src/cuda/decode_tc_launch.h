@@ -5,6 +5,7 @@
 #ifndef KVSTREAM_ATTENTION_CUDA_DECODE_TC_LAUNCH_H_
 #define KVSTREAM_ATTENTION_CUDA_DECODE_TC_LAUNCH_H_
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -56,15 +57,23 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& params, DType q_dtype,
                                  DType cache_dtype, const DecodeTcPlan& plan, float* partial_out,
                                  float* partial_ml, cudaStream_t stream);
 
-// The TMA kernel (decode_tma_attention.cu): its split count and workspace (one CTA per SM),
-// and the launch of its split kernel, whose partial results are laid out as the others'.
+// The TMA kernel (decode_tma_attention.cu): its split count and workspace (one CTA per SM);
+// what its launch needs before anything is enqueued (the driver's tensor-map encoder, the
+// caches' tensor maps, the kernel's shared memory: an error there means the kernel cannot
+// run here, and kAuto takes the tensor-core kernel instead); and the launch of its split
+// kernel, whose partial results are laid out as the others'.
 // REQUIRES: DecodeTmaApplies(params, q_dtype, q_dtype, q_dtype) and a device of compute
 // capability 9.0 or newer.
+struct DecodeTmaMaps {
+  CUtensorMap k;
+  CUtensorMap v;
+};
 absl::StatusOr<DecodeTcPlan> PlanDecodeTma(const PagedKernelParams& params,
                                            const DecodeLaunchOptions& options);
+absl::StatusOr<DecodeTmaMaps> PrepareDecodeTma(const PagedKernelParams& params, DType q_dtype);
 absl::Status LaunchDecodeTmaSplit(const PagedKernelParams& params, DType q_dtype,
-                                  const DecodeTcPlan& plan, float* partial_out,
-                                  float* partial_ml, cudaStream_t stream);
+                                  const DecodeTmaMaps& maps, const DecodeTcPlan& plan,
+                                  float* partial_out, float* partial_ml, cudaStream_t stream);
 
 }  // namespace internal
 }  // namespace kvstream

@@ -3,23 +3,24 @@
 // its split kernel (decode_tma_attention.cuh). The merge kernel it shares with the other
 // decode kernels is launched by decode_attention.cu.
 //
-// Split count. One CTA per SM (the kernel's ring takes 136 KiB of shared memory), so the
-// CTAs of one split, num_seqs * num_kv_heads / 4, are split into the fewest parts that fill
-// at least 94% of one wave (ChooseDecodeSplits with one CTA per SM): 64 x 4096 keys with 8
-// KV heads run unsplit as 128 CTAs on 132 SMs, 16 x 32768 as 4 splits, 8 x 4096 as 8. The
-// bar is higher than the other kernels' 80% because a missing CTA here is a missing SM's
-// worth of reads: on the H200 the TMA reads of 116 CTAs, one per SM, ran at 0.966 of a
-// streaming read, of 124 at 0.985-0.997 and of 128 at 1.0 (and 8 x 4096 at 7 splits, 112
-// CTAs, 3% slower than at 8).
+// Split count. One CTA per SM (the kernel's ring takes 136 KiB of shared memory). The CTAs
+// of one split, num_seqs * num_kv_heads / 4, are split as the other kernels' are
+// (ChooseDecodeSplits: two full waves first where the sequences' lengths differ), but into
+// the fewest parts whose last wave is at least 94% full, not 80%: 64 x 4096 keys with 8 KV
+// heads run unsplit as 128 CTAs on 132 SMs, 16 x 32768 as 4 splits, 8 x 4096 as 8. A
+// missing CTA here is a missing SM's worth of reads: on the H200 the TMA reads of 116 CTAs,
+// one per SM, ran at 0.966 of a streaming read, of 124 at 0.985-0.997 and of 128 at 1.0
+// (and 8 x 4096 at 7 splits, 112 CTAs, 3% slower than at 8).
 //
 // Tensor maps. cuTensorMapEncodeTiled is a driver function; it is taken from the runtime
-// (cudaGetDriverEntryPointByVersion) once per process, so that nothing links libcuda
+// (cudaGetDriverEntryPointByVersion) and kept once found, so that nothing links libcuda
 // directly. A map is 128 bytes of host memory encoded per launch (about a microsecond) and
 // passed by value: caches may move between launches.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -47,28 +48,25 @@ absl::Status Error(absl::string_view what) {
   return absl::InternalError(absl::StrCat("cuda decode attention (TMA): ", what));
 }
 
-// cuTensorMapEncodeTiled from the driver, or the reason it is not there.
+// cuTensorMapEncodeTiled from the driver, or the reason it is not there. A found function
+// is kept for the process; a failed lookup is tried again on the next call.
 absl::StatusOr<PFN_cuTensorMapEncodeTiled_v12000> EncodeFunction() {
-  struct Lookup {
-    PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-    std::string error;
-  };
-  static const Lookup lookup = [] {
-    Lookup l;
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    const cudaError_t err = cudaGetDriverEntryPointByVersion(
-        "cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
-      l.error = absl::StrCat("the driver has no cuTensorMapEncodeTiled (",
-                             cudaGetErrorString(err), ")");
-    } else {
-      l.fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    }
-    return l;
-  }();
-  if (lookup.fn == nullptr) return Error(lookup.error);
-  return lookup.fn;
+  static std::atomic<PFN_cuTensorMapEncodeTiled_v12000> cached{nullptr};
+  if (PFN_cuTensorMapEncodeTiled_v12000 fn = cached.load(std::memory_order_acquire)) return fn;
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                           cudaEnableDefault, &found);
+  if (err != cudaSuccess) {
+    return Error(absl::StrCat("looking up cuTensorMapEncodeTiled: ", cudaGetErrorString(err)));
+  }
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    return Error(absl::StrCat("the driver has no cuTensorMapEncodeTiled (query result ",
+                              static_cast<int>(found), ")"));
+  }
+  const auto typed = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  cached.store(typed, std::memory_order_release);
+  return typed;
 }
 
 // The tensor map of one cache: [block][head][column half][token][64 elements] (innermost
@@ -103,6 +101,11 @@ absl::StatusOr<CUtensorMap> EncodeCacheMap(const PagedKernelParams& p, const voi
 }
 
 using TmaKernel = void (*)(PagedKernelParams, CUtensorMap, CUtensorMap, tma::DecodeTmaArgs);
+
+TmaKernel PickKernel(DType q_dtype) {
+  return q_dtype == DType::kBFloat16 ? &tma::DecodeTmaKernel<__nv_bfloat16>
+                                     : &tma::DecodeTmaKernel<__half>;
+}
 
 }  // namespace
 
@@ -157,28 +160,30 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTma(const PagedKernelParams& p,
   return plan;
 }
 
+absl::StatusOr<DecodeTmaMaps> PrepareDecodeTma(const PagedKernelParams& p, DType q_dtype) {
+  DecodeTmaMaps maps;
+  ASSIGN_OR_RETURN(maps.k, EncodeCacheMap(p, p.k_cache, p.k_block_stride, p.k_token_stride,
+                                          p.k_head_stride, q_dtype));
+  ASSIGN_OR_RETURN(maps.v, EncodeCacheMap(p, p.v_cache, p.v_block_stride, p.v_token_stride,
+                                          p.v_head_stride, q_dtype));
+  RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(PickKernel(q_dtype)),
+                                           Traits::kSmemBytes, /*max_carveout=*/true,
+                                           "cuda decode attention (TMA)"));
+  return maps;
+}
+
 absl::Status LaunchDecodeTmaSplit(const PagedKernelParams& p, DType q_dtype,
-                                  const DecodeTcPlan& plan, float* partial_out,
-                                  float* partial_ml, cudaStream_t stream) {
-  ASSIGN_OR_RETURN(const CUtensorMap k_map,
-                   EncodeCacheMap(p, p.k_cache, p.k_block_stride, p.k_token_stride,
-                                  p.k_head_stride, q_dtype));
-  ASSIGN_OR_RETURN(const CUtensorMap v_map,
-                   EncodeCacheMap(p, p.v_cache, p.v_block_stride, p.v_token_stride,
-                                  p.v_head_stride, q_dtype));
+                                  const DecodeTmaMaps& maps, const DecodeTcPlan& plan,
+                                  float* partial_out, float* partial_ml, cudaStream_t stream) {
   tma::DecodeTmaArgs args{};
   args.group_size = p.num_heads / p.num_kv_heads;
   args.num_splits = plan.num_splits;
   args.partial_out = partial_out;
   args.partial_ml = partial_ml;
-  const TmaKernel kernel = q_dtype == DType::kBFloat16 ? &tma::DecodeTmaKernel<__nv_bfloat16>
-                                                       : &tma::DecodeTmaKernel<__half>;
-  RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel),
-                                           Traits::kSmemBytes, /*max_carveout=*/true,
-                                           "cuda decode attention (TMA)"));
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads / Traits::kHeads),
                   static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(plan.num_splits));
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, k_map, v_map, args);
+  PickKernel(q_dtype)<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, maps.k, maps.v,
+                                                                             args);
   return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
                            "cuda decode attention (TMA): split kernel launch");
 }
