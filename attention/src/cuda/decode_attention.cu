@@ -207,11 +207,9 @@ absl::StatusOr<DecodePlan> Plan(const PagedKernelParams& p, DType cache_dtype,
                          static_cast<unsigned>(splits));
   plan.merge_grid = dim3(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_heads));
   plan.smem_bytes = static_cast<size_t>(smem);
-  if (splits > 1) {
-    const size_t slots = static_cast<size_t>(p.num_seqs) * p.num_heads * splits;
-    plan.partial_out_bytes = (slots * p.head_size_v * sizeof(float) + 255) / 256 * 256;
-    plan.workspace_bytes = plan.partial_out_bytes + slots * 2 * sizeof(float);
-  }
+  const DecodeTcPlan workspace = DecodeSplitPlan(p, static_cast<int>(splits));
+  plan.partial_out_bytes = workspace.partial_out_bytes;
+  plan.workspace_bytes = workspace.workspace_bytes;
   plan.kernel = PickKernel(cache_dtype, g, chunks);
   if (plan.kernel == nullptr) {
     return absl::InternalError(absl::StrCat("cuda decode attention: no kernel for ",
@@ -236,6 +234,17 @@ absl::Status LaunchCudaCoreSplit(const PagedKernelParams& params, const DecodePl
 }  // namespace
 
 static_assert(kMaxDecodeSplits == dec::kMaxSplits, "one limit for the launchers and the merge");
+
+DecodeTcPlan DecodeSplitPlan(const PagedKernelParams& p, int num_splits) {
+  DecodeTcPlan plan;
+  plan.num_splits = num_splits;
+  if (num_splits > 1) {
+    const size_t slots = static_cast<size_t>(p.num_seqs) * p.num_heads * num_splits;
+    plan.partial_out_bytes = (slots * p.head_size_v * sizeof(float) + 255) / 256 * 256;
+    plan.workspace_bytes = plan.partial_out_bytes + slots * 2 * sizeof(float);
+  }
+  return plan;
+}
 
 int64_t DecodeSplitLimit(const PagedKernelParams& p) {
   const int64_t visible =

@@ -114,7 +114,7 @@ bool DecodeTensorCoresApply(const PagedKernelParams& p, DType q_dtype, DType out
   return true;
 }
 
-absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cache_dtype,
+absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType /*cache_dtype*/,
                                           const DecodeLaunchOptions& options) {
   if (p.head_size > 256 || p.head_size_v > 256 || p.head_size <= 0 || p.head_size_v <= 0) {
     return absl::InvalidArgumentError(
@@ -130,20 +130,13 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cach
   const int group = p.num_heads / p.num_kv_heads;
   const int64_t base_ctas =
       int64_t{p.num_seqs} * p.num_kv_heads * CeilDiv(group, tc::DecodeTcHeadTileRows(group));
-  DecodeTcPlan plan;
-  plan.num_splits = static_cast<int>(
+  const int64_t splits =
       options.num_splits > 0
           ? options.num_splits
           : ChooseDecodeSplits(base_ctas,
                                int64_t{options.num_sms} * CtasPerSm(padded, NTiles(group)),
-                               DecodeSplitLimit(p), DecodeMinFullWaves(p)));
-  (void)cache_dtype;
-  if (plan.num_splits > 1) {
-    const size_t slots = static_cast<size_t>(p.num_seqs) * p.num_heads * plan.num_splits;
-    plan.partial_out_bytes = (slots * p.head_size_v * sizeof(float) + 255) / 256 * 256;
-    plan.workspace_bytes = plan.partial_out_bytes + slots * 2 * sizeof(float);
-  }
-  return plan;
+                               DecodeSplitLimit(p), DecodeMinFullWaves(p));
+  return DecodeSplitPlan(p, static_cast<int>(splits));
 }
 
 absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DType cache_dtype,

@@ -146,18 +146,12 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTma(const PagedKernelParams& p,
                      " or num_splits ", options.num_splits));
   }
   const int64_t base_ctas = int64_t{p.num_seqs} * (p.num_kv_heads / Traits::kHeads);
-  DecodeTcPlan plan;
-  plan.num_splits = static_cast<int>(
+  const int64_t splits =
       options.num_splits > 0
           ? options.num_splits
           : ChooseDecodeSplits(base_ctas, options.num_sms, DecodeSplitLimit(p),
-                               DecodeMinFullWaves(p), kTmaMinLastWaveFill));
-  if (plan.num_splits > 1) {
-    const size_t slots = static_cast<size_t>(p.num_seqs) * p.num_heads * plan.num_splits;
-    plan.partial_out_bytes = (slots * p.head_size_v * sizeof(float) + 255) / 256 * 256;
-    plan.workspace_bytes = plan.partial_out_bytes + slots * 2 * sizeof(float);
-  }
-  return plan;
+                               DecodeMinFullWaves(p), kTmaMinLastWaveFill);
+  return DecodeSplitPlan(p, static_cast<int>(splits));
 }
 
 absl::StatusOr<DecodeTmaMaps> PrepareDecodeTma(const PagedKernelParams& p, DType q_dtype) {
