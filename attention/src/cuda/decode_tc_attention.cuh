@@ -237,17 +237,30 @@ KVSTREAM_CUDA_UNROLL
   }
   {
     // Q tile: row m is head first_head + m; rows past the group and columns past
-    // head_size are zero. Element loads: 16 rows, any alignment.
-    const T* const q = static_cast<const T*>(p.q);
-    for (int i = tid; i < kRows * D; i += kThreads) {
+    // head_size are zero. Element loads (16 rows, any alignment), all issued before the
+    // first store: the stores go through a generic pointer that could alias q, so
+    // interleaved they would wait for one load at a time.
+    constexpr int kPerThread = kRows * D / kThreads;
+    static_assert(kRows * D % kThreads == 0, "whole passes over the Q tile");
+    const T* const q = static_cast<const T*>(p.q) +
+                       static_cast<int64_t>(q_row) * p.q_token_stride +
+                       static_cast<int64_t>(first_head) * p.q_head_stride;
+    T values[kPerThread];
+KVSTREAM_CUDA_UNROLL
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = tid + k * kThreads;
       const int m = i / D;
       const int d = i - m * D;
-      T value = FromFloat<T>(0.0f);
-      if (m < heads_here && d < head_size) {
-        value = q[static_cast<int64_t>(q_row) * p.q_token_stride +
-                  static_cast<int64_t>(first_head + m) * p.q_head_stride + d];
-      }
-      *reinterpret_cast<T*>(q_smem + SwizzledChunk<D>(m, d >> 3) + (d & 7) * 2) = value;
+      values[k] = m < heads_here && d < head_size
+                      ? q[static_cast<int64_t>(m) * p.q_head_stride + d]
+                      : FromFloat<T>(0.0f);
+    }
+KVSTREAM_CUDA_UNROLL
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = tid + k * kThreads;
+      const int m = i / D;
+      const int d = i - m * D;
+      *reinterpret_cast<T*>(q_smem + SwizzledChunk<D>(m, d >> 3) + (d & 7) * 2) = values[k];
     }
   }
   __syncthreads();

@@ -239,19 +239,27 @@ KVSTREAM_CUDA_UNROLL
   const int kv_head = kv_group * kHeads + warp;
   const int first_head = kv_head * a.group_size;
   {
-    // Q rows 0..group_size-1 of this warp's 8-row tile, the rest zero. Element loads: any
-    // alignment.
-    const T* const q = static_cast<const T*>(p.q);
+    // Q rows 0..group_size-1 of this warp's 8-row tile, the rest zero. Element loads (any
+    // alignment), all issued before the first store: the stores go through a generic
+    // pointer that could alias q, so interleaved they would wait for one load at a time.
+    constexpr int kPerLane = 8 * kD / 32;  // element i = lane + 32 k: row k / 4
+    const T* const q = static_cast<const T*>(p.q) +
+                       static_cast<int64_t>(bounds.q_start) * p.q_token_stride +
+                       static_cast<int64_t>(first_head) * p.q_head_stride;
     uint8_t* const q_warp = q_smem + warp * 8 * kD * 2;
-    for (int i = lane; i < 8 * kD; i += 32) {
-      const int m = i / kD;
-      const int d = i - m * kD;
-      T value = FromFloat<T>(0.0f);
-      if (m < a.group_size) {
-        value = q[static_cast<int64_t>(bounds.q_start) * p.q_token_stride +
-                  static_cast<int64_t>(first_head + m) * p.q_head_stride + d];
-      }
-      *reinterpret_cast<T*>(q_warp + SwizzledChunk<kD>(m, d >> 3) + (d & 7) * 2) = value;
+    T values[kPerLane];
+KVSTREAM_CUDA_UNROLL
+    for (int k = 0; k < kPerLane; ++k) {
+      const int m = k / (kD / 32);
+      const int d = lane + 32 * (k % (kD / 32));
+      values[k] = m < a.group_size ? q[static_cast<int64_t>(m) * p.q_head_stride + d]
+                                   : FromFloat<T>(0.0f);
+    }
+KVSTREAM_CUDA_UNROLL
+    for (int k = 0; k < kPerLane; ++k) {
+      const int m = k / (kD / 32);
+      const int d = lane + 32 * (k % (kD / 32));
+      *reinterpret_cast<T*>(q_warp + SwizzledChunk<kD>(m, d >> 3) + (d & 7) * 2) = values[k];
     }
     __syncwarp();
   }
