@@ -10,7 +10,6 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <numeric>
 #include <random>
 #include <thread>
 #include <vector>
@@ -18,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "tests/unit/shuffled_slots.h"
 
 namespace kvstream {
 namespace internal {
@@ -55,17 +55,13 @@ class DoneCounter {
 std::vector<CopyPiece> Scattered(const std::vector<char>& src, std::vector<char>& dst,
                                  size_t block, size_t count, size_t tail, uint32_t seed) {
   const size_t slot = block + tail;
-  std::vector<size_t> from(src.size() / slot), to(dst.size() / slot);
-  std::iota(from.begin(), from.end(), 0);
-  std::iota(to.begin(), to.end(), 0);
-  std::mt19937 rng(seed);
-  std::shuffle(from.begin(), from.end(), rng);
-  std::shuffle(to.begin(), to.end(), rng);
+  const testing_util::SlotPermutations slots =
+      testing_util::ShuffledSlots(src.size() / slot, dst.size() / slot, seed);
   std::vector<CopyPiece> pieces;
   for (size_t i = 0; i < count; ++i) {
     CopyPiece p;
-    p.src = src.data() + from[i] * slot;
-    p.dst = dst.data() + to[i] * slot;
+    p.src = src.data() + slots.src[i] * slot;
+    p.dst = dst.data() + slots.dst[i] * slot;
     p.length = slot;
     pieces.push_back(p);
   }

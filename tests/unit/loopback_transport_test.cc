@@ -8,8 +8,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <numeric>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/shuffled_slots.h"
 #include "kvstream/transfer/transport.h"
 
 namespace kvstream {
@@ -67,17 +66,13 @@ class LoopbackTest : public ::testing::Test {
 
   // Block i of the source to block perm[i] of the destination, for `count` blocks.
   static std::vector<Segment> Scattered(size_t count, uint32_t seed) {
-    std::vector<size_t> src(kBlocks), dst(kBlocks);
-    std::iota(src.begin(), src.end(), 0);
-    std::iota(dst.begin(), dst.end(), 0);
-    std::mt19937 rng(seed);
-    std::shuffle(src.begin(), src.end(), rng);
-    std::shuffle(dst.begin(), dst.end(), rng);
+    const testing_util::SlotPermutations slots =
+        testing_util::ShuffledSlots(kBlocks, kBlocks, seed);
     std::vector<Segment> segments;
     for (size_t i = 0; i < count; ++i) {
       Segment s;
-      s.local_offset = src[i] * kBlock;
-      s.remote_offset = dst[i] * kBlock;
+      s.local_offset = slots.src[i] * kBlock;
+      s.remote_offset = slots.dst[i] * kBlock;
       s.length = kBlock;
       segments.push_back(s);
     }

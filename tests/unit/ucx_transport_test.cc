@@ -21,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/shuffled_slots.h"
 #include "kvstream/common/logging.h"
 #include "kvstream/transfer/transport.h"
 
@@ -93,17 +94,13 @@ class UcxPairTest : public ::testing::TestWithParam<std::string> {
   }
 
   static std::vector<Segment> Scattered(size_t count, uint32_t seed, size_t length = kBlock) {
-    std::vector<size_t> src(kBlocks), dst(kBlocks);
-    std::iota(src.begin(), src.end(), 0);
-    std::iota(dst.begin(), dst.end(), 0);
-    std::mt19937 rng(seed);
-    std::shuffle(src.begin(), src.end(), rng);
-    std::shuffle(dst.begin(), dst.end(), rng);
+    const testing_util::SlotPermutations slots =
+        testing_util::ShuffledSlots(kBlocks, kBlocks, seed);
     std::vector<Segment> segments;
     for (size_t i = 0; i < count; ++i) {
       Segment s;
-      s.local_offset = src[i] * kBlock;
-      s.remote_offset = dst[i] * kBlock;
+      s.local_offset = slots.src[i] * kBlock;
+      s.remote_offset = slots.dst[i] * kBlock;
       s.length = length;
       segments.push_back(s);
     }
