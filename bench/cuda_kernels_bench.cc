@@ -419,13 +419,15 @@ void BM_CacheUpdate(benchmark::State& state) {
 
 // Decode: `seqs` sequences of `seq_len` keys, one query token each, on the kernel of
 // range(2) (0: CUDA cores, 1: tensor cores with cp.async, 2: tensor cores with TMA, the
-// default on this shape).
+// default on this shape, up to 4 splits merged in the kernel as the backend runs it; 3:
+// the TMA kernel with the merge kernel instead; 4: merged in the kernel, the last split
+// reading the others' results itself instead of the producer warp fetching them ahead).
 void BM_Decode(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
   const int seqs = static_cast<int>(state.range(0));
   const int seq_len = static_cast<int>(state.range(1));
-  const internal::DecodeKernel kernel = state.range(2) == 2   ? internal::DecodeKernel::kTensorCoresTma
+  const internal::DecodeKernel kernel = state.range(2) >= 2   ? internal::DecodeKernel::kTensorCoresTma
                                         : state.range(2) == 1 ? internal::DecodeKernel::kTensorCores
                                                               : internal::DecodeKernel::kCudaCores;
   const int forced_splits = static_cast<int>(state.range(3));
@@ -456,6 +458,19 @@ void BM_Decode(benchmark::State& state) {
       }
       return workspace.data();
     };
+    DeviceBuffer counters;
+    options.tma_fetch_ahead = state.range(2) != 4;
+    if (state.range(2) != 3) {
+      options.arrival_counters = [&counters](size_t count) -> absl::StatusOr<uint32_t*> {
+        if (count * 4 > counters.size()) {
+          ASSIGN_OR_RETURN(counters, DeviceBuffer::Create(count * 4, MemoryKind::kDevice));
+          RETURN_IF_ERROR(CudaErrorToStatus(
+              static_cast<int>(cudaMemset(counters.data(), 0, counters.size())),
+              "zeroing the decode arrival counters"));
+        }
+        return counters.data_as<uint32_t>();
+      };
+    }
     auto enqueue = [&] {
       return internal::LaunchDecodeAttention(kp, p.q_dtype, p.out_dtype, spec.dtype, options,
                                              static_cast<cudaStream_t>(gpu->stream.get()));
@@ -566,10 +581,11 @@ BENCHMARK(BM_CacheUpdate)
 BENCHMARK(BM_Decode)
     ->ArgNames({"seqs", "seq_len", "kernel", "splits"})
     ->Apply([](benchmark::internal::Benchmark* b) {
-      for (const int64_t kernel : {0, 1, 2}) {
+      for (const int64_t kernel : {0, 1, 2, 3}) {
         b->Args({64, 4096, kernel, 0});
         b->Args({16, 32768, kernel, 0});
       }
+      b->Args({16, 32768, 4, 0});
       // The launchers' split choices against fixed ones (tensor cores, cp.async and TMA).
       for (const int64_t splits : {1, 2, 4, 8}) b->Args({64, 4096, 1, splits});
       for (const int64_t splits : {4, 8, 16, 32, 64}) b->Args({16, 32768, 1, splits});
@@ -579,6 +595,7 @@ BENCHMARK(BM_Decode)
       // fixed ones.
       for (const int64_t splits : {0, 2, 4, 8, 16}) b->Args({8, 4096, 1, splits});
       for (const int64_t splits : {0, 4, 8, 16}) b->Args({8, 4096, 2, splits});
+      b->Args({8, 4096, 3, 0});
     })
     ->UseManualTime()
     ->Iterations(kIterations)

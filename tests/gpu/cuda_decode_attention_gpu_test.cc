@@ -77,9 +77,18 @@ class CudaDecodeTest : public ::testing::Test {
     tma_ = *cc9;
   }
 
+  // How a TMA launch that splits the keys (into 4 parts at most) merges them: in the
+  // split kernel with the fixture's arrival counters, the producer warp fetching the other
+  // splits' results for the last one (as the backend launches it); the same with the last
+  // split reading them itself; or with the merge kernel.
+  enum class Merge { kInKernel, kInKernelNoFetch, kMergeKernel };
+
   // Validates, plans and launches the decode kernels for device params `p`, then waits.
+  // With Merge::kInKernel, also fails unless the launch left every arrival counter it was
+  // given at zero.
   absl::Status Launch(const PagedAttentionParams& p, int num_splits,
-                      internal::DecodeKernel kernel = internal::DecodeKernel::kAuto) {
+                      internal::DecodeKernel kernel = internal::DecodeKernel::kAuto,
+                      Merge merge = Merge::kInKernel) {
     ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
     internal::DecodeLaunchOptions options;
     options.num_sms = num_sms_;
@@ -93,10 +102,41 @@ class CudaDecodeTest : public ::testing::Test {
       ASSIGN_OR_RETURN(workspace, DeviceBuffer::Create(bytes, MemoryKind::kDevice));
       return workspace.data();
     };
+    size_t counters_used = 0;
+    options.tma_fetch_ahead = merge == Merge::kInKernel;
+    if (merge != Merge::kMergeKernel) {
+      // Zeroed when first made or grown, then kept: the launches must leave them zero.
+      options.arrival_counters = [this, &counters_used](size_t count) -> absl::StatusOr<uint32_t*> {
+        counters_used = count;
+        ++arrival_requests_;
+        if (count * sizeof(uint32_t) > counters_.size()) {
+          ASSIGN_OR_RETURN(counters_,
+                           DeviceBuffer::Create(count * sizeof(uint32_t), MemoryKind::kDevice));
+          RETURN_IF_ERROR(CudaErrorToStatus(
+              static_cast<int>(cudaMemset(counters_.data(), 0, counters_.size())),
+              "zeroing the test's arrival counters"));
+        }
+        return counters_.data_as<uint32_t>();
+      };
+    }
     RETURN_IF_ERROR(internal::LaunchDecodeAttention(kp, p.q_dtype, p.out_dtype, cache_dtype,
                                                     options,
                                                     static_cast<cudaStream_t>(stream_.get())));
-    return stream_.Synchronize(absl::Seconds(60));  // the workspace lives until then
+    RETURN_IF_ERROR(stream_.Synchronize(absl::Seconds(60)));  // the workspace lives until then
+    if (counters_used > 0) {
+      std::vector<uint32_t> counters(counters_used);
+      RETURN_IF_ERROR(CudaErrorToStatus(
+          static_cast<int>(cudaMemcpy(counters.data(), counters_.data(),
+                                      counters_used * sizeof(uint32_t), cudaMemcpyDeviceToHost)),
+          "reading the test's arrival counters"));
+      for (size_t i = 0; i < counters_used; ++i) {
+        if (counters[i] != 0) {
+          return absl::InternalError(absl::StrCat("arrival counter ", i, " is ", counters[i],
+                                                  " after the launch, not 0"));
+        }
+      }
+    }
+    return absl::OkStatus();
   }
 
   // Whether the tensor-core kernel takes device params `p`.
@@ -142,16 +182,28 @@ class CudaDecodeTest : public ::testing::Test {
         continue;
       }
       for (int num_splits : splits) {
-        ASSERT_TRUE((*dev)->ResetOut().ok());
-        const absl::Status st = Launch((*dev)->params(), num_splits, kernel);
-        ASSERT_TRUE(st.ok()) << st;
-        auto out = (*dev)->Out();
-        ASSERT_TRUE(out.ok()) << out.status();
-        ExpectMatchesReference(
-            pb, *out,
+        const std::string what =
             absl::StrCat(KernelName(kernel), ", ",
                          num_splits == 0 ? std::string("automatic splits")
-                                         : absl::StrCat(num_splits, " splits")));
+                                         : absl::StrCat(num_splits, " splits"));
+        ASSERT_TRUE((*dev)->ResetOut().ok());
+        const absl::Status st = Launch((*dev)->params(), num_splits, kernel);
+        ASSERT_TRUE(st.ok()) << st << " (" << what << ")";
+        auto out = (*dev)->Out();
+        ASSERT_TRUE(out.ok()) << out.status();
+        ExpectMatchesReference(pb, *out, what);
+        if (kernel != internal::DecodeKernel::kTensorCoresTma) continue;
+        // Where the TMA kernel merged its splits itself above, the other two ways must give
+        // the same bits.
+        for (const Merge merge : {Merge::kInKernelNoFetch, Merge::kMergeKernel}) {
+          const char* how = merge == Merge::kMergeKernel ? "merge kernel" : "no fetch ahead";
+          ASSERT_TRUE((*dev)->ResetOut().ok());
+          const absl::Status again = Launch((*dev)->params(), num_splits, kernel, merge);
+          ASSERT_TRUE(again.ok()) << again << " (" << what << ", " << how << ")";
+          auto again_out = (*dev)->Out();
+          ASSERT_TRUE(again_out.ok()) << again_out.status();
+          EXPECT_EQ(*out, *again_out) << what << ": differs from the run with " << how;
+        }
       }
     }
   }
@@ -199,6 +251,8 @@ class CudaDecodeTest : public ::testing::Test {
   }
 
   CudaStream stream_;
+  DeviceBuffer counters_;  // arrival counters, zero between launches
+  int arrival_requests_ = 0;  // calls of the arrival counter provider
   int num_sms_ = 0;
   bool dependent_merge_ = false;
   bool tma_ = false;  // compute capability 9.0 or newer
@@ -602,6 +656,118 @@ TEST_F(CudaDecodeTest, AutoRunsTheTmaKernelWhereItApplies) {
   EXPECT_EQ(outs[0], outs[1]) << "kAuto did not run the TMA kernel";
   EXPECT_NE(outs[0], outs[2]) << "the cp.async and TMA kernels agree to the bit: the check "
                                  "above cannot tell them apart";
+}
+
+// The decode shape with the TMA kernel's splits merged in the kernel (2 to 4
+// splits): launches that reuse the same counters without zeroing them again each match
+// the reference and give the merge kernel's bits, and each asks for one counter per
+// (sequence, KV head); with more splits the merge kernel runs and no counters are asked.
+TEST_F(CudaDecodeTest, TmaInKernelMergeReusesItsCounters) {
+  if (!tma_) GTEST_SKIP() << "the device has no TMA (compute capability below 9.0)";
+  AttnCase c;
+  c.num_kv_heads = 8;
+  c.group = 4;
+  c.head_size = c.head_size_v = 128;
+  c.block_size = 16;
+  c.q_dtype = c.out_dtype = c.cache_dtype = DType::kBFloat16;
+  c.seqs = {{8191, 1}, {3000, 1}, {0, 1}, {6, 0}, {4096, 1}, {17, 1}};
+  AttnProblem pb(c);
+  auto dev = DeviceAttnProblem::Create(pb);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  for (const int splits : {2, 3, 4, 5}) {
+    SCOPED_TRACE(absl::StrCat(splits, " splits"));
+    ASSERT_TRUE((*dev)->ResetOut().ok());
+    ASSERT_TRUE(Launch((*dev)->params(), splits, internal::DecodeKernel::kTensorCoresTma,
+                       Merge::kMergeKernel)
+                    .ok());
+    auto merged = (*dev)->Out();
+    ASSERT_TRUE(merged.ok()) << merged.status();
+    ExpectMatchesReference(pb, *merged, "merge kernel");
+    for (int round = 0; round < 4; ++round) {
+      const int requests = arrival_requests_;
+      ASSERT_TRUE((*dev)->ResetOut().ok());
+      const absl::Status st =
+          Launch((*dev)->params(), splits, internal::DecodeKernel::kTensorCoresTma,
+                 round % 2 == 0 ? Merge::kInKernel : Merge::kInKernelNoFetch);
+      ASSERT_TRUE(st.ok()) << st << " (round " << round << ")";
+      EXPECT_EQ(arrival_requests_, requests + (splits <= 4 ? 1 : 0))
+          << "counters asked for where they should not be, or not asked for";
+      auto out = (*dev)->Out();
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_EQ(*out, *merged) << "round " << round;
+    }
+  }
+  EXPECT_EQ(counters_.size(), c.seqs.size() * c.num_kv_heads * sizeof(uint32_t));
+}
+
+// The arrival counter provider's contract on the device: its error fails the launch with
+// nothing written, a null or misaligned pointer is InvalidArgument, and launches that do
+// not split (or whose kernel is not the TMA one) never ask.
+TEST_F(CudaDecodeTest, TmaArrivalCounterProvider) {
+  if (!tma_) GTEST_SKIP() << "the device has no TMA (compute capability below 9.0)";
+  AttnCase c;
+  c.num_kv_heads = 4;
+  c.group = 2;
+  c.head_size = c.head_size_v = 128;
+  c.block_size = 16;
+  c.q_dtype = c.out_dtype = c.cache_dtype = DType::kFloat16;
+  c.seqs = {{900, 1}, {40, 1}};
+  AttnProblem pb(c);
+  auto dev = DeviceAttnProblem::Create(pb);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  auto kp = internal::MakePagedKernelParams((*dev)->params());
+  ASSERT_TRUE(kp.ok()) << kp.status();
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_.get());
+  auto workspace = DeviceBuffer::Create(1 << 20, MemoryKind::kDevice);
+  ASSERT_TRUE(workspace.ok()) << workspace.status();
+  internal::DecodeLaunchOptions options;
+  options.num_sms = num_sms_;
+  options.tma = true;
+  options.dependent_merge = dependent_merge_;
+  options.kernel = internal::DecodeKernel::kTensorCoresTma;
+  options.num_splits = 3;
+  options.workspace = [&workspace](size_t) -> absl::StatusOr<void*> { return workspace->data(); };
+  std::vector<size_t> asked;
+  options.arrival_counters = [&asked](size_t count) -> absl::StatusOr<uint32_t*> {
+    asked.push_back(count);
+    return absl::ResourceExhaustedError("test provider: no counters");
+  };
+  absl::Status st = internal::LaunchDecodeAttention(*kp, c.q_dtype, c.out_dtype, c.cache_dtype,
+                                                    options, stream);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_EQ(asked, std::vector<size_t>{2 * 4});
+  ASSERT_TRUE(stream_.Synchronize(absl::Seconds(60)).ok());
+  auto out = (*dev)->Out();
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(*out, pb.NewOut()) << "wrote output despite the provider's error";
+
+  auto counters = DeviceBuffer::Create(64, MemoryKind::kDevice);
+  ASSERT_TRUE(counters.ok()) << counters.status();
+  for (uint32_t* bad : {static_cast<uint32_t*>(nullptr),
+                        reinterpret_cast<uint32_t*>(counters->data_as<char>() + 2)}) {
+    options.arrival_counters = [bad](size_t) -> absl::StatusOr<uint32_t*> { return bad; };
+    st = internal::LaunchDecodeAttention(*kp, c.q_dtype, c.out_dtype, c.cache_dtype, options,
+                                         stream);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("arrival counter provider"));
+  }
+
+  asked.clear();
+  options.arrival_counters = [&asked](size_t count) -> absl::StatusOr<uint32_t*> {
+    asked.push_back(count);
+    return absl::ResourceExhaustedError("test provider: no counters");
+  };
+  options.num_splits = 1;
+  EXPECT_TRUE(internal::LaunchDecodeAttention(*kp, c.q_dtype, c.out_dtype, c.cache_dtype,
+                                              options, stream)
+                  .ok());
+  options.num_splits = 3;
+  options.kernel = internal::DecodeKernel::kTensorCores;
+  EXPECT_TRUE(internal::LaunchDecodeAttention(*kp, c.q_dtype, c.out_dtype, c.cache_dtype,
+                                              options, stream)
+                  .ok());
+  EXPECT_TRUE(asked.empty());
+  EXPECT_TRUE(stream_.Synchronize(absl::Seconds(60)).ok());
 }
 
 // ---------------------------------------------------------------------------------------

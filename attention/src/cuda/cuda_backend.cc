@@ -1,9 +1,10 @@
 // The "cuda" attention backend (cuda_attention.h): UpdateCache -> CacheUpdateCuda; Forward
 // -> MakePagedKernelParams, then the decode kernel when max_query_len <= 1, else the varlen
-// prefill kernel. The decode kernel's split workspace is a stream-ordered device buffer
-// that grows on demand, so replacing it never waits.
+// prefill kernel. The decode kernel's split workspace and its arrival counters are
+// stream-ordered device buffers that grow on demand, so replacing them never waits.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <memory>
 #include <utility>
 
@@ -36,6 +37,7 @@ class CudaBackend final : public CudaAttentionBackend {
     // it before an owned stream goes.
     CudaDeviceScope scope(device_);
     workspace_ = DeviceBuffer();
+    counters_ = DeviceBuffer();
   }
 
   absl::string_view name() const override { return "cuda"; }
@@ -68,6 +70,18 @@ class CudaBackend final : public CudaAttentionBackend {
         }
         return workspace_.data();
       };
+      options.arrival_counters = [this](size_t count) -> absl::StatusOr<uint32_t*> {
+        const size_t bytes = count * sizeof(uint32_t);
+        if (bytes > counters_.size()) {
+          // Zeroed once, in stream order; every decode launch leaves the counters zero.
+          ASSIGN_OR_RETURN(counters_, DeviceBuffer::CreateAsync(bytes + bytes / 2, stream_));
+          RETURN_IF_ERROR(CudaErrorToStatus(
+              static_cast<int>(cudaMemsetAsync(counters_.data(), 0, counters_.size(),
+                                               static_cast<cudaStream_t>(stream_))),
+              "cuda backend: zeroing the decode arrival counters"));
+        }
+        return counters_.data_as<uint32_t>();
+      };
       return internal::LaunchDecodeAttention(kp, params.q_dtype, params.out_dtype, cache_dtype,
                                              options, stream);
     }
@@ -89,7 +103,10 @@ class CudaBackend final : public CudaAttentionBackend {
   CudaStream owned_stream_;  // empty when the caller supplied the stream
   void* const stream_;
   CudaEvent done_;
-  DeviceBuffer workspace_;  // stream-ordered on stream_; declared last, destroyed first
+  // Stream-ordered on stream_; declared last, destroyed first. counters_: the decode
+  // kernels' arrival counters (DecodeLaunchOptions::arrival_counters), zero between launches.
+  DeviceBuffer workspace_;
+  DeviceBuffer counters_;
 };
 
 }  // namespace

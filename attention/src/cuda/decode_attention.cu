@@ -367,16 +367,29 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   plan.geo.q_dtype = ActivationCode(q_dtype);
   plan.geo.out_dtype = ActivationCode(out_dtype);
 
+  // The TMA kernel merges up to kDecodeTmaInKernelMergeSplits splits itself where the
+  // caller keeps arrival counters (one warp merges a head group's splits: for more, the
+  // merge kernel's one CTA per query head is faster).
+  uint32_t* arrivals = nullptr;
+  if (tma && plan.geo.num_splits > 1 && plan.geo.num_splits <= kDecodeTmaInKernelMergeSplits &&
+      options.arrival_counters) {
+    const size_t count = static_cast<size_t>(params.num_seqs) * params.num_kv_heads;
+    ASSIGN_OR_RETURN(arrivals, options.arrival_counters(count));
+    if (arrivals == nullptr || !Aligned(arrivals, 4)) {
+      return Invalid("the arrival counter provider returned a null or not 4-byte aligned pointer");
+    }
+  }
   if (tma) {
     RETURN_IF_ERROR(LaunchDecodeTmaSplit(params, q_dtype, tma_maps, tc, plan.geo.partial_out,
-                                         plan.geo.partial_ml, stream));
+                                         plan.geo.partial_ml, arrivals,
+                                         options.tma_fetch_ahead, stream));
   } else if (tensor_cores) {
     RETURN_IF_ERROR(LaunchDecodeTcSplit(params, q_dtype, cache_dtype, tc, plan.geo.partial_out,
                                         plan.geo.partial_ml, stream));
   } else {
     RETURN_IF_ERROR(LaunchCudaCoreSplit(params, plan, stream));
   }
-  if (plan.geo.num_splits > 1) {
+  if (plan.geo.num_splits > 1 && arrivals == nullptr) {
     // With options.dependent_merge the merge kernel is a programmatic dependent of the split
     // kernel: its launch and CTAs start while the split kernel's last CTAs run, and it
     // waits for the partial results inside (WaitForPrerequisiteGrids).

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -75,9 +76,15 @@ struct DecodeTmaMaps {
 absl::StatusOr<DecodeTcPlan> PlanDecodeTma(const PagedKernelParams& params,
                                            const DecodeLaunchOptions& options);
 absl::StatusOr<DecodeTmaMaps> PrepareDecodeTma(const PagedKernelParams& params, DType q_dtype);
+// `arrivals`: null, or (2 <= plan.num_splits <= kDecodeTmaInKernelMergeSplits, else
+// InternalError) zeroed counters, one per (sequence, KV head), with which the kernel merges
+// the splits itself (DecodeLaunchOptions::arrival_counters); `fetch_ahead` as
+// DecodeLaunchOptions::tma_fetch_ahead.
+inline constexpr int kDecodeTmaInKernelMergeSplits = 4;
 absl::Status LaunchDecodeTmaSplit(const PagedKernelParams& params, DType q_dtype,
                                   const DecodeTmaMaps& maps, const DecodeTcPlan& plan,
-                                  float* partial_out, float* partial_ml, cudaStream_t stream);
+                                  float* partial_out, float* partial_ml, uint32_t* arrivals,
+                                  bool fetch_ahead, cudaStream_t stream);
 
 }  // namespace internal
 }  // namespace kvstream

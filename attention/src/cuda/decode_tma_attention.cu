@@ -42,6 +42,8 @@ namespace {
 
 namespace tma = decode_tma;
 using Traits = tma::DecodeTmaTraits;
+static_assert(Traits::kMaxMergeSplits == kDecodeTmaInKernelMergeSplits,
+              "one limit for the launcher and the kernel");
 constexpr double kTmaMinLastWaveFill = 0.94;
 
 absl::Status Error(absl::string_view what) {
@@ -168,8 +170,15 @@ absl::StatusOr<DecodeTmaMaps> PrepareDecodeTma(const PagedKernelParams& p, DType
 
 absl::Status LaunchDecodeTmaSplit(const PagedKernelParams& p, DType q_dtype,
                                   const DecodeTmaMaps& maps, const DecodeTcPlan& plan,
-                                  float* partial_out, float* partial_ml, cudaStream_t stream) {
+                                  float* partial_out, float* partial_ml, uint32_t* arrivals,
+                                  bool fetch_ahead, cudaStream_t stream) {
+  if (arrivals != nullptr &&
+      (plan.num_splits < 2 || plan.num_splits > kDecodeTmaInKernelMergeSplits)) {
+    return Error(absl::StrCat("arrival counters given for ", plan.num_splits, " splits"));
+  }
   tma::DecodeTmaArgs args{};
+  args.arrivals = arrivals;
+  args.fetch_ahead = fetch_ahead;
   args.group_size = p.num_heads / p.num_kv_heads;
   args.num_splits = plan.num_splits;
   args.partial_out = partial_out;

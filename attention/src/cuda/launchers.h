@@ -93,6 +93,21 @@ struct DecodeLaunchOptions {
   // run (stream order), or an error, which the launch returns. Unset: such launches fail
   // with InvalidArgument. Launches that do not split never call it.
   std::function<absl::StatusOr<void*>(size_t bytes)> workspace;
+  // Arrival counters for a TMA launch that splits the keys into at most 4 parts
+  // (kDecodeTmaInKernelMergeSplits): called once by such a launch with the number of
+  // 32-bit counters it needs (num_seqs * num_kv_heads); returns device
+  // memory of at least that many, 4-byte aligned, every one zero, that no other work uses
+  // while the launch runs, or an error, which the launch returns. The launch's kernel
+  // leaves every counter zero when it completes, so memory zeroed once serves every later
+  // launch in stream order. With counters the last split of each (sequence, KV head) to
+  // finish merges the splits' results in the split kernel itself, to the same bits as the
+  // merge kernel, and no merge kernel runs (on the H200 the merge kernel costs about 1% of
+  // a 16 x 32768 decode). Unset: the merge kernel runs.
+  std::function<absl::StatusOr<uint32_t*>(size_t count)> arrival_counters;
+  // With arrival counters: whether the TMA kernel's producer warp fetches the other splits'
+  // results into shared memory for a split that will be the last, so that its merge reads
+  // no global memory. False (for tests of the other path): the last split reads them.
+  bool tma_fetch_ahead = true;
   // Which kernel runs.
   DecodeKernel kernel = DecodeKernel::kAuto;
 };
