@@ -420,8 +420,7 @@ void BM_CacheUpdate(benchmark::State& state) {
 // Decode: `seqs` sequences of `seq_len` keys, one query token each, on the kernel of
 // range(2) (0: CUDA cores, 1: tensor cores with cp.async, 2: tensor cores with TMA, the
 // default on this shape, up to 4 splits merged in the kernel as the backend runs it; 3:
-// the TMA kernel with the merge kernel instead; 4: merged in the kernel, the last split
-// reading the others' results itself instead of the producer warp fetching them ahead).
+// the TMA kernel with the merge kernel instead).
 void BM_Decode(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
@@ -459,7 +458,6 @@ void BM_Decode(benchmark::State& state) {
       return workspace.data();
     };
     DeviceBuffer counters;
-    options.tma_fetch_ahead = state.range(2) != 4;
     if (state.range(2) != 3) {
       options.arrival_counters = [&counters](size_t count) -> absl::StatusOr<uint32_t*> {
         if (count * 4 > counters.size()) {
@@ -585,7 +583,6 @@ BENCHMARK(BM_Decode)
         b->Args({64, 4096, kernel, 0});
         b->Args({16, 32768, kernel, 0});
       }
-      b->Args({16, 32768, 4, 0});
       // The launchers' split choices against fixed ones (tensor cores, cp.async and TMA).
       for (const int64_t splits : {1, 2, 4, 8}) b->Args({64, 4096, 1, splits});
       for (const int64_t splits : {4, 8, 16, 32, 64}) b->Args({16, 32768, 1, splits});

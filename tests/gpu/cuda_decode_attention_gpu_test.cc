@@ -78,10 +78,9 @@ class CudaDecodeTest : public ::testing::Test {
   }
 
   // How a TMA launch that splits the keys (into 4 parts at most) merges them: in the
-  // split kernel with the fixture's arrival counters, the producer warp fetching the other
-  // splits' results for the last one (as the backend launches it); the same with the last
-  // split reading them itself; or with the merge kernel.
-  enum class Merge { kInKernel, kInKernelNoFetch, kMergeKernel };
+  // split kernel with the fixture's arrival counters (as the backend launches it), or with
+  // the merge kernel.
+  enum class Merge { kInKernel, kMergeKernel };
 
   // Validates, plans and launches the decode kernels for device params `p`, then waits.
   // With Merge::kInKernel, also fails unless the launch left every arrival counter it was
@@ -103,7 +102,6 @@ class CudaDecodeTest : public ::testing::Test {
       return workspace.data();
     };
     size_t counters_used = 0;
-    options.tma_fetch_ahead = merge == Merge::kInKernel;
     if (merge != Merge::kMergeKernel) {
       // Zeroed when first made or grown, then kept: the launches must leave them zero.
       options.arrival_counters = [this, &counters_used](size_t count) -> absl::StatusOr<uint32_t*> {
@@ -193,17 +191,16 @@ class CudaDecodeTest : public ::testing::Test {
         ASSERT_TRUE(out.ok()) << out.status();
         ExpectMatchesReference(pb, *out, what);
         if (kernel != internal::DecodeKernel::kTensorCoresTma) continue;
-        // Where the TMA kernel merged its splits itself above, the other two ways must give
+        // Where the TMA kernel merged its splits itself above, the merge kernel must give
         // the same bits.
-        for (const Merge merge : {Merge::kInKernelNoFetch, Merge::kMergeKernel}) {
-          const char* how = merge == Merge::kMergeKernel ? "merge kernel" : "no fetch ahead";
-          ASSERT_TRUE((*dev)->ResetOut().ok());
-          const absl::Status again = Launch((*dev)->params(), num_splits, kernel, merge);
-          ASSERT_TRUE(again.ok()) << again << " (" << what << ", " << how << ")";
-          auto again_out = (*dev)->Out();
-          ASSERT_TRUE(again_out.ok()) << again_out.status();
-          EXPECT_EQ(*out, *again_out) << what << ": differs from the run with " << how;
-        }
+        ASSERT_TRUE((*dev)->ResetOut().ok());
+        const absl::Status merged =
+            Launch((*dev)->params(), num_splits, kernel, Merge::kMergeKernel);
+        ASSERT_TRUE(merged.ok()) << merged << " (" << what << ", merge kernel)";
+        auto merged_out = (*dev)->Out();
+        ASSERT_TRUE(merged_out.ok()) << merged_out.status();
+        EXPECT_EQ(*out, *merged_out) << what << ": the in-kernel merge and the merge kernel "
+                                     << "differ";
       }
     }
   }
@@ -687,8 +684,7 @@ TEST_F(CudaDecodeTest, TmaInKernelMergeReusesItsCounters) {
       const int requests = arrival_requests_;
       ASSERT_TRUE((*dev)->ResetOut().ok());
       const absl::Status st =
-          Launch((*dev)->params(), splits, internal::DecodeKernel::kTensorCoresTma,
-                 round % 2 == 0 ? Merge::kInKernel : Merge::kInKernelNoFetch);
+          Launch((*dev)->params(), splits, internal::DecodeKernel::kTensorCoresTma);
       ASSERT_TRUE(st.ok()) << st << " (round " << round << ")";
       EXPECT_EQ(arrival_requests_, requests + (splits <= 4 ? 1 : 0))
           << "counters asked for where they should not be, or not asked for";

@@ -381,8 +381,7 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   }
   if (tma) {
     RETURN_IF_ERROR(LaunchDecodeTmaSplit(params, q_dtype, tma_maps, tc, plan.geo.partial_out,
-                                         plan.geo.partial_ml, arrivals,
-                                         options.tma_fetch_ahead, stream));
+                                         plan.geo.partial_ml, arrivals, stream));
   } else if (tensor_cores) {
     RETURN_IF_ERROR(LaunchDecodeTcSplit(params, q_dtype, cache_dtype, tc, plan.geo.partial_out,
                                         plan.geo.partial_ml, stream));

@@ -78,13 +78,12 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTma(const PagedKernelParams& params,
 absl::StatusOr<DecodeTmaMaps> PrepareDecodeTma(const PagedKernelParams& params, DType q_dtype);
 // `arrivals`: null, or (2 <= plan.num_splits <= kDecodeTmaInKernelMergeSplits, else
 // InternalError) zeroed counters, one per (sequence, KV head), with which the kernel merges
-// the splits itself (DecodeLaunchOptions::arrival_counters); `fetch_ahead` as
-// DecodeLaunchOptions::tma_fetch_ahead.
+// the splits itself (DecodeLaunchOptions::arrival_counters).
 inline constexpr int kDecodeTmaInKernelMergeSplits = 4;
 absl::Status LaunchDecodeTmaSplit(const PagedKernelParams& params, DType q_dtype,
                                   const DecodeTmaMaps& maps, const DecodeTcPlan& plan,
                                   float* partial_out, float* partial_ml, uint32_t* arrivals,
-                                  bool fetch_ahead, cudaStream_t stream);
+                                  cudaStream_t stream);
 
 }  // namespace internal
 }  // namespace kvstream

@@ -171,14 +171,13 @@ absl::StatusOr<DecodeTmaMaps> PrepareDecodeTma(const PagedKernelParams& p, DType
 absl::Status LaunchDecodeTmaSplit(const PagedKernelParams& p, DType q_dtype,
                                   const DecodeTmaMaps& maps, const DecodeTcPlan& plan,
                                   float* partial_out, float* partial_ml, uint32_t* arrivals,
-                                  bool fetch_ahead, cudaStream_t stream) {
+                                  cudaStream_t stream) {
   if (arrivals != nullptr &&
       (plan.num_splits < 2 || plan.num_splits > kDecodeTmaInKernelMergeSplits)) {
     return Error(absl::StrCat("arrival counters given for ", plan.num_splits, " splits"));
   }
   tma::DecodeTmaArgs args{};
   args.arrivals = arrivals;
-  args.fetch_ahead = fetch_ahead;
   args.group_size = p.num_heads / p.num_kv_heads;
   args.num_splits = plan.num_splits;
   args.partial_out = partial_out;

@@ -77,10 +77,6 @@ struct DecodeTmaArgs {
   // KV head) merges them all and writes out (no merge kernel). Null: every split writes
   // its partial result.
   uint32_t* arrivals;
-  // With arrivals: whether the producer warp fetches the other splits' results for a
-  // compute warp that will be last (the merge then waits for no global memory); false
-  // (tests) makes every last split read them itself.
-  bool fetch_ahead;
 };
 
 struct DecodeTmaTraits {
@@ -96,17 +92,15 @@ struct DecodeTmaTraits {
   static constexpr int kQOffset = kRing * kSlotBytes;
   static constexpr int kQBytes = kHeads * 8 * kD * 2;
   static constexpr int kBarrierOffset = kQOffset + kQBytes;
-  // The in-kernel merge (DecodeTmaArgs::arrivals) takes up to kMaxMergeSplits splits; per
-  // compute warp, the producer fetches the other splits' partial results of its (up to 8)
-  // query heads into [kMaxMergeSplits - 1][8][kD] floats, then their (max, sum) pairs
-  // [kMaxMergeSplits - 1][8][2]; one hand-off word per compute warp follows.
-  static constexpr int kMaxMergeSplits = 4;
-  static constexpr int kFetchedOffset = kBarrierOffset + 2 * kRing * 8;
-  static constexpr int kFetchedOBytes = (kMaxMergeSplits - 1) * 8 * kD * 4;
-  static constexpr int kFetchedWarpBytes = kFetchedOBytes + (kMaxMergeSplits - 1) * 8 * 2 * 4;
-  static constexpr int kHandOffOffset = kFetchedOffset + kHeads * kFetchedWarpBytes;
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes inside the kernel.
-  static constexpr int kSmemBytes = kHandOffOffset + kHeads * 4 + 1024;
+  static constexpr int kSmemBytes = kBarrierOffset + 2 * kRing * 8 + 1024;
+  // The in-kernel merge (DecodeTmaArgs::arrivals) takes up to kMaxMergeSplits splits: the
+  // last split loads the others' results of its 2 heads per lane at once (2 x 3 x 18
+  // floats in registers).
+  static constexpr int kMaxMergeSplits = 4;
+  // A compute warp reads its arrival counter this many blocks before its split ends, so
+  // that the answer is back when it is done (a load waits behind the stream of K and V).
+  static constexpr int kPeekBlocks = 8;
 };
 
 using ptx::FastExp2;
@@ -166,50 +160,44 @@ __device__ __forceinline__ void TmaLoad5(uint32_t dst, const CUtensorMap* map, u
 // ---------------------------------------------------------------------------------------
 // The splits' merge in the split kernel (DecodeTmaArgs::arrivals).
 
-// A GPU-scope acquire load of an arrival counter.
-__device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* counter) {
+// A GPU-scope relaxed load of an arrival counter (made an acquire by a fence after it).
+__device__ __forceinline__ uint32_t LoadRelaxed(const uint32_t* counter) {
   uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
   return v;
-}
-
-// The hand-off between the producer and compute warp w over the other splits' results
-// (one shared word per compute warp):
-//   kOpen -> kClaimed (producer: every other split has arrived, it fetches them) -> kFetched
-//   kOpen -> kAlone (compute warp: done first, it will count itself and maybe merge alone)
-// Whichever moves the word off kOpen first (atomicCAS) decides.
-constexpr uint32_t kOpen = 0;
-constexpr uint32_t kClaimed = 1;
-constexpr uint32_t kFetched = 2;
-constexpr uint32_t kAlone = 3;
-__device__ __forceinline__ uint32_t LoadAcquireCta(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ void StoreReleaseCta(uint32_t addr, uint32_t v) {
-  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
 // Whether the calling warp is the last of the `num_splits` splits of its (sequence, KV
 // head) to finish, after `write_partial` (which writes this split's partial result when
-// called by every lane) where it is not. On return true every other split's partial result
-// is visible to the warp and the counter is zero again; false: this split's result is
-// published and the counter counts it. A split that finds every other one already counted
-// is last without publishing its own; otherwise it publishes, then counts itself with an
-// atomicInc that wraps at num_splits - 1, so that the last increment both tells the last
-// split and leaves the counter zero.
+// called by every lane) where it is not. On return true every other split's partial
+// result is visible to the warp and the counter is zero again; false: this split's result
+// is published and the counter counts it. `peeked`: lane 0's relaxed read of the counter a
+// few blocks before the split's end (kNotPeeked if none). A split that finds every other
+// one already counted, then or now, is last without publishing its own; otherwise it
+// publishes, then counts itself with an atomicInc that wraps at num_splits - 1, so that
+// the last increment both tells the last split and leaves the counter zero.
+constexpr uint32_t kNotPeeked = 0xffffffffu;
+__device__ __forceinline__ void FenceAcqRelGpu() {
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
 template <typename WritePartial>
 __device__ __forceinline__ bool LastSplitToArrive(uint32_t* counter, int num_splits, int lane,
+                                                  uint32_t peeked,
                                                   WritePartial&& write_partial) {
   const uint32_t all_others = static_cast<uint32_t>(num_splits - 1);
-  uint32_t seen = 0;
-  if (lane == 0) seen = LoadAcquire(counter);
-  seen = __shfl_sync(0xffffffffu, seen, 0);
+  uint32_t seen = __shfl_sync(0xffffffffu, peeked, 0);
+  if (seen != all_others) {
+    if (lane == 0) seen = LoadRelaxed(counter);
+    seen = __shfl_sync(0xffffffffu, seen, 0);
+  }
   if (seen == all_others) {
-    // Every other split has counted itself, so none touches the counter again in this
-    // launch: reset it for the next.
-    if (lane == 0) *reinterpret_cast<volatile uint32_t*>(counter) = 0u;
+    // Every other split has counted itself (the fence makes the read an acquire), so none
+    // touches the counter again in this launch: reset it for the next.
+    if (lane == 0) {
+      FenceAcqRelGpu();
+      *reinterpret_cast<volatile uint32_t*>(counter) = 0u;
+    }
+    __syncwarp();
     return true;
   }
   write_partial();
@@ -219,70 +207,77 @@ __device__ __forceinline__ bool LastSplitToArrive(uint32_t* counter, int num_spl
   if (lane == 0) before = atomicInc(counter, all_others);
   before = __shfl_sync(0xffffffffu, before, 0);
   if (before != all_others) return false;
-  __threadfence();  // the other splits' writes before the reads that follow (acquire)
+  if (lane == 0) FenceAcqRelGpu();  // the other splits' writes before the reads that follow
+  __syncwarp();
   return true;
 }
 
-// Where the merge finds split i's results for one query head: its kD output values and
-// its (max, sum), in global memory (read through L2: other SMs wrote them) or in shared.
-struct SplitSource {
-  const float* o;
-  const float* ml;
-  bool global;
-};
-__device__ __forceinline__ float LoadSplitValue(const float* value, bool global) {
-  return global ? __ldcg(value) : *value;
-}
-
 // The last split's merge of every split's results for the query heads quad_col + j of its
-// warp, written to out: DecodeMergeKernel's arithmetic in its order (splits in index order;
-// this split's own values from registers), so that the output is the same to the bit.
-// source(i, m): where split i's results of query head first_head + m are, for i != split.
-template <typename Traits, typename T, typename Source>
+// warp, written to out. All the other splits' values are loaded first, at once (one trip
+// to L2 where several would add up at the kernel's end); then DecodeMergeKernel's
+// arithmetic in its order (splits in index order, this split's values from registers), so
+// that the output is the same to the bit. head_slot0: the slot index (sequence, query head
+// first_head) of decode_attention.cuh's partial layout, before the split.
+template <typename Traits, typename T>
 __device__ __forceinline__ void MergeSplits(const PagedKernelParams& p, const DecodeTmaArgs& a,
-                                            int first_head, int split, int g, int quad_col,
-                                            float v_scale, const float (&head_max)[1][2],
+                                            int64_t head_slot0, int first_head, int split,
+                                            int g, int quad_col, float v_scale,
+                                            const float (&head_max)[1][2],
                                             const float (&head_total)[2],
                                             const float (&acc_o)[Traits::kD / 16][1][4],
-                                            int q_start, Source&& source) {
+                                            int q_start) {
   constexpr int kDSteps = Traits::kD / 16;
+  constexpr int kS = Traits::kMaxMergeSplits;
+  const int S = a.num_splits;
+  float m_in[2][kS];
+  float l_in[2][kS];
+  float o_in[2][kS][2 * kDSteps];
+KVSTREAM_CUDA_UNROLL
+  for (int j = 0; j < 2; ++j) {
+KVSTREAM_CUDA_UNROLL
+    for (int i = 0; i < kS; ++i) {
+      m_in[j][i] = 0.0f;
+      l_in[j][i] = 0.0f;
+KVSTREAM_CUDA_UNROLL
+      for (int k = 0; k < 2 * kDSteps; ++k) o_in[j][i][k] = 0.0f;
+      if (i < S && i != split && quad_col + j < a.group_size) {
+        const int64_t slot = (head_slot0 + quad_col + j) * S + i;
+        m_in[j][i] = __ldcg(a.partial_ml + slot * 2);
+        l_in[j][i] = __ldcg(a.partial_ml + slot * 2 + 1);
+        const float* const row = a.partial_out + slot * Traits::kD;
+KVSTREAM_CUDA_UNROLL
+        for (int dd = 0; dd < kDSteps; ++dd) {
+          o_in[j][i][2 * dd] = __ldcg(row + 16 * dd + g);
+          o_in[j][i][2 * dd + 1] = __ldcg(row + 16 * dd + g + 8);
+        }
+      }
+    }
+  }
   T* const out = static_cast<T*>(p.out);
 KVSTREAM_CUDA_UNROLL
   for (int j = 0; j < 2; ++j) {
     const int m = quad_col + j;
     if (m >= a.group_size) continue;
-    auto split_max = [&](int i) {
-      if (i == split) return head_max[0][j];
-      const SplitSource src = source(i, m);
-      return LoadSplitValue(src.ml, src.global);
-    };
     float big = -INFINITY;
-#pragma unroll 4
-    for (int i = 0; i < a.num_splits; ++i) big = fmaxf(big, split_max(i));
+KVSTREAM_CUDA_UNROLL
+    for (int i = 0; i < kS; ++i) {
+      if (i < S) big = fmaxf(big, i == split ? head_max[0][j] : m_in[j][i]);
+    }
     float sum = 0.0f;
     float o[2 * kDSteps];
 KVSTREAM_CUDA_UNROLL
     for (int k = 0; k < 2 * kDSteps; ++k) o[k] = 0.0f;
-#pragma unroll 2
-    for (int i = 0; i < a.num_splits; ++i) {
-      const float mi = split_max(i);
+KVSTREAM_CUDA_UNROLL
+    for (int i = 0; i < kS; ++i) {
+      if (i >= S) continue;
+      const bool own = i == split;
+      const float mi = own ? head_max[0][j] : m_in[j][i];
       const float w = mi == -INFINITY ? 0.0f : exp2f(mi - big);
-      if (i == split) {
-        sum = fmaf(head_total[j], w, sum);
+      sum = fmaf(own ? head_total[j] : l_in[j][i], w, sum);
 KVSTREAM_CUDA_UNROLL
-        for (int dd = 0; dd < kDSteps; ++dd) {
-          o[2 * dd] = fmaf(acc_o[dd][0][j], w, o[2 * dd]);
-          o[2 * dd + 1] = fmaf(acc_o[dd][0][j + 2], w, o[2 * dd + 1]);
-        }
-      } else {
-        const SplitSource src = source(i, m);
-        sum = fmaf(LoadSplitValue(src.ml + 1, src.global), w, sum);
-KVSTREAM_CUDA_UNROLL
-        for (int dd = 0; dd < kDSteps; ++dd) {
-          o[2 * dd] = fmaf(LoadSplitValue(src.o + 16 * dd + g, src.global), w, o[2 * dd]);
-          o[2 * dd + 1] =
-              fmaf(LoadSplitValue(src.o + 16 * dd + g + 8, src.global), w, o[2 * dd + 1]);
-        }
+      for (int dd = 0; dd < kDSteps; ++dd) {
+        o[2 * dd] = fmaf(own ? acc_o[dd][0][j] : o_in[j][i][2 * dd], w, o[2 * dd]);
+        o[2 * dd + 1] = fmaf(own ? acc_o[dd][0][j + 2] : o_in[j][i][2 * dd + 1], w, o[2 * dd + 1]);
       }
     }
     const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
@@ -293,84 +288,6 @@ KVSTREAM_CUDA_UNROLL
       row[16 * dd + g] = FromFloat<T>(o[2 * dd] * inv_sum * v_scale);
       row[16 * dd + g + 8] = FromFloat<T>(o[2 * dd + 1] * inv_sum * v_scale);
     }
-  }
-}
-
-// The producer warp's last job (DecodeTmaArgs::fetch_ahead), once its copies are issued:
-// until every compute warp has finished or been served, lane w watches compute warp w's
-// arrival counter; when it shows every other split of the (sequence, KV head) counted
-// and the warp is still computing (the hand-off word still kOpen), the producer claims
-// it, copies the other splits' results of its query heads into shared memory and marks
-// them kFetched. The warp then merges without waiting for global memory.
-template <typename Traits>
-__device__ __forceinline__ void FetchForLastSplits(const PagedKernelParams& p,
-                                                   const DecodeTmaArgs& a, uint8_t* smem,
-                                                   int seq, int kv_group, int split, int lane) {
-  constexpr int kHeads = Traits::kHeads;
-  constexpr int kD = Traits::kD;
-  constexpr int kBatch = 8;  // output rows loaded at once
-  const int S = a.num_splits;
-  uint32_t* const hand_off = reinterpret_cast<uint32_t*>(smem + Traits::kHandOffOffset);
-  const uint32_t* const counters =
-      a.arrivals + static_cast<int64_t>(seq) * p.num_kv_heads + kv_group * kHeads;
-  uint32_t pending = (1u << kHeads) - 1u;
-  while (pending != 0u) {
-    int action = 0;  // 0: not yet, 1: settled without a fetch, 2: fetch
-    if (lane < kHeads && ((pending >> lane) & 1u) != 0u) {
-      if (*reinterpret_cast<volatile uint32_t*>(hand_off + lane) != kOpen) {
-        action = 1;  // the warp finished first
-      } else if (LoadAcquire(counters + lane) == static_cast<uint32_t>(S - 1)) {
-        action = atomicCAS(hand_off + lane, kOpen, kClaimed) == kOpen ? 2 : 1;
-      }
-    }
-    const uint32_t settled = __ballot_sync(0xffffffffu, action != 0);
-    uint32_t fetch = __ballot_sync(0xffffffffu, action == 2);
-    pending &= ~settled;
-    __syncwarp();  // lane w's acquire of the counter before every lane's loads below
-    while (fetch != 0u) {
-      const int w = __ffs(fetch) - 1;
-      fetch &= fetch - 1u;
-      const int64_t head_slot0 = static_cast<int64_t>(seq) * p.num_heads +
-                                 static_cast<int64_t>(kv_group * kHeads + w) * a.group_size;
-      float* const fetched =
-          reinterpret_cast<float*>(smem + Traits::kFetchedOffset + w * Traits::kFetchedWarpBytes);
-      float* const fetched_ml = fetched + (Traits::kMaxMergeSplits - 1) * 8 * kD;
-      const int rows = (S - 1) * a.group_size;  // row k * group_size + m: other split k, head m
-      auto global_slot = [&](int r, int* local) {
-        const int k = r / a.group_size;
-        const int m = r - k * a.group_size;
-        *local = k * 8 + m;
-        return (head_slot0 + m) * S + (k < split ? k : k + 1);
-      };
-      for (int r = lane; r < rows; r += 32) {
-        int local;
-        const int64_t slot = global_slot(r, &local);
-        reinterpret_cast<float2*>(fetched_ml)[local] =
-            __ldcg(reinterpret_cast<const float2*>(a.partial_ml + slot * 2));
-      }
-      for (int r0 = 0; r0 < rows; r0 += kBatch) {
-        float4 v[kBatch];
-KVSTREAM_CUDA_UNROLL
-        for (int u = 0; u < kBatch; ++u) {
-          int local;
-          if (r0 + u < rows) {
-            const int64_t slot = global_slot(r0 + u, &local);
-            v[u] = __ldcg(reinterpret_cast<const float4*>(a.partial_out + slot * kD) + lane);
-          }
-        }
-KVSTREAM_CUDA_UNROLL
-        for (int u = 0; u < kBatch; ++u) {
-          int local;
-          if (r0 + u < rows) {
-            global_slot(r0 + u, &local);
-            reinterpret_cast<float4*>(fetched + local * kD)[lane] = v[u];
-          }
-        }
-      }
-      __syncwarp();
-      if (lane == 0) StoreReleaseCta(SmemAddress(hand_off + w), kFetched);
-    }
-    if (pending != 0u) __nanosleep(128);
   }
 }
 
@@ -427,9 +344,7 @@ __global__ void __launch_bounds__(DecodeTmaTraits::kThreads, 1)
       BarrierInit(SmemAddress(full + i), 1);
       BarrierInit(SmemAddress(empty + i), kHeads);
     }
-    for (int w = 0; w < kHeads; ++w) {
-      reinterpret_cast<uint32_t*>(smem + Traits::kHandOffOffset)[w] = kOpen;
-    }
+
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -463,9 +378,6 @@ KVSTREAM_CUDA_UNROLL
           }
         }
       }
-    }
-    if (a.arrivals != nullptr && a.fetch_ahead) {
-      FetchForLastSplits<Traits>(p, a, smem, seq, kv_group, split, lane);
     }
     return;
   }
@@ -554,7 +466,15 @@ KVSTREAM_CUDA_UNROLL
   const uint32_t v_lane_off =
       head_off + static_cast<uint32_t>(((lane & 7) + ((lane >> 4) << 3)) * 128);
 
+  // The in-kernel merge's early look at this warp's arrival counter (LastSplitToArrive).
+  uint32_t* const counter =
+      a.arrivals != nullptr ? a.arrivals + static_cast<int64_t>(seq) * p.num_kv_heads + kv_head
+                            : nullptr;
+  const int peek_at = counter != nullptr ? max(0, num_blocks - Traits::kPeekBlocks) : -1;
+  uint32_t peeked = kNotPeeked;
+
   for (int b = 0; b < num_blocks; ++b) {
+    if (b == peek_at && lane == 0) peeked = LoadRelaxed(counter);
     const int hk = 2 * b;
     const int hv = hk + 1;
     const int slot_k = hk % kRing;
@@ -683,39 +603,9 @@ KVSTREAM_CUDA_UNROLL
     write_partial();  // DecodeMergeKernel combines the splits
     return;
   }
-  uint32_t* const counter = a.arrivals + static_cast<int64_t>(seq) * p.num_kv_heads + kv_head;
-  const uint32_t hand_off = SmemAddress(smem + Traits::kHandOffOffset) + 4 * warp;
-  uint32_t state = kAlone;
-  if (lane == 0 && a.fetch_ahead) {
-    state = atomicCAS(reinterpret_cast<uint32_t*>(smem + Traits::kHandOffOffset) + warp, kOpen,
-                      kAlone);
-  }
-  state = __shfl_sync(0xffffffffu, state, 0);
-  if (state == kOpen || state == kAlone) {
-    // The producer did not see every other split arrive before this warp finished.
-    if (!LastSplitToArrive(counter, a.num_splits, lane, write_partial)) return;
-    MergeSplits<Traits, T>(p, a, first_head, split, g, quad_col, v_scale, head_max,
-                           head_total, acc_o, bounds.q_start, [&](int i, int m) {
-                             const int64_t slot = (head_slot0 + m) * a.num_splits + i;
-                             return SplitSource{a.partial_out + slot * kD,
-                                                a.partial_ml + slot * 2, true};
-                           });
-    return;
-  }
-  // Claimed by the producer: this split is the last; wait for what it fetched.
-  while (LoadAcquireCta(hand_off) != kFetched) {
-  }
-  if (lane == 0) *reinterpret_cast<volatile uint32_t*>(counter) = 0u;  // for the next launch
-  const float* const fetched =
-      reinterpret_cast<const float*>(smem + Traits::kFetchedOffset + warp * Traits::kFetchedWarpBytes);
-  MergeSplits<Traits, T>(p, a, first_head, split, g, quad_col, v_scale, head_max,
-                         head_total, acc_o, bounds.q_start, [&](int i, int m) {
-                           const int k = i < split ? i : i - 1;
-                           return SplitSource{fetched + (k * 8 + m) * kD,
-                                              fetched + (Traits::kMaxMergeSplits - 1) * 8 * kD +
-                                                  (k * 8 + m) * 2,
-                                              false};
-                         });
+  if (!LastSplitToArrive(counter, a.num_splits, lane, peeked, write_partial)) return;
+  MergeSplits<Traits, T>(p, a, head_slot0, first_head, split, g, quad_col, v_scale, head_max,
+                         head_total, acc_o, bounds.q_start);
 #else
   __trap();  // launched only on compute capability 9.0 and newer (DecodeTmaApplies)
 #endif

@@ -104,10 +104,6 @@ struct DecodeLaunchOptions {
   // merge kernel, and no merge kernel runs (on the H200 the merge kernel costs about 1% of
   // a 16 x 32768 decode). Unset: the merge kernel runs.
   std::function<absl::StatusOr<uint32_t*>(size_t count)> arrival_counters;
-  // With arrival counters: whether the TMA kernel's producer warp fetches the other splits'
-  // results into shared memory for a split that will be the last, so that its merge reads
-  // no global memory. False (for tests of the other path): the last split reads them.
-  bool tma_fetch_ahead = true;
   // Which kernel runs.
   DecodeKernel kernel = DecodeKernel::kAuto;
 };
