@@ -44,7 +44,9 @@
 //
 // Output: num_splits == 1: out [num_tokens, num_heads, 128] directly (V scale applied);
 // else partial_out / partial_ml as decode_attention.cuh lays them out, merged by its
-// DecodeMergeKernel.
+// DecodeMergeKernel or, given arrival counters and at most kMaxMergeSplits splits, by the
+// last split of each (sequence, KV head) to finish (LastSplitToArrive, MergeSplits), which
+// saves the merge kernel's launch and its reads after the split kernel's end.
 #ifndef KVSTREAM_ATTENTION_CUDA_DECODE_TMA_ATTENTION_CUH_
 #define KVSTREAM_ATTENTION_CUDA_DECODE_TMA_ATTENTION_CUH_
 
@@ -277,7 +279,8 @@ KVSTREAM_CUDA_UNROLL
 KVSTREAM_CUDA_UNROLL
       for (int dd = 0; dd < kDSteps; ++dd) {
         o[2 * dd] = fmaf(own ? acc_o[dd][0][j] : o_in[j][i][2 * dd], w, o[2 * dd]);
-        o[2 * dd + 1] = fmaf(own ? acc_o[dd][0][j + 2] : o_in[j][i][2 * dd + 1], w, o[2 * dd + 1]);
+        o[2 * dd + 1] =
+            fmaf(own ? acc_o[dd][0][j + 2] : o_in[j][i][2 * dd + 1], w, o[2 * dd + 1]);
       }
     }
     const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
@@ -344,7 +347,6 @@ __global__ void __launch_bounds__(DecodeTmaTraits::kThreads, 1)
       BarrierInit(SmemAddress(full + i), 1);
       BarrierInit(SmemAddress(empty + i), kHeads);
     }
-
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();

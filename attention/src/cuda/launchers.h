@@ -93,16 +93,17 @@ struct DecodeLaunchOptions {
   // run (stream order), or an error, which the launch returns. Unset: such launches fail
   // with InvalidArgument. Launches that do not split never call it.
   std::function<absl::StatusOr<void*>(size_t bytes)> workspace;
-  // Arrival counters for a TMA launch that splits the keys into at most 4 parts
+  // Arrival counters for a TMA launch that splits the keys into 2 to 4 parts
   // (kDecodeTmaInKernelMergeSplits): called once by such a launch with the number of
-  // 32-bit counters it needs (num_seqs * num_kv_heads); returns device
-  // memory of at least that many, 4-byte aligned, every one zero, that no other work uses
-  // while the launch runs, or an error, which the launch returns. The launch's kernel
-  // leaves every counter zero when it completes, so memory zeroed once serves every later
-  // launch in stream order. With counters the last split of each (sequence, KV head) to
-  // finish merges the splits' results in the split kernel itself, to the same bits as the
-  // merge kernel, and no merge kernel runs (on the H200 the merge kernel costs about 1% of
-  // a 16 x 32768 decode). Unset: the merge kernel runs.
+  // 32-bit counters it needs (num_seqs * num_kv_heads); returns device memory of at least
+  // that many, 4-byte aligned, every one zero, that no other work uses while the launch
+  // runs, or an error, which the launch returns. The launch's kernel leaves every counter
+  // zero when it completes, so memory zeroed once serves every later launch in stream
+  // order. With counters the last split of each (sequence, KV head) to finish merges the
+  // splits' results in the split kernel itself, to the same bits as the merge kernel, and
+  // no merge kernel runs (docs/benchmarks.md: the merge kernel's launch and reads after
+  // the split kernel cost about 1% of a 16 x 32768 decode on the H200). Unset: the merge
+  // kernel runs.
   std::function<absl::StatusOr<uint32_t*>(size_t count)> arrival_counters;
   // Which kernel runs.
   DecodeKernel kernel = DecodeKernel::kAuto;
