@@ -60,6 +60,18 @@ std::vector<SeqSpec> DecodeSeqs() {
   return {{0, 1}, {26, 1}, {99, 1}, {6, 0}, {300, 1}, {1000, 1}, {15, 1}};
 }
 
+// A problem of the TMA kernel's shape: head size 128, block size 16, `dtype` for q, out and
+// the cache.
+AttnCase TmaCase(int num_kv_heads, int group, DType dtype) {
+  AttnCase c;
+  c.num_kv_heads = num_kv_heads;
+  c.group = group;
+  c.head_size = c.head_size_v = 128;
+  c.block_size = 16;
+  c.q_dtype = c.out_dtype = c.cache_dtype = dtype;
+  return c;
+}
+
 class CudaDecodeTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -628,12 +640,7 @@ TEST_F(CudaDecodeTest, TmaRefusesWhatItDoesNotTake) {
 // the TMA kernel: the same bytes as kTensorCoresTma with the same (automatic) splits.
 TEST_F(CudaDecodeTest, AutoRunsTheTmaKernelWhereItApplies) {
   if (!tma_) GTEST_SKIP() << "the device has no TMA (compute capability below 9.0)";
-  AttnCase c;
-  c.num_kv_heads = 8;
-  c.group = 4;
-  c.head_size = c.head_size_v = 128;
-  c.block_size = 16;
-  c.q_dtype = c.out_dtype = c.cache_dtype = DType::kBFloat16;
+  AttnCase c = TmaCase(8, 4, DType::kBFloat16);
   c.seqs = {{4095, 1}, {4000, 1}, {1234, 1}, {4096, 1}};
   AttnProblem pb(c);
   auto dev = DeviceAttnProblem::Create(pb);
@@ -661,12 +668,7 @@ TEST_F(CudaDecodeTest, AutoRunsTheTmaKernelWhereItApplies) {
 // (sequence, KV head); with more splits the merge kernel runs and no counters are asked.
 TEST_F(CudaDecodeTest, TmaInKernelMergeReusesItsCounters) {
   if (!tma_) GTEST_SKIP() << "the device has no TMA (compute capability below 9.0)";
-  AttnCase c;
-  c.num_kv_heads = 8;
-  c.group = 4;
-  c.head_size = c.head_size_v = 128;
-  c.block_size = 16;
-  c.q_dtype = c.out_dtype = c.cache_dtype = DType::kBFloat16;
+  AttnCase c = TmaCase(8, 4, DType::kBFloat16);
   c.seqs = {{8191, 1}, {3000, 1}, {0, 1}, {6, 0}, {4096, 1}, {17, 1}};
   AttnProblem pb(c);
   auto dev = DeviceAttnProblem::Create(pb);
@@ -701,12 +703,7 @@ TEST_F(CudaDecodeTest, TmaInKernelMergeReusesItsCounters) {
 // not split (or whose kernel is not the TMA one) never ask.
 TEST_F(CudaDecodeTest, TmaArrivalCounterProvider) {
   if (!tma_) GTEST_SKIP() << "the device has no TMA (compute capability below 9.0)";
-  AttnCase c;
-  c.num_kv_heads = 4;
-  c.group = 2;
-  c.head_size = c.head_size_v = 128;
-  c.block_size = 16;
-  c.q_dtype = c.out_dtype = c.cache_dtype = DType::kFloat16;
+  AttnCase c = TmaCase(4, 2, DType::kFloat16);
   c.seqs = {{900, 1}, {40, 1}};
   AttnProblem pb(c);
   auto dev = DeviceAttnProblem::Create(pb);
