@@ -120,11 +120,12 @@ class CudaDecodeTest : public ::testing::Test {
         counters_used = count;
         ++arrival_requests_;
         if (count * sizeof(uint32_t) > counters_.size()) {
-          ASSIGN_OR_RETURN(counters_,
+          ASSIGN_OR_RETURN(DeviceBuffer fresh,
                            DeviceBuffer::Create(count * sizeof(uint32_t), MemoryKind::kDevice));
           RETURN_IF_ERROR(CudaErrorToStatus(
-              static_cast<int>(cudaMemset(counters_.data(), 0, counters_.size())),
+              static_cast<int>(cudaMemset(fresh.data(), 0, fresh.size())),
               "zeroing the test's arrival counters"));
+          counters_ = std::move(fresh);
         }
         return counters_.data_as<uint32_t>();
       };

@@ -73,12 +73,16 @@ class CudaBackend final : public CudaAttentionBackend {
       options.arrival_counters = [this](size_t count) -> absl::StatusOr<uint32_t*> {
         const size_t bytes = count * sizeof(uint32_t);
         if (bytes > counters_.size()) {
-          // Zeroed once, in stream order; every decode launch leaves the counters zero.
-          ASSIGN_OR_RETURN(counters_, DeviceBuffer::CreateAsync(bytes + bytes / 2, stream_));
+          // Zeroed once, in stream order; every decode launch leaves the counters zero. Kept
+          // only once the zeroing is enqueued, so that a failure never leaves counters that
+          // are not zero for a later launch.
+          ASSIGN_OR_RETURN(DeviceBuffer fresh,
+                           DeviceBuffer::CreateAsync(bytes + bytes / 2, stream_));
           RETURN_IF_ERROR(CudaErrorToStatus(
-              static_cast<int>(cudaMemsetAsync(counters_.data(), 0, counters_.size(),
+              static_cast<int>(cudaMemsetAsync(fresh.data(), 0, fresh.size(),
                                                static_cast<cudaStream_t>(stream_))),
               "cuda backend: zeroing the decode arrival counters"));
+          counters_ = std::move(fresh);
         }
         return counters_.data_as<uint32_t>();
       };
