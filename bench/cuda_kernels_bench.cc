@@ -459,14 +459,9 @@ void BM_Decode(benchmark::State& state) {
     };
     DeviceBuffer counters;
     if (state.range(2) != 3) {
-      options.arrival_counters = [&counters](size_t count) -> absl::StatusOr<uint32_t*> {
-        if (count * 4 > counters.size()) {
-          ASSIGN_OR_RETURN(counters, DeviceBuffer::Create(count * 4, MemoryKind::kDevice));
-          RETURN_IF_ERROR(CudaErrorToStatus(
-              static_cast<int>(cudaMemset(counters.data(), 0, counters.size())),
-              "zeroing the decode arrival counters"));
-        }
-        return counters.data_as<uint32_t>();
+      options.arrival_counters = [&](size_t count) -> absl::StatusOr<uint32_t*> {
+        return internal::ZeroedArrivalCounters(counters, count, count,
+                                               static_cast<cudaStream_t>(gpu->stream.get()));
       };
     }
     auto enqueue = [&] {

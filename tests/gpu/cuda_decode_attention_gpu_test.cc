@@ -119,15 +119,8 @@ class CudaDecodeTest : public ::testing::Test {
       options.arrival_counters = [this, &counters_used](size_t count) -> absl::StatusOr<uint32_t*> {
         counters_used = count;
         ++arrival_requests_;
-        if (count * sizeof(uint32_t) > counters_.size()) {
-          ASSIGN_OR_RETURN(DeviceBuffer fresh,
-                           DeviceBuffer::Create(count * sizeof(uint32_t), MemoryKind::kDevice));
-          RETURN_IF_ERROR(CudaErrorToStatus(
-              static_cast<int>(cudaMemset(fresh.data(), 0, fresh.size())),
-              "zeroing the test's arrival counters"));
-          counters_ = std::move(fresh);
-        }
-        return counters_.data_as<uint32_t>();
+        return internal::ZeroedArrivalCounters(counters_, count, count,
+                                               static_cast<cudaStream_t>(stream_.get()));
       };
     }
     RETURN_IF_ERROR(internal::LaunchDecodeAttention(kp, p.q_dtype, p.out_dtype, cache_dtype,

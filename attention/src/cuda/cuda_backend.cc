@@ -71,20 +71,10 @@ class CudaBackend final : public CudaAttentionBackend {
         return workspace_.data();
       };
       options.arrival_counters = [this](size_t count) -> absl::StatusOr<uint32_t*> {
-        const size_t bytes = count * sizeof(uint32_t);
-        if (bytes > counters_.size()) {
-          // Zeroed once, in stream order; every decode launch leaves the counters zero. Kept
-          // only once the zeroing is enqueued, so that a failure never leaves counters that
-          // are not zero for a later launch.
-          ASSIGN_OR_RETURN(DeviceBuffer fresh,
-                           DeviceBuffer::CreateAsync(bytes + bytes / 2, stream_));
-          RETURN_IF_ERROR(CudaErrorToStatus(
-              static_cast<int>(cudaMemsetAsync(fresh.data(), 0, fresh.size(),
-                                               static_cast<cudaStream_t>(stream_))),
-              "cuda backend: zeroing the decode arrival counters"));
-          counters_ = std::move(fresh);
-        }
-        return counters_.data_as<uint32_t>();
+        // Zeroed once, in stream order (grown by half again, as the workspace); every
+        // decode launch leaves the counters zero.
+        return internal::ZeroedArrivalCounters(counters_, count, count + count / 2,
+                                               static_cast<cudaStream_t>(stream_));
       };
       return internal::LaunchDecodeAttention(kp, params.q_dtype, params.out_dtype, cache_dtype,
                                              options, stream);

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -297,6 +298,20 @@ int64_t ChooseDecodeSplits(int64_t base_ctas, int64_t slots, int64_t max_splits,
     }
   }
   return best;
+}
+
+absl::StatusOr<uint32_t*> ZeroedArrivalCounters(DeviceBuffer& counters, size_t count,
+                                                size_t allocate_count, cudaStream_t stream) {
+  if (count * sizeof(uint32_t) > counters.size()) {
+    ASSIGN_OR_RETURN(DeviceBuffer fresh,
+                     DeviceBuffer::CreateAsync(std::max(count, allocate_count) * sizeof(uint32_t),
+                                               stream));
+    RETURN_IF_ERROR(CudaErrorToStatus(
+        static_cast<int>(cudaMemsetAsync(fresh.data(), 0, fresh.size(), stream)),
+        "cuda decode attention: zeroing the arrival counters"));
+    counters = std::move(fresh);
+  }
+  return counters.data_as<uint32_t>();
 }
 
 absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtype,

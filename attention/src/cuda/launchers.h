@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "cuda/kernel_params.h"
+#include "kvstream/common/cuda_resources.h"
 #include "kvstream/common/dtype.h"
 
 namespace kvstream {
@@ -104,6 +105,7 @@ struct DecodeLaunchOptions {
   // no merge kernel runs (docs/benchmarks.md: the merge kernel's launch and reads after
   // the split kernel cost about 1% of a 16 x 32768 decode on the H200). Unset: the merge
   // kernel runs.
+  // ZeroedArrivalCounters (below) is such a provider's body.
   std::function<absl::StatusOr<uint32_t*>(size_t count)> arrival_counters;
   // Which kernel runs.
   DecodeKernel kernel = DecodeKernel::kAuto;
@@ -127,6 +129,14 @@ bool DecodeTmaApplies(const PagedKernelParams& params, DType q_dtype, DType out_
 // errors. Thread-safe.
 absl::Status AllowDynamicSharedMemory(const void* kernel, int bytes, bool max_carveout,
                                       absl::string_view what);
+
+// The body of an arrival-counter provider (DecodeLaunchOptions::arrival_counters) that
+// keeps its counters in `counters`: returns them when it holds at least `count`; else
+// replaces it with `allocate_count` (>= count) counters zeroed in stream order on `stream`,
+// the old buffer freed in stream order, and keeps the new one only once its zeroing is
+// enqueued, so that an error never leaves counters that are not zero for a later launch.
+absl::StatusOr<uint32_t*> ZeroedArrivalCounters(DeviceBuffer& counters, size_t count,
+                                                size_t allocate_count, cudaStream_t stream);
 
 // Plans the launch once (kernel, split count, workspace), takes the workspace from
 // options.workspace when the keys are split, and enqueues the decode kernels on `stream`;
