@@ -8,10 +8,14 @@
 //     CacheUpdateFp8Method); GB/s of bytes read + written, and the ratio to
 //     cudaMemcpyAsync device-to-device of the same traffic.
 //   Decode/<seqs>/<seq_len>/<kernel>/<splits>: LaunchDecodeAttention (bf16, 32 query / 8 KV
-//     heads, head size 128, block size 16, shuffled blocks) with kernel 0 the CUDA-core one
-//     and 1 the tensor-core one (launchers.h, DecodeKernel), splits 0 the launcher's choice
+//     heads, head size 128, block size 16, shuffled blocks) with kernel 0 the CUDA-core one,
+//     1 the tensor-core one with cp.async, 2 the tensor-core one with TMA (launchers.h,
+//     DecodeKernel) and 3 the TMA one with the merge kernel, splits 0 the launcher's choice
 //     and > 0 a fixed split count; TB/s of K and V read, and the ratio to a streaming-read
 //     kernel over the same cache buffers.
+//   DecodeFp8/<seqs>/<seq_len>/<kernel>/<fp16>: the same over an fp8 e4m3 cache (per-tensor
+//     scales), kernel 0 or 1, the launcher's splits, bf16 (fp16 0) or fp16 (1) q and out;
+//     TB/s of the fp8 K and V.
 //   PagedRead/<seqs>/<seq_len>/<order>/<splits>: decode's reads without its compute
 //     (LaunchPagedRead: the K and V rows of a Decode batch's cache, one CTA per KV head,
 //     sequence and split, cp.async into a shared ring), with order 0 Decode's shuffled block
@@ -276,10 +280,11 @@ constexpr int kHeads = 32;
 constexpr int kHeadSize = 128;
 constexpr int kBlockSize = 16;
 
-// A bf16 batch on the GPU, with the host mirrors validation reads: `seqs` sequences of
-// `seq_len` keys whose last `query_len` are this step's queries, 32 / 8 heads of size 128,
-// block size 16, block ids shuffled (`seed`), random K, V and q. `params` points into the
-// batch, which therefore stays where it was made.
+// A batch on the GPU (`act_dtype` q and out, bf16 or fp16; a `cache_dtype` cache: bf16, or
+// fp8 with per-tensor scales 0.05), with the host mirrors validation reads: `seqs` sequences of `seq_len` keys
+// whose last `query_len` are this step's queries, 32 / 8 heads of size 128, block size 16,
+// block ids shuffled (`seed`), random K, V and q. `params` points into the batch, which
+// therefore stays where it was made.
 struct PagedBatch {
   KvCacheSpec spec;
   std::unique_ptr<KvCache> cache;
@@ -288,13 +293,15 @@ struct PagedBatch {
   PagedAttentionParams params;
 };
 
-absl::StatusOr<std::unique_ptr<PagedBatch>> MakePagedBatch(Gpu& gpu, int seqs, int seq_len,
-                                                           int query_len, uint32_t seed) {
+absl::StatusOr<std::unique_ptr<PagedBatch>> MakePagedBatch(
+    Gpu& gpu, int seqs, int seq_len, int query_len, uint32_t seed,
+    DType cache_dtype = DType::kBFloat16, DType act_dtype = DType::kBFloat16) {
   auto b = std::make_unique<PagedBatch>();
   b->spec.block_size = kBlockSize;
   b->spec.num_kv_heads = kKvHeads;
   b->spec.head_size = b->spec.head_size_v = kHeadSize;
-  b->spec.dtype = DType::kBFloat16;
+  b->spec.dtype = cache_dtype;
+  b->spec.quant_mode = IsFp8(cache_dtype) ? KvQuantMode::kPerTensor : KvQuantMode::kNone;
   const int blocks_per_seq = (seq_len + kBlockSize - 1) / kBlockSize;
   const int64_t num_blocks = int64_t{seqs} * blocks_per_seq;
   ASSIGN_OR_RETURN(b->cache, RandomCache(gpu, b->spec, num_blocks));
@@ -309,15 +316,15 @@ absl::StatusOr<std::unique_ptr<PagedBatch>> MakePagedBatch(Gpu& gpu, int seqs, i
   const size_t q_elements = static_cast<size_t>(num_tokens) * kHeads * kHeadSize;
   ASSIGN_OR_RETURN(b->q, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
   ASSIGN_OR_RETURN(b->out, DeviceBuffer::Create(q_elements * 2, MemoryKind::kDevice));
-  RETURN_IF_ERROR(FillRandom(gpu, b->q.data(), q_elements, DType::kBFloat16, seed + 1));
+  RETURN_IF_ERROR(FillRandom(gpu, b->q.data(), q_elements, act_dtype, seed + 1));
 
   PagedAttentionParams& p = b->params;
   p.q = b->q.data();
-  p.q_dtype = DType::kBFloat16;
+  p.q_dtype = act_dtype;
   p.q_token_stride = kHeads * kHeadSize;
   p.q_head_stride = kHeadSize;
   p.out = b->out.data();
-  p.out_dtype = DType::kBFloat16;
+  p.out_dtype = act_dtype;
   p.o_token_stride = kHeads * kHeadSize;
   p.o_head_stride = kHeadSize;
   p.num_tokens = num_tokens;
@@ -417,26 +424,27 @@ void BM_CacheUpdate(benchmark::State& state) {
   if (!st.ok()) Fail(state, st);
 }
 
-// Decode: `seqs` sequences of `seq_len` keys, one query token each, on the kernel of
-// range(2) (0: CUDA cores, 1: tensor cores with cp.async, 2: tensor cores with TMA, the
-// default on this shape, up to 4 splits merged in the kernel as the backend runs it; 3:
-// the TMA kernel with the merge kernel instead).
-void BM_Decode(benchmark::State& state) {
+// Decode: `seqs` sequences of `seq_len` keys, one query token each, over a `cache_dtype`
+// cache, on the kernel `kernel_arg` names (0: CUDA cores, 1: tensor cores with cp.async,
+// 2: tensor cores with TMA, the default on the bf16 shapes, up to 4 splits merged in the
+// kernel as the backend runs it; 3: the TMA kernel with the merge kernel instead) with
+// `forced_splits` splits (0: the launcher's choice). TB/s of K and V read once.
+void RunDecode(benchmark::State& state, int seqs, int seq_len, int64_t kernel_arg,
+               int forced_splits, DType cache_dtype, DType act_dtype = DType::kBFloat16) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
-  const int seqs = static_cast<int>(state.range(0));
-  const int seq_len = static_cast<int>(state.range(1));
-  const internal::DecodeKernel kernel = state.range(2) >= 2   ? internal::DecodeKernel::kTensorCoresTma
-                                        : state.range(2) == 1 ? internal::DecodeKernel::kTensorCores
-                                                              : internal::DecodeKernel::kCudaCores;
-  const int forced_splits = static_cast<int>(state.range(3));
+  const internal::DecodeKernel kernel = kernel_arg >= 2   ? internal::DecodeKernel::kTensorCoresTma
+                                        : kernel_arg == 1 ? internal::DecodeKernel::kTensorCores
+                                                          : internal::DecodeKernel::kCudaCores;
   auto run = [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(std::unique_ptr<PagedBatch> batch, MakePagedBatch(*gpu, seqs, seq_len, 1, 6));
+    ASSIGN_OR_RETURN(std::unique_ptr<PagedBatch> batch,
+                     MakePagedBatch(*gpu, seqs, seq_len, 1, 6, cache_dtype, act_dtype));
     const PagedAttentionParams& p = batch->params;
     const KvCacheSpec& spec = batch->spec;
     const KvCache* cache = batch->cache.get();
     const double kv_bytes = static_cast<double>(seqs) * seq_len * kKvHeads *
-                            (2.0 * kHeadSize) * 2.0;  // K and V, 2 bytes each
+                            (2.0 * kHeadSize) *
+                            static_cast<double>(DTypeSize(cache_dtype));  // K and V
 
     // The reference: one streaming read of the same K and V buffers.
     ASSIGN_OR_RETURN(const double read_tbps, StreamingReadTbps(*gpu, *cache));
@@ -458,7 +466,7 @@ void BM_Decode(benchmark::State& state) {
       return workspace.data();
     };
     DeviceBuffer counters;
-    if (state.range(2) != 3) {
+    if (kernel_arg != 3) {
       options.arrival_counters = [&](size_t count) -> absl::StatusOr<uint32_t*> {
         return internal::ZeroedArrivalCounters(counters, count, count,
                                                static_cast<cudaStream_t>(gpu->stream.get()));
@@ -474,6 +482,22 @@ void BM_Decode(benchmark::State& state) {
   };
   const absl::Status st = run();
   if (!st.ok()) Fail(state, st);
+}
+
+// bf16 cache: range(2) the kernel, range(3) the splits (RunDecode).
+void BM_Decode(benchmark::State& state) {
+  RunDecode(state, static_cast<int>(state.range(0)), static_cast<int>(state.range(1)),
+            state.range(2), static_cast<int>(state.range(3)), DType::kBFloat16);
+}
+
+// fp8 e4m3 cache (per-tensor scales; half of bf16's bytes, dequantised in the kernel):
+// range(2) the kernel, 0 (CUDA cores) or 1 (tensor cores, the default for fp8), the
+// launcher's splits; range(3) the activations, 0 bf16 and 1 fp16. The streaming read is of
+// the fp8 cache.
+void BM_DecodeFp8(benchmark::State& state) {
+  RunDecode(state, static_cast<int>(state.range(0)), static_cast<int>(state.range(1)),
+            state.range(2), 0, DType::kFloat8E4M3,
+            state.range(3) == 0 ? DType::kBFloat16 : DType::kFloat16);
 }
 
 // Decode's reads alone: the K and V rows BM_Decode reads, from BM_Decode's batch, through
@@ -588,6 +612,19 @@ BENCHMARK(BM_Decode)
       for (const int64_t splits : {0, 2, 4, 8, 16}) b->Args({8, 4096, 1, splits});
       for (const int64_t splits : {0, 4, 8, 16}) b->Args({8, 4096, 2, splits});
       b->Args({8, 4096, 3, 0});
+    })
+    ->UseManualTime()
+    ->Iterations(kIterations)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeFp8)
+    ->ArgNames({"seqs", "seq_len", "kernel", "fp16"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (const int64_t kernel : {0, 1}) {
+        for (const int64_t fp16 : {0, 1}) {
+          b->Args({64, 4096, kernel, fp16});
+          b->Args({16, 32768, kernel, fp16});
+        }
+      }
     })
     ->UseManualTime()
     ->Iterations(kIterations)

@@ -23,7 +23,8 @@
 //      memory that holds each row's K and V byte offsets (RowBytes), so that a copy is an
 //      add and a cp.async; rows with nothing to load point at kDecodeZeroRow): 16-bit
 //      caches straight into swizzled [64][D] tiles of T; fp8 caches raw into [64][D] byte
-//      tiles, each converted to T into one swizzled tile when its turn comes
+//      tiles, each converted to T into one swizzled tile when its turn comes (each warp
+//      its own 16 rows: no CTA barrier between the conversion and the warp's mmas)
 //   -> warp w takes keys [16 w, 16 w + 16) of every tile: S^T = K Q^T (K from the swizzled
 //      tile by ldmatrix, Q^T fragments in registers, fp32 accumulators), base-2 online
 //      softmax per head column (its running max may trail the scores by up to 2^8, so
@@ -311,25 +312,39 @@ KVSTREAM_CUDA_UNROLL
     }
   };
 
-  // fp8: converts the raw half tile j into the one 16-bit tile (zeros past the head size).
+  // fp8: converts the calling warp's 16 rows of the raw half tile j into its rows of the
+  // one 16-bit tile (zeros past the head size). A warp computes on its own 16 keys only, so
+  // no other warp reads these rows: the warp converts while the others compute, and a
+  // __syncwarp, not a CTA barrier, orders the rows before its ldmatrix. Every chunk is
+  // loaded before the first is converted (one round trip to shared memory, not one per
+  // chunk).
   uint8_t* const conv_tile = kv_smem + kRing * Traits::kRawTileBytes;
   auto convert_raw = [&](int j) {
     constexpr int kRawChunks = D / 16;
+    constexpr int kPerLane = 16 * kRawChunks / 32;
+    static_assert(16 * kRawChunks % 32 == 0, "whole passes over the warp's rows");
     const uint8_t* const raw = kv_smem + (j % kRing) * Traits::kRawTileBytes;
     const int chunks = ((j & 1) != 0 ? head_size_v : head_size) / 16;
-    for (int i = tid; i < kBlockN * kRawChunks; i += kThreads) {
-      const int r = i / kRawChunks;
-      const int c = i - r * kRawChunks;
+    uint4 codes[kPerLane];
+KVSTREAM_CUDA_UNROLL
+    for (int k = 0; k < kPerLane; ++k) {
+      const int i = lane + 32 * k;
+      const int r = 16 * warp + i / kRawChunks;
+      codes[k] = *reinterpret_cast<const uint4*>(raw + r * D + (i % kRawChunks) * 16);
+    }
+KVSTREAM_CUDA_UNROLL
+    for (int k = 0; k < kPerLane; ++k) {
+      const int i = lane + 32 * k;
+      const int r = 16 * warp + i / kRawChunks;
+      const int c = i % kRawChunks;
       uint32_t out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      if (c < chunks) {
-        Fp8ChunkTo<T>(*reinterpret_cast<const uint4*>(raw + r * D + c * 16),
-                      a.cache_kind == kCacheE4M3, out);
-      }
+      if (c < chunks) Fp8ChunkTo<T>(codes[k], a.cache_kind == kCacheE4M3, out);
       *reinterpret_cast<uint4*>(conv_tile + SwizzledChunk<D>(r, 2 * c)) =
           make_uint4(out[0], out[1], out[2], out[3]);
       *reinterpret_cast<uint4*>(conv_tile + SwizzledChunk<D>(r, 2 * c + 1)) =
           make_uint4(out[4], out[5], out[6], out[7]);
     }
+    __syncwarp();
   };
 
   const int num_halves = 2 * num_tiles;
@@ -355,7 +370,6 @@ KVSTREAM_CUDA_UNROLL
     }
     if (fp8) {
       convert_raw(h);
-      __syncthreads();
       return conv_base;
     }
     return kv_base + (h % kRing) * Traits::kTileBytes;
