@@ -339,10 +339,16 @@ KVSTREAM_CUDA_UNROLL
       const int c = i % kRawChunks;
       uint32_t out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       if (c < chunks) Fp8ChunkTo<T>(codes[k], a.cache_kind == kCacheE4M3, out);
-      *reinterpret_cast<uint4*>(conv_tile + SwizzledChunk<D>(r, 2 * c)) =
-          make_uint4(out[0], out[1], out[2], out[3]);
-      *reinterpret_cast<uint4*>(conv_tile + SwizzledChunk<D>(r, 2 * c + 1)) =
-          make_uint4(out[4], out[5], out[6], out[7]);
+      // The 16-bit chunks 2c and 2c + 1, the odd one first where c % 8 >= 4: the 8 lanes
+      // of a store's phase (one row, c % 8 = 0..7) then hit 8 different 16-byte bank
+      // groups (chunk % 8 distinct), where even chunks first would pair c with c + 4.
+      const int first = (c >> 2) & 1;
+      *reinterpret_cast<uint4*>(conv_tile + SwizzledChunk<D>(r, 2 * c + first)) =
+          first == 0 ? make_uint4(out[0], out[1], out[2], out[3])
+                     : make_uint4(out[4], out[5], out[6], out[7]);
+      *reinterpret_cast<uint4*>(conv_tile + SwizzledChunk<D>(r, 2 * c + 1 - first)) =
+          first == 0 ? make_uint4(out[4], out[5], out[6], out[7])
+                     : make_uint4(out[0], out[1], out[2], out[3]);
     }
     __syncwarp();
   };
