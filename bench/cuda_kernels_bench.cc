@@ -281,10 +281,10 @@ constexpr int kHeadSize = 128;
 constexpr int kBlockSize = 16;
 
 // A batch on the GPU (`act_dtype` q and out, bf16 or fp16; a `cache_dtype` cache: bf16, or
-// fp8 with per-tensor scales 0.05), with the host mirrors validation reads: `seqs` sequences of `seq_len` keys
-// whose last `query_len` are this step's queries, 32 / 8 heads of size 128, block size 16,
-// block ids shuffled (`seed`), random K, V and q. `params` points into the batch, which
-// therefore stays where it was made.
+// fp8 with per-tensor scales 0.05), with the host mirrors validation reads: `seqs`
+// sequences of `seq_len` keys whose last `query_len` are this step's queries, 32 / 8 heads
+// of size 128, block size 16, block ids shuffled (`seed`), random K, V and q. `params`
+// points into the batch, which therefore stays where it was made.
 struct PagedBatch {
   KvCacheSpec spec;
   std::unique_ptr<KvCache> cache;

@@ -340,8 +340,10 @@ KVSTREAM_CUDA_UNROLL
       uint32_t out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       if (c < chunks) Fp8ChunkTo<T>(codes[k], a.cache_kind == kCacheE4M3, out);
       // The 16-bit chunks 2c and 2c + 1, the odd one first where c % 8 >= 4: the 8 lanes
-      // of a store's phase (one row, c % 8 = 0..7) then hit 8 different 16-byte bank
-      // groups (chunk % 8 distinct), where even chunks first would pair c with c + 4.
+      // of a store's phase (D >= 128: one row, c % 8 = 0..7) then hit 8 different 16-byte
+      // bank groups (chunk % 8 distinct), where even chunks first would pair c with c + 4.
+      // (D = 64: a phase is c = 0..3 of two adjacent rows, whose swizzles differ in
+      // parity, so their even chunks already land in different groups.)
       const int first = (c >> 2) & 1;
       *reinterpret_cast<uint4*>(conv_tile + SwizzledChunk<D>(r, 2 * c + first)) =
           first == 0 ? make_uint4(out[0], out[1], out[2], out[3])
