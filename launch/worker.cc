@@ -33,14 +33,14 @@ namespace {
 class CrashingHook : public TransferHook {
  public:
   CrashingHook(TransferHook* inner, int layer) : inner_(inner), layer_(layer) {}
-  absl::Status BeforeAttention(absl::string_view layer_name) override {
-    absl::Status s = inner_->BeforeAttention(layer_name);
+  absl::Status BeforeAttention(absl::string_view layer_name, void* stream) override {
+    absl::Status s = inner_->BeforeAttention(layer_name, stream);
     MaybeCrash(layer_name, /*producer_side=*/false);
     return s;
   }
   absl::Status AfterAttention(absl::string_view layer_name, const KvCache& cache,
-                              const AttentionMetadata& md) override {
-    absl::Status s = inner_->AfterAttention(layer_name, cache, md);
+                              const AttentionMetadata& md, void* stream) override {
+    absl::Status s = inner_->AfterAttention(layer_name, cache, md, stream);
     MaybeCrash(layer_name, /*producer_side=*/true);
     return s;
   }

@@ -12,6 +12,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "kvstream/attention/cuda_attention.h"
 #include "kvstream/cache/cache_update.h"
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/status_macros.h"
@@ -325,8 +326,11 @@ absl::Status Attention::Forward(const TensorView& query, const TensorView& key,
   }
 
   TransferHook* hook = registry_->transfer_hook();
+  // The hook orders its device work after this stream's (the cache update just enqueued).
+  CudaAttentionBackend* cuda_backend = on_device ? AsCudaAttentionBackend(backend_.get()) : nullptr;
+  void* const stream = cuda_backend != nullptr ? cuda_backend->stream() : nullptr;
   if (hook != nullptr) {
-    absl::Status s = hook->BeforeAttention(name);
+    absl::Status s = hook->BeforeAttention(name, stream);
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("layer '", name, "' waiting for its KV: ",
                                                  s.message()));
@@ -368,7 +372,7 @@ absl::Status Attention::Forward(const TensorView& query, const TensorView& key,
   }
 
   if (hook != nullptr) {
-    s = hook->AfterAttention(name, *cache, md);
+    s = hook->AfterAttention(name, *cache, md, stream);
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("layer '", name, "' saving its KV: ",
                                                  s.message()));

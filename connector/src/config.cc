@@ -1,6 +1,7 @@
 // Parsing of vLLM's kv_transfer_config JSON into KvTransferConfig.
 #include "kvstream/connector/config.h"
 
+#include <algorithm>
 #include <random>
 #include <set>
 #include <string>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kvstream/common/status_macros.h"
+#include "kvstream/transfer/transport_factory.h"
 #include "kvstream/transfer/ucx_transport.h"
 
 namespace kvstream {
@@ -57,9 +59,12 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
     const json& v = it.value();
     if (it.key() == "transport") {
       RETURN_IF_ERROR(GetString(v, key, s.transport));
-      if (s.transport != "ucx" && s.transport != "loopback") {
-        return KeyError(key, v, "\"ucx\" or \"loopback\"");
+      const std::vector<std::string> names = TransportNames();
+      if (std::find(names.begin(), names.end(), s.transport) == names.end()) {
+        return KeyError(key, v, absl::StrCat("one of ", absl::StrJoin(names, ", ")));
       }
+    } else if (it.key() == "cuda_device") {
+      RETURN_IF_ERROR(GetInt32(v, key, 0, 1023, s.cuda_device));
     } else if (it.key() == "ucx_tls") {
       RETURN_IF_ERROR(GetString(v, key, s.ucx_tls));
       if (s.ucx_tls.empty()) return KeyError(key, v, "a non-empty UCX_TLS value");
@@ -95,7 +100,7 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "kv_transfer_config: unknown key ", key,
-          " (known: transport, ucx_tls, ucx_net_devices, ucx_copy_threads, load_timeout_ms, "
+          " (known: transport, cuda_device, ucx_tls, ucx_net_devices, ucx_copy_threads, load_timeout_ms, "
           "send_timeout_ms, "
           "handshake_timeout_ms, verify_checksum, secret, pipeline_parallel_size, "
           "pipeline_rank, pipeline_layers)"));

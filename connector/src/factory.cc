@@ -7,7 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "kvstream/common/status_macros.h"
 #include "kvstream/connector/layerwise_connector.h"
-#include "kvstream/transfer/ucx_transport.h"
+#include "kvstream/transfer/transport_factory.h"
 
 namespace kvstream {
 
@@ -21,16 +21,17 @@ absl::StatusOr<std::unique_ptr<KvConnector>> CreateKvConnector(
                                             ")"));
   }
   if (transport == nullptr) {
-    if (config.kvstream.transport != "ucx") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "transport '", config.kvstream.transport,
-          "' cannot be created from a config (the loopback transport is injected by tests)"));
-    }
-    UcxTransportOptions options;
-    options.tls = config.kvstream.ucx_tls;
-    options.net_devices = config.kvstream.ucx_net_devices;
-    options.copy_threads = config.kvstream.ucx_copy_threads;
-    ASSIGN_OR_RETURN(transport, CreateUcxTransport(options));
+    TransportOptions options;
+    options.name = config.kvstream.transport.empty()
+                       ? DefaultTransportName(config.kv_buffer_device == "cuda" ? MemoryKind::kDevice
+                                                                                : MemoryKind::kHost)
+                       : config.kvstream.transport;
+    options.cuda_device = config.kvstream.cuda_device;
+    options.ucx_tls = config.kvstream.ucx_tls;
+    options.ucx_net_devices = config.kvstream.ucx_net_devices;
+    options.ucx_copy_threads = config.kvstream.ucx_copy_threads;
+    options.loopback_name = config.engine_id;
+    ASSIGN_OR_RETURN(transport, CreateTransport(options));
   }
   return CreateLayerwiseConnector(config, std::move(transport));
 }

@@ -513,7 +513,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
     return absl::OkStatus();
   }
 
-  absl::Status BeforeAttention(absl::string_view layer_name) override {
+  absl::Status BeforeAttention(absl::string_view layer_name, void* stream) override {
     absl::MutexLock lock(&mu_);
     if (meta_.waits.empty()) return absl::OkStatus();
     auto li = layer_by_name_.find(std::string(layer_name));
@@ -584,7 +584,7 @@ class LayerwiseConnectorImpl final : public KvConnector {
   }
 
   absl::Status AfterAttention(absl::string_view layer_name, const KvCache& kv_cache,
-                              const AttentionMetadata& metadata) override {
+                              const AttentionMetadata& metadata, void* stream) override {
     struct Job {
       std::string id;
       std::shared_ptr<ConsumerLink> link;

@@ -181,18 +181,21 @@ TEST(KvSharingTest, TargetMustExistEarlierWithSameTypeAndShape) {
 // Records hook calls and, at BeforeAttention, what the cache held.
 class RecordingHook : public TransferHook {
  public:
-  absl::Status BeforeAttention(absl::string_view layer) override {
+  absl::Status BeforeAttention(absl::string_view layer, void* stream) override {
     calls.push_back("before:" + std::string(layer));
+    streams.push_back(stream);
     return before_status;
   }
   absl::Status AfterAttention(absl::string_view layer, const KvCache& cache,
-                              const AttentionMetadata& md) override {
+                              const AttentionMetadata& md, void* stream) override {
     calls.push_back("after:" + std::string(layer));
+    streams.push_back(stream);
     saved_cache = &cache;
     saved_tokens = md.num_actual_tokens;
     return absl::OkStatus();
   }
   std::vector<std::string> calls;
+  std::vector<void*> streams;  // what each call was given (host caches: null)
   absl::Status before_status;
   const KvCache* saved_cache = nullptr;
   int64_t saved_tokens = -1;
@@ -292,6 +295,8 @@ TEST_F(ForwardTest, HookWrapsAttentionAfterTheCacheUpdate) {
   EXPECT_THAT(hook.calls, ElementsAre("before:model.layers.0.attn", "after:model.layers.0.attn"));
   EXPECT_EQ(hook.saved_cache, cache_.get());
   EXPECT_EQ(hook.saved_tokens, 7);
+  // A host cache: its work is done when the hook is called, so no stream is passed.
+  EXPECT_THAT(hook.streams, ElementsAre(nullptr, nullptr));
 }
 
 TEST_F(ForwardTest, HookErrorFailsTheLayerAndSkipsSave) {

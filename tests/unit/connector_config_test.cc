@@ -22,7 +22,7 @@ TEST(KvTransferConfigTest, ParsesVllmConfigWithKvstreamSettings) {
                                     "ucx_net_devices": "lo", "load_timeout_ms": 250,
                                     "send_timeout_ms": 900, "verify_checksum": false,
                                     "secret": "s3", "handshake_timeout_ms": 77,
-                                    "ucx_copy_threads": 4}})");
+                                    "ucx_copy_threads": 4, "cuda_device": 3}})");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->kv_connector, "LayerwiseConnector");
   EXPECT_EQ(c->kv_role, KvRole::kConsumer);
@@ -41,6 +41,8 @@ TEST(KvTransferConfigTest, ParsesVllmConfigWithKvstreamSettings) {
   EXPECT_FALSE(c->kvstream.verify_checksum);
   EXPECT_EQ(c->kvstream.secret, "s3");
   EXPECT_EQ(c->kvstream.ucx_copy_threads, 4);
+  EXPECT_EQ(c->kvstream.transport, "ucx");
+  EXPECT_EQ(c->kvstream.cuda_device, 3);
 }
 
 TEST(KvTransferConfigTest, DefaultsAndGeneratedEngineId) {
@@ -52,6 +54,9 @@ TEST(KvTransferConfigTest, DefaultsAndGeneratedEngineId) {
   EXPECT_EQ(a->kv_load_failure_policy, LoadFailurePolicy::kRecompute);
   EXPECT_TRUE(a->kvstream.verify_checksum);
   EXPECT_EQ(a->kvstream.ucx_copy_threads, 0);
+  // No transport named: the connector picks one for kv_buffer_device's memory.
+  EXPECT_EQ(a->kvstream.transport, "");
+  EXPECT_EQ(a->kvstream.cuda_device, 0);
   EXPECT_FALSE(a->engine_id.empty());
   EXPECT_NE(a->engine_id, b->engine_id);
 }
@@ -71,7 +76,8 @@ TEST(KvTransferConfigTest, ErrorsNameTheKeyAndValue) {
       {R"({"kv_buffer_device": "tpu"})", "tpu"},
       {R"({"kv_load_failure_policy": "retry"})", "retry"},
       {R"({"kv_connector_extra_config": {"tranport": "ucx"}})", "tranport"},
-      {R"({"kv_connector_extra_config": {"transport": "nccl"}})", "nccl"},
+      {R"({"kv_connector_extra_config": {"transport": "carrier-pigeon"}})", "carrier-pigeon"},
+      {R"({"kv_connector_extra_config": {"cuda_device": -1}})", "cuda_device"},
       {R"({"kv_connector_extra_config": {"load_timeout_ms": 0}})", "load_timeout_ms"},
       {R"({"kv_connector_extra_config": {"verify_checksum": "yes"}})", "verify_checksum"},
       {R"({"kv_connector_extra_config": {"ucx_copy_threads": 65}})", "ucx_copy_threads"},

@@ -52,12 +52,13 @@ class CorruptingTransport : public Transport {
   absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
                                        const RemoteMemory& remote,
                                        absl::Span<const Segment> segments,
-                                       absl::string_view notification) override {
+                                       absl::string_view notification,
+                                       const WriteOrder& order) override {
     if (!segments.empty() && !notification.empty() && left_.load() != 0) {
       if (left_.load() > 0) --left_;
       static_cast<uint8_t*>(local.base())[segments[0].local_offset] ^= 0x5a;
     }
-    return inner_->PostWrite(peer, local, remote, segments, notification);
+    return inner_->PostWrite(peer, local, remote, segments, notification, order);
   }
   absl::StatusOr<TransferId> PostNotification(PeerId p, absl::string_view n) override {
     return inner_->PostNotification(p, n);
@@ -279,7 +280,7 @@ class LayerwiseConnectorTest : public ::testing::TestWithParam<KvLayout> {
     ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
     AttentionMetadata unused;
     for (int l = 0; l < layers; ++l) {
-      ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused).ok());
+      ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused, nullptr).ok());
     }
     EXPECT_TRUE(p_->connector->WaitForSave().ok());
     p_->connector->ClearConnectorMetadata();
@@ -321,7 +322,7 @@ TEST_P(LayerwiseConnectorTest, StreamsEveryLayerIntoScatteredBlocks) {
   ProducerPrefill(incoming[0], p_blocks, kLayers);
 
   for (int l = 0; l < kLayers; ++l) {
-    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l)).ok());
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
     EXPECT_TRUE(TokensEqual(*p_->caches[l], p_blocks, *d_->caches[l], d_blocks, 11)) << l;
     // The last prompt token is the consumer's own: its slot is not written.
     EXPECT_TRUE(TokenIsZero(*d_->caches[l], 14, 3)) << l;
@@ -379,10 +380,10 @@ TEST_P(LayerwiseConnectorTest, SeveralRequestsInFlight) {
   ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
   AttentionMetadata unused;
   for (int l = 0; l < kLayers; ++l) {
-    ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused).ok());
+    ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused, nullptr).ok());
   }
   for (int l = 0; l < kLayers; ++l) {
-    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l)).ok());
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
     for (int i = 0; i < 3; ++i) {
       EXPECT_TRUE(TokensEqual(*p_->caches[l], p_blocks[i], *d_->caches[l], d_blocks[i], lens[i] - 1));
     }
@@ -408,11 +409,11 @@ TEST_P(LayerwiseConnectorTest, PrefillSlowerThanTheSendTimeoutStillStreams) {
   AttentionMetadata unused;
   for (int l = 0; l < kLayers; ++l) {
     absl::SleepFor(absl::Milliseconds(300));  // the layer's compute
-    ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused).ok());
+    ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused, nullptr).ok());
   }
   EXPECT_TRUE(p_->connector->WaitForSave().ok());
   for (int l = 0; l < kLayers; ++l) {
-    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l)).ok());
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
     EXPECT_TRUE(TokensEqual(*p_->caches[l], p_blocks, *d_->caches[l], d_blocks, 9)) << l;
   }
   EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
@@ -429,7 +430,7 @@ TEST_P(LayerwiseConnectorTest, LayerThatNeverArrivesIsALoadErrorAtTheDeadline) {
   ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], {4, 5, 6}, 0).ok());
   // The producer never runs the prefill. The consumer's wait returns at its deadline and the
   // request becomes a load error; the layer still runs for the rest of the batch.
-  EXPECT_TRUE(d_->connector->BeforeAttention(LayerName(0)).ok());
+  EXPECT_TRUE(d_->connector->BeforeAttention(LayerName(0), nullptr).ok());
   auto errors = d_->connector->TakeLoadErrors();
   ASSERT_EQ(errors.size(), 1u);
   EXPECT_EQ(errors[0].request_id, "slow");
@@ -437,7 +438,7 @@ TEST_P(LayerwiseConnectorTest, LayerThatNeverArrivesIsALoadErrorAtTheDeadline) {
   EXPECT_EQ(errors[0].block_ids, (std::vector<int32_t>{1, 2, 3}));
   EXPECT_EQ(d_->connector->GetBlockIdsWithLoadErrors(), (std::set<int32_t>{1, 2, 3}));
   // Later layers do not wait again for a failed request.
-  EXPECT_TRUE(d_->connector->BeforeAttention(LayerName(1)).ok());
+  EXPECT_TRUE(d_->connector->BeforeAttention(LayerName(1), nullptr).ok());
   // The consumer aborted; the producer stops and confirms, so both sides can free blocks.
   EXPECT_TRUE(PollFinished(*d_->connector, "slow", false).finished_recving.count("slow"));
   auto delay = p_->connector->RequestFinished("slow");
@@ -457,10 +458,10 @@ TEST_P(LayerwiseConnectorTest, LostProducerFailsTheRequestFast) {
   auto meta = p_->connector->BuildConnectorMeta({{"orphan", 0, 9}});
   ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
   AttentionMetadata unused;
-  ASSERT_TRUE(p_->connector->AfterAttention(LayerName(0), *p_->caches[0], unused).ok());
-  ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(0)).ok());
+  ASSERT_TRUE(p_->connector->AfterAttention(LayerName(0), *p_->caches[0], unused, nullptr).ok());
+  ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(0), nullptr).ok());
   p_.reset();  // the producer goes away mid-stream (its control connection closes)
-  ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(1)).ok());
+  ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(1), nullptr).ok());
   auto errors = d_->connector->TakeLoadErrors();
   ASSERT_EQ(errors.size(), 1u);
   EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kUnavailable);
@@ -476,7 +477,7 @@ TEST_P(LayerwiseConnectorTest, ChecksumMismatchIsDataLoss) {
   auto incoming = ProducerTake(1);
   ASSERT_EQ(incoming.size(), 1u);
   ProducerPrefill(incoming[0], {1, 2}, kLayers);
-  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l)).ok());
+  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
   auto errors = d_->connector->TakeLoadErrors();
   ASSERT_EQ(errors.size(), 1u);
   EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kDataLoss);
@@ -516,7 +517,7 @@ TEST_P(LayerwiseConnectorTest, CorruptRequestFailsAloneAndTheLinkSurvives) {
   absl::SleepFor(absl::Milliseconds(3 * consumer.send_timeout_ms));
   ProducerPrefill(good, {5, 6}, kLayers);
   for (int l = 0; l < kLayers; ++l) {
-    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l)).ok());
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
     EXPECT_TRUE(TokensEqual(*p_->caches[l], {5, 6}, *d_->caches[l], {3, 4}, 4)) << l;
   }
   EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
@@ -591,10 +592,10 @@ TEST_P(LayerwiseConnectorTest, PipelineStagesReceiveOnlyTheirLayers) {
   EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
 
   // Each stage waits for, and gets, only its own layers.
-  ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(0)).ok());
+  ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(0), nullptr).ok());
   EXPECT_TRUE(TokensEqual(*p_->caches[0], pb, *d_->caches[0], b0, 11));
   for (int l = 1; l < kLayers; ++l) {
-    ASSERT_TRUE(d1->connector->BeforeAttention(LayerName(l)).ok());
+    ASSERT_TRUE(d1->connector->BeforeAttention(LayerName(l), nullptr).ok());
     EXPECT_TRUE(TokensEqual(*p_->caches[l], pb, *d1->caches[l], b1, 11)) << l;
   }
   EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());

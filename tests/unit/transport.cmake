@@ -5,3 +5,5 @@ kvstream_add_gtest(ucx_transport_test LABELS unit SOURCES ucx_transport_test.cc
                    DEPS kvstream::transfer)
 kvstream_add_gtest(copy_pool_test LABELS unit SOURCES copy_pool_test.cc
                    DEPS kvstream::transfer)
+kvstream_add_gtest(transport_factory_test LABELS unit SOURCES transport_factory_test.cc
+                   DEPS kvstream::transfer)

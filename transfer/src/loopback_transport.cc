@@ -204,6 +204,7 @@ bool SegmentFits(uint64_t offset, uint64_t length, uint64_t region_length) {
 
 class LoopbackTransport final : public Transport {
  public:
+  using Transport::PostWrite;
   LoopbackTransport(std::shared_ptr<State> state, uint64_t node)
       : state_(std::move(state)), node_id_(node) {}
 
@@ -336,7 +337,12 @@ class LoopbackTransport final : public Transport {
   absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
                                        const RemoteMemory& remote,
                                        absl::Span<const Segment> segments,
-                                       absl::string_view notification) override {
+                                       absl::string_view notification,
+                                       const WriteOrder& order) override {
+    if (order.ready_event != nullptr) {
+      return absl::InvalidArgumentError(
+          "loopback PostWrite: a ready event was given, but this transport moves host memory only");
+    }
     const auto* reg = dynamic_cast<const LoopbackRegistration*>(&local);
     const auto* rem = dynamic_cast<const LoopbackRemote*>(&remote);
     if (reg == nullptr || reg->node() != node_id_) {

@@ -443,6 +443,7 @@ bool SegmentFits(uint64_t offset, uint64_t length, uint64_t region_length) {
 
 class UcxTransport final : public Transport {
  public:
+  using Transport::PostWrite;
   UcxTransport(std::shared_ptr<UcxCore> core, std::unique_ptr<CopyPool> pool)
       : core_(std::move(core)), pool_(std::move(pool)) {}
   ~UcxTransport() override {
@@ -620,7 +621,12 @@ class UcxTransport final : public Transport {
   absl::StatusOr<TransferId> PostWrite(PeerId peer_id, const MemoryRegistration& local,
                                        const RemoteMemory& remote,
                                        absl::Span<const Segment> segments,
-                                       absl::string_view notification) override {
+                                       absl::string_view notification,
+                                       const WriteOrder& order) override {
+    if (order.ready_event != nullptr) {
+      return absl::InvalidArgumentError(
+          "UCX PostWrite: a ready event was given, but this transport moves host memory only");
+    }
     const auto* reg = dynamic_cast<const UcxRegistration*>(&local);
     const auto* rem = dynamic_cast<const UcxRemote*>(&remote);
     if (reg == nullptr || reg->core() != core_.get()) {

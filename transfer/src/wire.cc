@@ -17,14 +17,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "kvstream/common/byte_io.h"
 #include "kvstream/common/status_macros.h"
-#include "wire_io.h"
 
 namespace kvstream {
 namespace {
 
-using internal::WireReader;
-using internal::WireWriter;
 
 constexpr size_t kNonceBytes = 32;    // challenge nonces
 constexpr size_t kAuthTagBytes = 32;  // HMAC-SHA256
@@ -89,7 +87,7 @@ absl::Status CheckRequest(const RequestMsg& m) {
 
 // ---- Encoders ----
 
-absl::Status EncodeList(absl::string_view field, size_t count, WireWriter& w) {
+absl::Status EncodeList(absl::string_view field, size_t count, ByteWriter& w) {
   if (count > kMaxListEntries) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, " has ", count, " entries, more than the limit of ", kMaxListEntries));
@@ -98,7 +96,7 @@ absl::Status EncodeList(absl::string_view field, size_t count, WireWriter& w) {
   return absl::OkStatus();
 }
 
-absl::Status Encode(const ChallengeMsg& m, WireWriter& w) {
+absl::Status Encode(const ChallengeMsg& m, ByteWriter& w) {
   if (m.nonce.size() != kNonceBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("Challenge.nonce is ", m.nonce.size(), " bytes; must be ", kNonceBytes));
@@ -106,7 +104,7 @@ absl::Status Encode(const ChallengeMsg& m, WireWriter& w) {
   return w.Bytes("Challenge.nonce", m.nonce, kNonceBytes);
 }
 
-absl::Status Encode(const HelloMsg& m, WireWriter& w) {
+absl::Status Encode(const HelloMsg& m, ByteWriter& w) {
   RETURN_IF_ERROR(w.Bytes("Hello.engine_id", m.engine_id, kMaxIdBytes));
   w.U32(m.protocol_version);
   w.U64(m.compat_hash);
@@ -126,14 +124,14 @@ absl::Status Encode(const HelloMsg& m, WireWriter& w) {
   return w.Bytes("Hello.auth_tag", m.auth_tag, kAuthTagBytes);
 }
 
-absl::Status Encode(const HelloAckMsg& m, WireWriter& w) {
+absl::Status Encode(const HelloAckMsg& m, ByteWriter& w) {
   RETURN_IF_ERROR(Encode(m.hello, w));
   RETURN_IF_ERROR(CheckStatusCode("HelloAck.status_code", m.status_code));
   w.I32(m.status_code);
   return w.Bytes("HelloAck.message", m.message, kMaxMessageBytes);
 }
 
-absl::Status Encode(const RequestMsg& m, WireWriter& w) {
+absl::Status Encode(const RequestMsg& m, ByteWriter& w) {
   RETURN_IF_ERROR(CheckRequest(m));
   RETURN_IF_ERROR(w.Bytes("Request.request_id", m.request_id, kMaxIdBytes));
   RETURN_IF_ERROR(EncodeList("Request.prompt_token_ids", m.prompt_token_ids.size(), w));
@@ -144,19 +142,19 @@ absl::Status Encode(const RequestMsg& m, WireWriter& w) {
   return absl::OkStatus();
 }
 
-absl::Status Encode(const RequestAckMsg& m, WireWriter& w) {
+absl::Status Encode(const RequestAckMsg& m, ByteWriter& w) {
   RETURN_IF_ERROR(w.Bytes("RequestAck.request_id", m.request_id, kMaxIdBytes));
   RETURN_IF_ERROR(CheckStatusCode("RequestAck.status_code", m.status_code));
   w.I32(m.status_code);
   return w.Bytes("RequestAck.message", m.message, kMaxMessageBytes);
 }
 
-absl::Status Encode(const AbortMsg& m, WireWriter& w) {
+absl::Status Encode(const AbortMsg& m, ByteWriter& w) {
   RETURN_IF_ERROR(w.Bytes("Abort.request_id", m.request_id, kMaxIdBytes));
   return w.Bytes("Abort.reason", m.reason, kMaxMessageBytes);
 }
 
-absl::Status Encode(const ErrorMsg& m, WireWriter& w) {
+absl::Status Encode(const ErrorMsg& m, ByteWriter& w) {
   RETURN_IF_ERROR(CheckStatusCode("Error.status_code", m.status_code));
   w.I32(m.status_code);
   return w.Bytes("Error.message", m.message, kMaxMessageBytes);
@@ -164,7 +162,7 @@ absl::Status Encode(const ErrorMsg& m, WireWriter& w) {
 
 // ---- Decoders ----
 
-absl::Status DecodeInt32List(absl::string_view field, WireReader& r, std::vector<int32_t>* out) {
+absl::Status DecodeInt32List(absl::string_view field, ByteReader& r, std::vector<int32_t>* out) {
   uint32_t count = 0;
   RETURN_IF_ERROR(r.Count(field, kMaxListEntries, kInt32Bytes, &count));
   out->reserve(count);  // bounded by the bytes actually present
@@ -176,7 +174,7 @@ absl::Status DecodeInt32List(absl::string_view field, WireReader& r, std::vector
   return absl::OkStatus();
 }
 
-absl::Status Decode(WireReader& r, ChallengeMsg* m) {
+absl::Status Decode(ByteReader& r, ChallengeMsg* m) {
   RETURN_IF_ERROR(r.Bytes("Challenge.nonce", kNonceBytes, &m->nonce));
   if (m->nonce.size() != kNonceBytes) {
     return absl::InvalidArgumentError(
@@ -185,7 +183,7 @@ absl::Status Decode(WireReader& r, ChallengeMsg* m) {
   return absl::OkStatus();
 }
 
-absl::Status Decode(WireReader& r, HelloMsg* m) {
+absl::Status Decode(ByteReader& r, HelloMsg* m) {
   RETURN_IF_ERROR(r.Bytes("Hello.engine_id", kMaxIdBytes, &m->engine_id));
   RETURN_IF_ERROR(r.U32("Hello.protocol_version", &m->protocol_version));
   RETURN_IF_ERROR(r.U64("Hello.compat_hash", &m->compat_hash));
@@ -209,14 +207,14 @@ absl::Status Decode(WireReader& r, HelloMsg* m) {
   return CheckOptionalFixed("Hello.auth_tag", m->auth_tag, kAuthTagBytes);
 }
 
-absl::Status Decode(WireReader& r, HelloAckMsg* m) {
+absl::Status Decode(ByteReader& r, HelloAckMsg* m) {
   RETURN_IF_ERROR(Decode(r, &m->hello));
   RETURN_IF_ERROR(r.I32("HelloAck.status_code", &m->status_code));
   RETURN_IF_ERROR(CheckStatusCode("HelloAck.status_code", m->status_code));
   return r.Bytes("HelloAck.message", kMaxMessageBytes, &m->message);
 }
 
-absl::Status Decode(WireReader& r, RequestMsg* m) {
+absl::Status Decode(ByteReader& r, RequestMsg* m) {
   RETURN_IF_ERROR(r.Bytes("Request.request_id", kMaxIdBytes, &m->request_id));
   RETURN_IF_ERROR(DecodeInt32List("Request.prompt_token_ids", r, &m->prompt_token_ids));
   RETURN_IF_ERROR(DecodeInt32List("Request.dest_block_ids", r, &m->dest_block_ids));
@@ -224,19 +222,19 @@ absl::Status Decode(WireReader& r, RequestMsg* m) {
   return CheckRequest(*m);
 }
 
-absl::Status Decode(WireReader& r, RequestAckMsg* m) {
+absl::Status Decode(ByteReader& r, RequestAckMsg* m) {
   RETURN_IF_ERROR(r.Bytes("RequestAck.request_id", kMaxIdBytes, &m->request_id));
   RETURN_IF_ERROR(r.I32("RequestAck.status_code", &m->status_code));
   RETURN_IF_ERROR(CheckStatusCode("RequestAck.status_code", m->status_code));
   return r.Bytes("RequestAck.message", kMaxMessageBytes, &m->message);
 }
 
-absl::Status Decode(WireReader& r, AbortMsg* m) {
+absl::Status Decode(ByteReader& r, AbortMsg* m) {
   RETURN_IF_ERROR(r.Bytes("Abort.request_id", kMaxIdBytes, &m->request_id));
   return r.Bytes("Abort.reason", kMaxMessageBytes, &m->reason);
 }
 
-absl::Status Decode(WireReader& r, ErrorMsg* m) {
+absl::Status Decode(ByteReader& r, ErrorMsg* m) {
   RETURN_IF_ERROR(r.I32("Error.status_code", &m->status_code));
   RETURN_IF_ERROR(CheckStatusCode("Error.status_code", m->status_code));
   return r.Bytes("Error.message", kMaxMessageBytes, &m->message);
@@ -244,7 +242,7 @@ absl::Status Decode(WireReader& r, ErrorMsg* m) {
 
 template <typename Msg>
 absl::StatusOr<ControlMessage> DecodeAs(MessageType type, absl::string_view payload) {
-  WireReader reader(payload);
+  ByteReader reader(payload);
   Msg message;
   RETURN_IF_ERROR(Decode(reader, &message));
   RETURN_IF_ERROR(reader.ExpectEnd(MessageTypeName(type)));
@@ -287,7 +285,7 @@ absl::string_view MessageTypeName(MessageType type) {
 
 absl::StatusOr<std::string> EncodeFrame(const ControlMessage& message) {
   std::string frame;
-  WireWriter writer(&frame);
+  ByteWriter writer(&frame);
   writer.U32(kWireMagic);
   writer.U16(kWireVersion);
   writer.U16(static_cast<uint16_t>(TypeOf(message)));
@@ -310,7 +308,7 @@ absl::StatusOr<FrameHeader> DecodeFrameHeader(absl::string_view header_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("frame header is ", header_bytes.size(),
                                                    " bytes; must be ", kFrameHeaderBytes));
   }
-  WireReader reader(header_bytes);
+  ByteReader reader(header_bytes);
   uint32_t magic = 0;
   uint16_t version = 0;
   uint16_t type = 0;

@@ -30,7 +30,10 @@ absl::string_view LoadFailurePolicyName(LoadFailurePolicy policy);  // "recomput
 
 // kvstream's settings (kv_connector_extra_config).
 struct KvstreamSettings {
-  std::string transport = "ucx";  // "ucx" or "loopback"
+  // A TransportNames() name; empty: DefaultTransportName of kv_buffer_device's memory
+  // ("cuda_ipc" for "cuda" where built, "ucx" otherwise).
+  std::string transport;
+  int32_t cuda_device = 0;        // the GPU of this worker's caches (device transports)
   std::string ucx_tls = "shm";    // UcxTransportOptions::tls
   std::string ucx_net_devices;    // UcxTransportOptions::net_devices
   int32_t ucx_copy_threads = 0;   // UcxTransportOptions::copy_threads (0 .. kMaxCopyThreads)

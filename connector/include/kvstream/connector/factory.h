@@ -14,8 +14,9 @@
 namespace kvstream {
 
 // Names: "LayerwiseConnector" (also "kvstream"). NotFound for others, listing the choices.
-// The transport is created from the config (kvstream.transport); pass one to inject it
-// (tests use the loopback transport).
+// The transport is created by name (transport_factory.h) from the config
+// (kv_connector_extra_config.transport, default by kv_buffer_device); pass one to inject it
+// (tests wrap transports to inject faults).
 absl::StatusOr<std::unique_ptr<KvConnector>> CreateKvConnector(
     const KvTransferConfig& config, std::unique_ptr<Transport> transport = nullptr);
 std::vector<std::string> KvConnectorNames();

@@ -87,6 +87,17 @@ struct Segment {
   uint64_t length = 0;
 };
 
+// How a write is ordered after the poster's own GPU work (device memory only).
+struct WriteOrder {
+  // A cudaEvent_t recorded on the producer's stream (for example right after a layer's cache
+  // update): the transport's copy waits for it on the device; the host never blocks on it.
+  // The event's state is captured during PostWrite, so the caller may record it again as
+  // soon as PostWrite returns. Null: the data is ready when PostWrite is called (host
+  // memory, or device memory the caller synchronised). A transport without device memory
+  // refuses a non-null event (InvalidArgument).
+  void* ready_event = nullptr;
+};
+
 enum class TransferState { kInProgress, kDone };
 
 struct Notification {
@@ -142,13 +153,22 @@ class Transport {
       PeerId peer, absl::string_view descriptor) = 0;
 
   // Writes every segment from `local` into `remote` at `peer`, then, when `notification` is
-  // not empty, delivers it to the peer after the data is in place there. Never blocks.
-  // OutOfRange for a segment outside either region (nothing is posted); FailedPrecondition
-  // for a failed peer; NotFound for an unknown peer.
+  // not empty, delivers it to the peer after the data is in place there (for device memory:
+  // after the copy has completed on the device). The copy starts after `order.ready_event`
+  // (WriteOrder). Never blocks. OutOfRange for a segment outside either region (nothing is
+  // posted); FailedPrecondition for a failed peer; NotFound for an unknown peer.
   virtual absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
                                                const RemoteMemory& remote,
                                                absl::Span<const Segment> segments,
-                                               absl::string_view notification) = 0;
+                                               absl::string_view notification,
+                                               const WriteOrder& order) = 0;
+  // The same with no GPU work to wait for (WriteOrder{}).
+  absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
+                                       const RemoteMemory& remote,
+                                       absl::Span<const Segment> segments,
+                                       absl::string_view notification) {
+    return PostWrite(peer, local, remote, segments, notification, WriteOrder{});
+  }
 
   // Sends a notification alone. Never blocks.
   virtual absl::StatusOr<TransferId> PostNotification(PeerId peer, absl::string_view payload) = 0;

@@ -1,11 +1,21 @@
-// Bounds-checked little-endian writer and reader for wire.h payloads. Private to transfer/.
+// ByteWriter and ByteReader: kvstream's one little-endian encoder and bounds-checked decoder,
+// for everything it puts on a wire or hands to a peer (control frames, layer notices,
+// transport descriptors, the connector's step metadata).
 //
-// The reader is the only code that touches untrusted bytes: every read checks the remaining
+//   std::string out;
+//   ByteWriter w(&out);
+//   w.U32(7);
+//   RETURN_IF_ERROR(w.Bytes("request id", id, kMaxIdBytes));
+//   ByteReader r(out);
+//   uint32_t n;
+//   RETURN_IF_ERROR(r.U32("count", &n));
+//
+// The reader is the code that touches untrusted bytes: every read checks the remaining
 // length first, every length-prefixed field is checked against its bound before any byte is
 // copied, and list counts are checked against what the remaining bytes could possibly hold
-// before the caller reserves memory for them.
-#ifndef KVSTREAM_TRANSFER_SRC_WIRE_IO_H_
-#define KVSTREAM_TRANSFER_SRC_WIRE_IO_H_
+// before the caller reserves memory for them. Thread-compatible.
+#ifndef KVSTREAM_COMMON_BYTE_IO_H_
+#define KVSTREAM_COMMON_BYTE_IO_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -17,12 +27,11 @@
 #include "kvstream/common/status_macros.h"
 
 namespace kvstream {
-namespace internal {
 
 // Appends fixed-width little-endian integers and u32-length-prefixed byte strings.
-class WireWriter {
+class ByteWriter {
  public:
-  explicit WireWriter(std::string* out) : out_(out) {}
+  explicit ByteWriter(std::string* out) : out_(out) {}
 
   void U8(uint8_t v) { out_->push_back(static_cast<char>(v)); }
   void U16(uint16_t v) { PutLe(v, 2); }
@@ -30,6 +39,9 @@ class WireWriter {
   void U64(uint64_t v) { PutLe(v, 8); }
   // Two's complement, as every supported platform stores it.
   void I32(int32_t v) { U32(static_cast<uint32_t>(v)); }
+
+  // The bytes as they are, with no length (fixed-size fields such as magics and nonces).
+  void Raw(absl::string_view bytes) { out_->append(bytes.data(), bytes.size()); }
 
   // u32 length + bytes. InvalidArgument (nothing written) when longer than `max_bytes`.
   absl::Status Bytes(absl::string_view field, absl::string_view bytes, uint32_t max_bytes) {
@@ -53,11 +65,13 @@ class WireWriter {
 // Consumes a payload front to back. Every method either fills its output and advances, or
 // returns InvalidArgument naming the field and leaves the position unspecified (callers stop
 // at the first error).
-class WireReader {
+class ByteReader {
  public:
-  explicit WireReader(absl::string_view data) : data_(data) {}
+  explicit ByteReader(absl::string_view data) : data_(data) {}
 
   size_t remaining() const { return data_.size() - pos_; }
+  // Bytes consumed so far.
+  size_t position() const { return pos_; }
 
   absl::Status U8(absl::string_view field, uint8_t* out) {
     uint64_t v = 0;
@@ -101,6 +115,17 @@ class WireReader {
     }
     out->assign(data_.data() + pos_, len);
     pos_ += len;
+    return absl::OkStatus();
+  }
+
+  // Exactly `n` bytes with no length prefix (fixed-size fields).
+  absl::Status Raw(absl::string_view field, size_t n, std::string* out) {
+    if (n > remaining()) {
+      return absl::InvalidArgumentError(absl::StrCat("truncated payload: ", field, " needs ", n,
+                                                     " bytes, ", remaining(), " left"));
+    }
+    out->assign(data_.data() + pos_, n);
+    pos_ += n;
     return absl::OkStatus();
   }
 
@@ -151,7 +176,6 @@ class WireReader {
   size_t pos_ = 0;
 };
 
-}  // namespace internal
 }  // namespace kvstream
 
-#endif  // KVSTREAM_TRANSFER_SRC_WIRE_IO_H_
+#endif  // KVSTREAM_COMMON_BYTE_IO_H_

@@ -1,0 +1,57 @@
+// Transports by name (transport_factory.h).
+#include "kvstream/transfer/transport_factory.h"
+
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kvstream/transfer/loopback_transport.h"
+#include "kvstream/transfer/ucx_transport.h"
+
+namespace kvstream {
+namespace {
+
+// The fabric that "loopback" transports created by name share: one per process, never
+// destroyed (transports may be destroyed during static destruction in any order).
+LoopbackFabric& DefaultLoopbackFabric() {
+  static LoopbackFabric* fabric = new LoopbackFabric();
+  return *fabric;
+}
+
+}  // namespace
+
+std::vector<std::string> TransportNames() {
+  std::vector<std::string> names = {"ucx", "loopback"};
+#if defined(KVSTREAM_HAVE_CUDA_IPC)
+  names.push_back("cuda_ipc");
+#endif
+  return names;
+}
+
+std::string DefaultTransportName(MemoryKind cache_memory) {
+#if defined(KVSTREAM_HAVE_CUDA_IPC)
+  if (cache_memory == MemoryKind::kDevice) return "cuda_ipc";
+#endif
+  return "ucx";
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options) {
+  if (options.name == "ucx") {
+    UcxTransportOptions ucx;
+    ucx.tls = options.ucx_tls;
+    ucx.net_devices = options.ucx_net_devices;
+    ucx.copy_threads = options.ucx_copy_threads;
+    return CreateUcxTransport(ucx);
+  }
+  if (options.name == "loopback") {
+    static std::atomic<uint64_t> next{0};
+    const std::string name = options.loopback_name.empty()
+                                 ? absl::StrCat("loopback-", next.fetch_add(1))
+                                 : options.loopback_name;
+    return DefaultLoopbackFabric().CreateTransport(name);
+  }
+  return absl::NotFoundError(absl::StrCat("unknown transport '", options.name, "' (choices: ",
+                                          absl::StrJoin(TransportNames(), ", "), ")"));
+}
+
+}  // namespace kvstream
