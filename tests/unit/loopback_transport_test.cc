@@ -214,6 +214,24 @@ TEST_F(LoopbackTest, OutOfRangeSegmentsPostNothing) {
   EXPECT_TRUE(ok.ok()) << ok.status();
 }
 
+TEST_F(LoopbackTest, GpuOrderingIsRefusedByAHostTransport) {
+  std::vector<Segment> one = {{0, 0, kBlock}};
+  int not_an_event = 0;
+  WriteOrder with_event;
+  with_event.ready_event = &not_an_event;
+  auto id = p_->PostWrite(to_d_, *src_reg_, *remote_, one, "n", with_event);
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << id.status();
+  const uint64_t tail = 7;
+  WriteOrder with_tail;
+  with_tail.notification_tail = &tail;
+  with_tail.notification_tail_bytes = sizeof(tail);
+  EXPECT_EQ(p_->PostWrite(to_d_, *src_reg_, *remote_, one, "n", with_tail).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(p_->Progress().ok());
+  EXPECT_EQ(dst_, std::vector<char>(kBytes, 0));
+}
+
 TEST_F(LoopbackTest, UnknownPeersTransfersAndMalformedInput) {
   const PeerId kNoPeer = 999;
   // Remote memory imported from another peer than the one named.

@@ -623,9 +623,10 @@ class UcxTransport final : public Transport {
                                        absl::Span<const Segment> segments,
                                        absl::string_view notification,
                                        const WriteOrder& order) override {
-    if (order.ready_event != nullptr) {
+    if (order.ready_event != nullptr || order.notification_tail != nullptr) {
       return absl::InvalidArgumentError(
-          "UCX PostWrite: a ready event was given, but this transport moves host memory only");
+          "UCX PostWrite: a ready event or notification tail was given, but this transport "
+          "moves host memory only");
     }
     const auto* reg = dynamic_cast<const UcxRegistration*>(&local);
     const auto* rem = dynamic_cast<const UcxRemote*>(&remote);

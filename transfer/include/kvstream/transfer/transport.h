@@ -96,7 +96,17 @@ struct WriteOrder {
   // memory, or device memory the caller synchronised). A transport without device memory
   // refuses a non-null event (InvalidArgument).
   void* ready_event = nullptr;
+  // Notification bytes the GPU produces (for example a checksum of the data, computed by a
+  // kernel enqueued before ready_event was recorded): `notification_tail_bytes` bytes at
+  // `notification_tail`, host memory the device writes (pinned), appended to the
+  // notification when the transport sends it, which is after ready_event's work completed.
+  // The memory must stay valid until the transfer is done (Test no longer kInProgress).
+  // REQUIRES: ready_event is set and the notification is not empty; at most
+  // kMaxNotificationTailBytes. InvalidArgument otherwise.
+  const void* notification_tail = nullptr;
+  size_t notification_tail_bytes = 0;
 };
+inline constexpr size_t kMaxNotificationTailBytes = 64;
 
 enum class TransferState { kInProgress, kDone };
 
