@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kvstream/common/int_math.h"
 #include "kvstream/attention/metadata.h"
 #include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
@@ -15,7 +16,6 @@
 namespace kvstream {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // FNV-1a over the step's batch: stages compare it to be sure they run the same rows.
 class Digest {
@@ -48,10 +48,13 @@ KvRequest AsKvRequest(const RequestSpec& spec) {
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   std::unique_ptr<Engine> e(new Engine());
   e->options_ = options;
+  if ((options.scheduler != nullptr) != (options.worker != nullptr)) {
+    return absl::InvalidArgumentError("engine: a connector needs both its scheduler and worker side");
+  }
   ToyModel::Allocator allocate;
-  if (options.connector != nullptr) {
-    KvConnector* c = options.connector;
-    allocate = [c](size_t bytes) { return c->AllocateCacheMemory(bytes); };
+  if (options.worker != nullptr) {
+    KvConnectorWorker* w = options.worker;
+    allocate = [w](size_t bytes) { return w->AllocateCacheMemory(bytes, MemoryKind::kHost); };
   }
   if ((options.pipeline != nullptr) != options.layers.has_value()) {
     return absl::InvalidArgumentError(
@@ -77,13 +80,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     std::shuffle(all.begin(), all.end(), std::mt19937(options.scatter_seed));
     for (int32_t id : all) RETURN_IF_ERROR(e->pool_->Free({id}));
   }
-  if (options.connector != nullptr) {
+  if (options.worker != nullptr) {
     std::map<std::string, KvCache*> caches;
     for (int l = e->model_->layers().begin; l < e->model_->layers().end; ++l) {
       caches[options.model.LayerName(l)] = e->model_->cache(l);
     }
-    RETURN_IF_ERROR(options.connector->RegisterKvCaches(caches));
-    e->registry_.SetTransferHook(options.hook != nullptr ? options.hook : options.connector);
+    RETURN_IF_ERROR(options.worker->RegisterKvCaches(caches));
+    e->registry_.SetTransferHook(options.hook != nullptr ? options.hook : options.worker);
   }
   return e;
 }
@@ -122,9 +125,14 @@ bool Engine::HasWork() const {
 std::vector<RequestResult> Engine::TakeFinished() { return std::move(finished_); }
 
 absl::Status Engine::PollConnector() {
-  KvConnector* c = options_.connector;
-  if (c == nullptr) return absl::OkStatus();
-  for (KvRequest& in : c->TakeIncomingRequests()) {
+  if (!connected()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(KvConnectorOutput raw, options_.worker->TakeOutput());
+  if (raw.empty()) return absl::OkStatus();
+  // The worker's report reaches the scheduler side as bytes, as across vLLM's processes.
+  ASSIGN_OR_RETURN(std::string bytes, EncodeConnectorOutput(raw));
+  ASSIGN_OR_RETURN(KvConnectorOutput out, DecodeConnectorOutput(bytes));
+  RETURN_IF_ERROR(options_.scheduler->UpdateConnectorOutput(out));
+  for (KvRequest& in : options_.scheduler->TakeIncomingRequests()) {
     auto r = std::make_unique<Request>();
     r->spec.id = in.request_id;
     r->spec.prompt = std::move(in.prompt_token_ids);
@@ -135,20 +143,31 @@ absl::Status Engine::PollConnector() {
     r->result.prompt_tokens = static_cast<int>(r->spec.prompt.size());
     waiting_.push_back(std::move(r));
   }
-  ASSIGN_OR_RETURN(FinishedRequests f, c->GetFinished());
-  for (const std::set<std::string>* ids : {&f.finished_sending, &f.finished_recving}) {
+  for (const std::set<std::string>* ids : {&out.finished_sending, &out.finished_recving}) {
     for (const std::string& id : *ids) {
       auto it = held_blocks_.find(id);
-      if (it == held_blocks_.end()) continue;
+      if (it == held_blocks_.end()) {
+        if (ids == &out.finished_recving) recv_finished_.insert(id);
+        continue;
+      }
       RETURN_IF_ERROR(pool_->Free(it->second));
       held_blocks_.erase(it);
     }
   }
+  for (LoadError& e : out.load_errors) load_errors_.push_back(std::move(e));
   return absl::OkStatus();
 }
 
+absl::Status Engine::BindStep(absl::Span<const ScheduledRequest> scheduled) {
+  ASSIGN_OR_RETURN(KvConnectorMetadata raw, options_.scheduler->BuildConnectorMeta(scheduled));
+  ASSIGN_OR_RETURN(std::string bytes, EncodeConnectorMetadata(raw));
+  ASSIGN_OR_RETURN(KvConnectorMetadata meta, DecodeConnectorMetadata(bytes));
+  RETURN_IF_ERROR(options_.worker->BindConnectorMetadata(meta));
+  return options_.worker->StartLoadKv();
+}
+
 absl::Status Engine::Admit() {
-  KvConnector* c = options_.connector;
+  KvConnectorScheduler* c = options_.scheduler;
   while (!waiting_.empty()) {
     Request& r = *waiting_.front();
     const int64_t need = CeilDiv(static_cast<int64_t>(r.spec.prompt.size()) + r.spec.max_new_tokens,
@@ -173,10 +192,11 @@ absl::Status Engine::Admit() {
 void Engine::FinishRequest(std::unique_ptr<Request> r, absl::Status status) {
   r->result.status = std::move(status);
   bool delay = false;
-  if (options_.connector != nullptr && !r->detached) {
-    auto d = options_.connector->RequestFinished(r->spec.id);
+  if (connected() && !r->detached) {
+    auto d = options_.scheduler->RequestFinished(r->spec.id);
     delay = d.ok() && *d;
   }
+  recv_finished_.erase(r->spec.id);
   if (delay) {
     held_blocks_[r->spec.id] = std::move(r->blocks);
   } else if (!r->blocks.empty()) {
@@ -193,7 +213,16 @@ void Engine::FinishRequest(std::unique_ptr<Request> r, absl::Status status) {
 absl::StatusOr<bool> Engine::Step() {
   RETURN_IF_ERROR(PollConnector());
   RETURN_IF_ERROR(Admit());
-  if (running_.empty()) return false;
+  if (running_.empty()) {
+    // No forward pass, but the worker still gets the step's metadata (requests finished
+    // since the last step) and reports what happened, as vLLM's no-forward steps do.
+    if (connected()) {
+      RETURN_IF_ERROR(BindStep({}));
+      options_.worker->ClearConnectorMetadata();
+      RETURN_IF_ERROR(PollConnector());
+    }
+    return false;
+  }
 
   // One row per new token: the rest of each prompt, or the last generated token.
   std::vector<SequenceSchedule> schedule;
@@ -228,12 +257,8 @@ absl::StatusOr<bool> Engine::Step() {
   ASSIGN_OR_RETURN(AttentionMetadata md,
                    BuildAttentionMetadata(schedule, options_.model.block_size));
   registry_.SetForwardContext({&md});
-  KvConnector* c = options_.connector;
-  if (c != nullptr) {
-    ASSIGN_OR_RETURN(KvConnectorMetadata meta, c->BuildConnectorMeta(scheduled));
-    RETURN_IF_ERROR(c->BindConnectorMetadata(meta));
-    RETURN_IF_ERROR(c->StartLoadKv());
-  }
+  KvConnectorScheduler* c = options_.scheduler;
+  if (connected()) RETURN_IF_ERROR(BindStep(scheduled));
   StageChannel* pipe = options_.pipeline;
   const bool first = pipe == nullptr || pipe->stage() == 0;
   const bool last = pipe == nullptr || pipe->stage() + 1 == pipe->num_stages();
@@ -271,27 +296,29 @@ absl::StatusOr<bool> Engine::Step() {
   absl::Status ran = hidden.status();
   if (ran.ok()) ran = model_->RunLayers(*hidden, positions, segments);
   registry_.SetForwardContext({});
-  if (c != nullptr) {
-    absl::Status s = c->WaitForSave();
+  if (connected()) {
+    absl::Status s = options_.worker->WaitForSave();
     if (!s.ok()) Log(LogLevel::kWarning, absl::StrCat("saving KV: ", s.ToString()));
-    c->ClearConnectorMetadata();
+    options_.worker->ClearConnectorMetadata();
   }
   RETURN_IF_ERROR(ran);
+  RETURN_IF_ERROR(PollConnector());
 
   // Requests whose remote KV failed to load: their output of this step is garbage. An error
   // for a request that already gave up its remote KV (detached) is stale.
   std::set<std::string> own_errors;
-  if (c != nullptr) {
+  if (connected()) {
     std::set<std::string> live;
     for (const auto& r : running_) {
       if (!r->detached) live.insert(r->spec.id);
     }
-    for (LoadError& e : c->TakeLoadErrors()) {
+    for (LoadError& e : load_errors_) {
       if (live.count(e.request_id) == 0) continue;
       own_errors.insert(e.request_id);
       errors.push_back({e.request_id, static_cast<int32_t>(e.status.code()),
                         std::string(e.status.message())});
     }
+    load_errors_.clear();
   }
   absl::StatusOr<std::vector<float>> logits = std::vector<float>();
   if (!last) {
@@ -330,8 +357,13 @@ absl::StatusOr<bool> Engine::Step() {
     auto err = load_errors.find(r->spec.id);
     if (err != load_errors.end() && !r->detached) {
       if (own_errors.count(r->spec.id) != 0 || c == nullptr) {
-        // The blocks may still receive writes until the connector says the producer stopped.
-        held_blocks_[r->spec.id] = std::move(r->blocks);
+        // The blocks may still receive writes until the connector says the producer stopped
+        // (unless it said so already).
+        if (recv_finished_.erase(r->spec.id) != 0) {
+          RETURN_IF_ERROR(pool_->Free(r->blocks));
+        } else {
+          held_blocks_[r->spec.id] = std::move(r->blocks);
+        }
       } else {
         // Another pipeline stage failed to load its layers: give up this stage's part too.
         auto delay = c->RequestFinished(r->spec.id);

@@ -1,6 +1,10 @@
 // A minimal serving engine over ToyModel, for kvstream's workers and demo: a FIFO scheduler
 // with whole-request block allocation, prefill and decode in one batch per step, greedy
-// sampling, and the KvConnector's scheduler and worker calls in the places vLLM makes them.
+// sampling, and the connector's two sides called in the places vLLM calls them: the
+// scheduler side (KvConnectorScheduler) by the scheduler, the worker side
+// (KvConnectorWorker) around the forward pass. The two sides meet only through the step's
+// metadata and the worker's output, which the engine passes as bytes (encoded and decoded
+// each step, as they would cross vLLM's process boundary).
 //
 //   producer (prefill worker): requests arrive through the connector, are prefilled and
 //     streamed layer by layer; blocks are freed once the connector reports the sends done.
@@ -25,15 +29,18 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "kvstream/attention/layer_registry.h"
 #include "kvstream/cache/block_pool.h"
-#include "kvstream/connector/kv_connector.h"
+#include "kvstream/connector/kv_connector_scheduler.h"
+#include "kvstream/connector/kv_connector_worker.h"
 #include "kvstream/connector/layer_routing.h"
 #include "pipeline_link.h"
 #include "toy_model.h"
@@ -43,8 +50,10 @@ namespace kvstream {
 struct EngineOptions {
   ToyModelConfig model;
   int64_t num_blocks = 1024;
-  KvConnector* connector = nullptr;  // not owned; null = colocated
-  TransferHook* hook = nullptr;      // not owned; default: the connector
+  // The connector's two sides (not owned): both, or neither (colocated).
+  KvConnectorScheduler* scheduler = nullptr;
+  KvConnectorWorker* worker = nullptr;
+  TransferHook* hook = nullptr;  // not owned; default: the worker side
   LoadFailurePolicy failure_policy = LoadFailurePolicy::kRecompute;
   // Non-zero: shuffle the free list with this seed, so requests get scattered blocks.
   uint32_t scatter_seed = 0;
@@ -114,7 +123,12 @@ class Engine {
   Engine() = default;
   absl::Status Admit();
   void FinishRequest(std::unique_ptr<Request> r, absl::Status status);
+  // Takes the worker's output, gives it to the scheduler side, queues incoming requests,
+  // frees held blocks, keeps load errors for the step's end.
   absl::Status PollConnector();
+  // The step's metadata, from the scheduler side to the worker side as bytes.
+  absl::Status BindStep(absl::Span<const ScheduledRequest> scheduled);
+  bool connected() const { return options_.worker != nullptr; }
 
   EngineOptions options_;
   LayerRegistry registry_;
@@ -123,6 +137,9 @@ class Engine {
   std::deque<std::unique_ptr<Request>> waiting_;
   std::vector<std::unique_ptr<Request>> running_;
   std::map<std::string, std::vector<int32_t>> held_blocks_;  // freed when the connector says
+  // Reported finished receiving while still running: a later load error frees at once.
+  std::set<std::string> recv_finished_;
+  std::vector<LoadError> load_errors_;  // reported, not yet acted on
   std::vector<RequestResult> finished_;
   int64_t steps_ = 0;
   int64_t served_ = 0;

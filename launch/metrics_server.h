@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "kvstream/connector/kv_connector.h"
+#include "kvstream/connector/connector_stats.h"
 
 namespace kvstream {
 
@@ -34,7 +34,7 @@ class MetricsServer {
   std::thread thread_;
 };
 
-// The connector's counters per peer (KvConnector::peer_stats) in Prometheus text format,
+// The connector's counters per peer (KvConnectorWorker::peer_stats) in Prometheus text format,
 // every sample labelled role="kv_producer|kv_consumer" (this worker's), engine="<this
 // worker's engine id>" and peer="<the peer's engine id>". Before any peer was seen the
 // families are declared (HELP, TYPE) without samples.

@@ -323,13 +323,17 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
     stages = std::move(*channel);
   }
 
-  auto connector = CreateKvConnector(*config);
+  // The connector's two sides, as vLLM would run them in its scheduler and worker processes.
+  auto scheduler = CreateKvConnectorScheduler(*config, o.model.block_size);
+  if (!scheduler.ok()) return Fail(err, scheduler.status());
+  auto connector = CreateKvConnectorWorker(*config);
   if (!connector.ok()) return Fail(err, connector.status());
   std::unique_ptr<CrashingHook> crash;
   EngineOptions eo;
   eo.model = o.model;
   eo.num_blocks = o.num_blocks;
-  eo.connector = connector->get();
+  eo.scheduler = scheduler->get();
+  eo.worker = connector->get();
   eo.failure_policy = config->kv_load_failure_policy;
   eo.scatter_seed = prefill ? 11 : 23;  // different scatter on each side
   if (pipeline) {
@@ -347,7 +351,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   if (!engine.ok()) return Fail(err, engine.status());
   std::unique_ptr<MetricsServer> metrics;
   if (o.metrics_port >= 0) {
-    KvConnector* c = connector->get();
+    KvConnectorWorker* c = connector->get();
     const std::string role(KvRoleName(config->kv_role));
     const std::string id = config->engine_id;
     auto m = MetricsServer::Start(o.metrics_port, [c, role, id] {

@@ -1,4 +1,5 @@
 // AttentionMetadata validation and construction from per-sequence schedules.
+#include "kvstream/common/int_math.h"
 #include "kvstream/attention/metadata.h"
 
 #include <algorithm>
@@ -11,7 +12,6 @@
 namespace kvstream {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 

@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kvstream/common/int_math.h"
 #include "kvstream/attention/backend.h"
 #include "kvstream/cache/kv_cache_spec.h"
 #include "kvstream/common/dtype.h"
@@ -190,7 +191,7 @@ absl::Status ValidatePagedAttention(const PagedAttentionParams& params) {
       return Invalid(absl::StrCat("sequence ", s, " has seq_len ", seq_len, " > max_seq_len ",
                                   p.max_seq_len));
     }
-    const int64_t blocks_used = (seq_len + block_size - 1) / block_size;
+    const int64_t blocks_used = CeilDiv(seq_len, block_size);
     if (blocks_used > p.block_table_stride) {
       return Invalid(absl::StrCat("sequence ", s, " needs ", blocks_used, " blocks for seq_len ",
                                   seq_len, " but block_table_stride is ",

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kvstream/common/int_math.h"
 
 namespace kvstream {
 
@@ -25,7 +26,7 @@ absl::StatusOr<std::vector<ByteRun>> PlanBlockCopy(const CacheStrides& s, int bl
       s.dim != 1) {
     return absl::InvalidArgumentError("block copy plan: bad sizes or a non-unit dim stride");
   }
-  const int64_t blocks = (num_tokens + block_size - 1) / block_size;
+  const int64_t blocks = CeilDiv(num_tokens, block_size);
   if (blocks > static_cast<int64_t>(src_blocks.size()) ||
       blocks > static_cast<int64_t>(dst_blocks.size())) {
     return absl::OutOfRangeError(absl::StrCat("block copy plan: ", num_tokens, " tokens need ",

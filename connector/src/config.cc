@@ -268,4 +268,35 @@ absl::StatusOr<KvTransferConfig> ParseKvTransferConfig(absl::string_view text) {
   return c;
 }
 
+absl::Status CheckStageLayers(const KvstreamSettings& k, const std::set<int32_t>& mine,
+                              const std::set<int32_t>& theirs, absl::string_view producer) {
+  if (k.pipeline_parallel_size <= 1) {
+    if (mine == theirs) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "KV cache compatibility mismatch with peer ", producer, ": it has layers ",
+        FormatLayerSet(theirs), ", we have layers ", FormatLayerSet(mine),
+        " (a decode worker that is one stage of a pipeline sets pipeline_parallel_size, "
+        "pipeline_rank and pipeline_layers)"));
+  }
+  const int32_t num_layers = theirs.empty() ? 0 : *theirs.rbegin() + 1;
+  auto range = PipelineStageLayers(k, num_layers);
+  if (!range.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("producer ", producer, " has layers ",
+                                                      FormatLayerSet(theirs), ": ",
+                                                      range.status().message()));
+  }
+  std::set<int32_t> expected;
+  for (int32_t l : theirs) {
+    if (range->Contains(l)) expected.insert(l);
+  }
+  if (mine != expected) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pipeline rank ", k.pipeline_rank, " of ", k.pipeline_parallel_size,
+        " should receive layers ", FormatLayerSet(expected), " of producer ", producer,
+        " (which has layers ", FormatLayerSet(theirs), "), but registered layers ",
+        FormatLayerSet(mine)));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvstream

@@ -13,13 +13,28 @@ namespace kvstream {
 
 std::vector<std::string> KvConnectorNames() { return {"LayerwiseConnector", "kvstream"}; }
 
-absl::StatusOr<std::unique_ptr<KvConnector>> CreateKvConnector(
-    const KvTransferConfig& config, std::unique_ptr<Transport> transport) {
+namespace {
+
+absl::Status CheckName(const KvTransferConfig& config) {
   if (config.kv_connector != "LayerwiseConnector" && config.kv_connector != "kvstream") {
     return absl::NotFoundError(absl::StrCat("unknown kv_connector '", config.kv_connector,
                                             "' (choices: ", absl::StrJoin(KvConnectorNames(), ", "),
                                             ")"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvConnectorScheduler>> CreateKvConnectorScheduler(
+    const KvTransferConfig& config, int32_t block_size) {
+  RETURN_IF_ERROR(CheckName(config));
+  return CreateLayerwiseScheduler(config, block_size);
+}
+
+absl::StatusOr<std::unique_ptr<KvConnectorWorker>> CreateKvConnectorWorker(
+    const KvTransferConfig& config, std::unique_ptr<Transport> transport) {
+  RETURN_IF_ERROR(CheckName(config));
   if (transport == nullptr) {
     TransportOptions options;
     options.name = config.kvstream.transport.empty()
@@ -33,7 +48,7 @@ absl::StatusOr<std::unique_ptr<KvConnector>> CreateKvConnector(
     options.loopback_name = config.engine_id;
     ASSIGN_OR_RETURN(transport, CreateTransport(options));
   }
-  return CreateLayerwiseConnector(config, std::move(transport));
+  return CreateLayerwiseWorker(config, std::move(transport));
 }
 
 }  // namespace kvstream

@@ -1,8 +1,8 @@
 // Tests of the TCP control channel and the handshake over real sockets on 127.0.0.1: frames
 // across a connection, deadlines, peer close, hostile peers (garbage, huge announced
-// lengths, stalls), concurrency, and the handshake's authentication and compatibility
-// outcomes on both sides. No test asserts on timing; deadlines only bound how long a broken
-// implementation could hang.
+// lengths, stalls), concurrency, and the handshake's authentication and the caller's check
+// of the peer's (opaque) payload, with its outcome on both sides. No test asserts on
+// timing; deadlines only bound how long a broken implementation could hang.
 #include "kvstream/transfer/control_channel.h"
 
 #include <arpa/inet.h>
@@ -25,6 +25,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
@@ -36,7 +38,9 @@
 namespace kvstream {
 namespace {
 
+using ::testing::EndsWith;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 // Generous: only reached when something is broken.
@@ -73,6 +77,19 @@ ErrorMsg Error(int32_t code, std::string message) {
   m.status_code = code;
   m.message = std::move(message);
   return m;
+}
+
+DataMsg Data(std::string payload) {
+  DataMsg m;
+  m.payload = std::move(payload);
+  return m;
+}
+
+// n bytes covering every byte value (NULs included).
+std::string Pattern(size_t n, uint8_t seed = 0) {
+  std::string s(n, '\0');
+  for (size_t i = 0; i < n; ++i) s[i] = static_cast<char>((i * 131 + seed) & 0xff);
+  return s;
 }
 
 // A peer that speaks raw bytes, for the hostile-peer tests. Blocking, with a receive
@@ -208,27 +225,12 @@ std::vector<ControlMessage> OneOfEach() {
   challenge.nonce.assign(32, '\x5a');
   HelloMsg hello;
   hello.engine_id = "prefill-0";
-  hello.compat_hash = 42;
-  RegionDescriptor region;
-  region.layer = 7;
-  region.tensor = 1;
-  region.descriptor = std::string("\0\1\2", 3);
-  hello.regions = {region};
+  hello.payload = std::string("\0\1\2 layout", 10);
   HelloAckMsg ack;
   ack.hello = hello;
   ack.status_code = 9;
   ack.message = "ack";
-  RequestMsg request;
-  request.request_id = "r1";
-  request.prompt_token_ids = {1, 2, 3};
-  request.dest_block_ids = {4};
-  request.num_tokens = 2;
-  RequestAckMsg request_ack;
-  request_ack.request_id = "r1";
-  AbortMsg abort;
-  abort.request_id = "r1";
-  abort.reason = "cancelled";
-  return {challenge, hello, ack, request, request_ack, abort, Error(13, "boom")};
+  return {challenge, hello, ack, Data(std::string("r1\0\xff", 4)), Data(""), Error(13, "boom")};
 }
 
 TEST(ControlConnectionTest, EveryMessageTypeCrossesInBothDirections) {
@@ -248,9 +250,7 @@ TEST(ControlConnectionTest, EveryMessageTypeCrossesInBothDirections) {
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(*EncodeFrame(*got), *EncodeFrame(m));
   }
-  RequestMsg big;
-  big.request_id = "big";
-  big.prompt_token_ids.assign(3u << 20, 11);  // 12 MiB: many reads and writes per frame
+  const DataMsg big = Data(Pattern(12u << 20));  // 12 MiB: many reads and writes per frame
   // Sent while the other end receives: neither side buffers a whole 12 MiB frame.
   absl::Status sent;
   std::thread sender([&] { sent = p.client->Send(big, Later()); });
@@ -258,7 +258,9 @@ TEST(ControlConnectionTest, EveryMessageTypeCrossesInBothDirections) {
   sender.join();
   ASSERT_TRUE(sent.ok()) << sent;
   ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(std::get<RequestMsg>(*got).prompt_token_ids, big.prompt_token_ids);
+  ASSERT_TRUE(std::holds_alternative<DataMsg>(*got));
+  EXPECT_EQ(std::get<DataMsg>(*got).payload.size(), big.payload.size());
+  EXPECT_TRUE(std::get<DataMsg>(*got).payload == big.payload);  // not printed: 12 MiB
 }
 
 TEST(ControlConnectionTest, ReceiveDeadlineWithNothingSentKeepsTheConnection) {
@@ -347,8 +349,7 @@ TEST(ControlConnectionTest, SendToAClosedPeerFailsWithoutSigpipe) {
 TEST(ControlConnectionTest, SendDeadlineWhenThePeerNeverReadsClosesTheConnection) {
   Pair p = Connect();
   ASSERT_TRUE(p.server && p.client);
-  RequestMsg big;
-  big.prompt_token_ids.assign(3u << 20, 1);  // 12 MiB per frame
+  const DataMsg big = Data(std::string(12u << 20, '\1'));  // 12 MiB per frame
   absl::Status s;
   // Several frames, in case the kernel's buffers take a whole one.
   for (int i = 0; i < 16 && s.ok(); ++i) s = p.client->Send(big, Shortly());
@@ -435,7 +436,7 @@ TEST_F(HostilePeerTest, HalfAFrameThenStallMeetsTheDeadlineAndCloses) {
 }
 
 TEST_F(HostilePeerTest, MaximalAnnouncedPayloadThenStallMeetsTheDeadline) {
-  raw_->Write(HeaderBytes(static_cast<uint16_t>(MessageType::kRequest), kMaxPayloadBytes) + "abc");
+  raw_->Write(HeaderBytes(static_cast<uint16_t>(MessageType::kData), kMaxPayloadBytes) + "abc");
   auto got = conn_->Receive(Shortly());
   ASSERT_FALSE(got.ok());
   ExpectFailedAndClosed(got.status(), absl::StatusCode::kDeadlineExceeded);
@@ -469,24 +470,23 @@ TEST(ControlConnectionTest, ConcurrentSendAndReceiveOnBothEnds) {
   ASSERT_TRUE(p.server && p.client);
   constexpr int kMessages = 2000;
   // Each end sends on one thread while receiving on another.
-  auto send_all = [](ControlConnection* conn, absl::string_view tag) {
+  // Message i from `tag`: its name, then a size and filler that vary with i.
+  auto payload = [](absl::string_view tag, int i) {
+    return absl::StrCat(tag, i, ":", std::string(static_cast<size_t>(i % 300) * 4,
+                                                 static_cast<char>(i & 0xff)));
+  };
+  auto send_all = [&payload](ControlConnection* conn, absl::string_view tag) {
     for (int i = 0; i < kMessages; ++i) {
-      RequestMsg m;
-      m.request_id = absl::StrCat(tag, i);
-      m.prompt_token_ids.assign(static_cast<size_t>(i % 300), i);
-      if (!conn->Send(m, Later()).ok()) return false;
+      if (!conn->Send(Data(payload(tag, i)), Later()).ok()) return false;
     }
     return true;
   };
-  auto receive_all = [](ControlConnection* conn, absl::string_view tag) {
+  auto receive_all = [&payload](ControlConnection* conn, absl::string_view tag) {
     for (int i = 0; i < kMessages; ++i) {
       auto got = conn->Receive(Later());
       if (!got.ok()) return false;
-      const auto* m = std::get_if<RequestMsg>(&*got);
-      if (m == nullptr || m->request_id != absl::StrCat(tag, i) ||
-          m->prompt_token_ids != std::vector<int32_t>(static_cast<size_t>(i % 300), i)) {
-        return false;
-      }
+      const auto* m = std::get_if<DataMsg>(&*got);
+      if (m == nullptr || m->payload != payload(tag, i)) return false;
     }
     return true;
   };
@@ -511,15 +511,16 @@ TEST(ControlConnectionTest, ConcurrentSendersNeverInterleaveFrames) {
   constexpr int kThreads = 4;
   constexpr int kPerThread = 300;
   std::atomic<int> send_failures{0};
+  // Thread t's message i: t in the first byte, then i, then filler large enough that one
+  // frame takes several send() calls.
+  auto payload = [](int t, int i) {
+    return absl::StrCat(t, ":", i, ":", std::string(80000, static_cast<char>(i & 0xff)));
+  };
   std::vector<std::thread> senders;
   for (int t = 0; t < kThreads; ++t) {
     senders.emplace_back([&, t] {
       for (int i = 0; i < kPerThread; ++i) {
-        RequestMsg m;
-        m.request_id = absl::StrCat(t);
-        // Large enough that one frame takes several send() calls.
-        m.prompt_token_ids.assign(20000, i);
-        if (!p.client->Send(m, Later()).ok()) ++send_failures;
+        if (!p.client->Send(Data(payload(t, i)), Later()).ok()) ++send_failures;
       }
     });
   }
@@ -528,10 +529,12 @@ TEST(ControlConnectionTest, ConcurrentSendersNeverInterleaveFrames) {
   for (int n = 0; n < kThreads * kPerThread; ++n) {
     auto got = p.server->Receive(Later());
     ASSERT_TRUE(got.ok()) << got.status();
-    const auto& m = std::get<RequestMsg>(*got);
-    const int t = std::stoi(m.request_id);
+    ASSERT_TRUE(std::holds_alternative<DataMsg>(*got));
+    const std::string& m = std::get<DataMsg>(*got).payload;
+    ASSERT_FALSE(m.empty());
+    const int t = m[0] - '0';
     ASSERT_TRUE(t >= 0 && t < kThreads);
-    in_order = in_order && m.prompt_token_ids == std::vector<int32_t>(20000, next[t]);
+    in_order = in_order && m == payload(t, next[t]);
     ++next[t];
   }
   for (auto& s : senders) s.join();
@@ -541,23 +544,19 @@ TEST(ControlConnectionTest, ConcurrentSendersNeverInterleaveFrames) {
 
 // ---- Handshake ----
 
-HelloMsg MakeHello(std::string engine, uint64_t hash, std::string description) {
+// The payload the tests' checks read: a tag, a NUL (binary bytes are carried as they are),
+// then the layout version the two sides must agree on. The real payload is the connector's.
+const std::string& LayoutTag() {
+  static const std::string* tag = new std::string("layout\0", 7);
+  return *tag;
+}
+
+std::string LayoutPayload(absl::string_view layout) { return absl::StrCat(LayoutTag(), layout); }
+
+HelloMsg MakeHello(std::string engine, absl::string_view layout) {
   HelloMsg h;
   h.engine_id = std::move(engine);
-  h.protocol_version = 1;
-  h.compat_hash = hash;
-  h.compat_description = std::move(description);
-  h.transport = "ucx";
-  h.transport_info = "ucx-address-bytes";
-  RegionDescriptor k;
-  k.layer = 0;
-  k.tensor = 0;
-  k.descriptor = "rkey-k0";
-  RegionDescriptor v;
-  v.layer = 0;
-  v.tensor = 1;
-  v.descriptor = "rkey-v0";
-  h.regions = {k, v};
+  h.payload = LayoutPayload(layout);
   return h;
 }
 
@@ -569,12 +568,18 @@ HandshakeOptions Options(HelloMsg local, std::string secret = "") {
   return o;
 }
 
-// The usual check: the compatibility hashes must agree.
-std::function<absl::Status(const HelloMsg&)> SameHashAs(const HelloMsg& local) {
-  const uint64_t hash = local.compat_hash;
-  return [hash](const HelloMsg& peer) {
-    if (peer.compat_hash == hash) return absl::OkStatus();
-    return absl::FailedPreconditionError("incompatible KV cache layout");
+// The usual check: decode the peer's payload and require the same layout as ours, saying
+// both layouts when they differ (the peer sees the message too).
+std::function<absl::Status(const HelloMsg&)> SameLayoutAs(const HelloMsg& local) {
+  const std::string ours = local.payload.substr(LayoutTag().size());
+  return [ours](const HelloMsg& peer) {
+    if (!absl::StartsWith(peer.payload, LayoutTag())) {
+      return absl::InvalidArgumentError("peer's introduction is not a layout");
+    }
+    const std::string theirs = peer.payload.substr(LayoutTag().size());
+    if (theirs == ours) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "incompatible KV cache layout: this side has '", ours, "', the peer has '", theirs, "'"));
   };
 }
 
@@ -597,22 +602,13 @@ Outcome RunHandshake(const HandshakeOptions& client_options,
 
 void ExpectSameHello(const HelloMsg& sent, const HelloMsg& got) {
   EXPECT_EQ(got.engine_id, sent.engine_id);
-  EXPECT_EQ(got.protocol_version, sent.protocol_version);
-  EXPECT_EQ(got.compat_hash, sent.compat_hash);
-  EXPECT_EQ(got.compat_description, sent.compat_description);
-  EXPECT_EQ(got.transport, sent.transport);
-  EXPECT_EQ(got.transport_info, sent.transport_info);
-  ASSERT_EQ(got.regions.size(), sent.regions.size());
-  for (size_t i = 0; i < got.regions.size(); ++i) {
-    EXPECT_EQ(got.regions[i].layer, sent.regions[i].layer);
-    EXPECT_EQ(got.regions[i].tensor, sent.regions[i].tensor);
-    EXPECT_EQ(got.regions[i].descriptor, sent.regions[i].descriptor);
-  }
+  EXPECT_EQ(absl::BytesToHexString(got.payload), absl::BytesToHexString(sent.payload));
 }
 
 TEST(HandshakeTest, SucceedsWithoutSecretAndChecksSeeThePeersFields) {
-  const HelloMsg client_hello = MakeHello("decode-0", 7, "layout A");
-  const HelloMsg server_hello = MakeHello("prefill-0", 7, "layout A");
+  HelloMsg client_hello = MakeHello("decode-0", "A");
+  client_hello.payload += std::string("\0\xff\x80", 3);  // opaque bytes reach the check as sent
+  const HelloMsg server_hello = MakeHello("prefill-0", "A");
   HelloMsg seen_by_client;
   HelloMsg seen_by_server;
   HandshakeOptions c = Options(client_hello);
@@ -646,8 +642,8 @@ TEST(HandshakeTest, SucceedsWithoutSecretAndChecksSeeThePeersFields) {
 }
 
 TEST(HandshakeTest, SucceedsWithTheSameSecretAndTagsAnswerTheNonces) {
-  Outcome out = RunHandshake(Options(MakeHello("decode-0", 1, "d"), "s3cret"),
-                             Options(MakeHello("prefill-0", 1, "d"), "s3cret"));
+  Outcome out = RunHandshake(Options(MakeHello("decode-0", "d"), "s3cret"),
+                             Options(MakeHello("prefill-0", "d"), "s3cret"));
   ASSERT_TRUE(out.client.ok()) << out.client.status();
   ASSERT_TRUE(out.server.ok()) << out.server.status();
   // The server's hello carries its challenge nonce; the client's tag answers it, and the
@@ -655,6 +651,37 @@ TEST(HandshakeTest, SucceedsWithTheSameSecretAndTagsAnswerTheNonces) {
   EXPECT_EQ(out.server->auth_tag, AuthTag("s3cret", out.client->nonce, "decode-0"));
   EXPECT_EQ(out.client->auth_tag, AuthTag("s3cret", out.server->nonce, "prefill-0"));
   EXPECT_EQ(out.client->auth_tag.size(), 32u);
+}
+
+TEST(HandshakeTest, DataMessagesRoundTripAfterTheHandshake) {
+  HandshakeOptions c = Options(MakeHello("decode-0", "v7"), "s3cret");
+  c.check = SameLayoutAs(c.local);
+  HandshakeOptions s = Options(MakeHello("prefill-0", "v7"), "s3cret");
+  s.check = SameLayoutAs(s.local);
+  Outcome out = RunHandshake(c, s);
+  ASSERT_TRUE(out.client.ok()) << out.client.status();
+  ASSERT_TRUE(out.server.ok()) << out.server.status();
+  // Binary payloads both ways, NULs and every byte value included, then an empty one.
+  const std::string request = std::string("\0req-1\0", 7) + Pattern(1000, 3);
+  const std::string reply = Pattern(70000, 9);
+  ASSERT_TRUE(out.pair.client->Send(Data(request), Later()).ok());
+  auto at_server = out.pair.server->Receive(Later());
+  ASSERT_TRUE(at_server.ok()) << at_server.status();
+  ASSERT_TRUE(std::holds_alternative<DataMsg>(*at_server)) << MessageTypeName(TypeOf(*at_server));
+  EXPECT_EQ(absl::BytesToHexString(std::get<DataMsg>(*at_server).payload),
+            absl::BytesToHexString(request));
+  ASSERT_TRUE(out.pair.server->Send(Data(reply), Later()).ok());
+  ASSERT_TRUE(out.pair.server->Send(Data(""), Later()).ok());
+  auto at_client = out.pair.client->Receive(Later());
+  ASSERT_TRUE(at_client.ok()) << at_client.status();
+  ASSERT_TRUE(std::holds_alternative<DataMsg>(*at_client)) << MessageTypeName(TypeOf(*at_client));
+  EXPECT_TRUE(std::get<DataMsg>(*at_client).payload == reply);
+  auto empty = out.pair.client->Receive(Later());
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  ASSERT_TRUE(std::holds_alternative<DataMsg>(*empty));
+  EXPECT_TRUE(std::get<DataMsg>(*empty).payload.empty());
+  EXPECT_FALSE(out.pair.client->closed());
+  EXPECT_FALSE(out.pair.server->closed());
 }
 
 void ExpectRejectedOnBothSides(const Outcome& out, absl::StatusCode code) {
@@ -667,81 +694,116 @@ void ExpectRejectedOnBothSides(const Outcome& out, absl::StatusCode code) {
 }
 
 TEST(HandshakeTest, WrongSecretIsPermissionDeniedOnBothSides) {
-  Outcome out = RunHandshake(Options(MakeHello("decode-0", 1, "d"), "secret-a"),
-                             Options(MakeHello("prefill-0", 1, "d"), "secret-b"));
+  Outcome out = RunHandshake(Options(MakeHello("decode-0", "d"), "secret-a"),
+                             Options(MakeHello("prefill-0", "d"), "secret-b"));
   ExpectRejectedOnBothSides(out, absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(Msg(out.server.status()), HasSubstr("wrong shared secret"));
+  EXPECT_THAT(Msg(out.client.status()), HasSubstr("wrong shared secret"));
 }
 
 TEST(HandshakeTest, ClientWithoutTheSecretIsPermissionDeniedOnBothSides) {
-  Outcome out = RunHandshake(Options(MakeHello("decode-0", 1, "d")),
-                             Options(MakeHello("prefill-0", 1, "d"), "secret"));
+  Outcome out = RunHandshake(Options(MakeHello("decode-0", "d")),
+                             Options(MakeHello("prefill-0", "d"), "secret"));
   ExpectRejectedOnBothSides(out, absl::StatusCode::kPermissionDenied);
   EXPECT_THAT(Msg(out.server.status()), HasSubstr("no auth tag"));
 }
 
 TEST(HandshakeTest, ServerWithoutTheSecretIsPermissionDeniedOnBothSides) {
-  Outcome out = RunHandshake(Options(MakeHello("decode-0", 1, "d"), "secret"),
-                             Options(MakeHello("prefill-0", 1, "d")));
+  Outcome out = RunHandshake(Options(MakeHello("decode-0", "d"), "secret"),
+                             Options(MakeHello("prefill-0", "d")));
   ExpectRejectedOnBothSides(out, absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(Msg(out.server.status()), HasSubstr("has none configured"));
 }
 
-TEST(HandshakeTest, CompatibilityMismatchNamesBothDescriptionsOnBothSides) {
-  const HelloMsg client_hello = MakeHello("decode-0", 1, "NHD bf16 block 16");
-  const HelloMsg server_hello = MakeHello("prefill-0", 2, "HND fp8 block 32");
-  HandshakeOptions c = Options(client_hello);
-  c.check = SameHashAs(client_hello);
-  HandshakeOptions s = Options(server_hello);
-  s.check = SameHashAs(server_hello);
+TEST(HandshakeTest, PayloadMismatchRefusedByTheChecksNamesBothLayoutsOnBothSides) {
+  const HelloMsg client_hello = MakeHello("decode-0", "NHD bf16 block 16");
+  const HelloMsg server_hello = MakeHello("prefill-0", "HND fp8 block 32");
+  HandshakeOptions c = Options(client_hello, "secret");
+  c.check = SameLayoutAs(client_hello);
+  HandshakeOptions s = Options(server_hello, "secret");
+  s.check = SameLayoutAs(server_hello);
   Outcome out = RunHandshake(c, s);
+  // The server checks first and refuses; the client reports the server's refusal.
   ExpectRejectedOnBothSides(out, absl::StatusCode::kFailedPrecondition);
   for (const absl::Status& status : {out.client.status(), out.server.status()}) {
-    EXPECT_THAT(Msg(status), HasSubstr("NHD bf16 block 16"));
-    EXPECT_THAT(Msg(status), HasSubstr("HND fp8 block 32"));
-    EXPECT_THAT(Msg(status), HasSubstr("incompatible KV cache layout"));
+    EXPECT_THAT(Msg(status), HasSubstr("incompatible KV cache layout: this side has 'HND fp8 "
+                                       "block 32', the peer has 'NHD bf16 block 16'"));
   }
 }
 
-TEST(HandshakeTest, ACheckErrorQuotingBothDescriptionsIsNotRepeated) {
-  const HelloMsg client_hello = MakeHello("decode-0", 1, "desc-of-client");
-  const HelloMsg server_hello = MakeHello("prefill-0", 2, "desc-of-server");
+TEST(HandshakeTest, TheChecksOwnErrorReachesBothEndsWithNothingAdded) {
+  // Whatever code and words the check chooses are what both ends report: the handshake
+  // neither rewrites the code nor appends anything to the message.
+  const HelloMsg client_hello = MakeHello("decode-0", "desc-of-client");
+  const HelloMsg server_hello = MakeHello("prefill-0", "desc-of-server");
+  std::string seen_payload;
   HandshakeOptions s = Options(server_hello);
-  s.check = [](const HelloMsg& peer) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("ours [desc-of-server] theirs [", peer.compat_description, "]"));
+  s.check = [&seen_payload](const HelloMsg& peer) {
+    seen_payload = peer.payload;
+    return absl::OutOfRangeError("the check's own words");
   };
   Outcome out = RunHandshake(Options(client_hello), s);
-  ExpectRejectedOnBothSides(out, absl::StatusCode::kFailedPrecondition);
+  ExpectRejectedOnBothSides(out, absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(absl::BytesToHexString(seen_payload), absl::BytesToHexString(client_hello.payload));
+  EXPECT_EQ(Msg(out.server.status()), "the check's own words");
+  EXPECT_THAT(Msg(out.client.status()), EndsWith("rejected the handshake: the check's own words"));
   for (const absl::Status& status : {out.client.status(), out.server.status()}) {
-    const std::string m = Msg(status);
-    EXPECT_THAT(m, HasSubstr("ours [desc-of-server] theirs [desc-of-client]"));
-    EXPECT_EQ(m.find("desc-of-server"), m.rfind("desc-of-server")) << m;
+    EXPECT_THAT(Msg(status), Not(HasSubstr("desc-of")));
   }
+}
+
+TEST(HandshakeTest, APayloadTheCheckCannotReadIsRefusedOnBothSides) {
+  HelloMsg garbage;
+  garbage.engine_id = "decode-0";
+  garbage.payload = Pattern(64, 1);
+  const HelloMsg server_hello = MakeHello("prefill-0", "v1");
+  HandshakeOptions s = Options(server_hello);
+  s.check = SameLayoutAs(server_hello);
+  Outcome out = RunHandshake(Options(garbage), s);
+  ExpectRejectedOnBothSides(out, absl::StatusCode::kInvalidArgument);
+  for (const absl::Status& status : {out.client.status(), out.server.status()}) {
+    EXPECT_THAT(Msg(status), HasSubstr("not a layout"));
+  }
+}
+
+TEST(HandshakeTest, ACheckErrorLongerThanAnErrorFrameStillReachesThePeer) {
+  // The refusal is cut to what an ErrorMsg can carry rather than failing to encode (which
+  // would leave the peer with a bare end of stream).
+  HandshakeOptions s = Options(MakeHello("prefill-0", "v1"));
+  s.check = [](const HelloMsg&) {
+    return absl::FailedPreconditionError(std::string(kMaxMessageBytes + 100, 'w'));
+  };
+  Outcome out = RunHandshake(Options(MakeHello("decode-0", "v1")), s);
+  ExpectRejectedOnBothSides(out, absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(Msg(out.client.status()), HasSubstr(std::string(kMaxMessageBytes, 'w')));
 }
 
 TEST(HandshakeTest, ClientOnlyRejectionReachesTheServerAsAnError) {
   // The server has accepted before the client runs its check; the refusal then arrives as
   // the first message after the handshake.
-  const HelloMsg client_hello = MakeHello("decode-0", 1, "mine");
+  const HelloMsg client_hello = MakeHello("decode-0", "mine");
   HandshakeOptions c = Options(client_hello);
-  c.check = SameHashAs(client_hello);
-  Outcome out = RunHandshake(c, Options(MakeHello("prefill-0", 2, "theirs")));
+  c.check = SameLayoutAs(client_hello);
+  Outcome out = RunHandshake(c, Options(MakeHello("prefill-0", "theirs")));
   ASSERT_FALSE(out.client.ok());
   EXPECT_EQ(out.client.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(Msg(out.client.status()), HasSubstr("mine"));
-  EXPECT_THAT(Msg(out.client.status()), HasSubstr("theirs"));
+  const std::string expected =
+      "incompatible KV cache layout: this side has 'mine', the peer has 'theirs'";
+  EXPECT_EQ(Msg(out.client.status()), expected);
+  EXPECT_TRUE(out.pair.client->closed());
   ASSERT_TRUE(out.server.ok()) << out.server.status();
   auto next = out.pair.server->Receive(Later());
   ASSERT_TRUE(next.ok()) << next.status();
   const auto* error = std::get_if<ErrorMsg>(&*next);
-  ASSERT_NE(error, nullptr);
+  ASSERT_NE(error, nullptr) << MessageTypeName(TypeOf(*next));
   EXPECT_EQ(error->status_code, static_cast<int32_t>(absl::StatusCode::kFailedPrecondition));
-  EXPECT_THAT(error->message, HasSubstr("theirs"));
+  EXPECT_EQ(error->message, expected);
 }
 
 TEST(HandshakeTest, DeadlineWhenTheServerNeverSpeaks) {
   Pair p = Connect();
   ASSERT_TRUE(p.server && p.client);
-  HandshakeOptions c = Options(MakeHello("decode-0", 1, "d"));
+  HandshakeOptions c = Options(MakeHello("decode-0", "d"));
   c.deadline = Shortly();
   auto result = HandshakeAsClient(*p.client, c);
   ASSERT_FALSE(result.ok());
@@ -752,7 +814,7 @@ TEST(HandshakeTest, DeadlineWhenTheServerNeverSpeaks) {
 TEST(HandshakeTest, DeadlineWhenTheClientNeverAnswers) {
   Pair p = Connect();
   ASSERT_TRUE(p.server && p.client);
-  HandshakeOptions s = Options(MakeHello("prefill-0", 1, "d"), "secret");
+  HandshakeOptions s = Options(MakeHello("prefill-0", "d"), "secret");
   s.deadline = Shortly();
   auto result = HandshakeAsServer(*p.server, s);
   ASSERT_FALSE(result.ok());
@@ -786,10 +848,10 @@ TEST(HandshakeTest, ServerRejectsAHelloWithoutTag) {
   ASSERT_TRUE(p.server && p.client);
   absl::StatusOr<HelloMsg> server = absl::UnknownError("not run");
   std::thread t([&] {
-    server = HandshakeAsServer(*p.server, Options(MakeHello("prefill-0", 1, "d"), "secret"));
+    server = HandshakeAsServer(*p.server, Options(MakeHello("prefill-0", "d"), "secret"));
   });
   ExpectChallenge(*p.client);
-  HelloMsg hello = MakeHello("intruder", 1, "d");
+  HelloMsg hello = MakeHello("intruder", "d");
   hello.nonce.assign(32, 'n');  // a nonce, but no tag
   ASSERT_TRUE(p.client->Send(hello, Later()).ok());
   ExpectErrorFrom(*p.client, absl::StatusCode::kPermissionDenied);
@@ -805,10 +867,10 @@ TEST(HandshakeTest, ServerRejectsATagWithoutNonce) {
   ASSERT_TRUE(p.server && p.client);
   absl::StatusOr<HelloMsg> server = absl::UnknownError("not run");
   std::thread t([&] {
-    server = HandshakeAsServer(*p.server, Options(MakeHello("prefill-0", 1, "d"), "secret"));
+    server = HandshakeAsServer(*p.server, Options(MakeHello("prefill-0", "d"), "secret"));
   });
   const ChallengeMsg challenge = ExpectChallenge(*p.client);
-  HelloMsg hello = MakeHello("decode-0", 1, "d");
+  HelloMsg hello = MakeHello("decode-0", "d");
   hello.auth_tag = AuthTag("secret", challenge.nonce, "decode-0");
   ASSERT_TRUE(p.client->Send(hello, Later()).ok());
   ExpectErrorFrom(*p.client, absl::StatusCode::kPermissionDenied);
@@ -820,14 +882,15 @@ TEST(HandshakeTest, ServerRejectsAnUnexpectedMessage) {
   Pair p = Connect();
   ASSERT_TRUE(p.server && p.client);
   absl::StatusOr<HelloMsg> server = absl::UnknownError("not run");
-  std::thread t([&] { server = HandshakeAsServer(*p.server, Options(MakeHello("p", 1, "d"))); });
+  std::thread t([&] { server = HandshakeAsServer(*p.server, Options(MakeHello("p", "d"))); });
   ExpectChallenge(*p.client);
-  RequestMsg request;
-  request.request_id = "too early";
-  ASSERT_TRUE(p.client->Send(request, Later()).ok());
+  // Data before the handshake has finished.
+  ASSERT_TRUE(p.client->Send(Data("too early"), Later()).ok());
   ExpectErrorFrom(*p.client, absl::StatusCode::kInvalidArgument);
   t.join();
   EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(server.status()), HasSubstr("expected Hello"));
+  EXPECT_THAT(Msg(server.status()), HasSubstr("got Data"));
   EXPECT_TRUE(p.server->closed());
 }
 
@@ -864,10 +927,10 @@ FakeServerRun PlayServer(
 }
 
 TEST(HandshakeTest, ClientRejectsAnAckWithoutTag) {
-  FakeServerRun run = PlayServer(Options(MakeHello("decode-0", 1, "d"), "secret"),
+  FakeServerRun run = PlayServer(Options(MakeHello("decode-0", "d"), "secret"),
                                  [](const HelloMsg&, const std::string& nonce) {
                                    HelloAckMsg ack;
-                                   ack.hello = MakeHello("prefill-0", 1, "d");
+                                   ack.hello = MakeHello("prefill-0", "d");
                                    ack.hello.nonce = nonce;
                                    return ack;
                                  });
@@ -881,10 +944,10 @@ TEST(HandshakeTest, ClientRejectsAnAckWithoutTag) {
 TEST(HandshakeTest, ClientRejectsATagThatAnswersTheWrongNonce) {
   // A server replaying the client's own answer (a tag over its challenge, not over the
   // client's nonce) must not pass.
-  FakeServerRun run = PlayServer(Options(MakeHello("decode-0", 1, "d"), "secret"),
+  FakeServerRun run = PlayServer(Options(MakeHello("decode-0", "d"), "secret"),
                                  [](const HelloMsg& client, const std::string& nonce) {
                                    HelloAckMsg ack;
-                                   ack.hello = MakeHello("prefill-0", 1, "d");
+                                   ack.hello = MakeHello("prefill-0", "d");
                                    ack.hello.auth_tag = AuthTag("secret", nonce, "prefill-0");
                                    return ack;
                                  });
@@ -893,10 +956,10 @@ TEST(HandshakeTest, ClientRejectsATagThatAnswersTheWrongNonce) {
 }
 
 TEST(HandshakeTest, ClientAcceptsACorrectFakeServerAndReportsAnAckStatus) {
-  FakeServerRun ok = PlayServer(Options(MakeHello("decode-0", 1, "d"), "secret"),
+  FakeServerRun ok = PlayServer(Options(MakeHello("decode-0", "d"), "secret"),
                                 [](const HelloMsg& client, const std::string&) {
                                   HelloAckMsg ack;
-                                  ack.hello = MakeHello("prefill-0", 1, "d");
+                                  ack.hello = MakeHello("prefill-0", "d");
                                   ack.hello.auth_tag = AuthTag("secret", client.nonce, "prefill-0");
                                   return ack;
                                 });
@@ -904,7 +967,7 @@ TEST(HandshakeTest, ClientAcceptsACorrectFakeServerAndReportsAnAckStatus) {
   EXPECT_EQ(ok.client->engine_id, "prefill-0");
 
   FakeServerRun refused =
-      PlayServer(Options(MakeHello("decode-0", 1, "d")), [](const HelloMsg&, const std::string&) {
+      PlayServer(Options(MakeHello("decode-0", "d")), [](const HelloMsg&, const std::string&) {
         HelloAckMsg ack;
         ack.status_code = static_cast<int32_t>(absl::StatusCode::kResourceExhausted);
         ack.message = "too many peers";
@@ -913,6 +976,38 @@ TEST(HandshakeTest, ClientAcceptsACorrectFakeServerAndReportsAnAckStatus) {
   ASSERT_FALSE(refused.client.ok());
   EXPECT_EQ(refused.client.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(Msg(refused.client.status()), HasSubstr("too many peers"));
+}
+
+TEST(HandshakeTest, ClientRejectsAnUnexpectedMessage) {
+  // A fake server that sends Data where the challenge (step 0) or the HelloAck (step 1)
+  // belongs: the client refuses with InvalidArgument, tells it so, and closes.
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE(step);
+    Pair p = Connect();
+    ASSERT_TRUE(p.server && p.client);
+    absl::StatusOr<ControlMessage> told = absl::UnknownError("not run");
+    std::thread fake([&] {
+      if (step == 1) {
+        ChallengeMsg challenge;
+        challenge.nonce.assign(32, 'c');
+        if (!p.server->Send(challenge, Later()).ok()) return;
+        auto hello = p.server->Receive(Later());
+        if (!hello.ok() || !std::holds_alternative<HelloMsg>(*hello)) return;
+      }
+      if (!p.server->Send(Data(std::string("\0not now", 8)), Later()).ok()) return;
+      told = p.server->Receive(Later());
+    });
+    auto client = HandshakeAsClient(*p.client, Options(MakeHello("decode-0", "d")));
+    fake.join();
+    ASSERT_FALSE(client.ok());
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << client.status();
+    EXPECT_THAT(Msg(client.status()), HasSubstr("got Data"));
+    EXPECT_TRUE(p.client->closed());
+    ASSERT_TRUE(told.ok()) << told.status();
+    const auto* error = std::get_if<ErrorMsg>(&*told);
+    ASSERT_NE(error, nullptr) << MessageTypeName(TypeOf(*told));
+    EXPECT_EQ(error->status_code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  }
 }
 
 TEST(HandshakeTest, AuthTagIsHmacSha256OfNonceThenEngineId) {

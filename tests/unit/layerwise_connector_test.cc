@@ -17,7 +17,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvstream/cache/kv_cache.h"
+#include "kvstream/common/status_macros.h"
 #include "kvstream/connector/block_copy_plan.h"
+#include "kvstream/connector/connector_metadata.h"
 #include "kvstream/connector/factory.h"
 #include "kvstream/connector/layer_routing.h"
 #include "kvstream/transfer/loopback_transport.h"
@@ -77,6 +79,106 @@ class CorruptingTransport : public Transport {
   std::atomic<int> left_;  // writes still to corrupt; < 0: all
 };
 
+// Drives a connector's two sides as an engine does: scheduler calls go to the scheduler
+// side, hook and step calls to the worker side, and the worker's output reaches the
+// scheduler side (as bytes, as between vLLM's processes) whenever the test looks at what
+// happened. The metadata crosses as bytes too.
+class TestConnector {
+ public:
+  TestConnector(std::unique_ptr<KvConnectorScheduler> scheduler,
+                std::unique_ptr<KvConnectorWorker> worker)
+      : scheduler_(std::move(scheduler)), worker_(std::move(worker)) {}
+
+  KvConnectorWorker& worker() { return *worker_; }
+
+  // ---- scheduler side ----
+  absl::StatusOr<MatchedTokens> GetNumNewMatchedTokens(const KvRequest& r, int32_t computed) {
+    return scheduler_->GetNumNewMatchedTokens(r, computed);
+  }
+  absl::Status UpdateStateAfterAlloc(const KvRequest& r, absl::Span<const int32_t> blocks,
+                                     int32_t external) {
+    return scheduler_->UpdateStateAfterAlloc(r, blocks, external);
+  }
+  absl::StatusOr<KvConnectorMetadata> BuildConnectorMeta(absl::Span<const ScheduledRequest> s) {
+    ASSIGN_OR_RETURN(KvConnectorMetadata meta, scheduler_->BuildConnectorMeta(s));
+    ASSIGN_OR_RETURN(std::string bytes, EncodeConnectorMetadata(meta));
+    return DecodeConnectorMetadata(bytes);
+  }
+  absl::StatusOr<bool> RequestFinished(const std::string& id) {
+    Pump();
+    return scheduler_->RequestFinished(id);
+  }
+  std::vector<KvRequest> TakeIncomingRequests() {
+    Pump();
+    return scheduler_->TakeIncomingRequests();
+  }
+
+  // ---- worker side ----
+  absl::Status RegisterKvCaches(const std::map<std::string, KvCache*>& caches) {
+    return worker_->RegisterKvCaches(caches);
+  }
+  absl::Status BindConnectorMetadata(const KvConnectorMetadata& m) {
+    return worker_->BindConnectorMetadata(m);
+  }
+  absl::Status StartLoadKv() { return worker_->StartLoadKv(); }
+  absl::Status BeforeAttention(absl::string_view layer, void* stream) {
+    return worker_->BeforeAttention(layer, stream);
+  }
+  absl::Status AfterAttention(absl::string_view layer, const KvCache& cache,
+                              const AttentionMetadata& md, void* stream) {
+    return worker_->AfterAttention(layer, cache, md, stream);
+  }
+  absl::Status WaitForSave() { return worker_->WaitForSave(); }
+  void ClearConnectorMetadata() { worker_->ClearConnectorMetadata(); }
+  std::string control_address() const { return worker_->control_address(); }
+  ConnectorStats stats() const { return worker_->stats(); }
+  std::vector<PeerConnectorStats> peer_stats() const { return worker_->peer_stats(); }
+  std::vector<RequestTransferStats> TakeRequestStats() { return worker_->TakeRequestStats(); }
+
+  // ---- what happened (from the worker's outputs) ----
+  std::vector<LoadError> TakeLoadErrors() {
+    Pump();
+    return std::move(errors_);
+  }
+  // Blocks of loads that failed and were not yet reported finished by GetFinished.
+  std::set<int32_t> GetBlockIdsWithLoadErrors() {
+    Pump();
+    std::set<int32_t> ids;
+    for (const auto& [id, blocks] : failed_blocks_) ids.insert(blocks.begin(), blocks.end());
+    return ids;
+  }
+  absl::StatusOr<FinishedRequests> GetFinished() {
+    Pump();
+    FinishedRequests f = std::move(finished_);
+    finished_ = FinishedRequests();
+    for (const std::string& id : f.finished_recving) failed_blocks_.erase(id);
+    return f;
+  }
+
+ private:
+  void Pump() {
+    auto raw = worker_->TakeOutput();
+    ASSERT_TRUE(raw.ok()) << raw.status();
+    auto bytes = EncodeConnectorOutput(*raw);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    auto out = DecodeConnectorOutput(*bytes);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_TRUE(scheduler_->UpdateConnectorOutput(*out).ok());
+    for (LoadError& e : out->load_errors) {
+      failed_blocks_[e.request_id] = e.block_ids;
+      errors_.push_back(std::move(e));
+    }
+    finished_.finished_sending.insert(out->finished_sending.begin(), out->finished_sending.end());
+    finished_.finished_recving.insert(out->finished_recving.begin(), out->finished_recving.end());
+  }
+
+  std::unique_ptr<KvConnectorScheduler> scheduler_;
+  std::unique_ptr<KvConnectorWorker> worker_;
+  std::vector<LoadError> errors_;
+  std::map<std::string, std::vector<int32_t>> failed_blocks_;
+  FinishedRequests finished_;
+};
+
 struct NodeOptions {
   KvRole role = KvRole::kConsumer;
   int block_size = 4;
@@ -96,7 +198,7 @@ struct NodeOptions {
 
 // One worker: a connector and its layers' caches (null for layers it does not own).
 struct Node {
-  std::unique_ptr<KvConnector> connector;
+  std::unique_ptr<TestConnector> connector;
   std::vector<std::unique_ptr<KvCache>> caches;
   absl::Status register_status;
 };
@@ -125,9 +227,12 @@ std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
   EXPECT_TRUE(transport.ok()) << transport.status();
   std::unique_ptr<Transport> t = std::move(transport).value();
   if (o.corrupt) t = std::make_unique<CorruptingTransport>(std::move(t), o.corrupt_writes);
-  auto connector = CreateKvConnector(c, std::move(t));
-  EXPECT_TRUE(connector.ok()) << connector.status();
-  node->connector = std::move(connector).value();
+  auto scheduler = CreateKvConnectorScheduler(c, o.block_size);
+  EXPECT_TRUE(scheduler.ok()) << scheduler.status();
+  auto worker = CreateKvConnectorWorker(c, std::move(t));
+  EXPECT_TRUE(worker.ok()) << worker.status();
+  node->connector =
+      std::make_unique<TestConnector>(std::move(scheduler).value(), std::move(worker).value());
   KvCacheSpec spec;
   spec.block_size = o.block_size;
   spec.num_kv_heads = 2;
@@ -238,7 +343,7 @@ class LayerwiseConnectorTest : public ::testing::TestWithParam<KvLayout> {
   }
 
   // Consumer side: load errors, waiting up to 10 s for the first one.
-  static std::vector<LoadError> AwaitLoadErrors(KvConnector& c) {
+  static std::vector<LoadError> AwaitLoadErrors(TestConnector& c) {
     std::vector<LoadError> errors;
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (errors.empty() && absl::Now() < deadline) {
@@ -286,7 +391,7 @@ class LayerwiseConnectorTest : public ::testing::TestWithParam<KvLayout> {
     p_->connector->ClearConnectorMetadata();
   }
 
-  FinishedRequests PollFinished(KvConnector& c, const std::string& id, bool sending) {
+  FinishedRequests PollFinished(TestConnector& c, const std::string& id, bool sending) {
     FinishedRequests all;
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (absl::Now() < deadline) {
@@ -763,7 +868,7 @@ TEST(LayerwiseConnectorConfigTest, PipelineParallelProducerRejected) {
   c.kv_connector = "LayerwiseConnector";
   c.kv_role = KvRole::kProducer;
   c.kvstream.pipeline_parallel_size = 2;
-  auto connector = CreateKvConnector(c, fabric.CreateTransport("p").value());
+  auto connector = CreateKvConnectorWorker(c, fabric.CreateTransport("p").value());
   EXPECT_EQ(connector.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(connector.status().message(), HasSubstr("kv_consumer"));
 }
@@ -772,11 +877,11 @@ TEST(LayerwiseConnectorConfigTest, BadLayerNamesAndFactoryErrors) {
   LoopbackFabric fabric;
   KvTransferConfig c;
   c.kv_connector = "NixlConnector";
-  EXPECT_EQ(CreateKvConnector(c, fabric.CreateTransport("a").value()).status().code(),
+  EXPECT_EQ(CreateKvConnectorWorker(c, fabric.CreateTransport("a").value()).status().code(),
             absl::StatusCode::kNotFound);
   c.kv_connector = "LayerwiseConnector";
   c.kv_role = KvRole::kConsumer;
-  auto connector = CreateKvConnector(c, fabric.CreateTransport("b").value());
+  auto connector = CreateKvConnectorWorker(c, fabric.CreateTransport("b").value());
   ASSERT_TRUE(connector.ok());
   KvCacheSpec spec;
   spec.num_kv_heads = 1;
@@ -796,7 +901,7 @@ TEST(LayerwiseConnectorConfigTest, FailedRegistrationLeavesNothingBehind) {
   KvTransferConfig c;
   c.kv_connector = "LayerwiseConnector";
   c.kv_role = KvRole::kProducer;
-  auto connector = CreateKvConnector(c, fabric.CreateTransport("p").value());
+  auto connector = CreateKvConnectorWorker(c, fabric.CreateTransport("p").value());
   ASSERT_TRUE(connector.ok()) << connector.status();
   KvCacheSpec spec;
   spec.num_kv_heads = 1;
@@ -824,19 +929,19 @@ TEST(LayerwiseConnectorConfigTest, PipelineSettingsBuiltInCodeAreChecked) {
   c.kvstream.pipeline_parallel_size = 2;
   c.kvstream.pipeline_layers = {{0, 2}, {2, 4}};
   c.kvstream.pipeline_rank = 3;  // past the two stages
-  auto bad_rank = CreateKvConnector(c, fabric.CreateTransport("d1").value());
+  auto bad_rank = CreateKvConnectorWorker(c, fabric.CreateTransport("d1").value());
   EXPECT_EQ(bad_rank.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad_rank.status().message(), HasSubstr("pipeline_rank 3"));
   c.kvstream.pipeline_rank = 1;
   c.kvstream.pipeline_layers = {{0, 2}, {2, 4}, {4, 6}};  // three ranges, two stages
-  auto bad_ranges = CreateKvConnector(c, fabric.CreateTransport("d2").value());
+  auto bad_ranges = CreateKvConnectorWorker(c, fabric.CreateTransport("d2").value());
   EXPECT_EQ(bad_ranges.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad_ranges.status().message(), HasSubstr("pipeline_layers"));
   c.kvstream.pipeline_layers = {{0, 2}, {1, 4}};  // overlapping
-  EXPECT_EQ(CreateKvConnector(c, fabric.CreateTransport("d3").value()).status().code(),
+  EXPECT_EQ(CreateKvConnectorWorker(c, fabric.CreateTransport("d3").value()).status().code(),
             absl::StatusCode::kInvalidArgument);
   c.kvstream.pipeline_layers = {{0, 2}, {2, 4}};
-  EXPECT_TRUE(CreateKvConnector(c, fabric.CreateTransport("d4").value()).ok());
+  EXPECT_TRUE(CreateKvConnectorWorker(c, fabric.CreateTransport("d4").value()).ok());
 }
 
 }  // namespace

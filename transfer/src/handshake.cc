@@ -1,6 +1,6 @@
 // The control-channel handshake: challenge/response authentication with an optional shared
-// secret (HMAC-SHA256 over a fresh nonce, in both directions), then the caller's
-// compatibility check.
+// secret (HMAC-SHA256 over a fresh nonce, in both directions), then the caller's check of
+// the peer's (opaque) introduction.
 //
 //   server                                  client
 //   Challenge{nonce_s}                  ->
@@ -29,7 +29,6 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/escaping.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kvstream/common/logging.h"
@@ -126,22 +125,10 @@ absl::Status VerifyPeerTag(const ControlConnection& connection, const HandshakeO
   return absl::OkStatus();
 }
 
-// Runs the caller's check. Unless its error already quotes both compatibility
-// descriptions, they are appended, so that whichever side refuses, both ends see what
-// differed.
-absl::Status RunCheck(const ControlConnection& connection, const HandshakeOptions& options,
-                      const HelloMsg& peer) {
+// Runs the caller's check (which decodes the peer's opaque payload and says what differed).
+absl::Status RunCheck(const HandshakeOptions& options, const HelloMsg& peer) {
   if (!options.check) return absl::OkStatus();
-  absl::Status status = options.check(peer);
-  if (status.ok()) return status;
-  if (absl::StrContains(status.message(), options.local.compat_description) &&
-      absl::StrContains(status.message(), peer.compat_description)) {
-    return status;
-  }
-  return absl::Status(
-      status.code(), absl::StrCat(status.message(), " [local engine '", options.local.engine_id,
-                                  "': ", options.local.compat_description, "] [",
-                                  PeerName(connection, &peer), ": ", peer.compat_description, "]"));
+  return options.check(peer);
 }
 
 absl::StatusOr<HelloMsg> ServerSteps(ControlConnection& connection,
@@ -163,7 +150,7 @@ absl::StatusOr<HelloMsg> ServerSteps(ControlConnection& connection,
   if (absl::Status s = VerifyPeerTag(connection, options, our_nonce, peer); !s.ok()) {
     return Reject(connection, deadline, std::move(s));
   }
-  if (absl::Status s = RunCheck(connection, options, peer); !s.ok()) {
+  if (absl::Status s = RunCheck(options, peer); !s.ok()) {
     return Reject(connection, deadline, std::move(s));
   }
 
@@ -198,7 +185,7 @@ absl::StatusOr<HelloMsg> ClientSteps(ControlConnection& connection,
   if (absl::Status s = VerifyPeerTag(connection, options, our_nonce, ack.hello); !s.ok()) {
     return Reject(connection, deadline, std::move(s));
   }
-  if (absl::Status s = RunCheck(connection, options, ack.hello); !s.ok()) {
+  if (absl::Status s = RunCheck(options, ack.hello); !s.ok()) {
     return Reject(connection, deadline, std::move(s));
   }
   return std::move(ack.hello);

@@ -23,14 +23,10 @@
 namespace kvstream {
 namespace {
 
-
 constexpr size_t kNonceBytes = 32;    // challenge nonces
 constexpr size_t kAuthTagBytes = 32;  // HMAC-SHA256
 // absl::StatusCode spans kOk (0) .. kUnauthenticated (16).
 constexpr int32_t kMaxStatusCode = static_cast<int32_t>(absl::StatusCode::kUnauthenticated);
-// Smallest encoding of one list element, for the count-versus-remaining-bytes check.
-constexpr size_t kMinRegionBytes = 4 + 1 + 4;  // layer, tensor, descriptor length
-constexpr size_t kInt32Bytes = 4;
 
 // ---- Value checks shared by encoder and decoder ----
 
@@ -50,51 +46,7 @@ absl::Status CheckOptionalFixed(absl::string_view field, const std::string& byte
   return absl::OkStatus();
 }
 
-absl::Status CheckNonNegative(absl::string_view field, int32_t value) {
-  if (value < 0) return absl::InvalidArgumentError(absl::StrCat(field, " ", value, " is negative"));
-  return absl::OkStatus();
-}
-
-absl::Status CheckRegion(const RegionDescriptor& region) {
-  RETURN_IF_ERROR(CheckNonNegative("Hello.regions.layer", region.layer));
-  if (region.tensor > 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Hello.regions.tensor ", region.tensor, " is neither 0 (K) nor 1 (V)"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckIndexList(absl::string_view field, const std::vector<int32_t>& values) {
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (values[i] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", i, "] ", values[i], " is negative"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckRequest(const RequestMsg& m) {
-  RETURN_IF_ERROR(CheckIndexList("Request.prompt_token_ids", m.prompt_token_ids));
-  RETURN_IF_ERROR(CheckIndexList("Request.dest_block_ids", m.dest_block_ids));
-  if (m.num_tokens > m.prompt_token_ids.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("Request.num_tokens ", m.num_tokens,
-                                                   " exceeds the prompt's ",
-                                                   m.prompt_token_ids.size(), " tokens"));
-  }
-  return absl::OkStatus();
-}
-
 // ---- Encoders ----
-
-absl::Status EncodeList(absl::string_view field, size_t count, ByteWriter& w) {
-  if (count > kMaxListEntries) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " has ", count, " entries, more than the limit of ", kMaxListEntries));
-  }
-  w.U32(static_cast<uint32_t>(count));
-  return absl::OkStatus();
-}
 
 absl::Status Encode(const ChallengeMsg& m, ByteWriter& w) {
   if (m.nonce.size() != kNonceBytes) {
@@ -106,18 +58,7 @@ absl::Status Encode(const ChallengeMsg& m, ByteWriter& w) {
 
 absl::Status Encode(const HelloMsg& m, ByteWriter& w) {
   RETURN_IF_ERROR(w.Bytes("Hello.engine_id", m.engine_id, kMaxIdBytes));
-  w.U32(m.protocol_version);
-  w.U64(m.compat_hash);
-  RETURN_IF_ERROR(w.Bytes("Hello.compat_description", m.compat_description, kMaxMessageBytes));
-  RETURN_IF_ERROR(w.Bytes("Hello.transport", m.transport, kMaxIdBytes));
-  RETURN_IF_ERROR(w.Bytes("Hello.transport_info", m.transport_info, kMaxBlobBytes));
-  RETURN_IF_ERROR(EncodeList("Hello.regions", m.regions.size(), w));
-  for (const RegionDescriptor& region : m.regions) {
-    RETURN_IF_ERROR(CheckRegion(region));
-    w.I32(region.layer);
-    w.U8(region.tensor);
-    RETURN_IF_ERROR(w.Bytes("Hello.regions.descriptor", region.descriptor, kMaxBlobBytes));
-  }
+  RETURN_IF_ERROR(w.Bytes("Hello.payload", m.payload, kMaxHelloPayloadBytes));
   RETURN_IF_ERROR(CheckOptionalFixed("Hello.nonce", m.nonce, kNonceBytes));
   RETURN_IF_ERROR(w.Bytes("Hello.nonce", m.nonce, kNonceBytes));
   RETURN_IF_ERROR(CheckOptionalFixed("Hello.auth_tag", m.auth_tag, kAuthTagBytes));
@@ -131,27 +72,8 @@ absl::Status Encode(const HelloAckMsg& m, ByteWriter& w) {
   return w.Bytes("HelloAck.message", m.message, kMaxMessageBytes);
 }
 
-absl::Status Encode(const RequestMsg& m, ByteWriter& w) {
-  RETURN_IF_ERROR(CheckRequest(m));
-  RETURN_IF_ERROR(w.Bytes("Request.request_id", m.request_id, kMaxIdBytes));
-  RETURN_IF_ERROR(EncodeList("Request.prompt_token_ids", m.prompt_token_ids.size(), w));
-  for (int32_t token : m.prompt_token_ids) w.I32(token);
-  RETURN_IF_ERROR(EncodeList("Request.dest_block_ids", m.dest_block_ids.size(), w));
-  for (int32_t block : m.dest_block_ids) w.I32(block);
-  w.U32(m.num_tokens);
-  return absl::OkStatus();
-}
-
-absl::Status Encode(const RequestAckMsg& m, ByteWriter& w) {
-  RETURN_IF_ERROR(w.Bytes("RequestAck.request_id", m.request_id, kMaxIdBytes));
-  RETURN_IF_ERROR(CheckStatusCode("RequestAck.status_code", m.status_code));
-  w.I32(m.status_code);
-  return w.Bytes("RequestAck.message", m.message, kMaxMessageBytes);
-}
-
-absl::Status Encode(const AbortMsg& m, ByteWriter& w) {
-  RETURN_IF_ERROR(w.Bytes("Abort.request_id", m.request_id, kMaxIdBytes));
-  return w.Bytes("Abort.reason", m.reason, kMaxMessageBytes);
+absl::Status Encode(const DataMsg& m, ByteWriter& w) {
+  return w.Bytes("Data.payload", m.payload, kMaxDataPayloadBytes);
 }
 
 absl::Status Encode(const ErrorMsg& m, ByteWriter& w) {
@@ -161,18 +83,6 @@ absl::Status Encode(const ErrorMsg& m, ByteWriter& w) {
 }
 
 // ---- Decoders ----
-
-absl::Status DecodeInt32List(absl::string_view field, ByteReader& r, std::vector<int32_t>* out) {
-  uint32_t count = 0;
-  RETURN_IF_ERROR(r.Count(field, kMaxListEntries, kInt32Bytes, &count));
-  out->reserve(count);  // bounded by the bytes actually present
-  for (uint32_t i = 0; i < count; ++i) {
-    int32_t v = 0;
-    RETURN_IF_ERROR(r.I32(field, &v));
-    out->push_back(v);
-  }
-  return absl::OkStatus();
-}
 
 absl::Status Decode(ByteReader& r, ChallengeMsg* m) {
   RETURN_IF_ERROR(r.Bytes("Challenge.nonce", kNonceBytes, &m->nonce));
@@ -185,22 +95,7 @@ absl::Status Decode(ByteReader& r, ChallengeMsg* m) {
 
 absl::Status Decode(ByteReader& r, HelloMsg* m) {
   RETURN_IF_ERROR(r.Bytes("Hello.engine_id", kMaxIdBytes, &m->engine_id));
-  RETURN_IF_ERROR(r.U32("Hello.protocol_version", &m->protocol_version));
-  RETURN_IF_ERROR(r.U64("Hello.compat_hash", &m->compat_hash));
-  RETURN_IF_ERROR(r.Bytes("Hello.compat_description", kMaxMessageBytes, &m->compat_description));
-  RETURN_IF_ERROR(r.Bytes("Hello.transport", kMaxIdBytes, &m->transport));
-  RETURN_IF_ERROR(r.Bytes("Hello.transport_info", kMaxBlobBytes, &m->transport_info));
-  uint32_t count = 0;
-  RETURN_IF_ERROR(r.Count("Hello.regions", kMaxListEntries, kMinRegionBytes, &count));
-  m->regions.reserve(count);  // bounded by the bytes actually present
-  for (uint32_t i = 0; i < count; ++i) {
-    RegionDescriptor region;
-    RETURN_IF_ERROR(r.I32("Hello.regions.layer", &region.layer));
-    RETURN_IF_ERROR(r.U8("Hello.regions.tensor", &region.tensor));
-    RETURN_IF_ERROR(r.Bytes("Hello.regions.descriptor", kMaxBlobBytes, &region.descriptor));
-    RETURN_IF_ERROR(CheckRegion(region));
-    m->regions.push_back(std::move(region));
-  }
+  RETURN_IF_ERROR(r.Bytes("Hello.payload", kMaxHelloPayloadBytes, &m->payload));
   RETURN_IF_ERROR(r.Bytes("Hello.nonce", kNonceBytes, &m->nonce));
   RETURN_IF_ERROR(CheckOptionalFixed("Hello.nonce", m->nonce, kNonceBytes));
   RETURN_IF_ERROR(r.Bytes("Hello.auth_tag", kAuthTagBytes, &m->auth_tag));
@@ -214,24 +109,8 @@ absl::Status Decode(ByteReader& r, HelloAckMsg* m) {
   return r.Bytes("HelloAck.message", kMaxMessageBytes, &m->message);
 }
 
-absl::Status Decode(ByteReader& r, RequestMsg* m) {
-  RETURN_IF_ERROR(r.Bytes("Request.request_id", kMaxIdBytes, &m->request_id));
-  RETURN_IF_ERROR(DecodeInt32List("Request.prompt_token_ids", r, &m->prompt_token_ids));
-  RETURN_IF_ERROR(DecodeInt32List("Request.dest_block_ids", r, &m->dest_block_ids));
-  RETURN_IF_ERROR(r.U32("Request.num_tokens", &m->num_tokens));
-  return CheckRequest(*m);
-}
-
-absl::Status Decode(ByteReader& r, RequestAckMsg* m) {
-  RETURN_IF_ERROR(r.Bytes("RequestAck.request_id", kMaxIdBytes, &m->request_id));
-  RETURN_IF_ERROR(r.I32("RequestAck.status_code", &m->status_code));
-  RETURN_IF_ERROR(CheckStatusCode("RequestAck.status_code", m->status_code));
-  return r.Bytes("RequestAck.message", kMaxMessageBytes, &m->message);
-}
-
-absl::Status Decode(ByteReader& r, AbortMsg* m) {
-  RETURN_IF_ERROR(r.Bytes("Abort.request_id", kMaxIdBytes, &m->request_id));
-  return r.Bytes("Abort.reason", kMaxMessageBytes, &m->reason);
+absl::Status Decode(ByteReader& r, DataMsg* m) {
+  return r.Bytes("Data.payload", kMaxDataPayloadBytes, &m->payload);
 }
 
 absl::Status Decode(ByteReader& r, ErrorMsg* m) {
@@ -259,7 +138,7 @@ bool IsKnownType(uint16_t type) {
 MessageType TypeOf(const ControlMessage& message) {
   // The variant's alternatives are declared in MessageType order, starting at 1.
   static_assert(std::is_same_v<std::variant_alternative_t<0, ControlMessage>, ChallengeMsg>);
-  static_assert(std::is_same_v<std::variant_alternative_t<6, ControlMessage>, ErrorMsg>);
+  static_assert(std::is_same_v<std::variant_alternative_t<4, ControlMessage>, ErrorMsg>);
   return static_cast<MessageType>(message.index() + 1);
 }
 
@@ -271,12 +150,8 @@ absl::string_view MessageTypeName(MessageType type) {
       return "Hello";
     case MessageType::kHelloAck:
       return "HelloAck";
-    case MessageType::kRequest:
-      return "Request";
-    case MessageType::kRequestAck:
-      return "RequestAck";
-    case MessageType::kAbort:
-      return "Abort";
+    case MessageType::kData:
+      return "Data";
     case MessageType::kError:
       return "Error";
   }
@@ -350,12 +225,8 @@ absl::StatusOr<ControlMessage> DecodePayload(MessageType type, absl::string_view
       return DecodeAs<HelloMsg>(type, payload);
     case MessageType::kHelloAck:
       return DecodeAs<HelloAckMsg>(type, payload);
-    case MessageType::kRequest:
-      return DecodeAs<RequestMsg>(type, payload);
-    case MessageType::kRequestAck:
-      return DecodeAs<RequestAckMsg>(type, payload);
-    case MessageType::kAbort:
-      return DecodeAs<AbortMsg>(type, payload);
+    case MessageType::kData:
+      return DecodeAs<DataMsg>(type, payload);
     case MessageType::kError:
       return DecodeAs<ErrorMsg>(type, payload);
   }

@@ -20,6 +20,7 @@
 #include <string>
 #include <utility>
 
+#include "kvstream/common/int_math.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -57,7 +58,6 @@ int NextPow2(int x) {
   return p;
 }
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int ActivationCode(DType dtype) {
   switch (dtype) {

@@ -16,6 +16,7 @@
 #include <string>
 #include <utility>
 
+#include "kvstream/common/int_math.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -34,7 +35,6 @@ namespace {
 namespace tc = decode_tc;
 
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // n8 tiles of query heads per CTA for a group of `group` heads: 1 or 2.
 int NTiles(int group) { return tc::DecodeTcHeadTileRows(group) / 8; }

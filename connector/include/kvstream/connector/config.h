@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,13 @@ absl::StatusOr<KvTransferConfig> ParseKvTransferConfig(absl::string_view json);
 // stage owns, or layers the model lacks) or the model has fewer layers than stages.
 absl::StatusOr<LayerRange> PipelineStageLayers(const KvstreamSettings& settings,
                                                int32_t num_layers);
+
+// A consumer's check at handshake: whether the layers it registered (`mine`) are the ones a
+// producer (named `producer`) with layers `theirs` will send it: all of them without
+// pipeline parallelism, else its stage's range of them (PipelineStageLayers of the
+// producer's layer count). FailedPrecondition naming both sets of layers.
+absl::Status CheckStageLayers(const KvstreamSettings& settings, const std::set<int32_t>& mine,
+                              const std::set<int32_t>& theirs, absl::string_view producer);
 
 }  // namespace kvstream
 

@@ -1,4 +1,5 @@
-// Connectors by name (kv_transfer_config's "kv_connector").
+// Connectors by name (kv_transfer_config's "kv_connector"): each side is created on its
+// own, in the process that runs it.
 #ifndef KVSTREAM_CONNECTOR_FACTORY_H_
 #define KVSTREAM_CONNECTOR_FACTORY_H_
 
@@ -8,17 +9,24 @@
 
 #include "absl/status/statusor.h"
 #include "kvstream/connector/config.h"
-#include "kvstream/connector/kv_connector.h"
+#include "kvstream/connector/kv_connector_scheduler.h"
+#include "kvstream/connector/kv_connector_worker.h"
 #include "kvstream/transfer/transport.h"
 
 namespace kvstream {
 
-// Names: "LayerwiseConnector" (also "kvstream"). NotFound for others, listing the choices.
+// Names: "LayerwiseConnector" (also "kvstream"). NotFound for others, listing the choices;
+// InvalidArgument for a config the connector cannot run (as CreateLayerwise*).
+// `block_size`: tokens per cache block (the engine's cache configuration).
+absl::StatusOr<std::unique_ptr<KvConnectorScheduler>> CreateKvConnectorScheduler(
+    const KvTransferConfig& config, int32_t block_size);
+
 // The transport is created by name (transport_factory.h) from the config
 // (kv_connector_extra_config.transport, default by kv_buffer_device); pass one to inject it
-// (tests wrap transports to inject faults).
-absl::StatusOr<std::unique_ptr<KvConnector>> CreateKvConnector(
+// (tests wrap transports to inject faults). The producer side starts listening at once.
+absl::StatusOr<std::unique_ptr<KvConnectorWorker>> CreateKvConnectorWorker(
     const KvTransferConfig& config, std::unique_ptr<Transport> transport = nullptr);
+
 std::vector<std::string> KvConnectorNames();
 
 }  // namespace kvstream

@@ -1,4 +1,4 @@
-// LayerwiseConnector: kvstream's KvConnector in push mode. The producer posts each layer's
+// LayerwiseConnector: kvstream's connector in push mode. The producer posts each layer's
 // blocks right after that layer's attention (one-sided writes into the consumer's cache,
 // contiguous runs coalesced into one segment, a notification with a checksum after the
 // data); the consumer waits per layer, with a deadline, just before that layer's attention.
@@ -25,9 +25,14 @@
 // only later) until the producer confirmed it stopped writing, the link is gone, or the
 // send deadline passed and the link was closed.
 //
-// Threads: one progress thread drives the transport and handles notifications; the
-// producer has an accept thread and a reader per consumer; the consumer a reader per
-// producer. All state is behind one mutex.
+// The scheduler side (CreateLayerwiseScheduler) keeps each request's lifecycle as the
+// scheduler sees it; the worker side (CreateLayerwiseWorker) is a producer side, a consumer
+// side or both (kv_both) over one transport, with the registered layers and the stats
+// between them (connector/src/: producer, consumer, layer_table, stats_book).
+//
+// Threads (worker side): one progress thread drives the transport and hands notifications
+// to the consumer side; the producer side has an accept thread and a reader per consumer;
+// the consumer side a reader per producer. Each side has its own lock.
 #ifndef KVSTREAM_CONNECTOR_LAYERWISE_CONNECTOR_H_
 #define KVSTREAM_CONNECTOR_LAYERWISE_CONNECTOR_H_
 
@@ -35,7 +40,8 @@
 
 #include "absl/status/statusor.h"
 #include "kvstream/connector/config.h"
-#include "kvstream/connector/kv_connector.h"
+#include "kvstream/connector/kv_connector_scheduler.h"
+#include "kvstream/connector/kv_connector_worker.h"
 #include "kvstream/transfer/transport.h"
 
 namespace kvstream {
@@ -43,10 +49,19 @@ namespace kvstream {
 // The protocol version spoken on the control channel and in notifications.
 inline constexpr uint32_t kLayerwiseProtocolVersion = 1;
 
-// Creates the connector; the producer (and kv_both) starts listening at once.
-// InvalidArgument for a bad config (pipeline parallelism is for consumers only);
-// Unavailable when the control port cannot be bound.
-absl::StatusOr<std::unique_ptr<KvConnector>> CreateLayerwiseConnector(
+// Checks what both sides need of a config built in code (ParseKvTransferConfig checks the
+// same): pipeline settings in range and consistent, pipeline parallelism only for
+// consumers. InvalidArgument naming the setting.
+absl::Status ValidateLayerwiseConfig(const KvTransferConfig& config);
+
+// The scheduler side, for caches of `block_size` tokens per block. InvalidArgument for a bad
+// config or block size.
+absl::StatusOr<std::unique_ptr<KvConnectorScheduler>> CreateLayerwiseScheduler(
+    const KvTransferConfig& config, int32_t block_size);
+
+// The worker side over `transport`; the producer side (and kv_both) starts listening at
+// once. InvalidArgument for a bad config; Unavailable when the control port cannot be bound.
+absl::StatusOr<std::unique_ptr<KvConnectorWorker>> CreateLayerwiseWorker(
     const KvTransferConfig& config, std::unique_ptr<Transport> transport);
 
 }  // namespace kvstream

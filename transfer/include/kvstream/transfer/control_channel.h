@@ -71,11 +71,14 @@ absl::StatusOr<std::unique_ptr<ControlConnection>> ConnectControl(const std::str
 // ---- Handshake ----
 
 struct HandshakeOptions {
-  HelloMsg local;      // this side's hello (nonce and auth_tag are filled in by the handshake)
+  // This side's hello: engine id and the caller's opaque payload (nonce and auth_tag are
+  // filled in by the handshake).
+  HelloMsg local;
   std::string secret;  // shared secret; empty = no authentication
   absl::Time deadline = absl::InfiniteFuture();
-  // Decides whether the peer's hello is acceptable (e.g. compares compatibility hashes);
-  // an error rejects the peer with that status. Empty = accept every peer.
+  // Decides whether the peer's hello is acceptable (decodes its payload, compares
+  // compatibility); an error rejects the peer with that status, whose message should say
+  // what differed on both sides, since the peer sees it too. Empty = accept every peer.
   std::function<absl::Status(const HelloMsg& peer)> check;
 };
 
@@ -85,8 +88,7 @@ struct HandshakeOptions {
 // requires a tag from the peer; a side without one refuses a peer that sends one); the
 // peer's rejection status (e.g. FailedPrecondition for a compatibility mismatch) when it
 // refuses us; the check's error when we refuse it (we then tell the peer with an ErrorMsg
-// and close). A check error that does not quote both compat_descriptions gets them
-// appended. On any failure the connection is closed.
+// and close). On any failure the connection is closed.
 absl::StatusOr<HelloMsg> HandshakeAsClient(ControlConnection& connection,
                                            const HandshakeOptions& options);
 

@@ -14,10 +14,12 @@
 //
 // Value rules, enforced by the encoder and the decoder alike (so whatever we send, the peer
 // accepts, and every accepted frame re-encodes to the same bytes): strings and blobs within
-// the k*Bytes bound of their kind; lists within kMaxListEntries; Challenge nonce exactly 32
-// bytes; Hello nonce and auth_tag empty or exactly 32 bytes; RegionDescriptor layer >= 0 and
-// tensor 0 or 1; status codes 0..16 (absl::StatusCode); token and block ids >= 0;
-// RequestMsg::num_tokens <= prompt_token_ids.size().
+// the k*Bytes bound of their kind; Challenge nonce exactly 32 bytes; Hello nonce and
+// auth_tag empty or exactly 32 bytes; status codes 0..16 (absl::StatusCode).
+//
+// The channel knows frames, peers and the handshake, not what its users say: a Hello's
+// `payload` and a Data message's `payload` are opaque bytes that the layer above (the
+// connector) encodes and decodes itself.
 #ifndef KVSTREAM_TRANSFER_WIRE_H_
 #define KVSTREAM_TRANSFER_WIRE_H_
 
@@ -33,23 +35,22 @@
 namespace kvstream {
 
 inline constexpr uint32_t kWireMagic = 0x4353564B;  // bytes "KVSC"
-inline constexpr uint16_t kWireVersion = 1;
+inline constexpr uint16_t kWireVersion = 2;
 inline constexpr size_t kFrameHeaderBytes = 12;
 inline constexpr uint32_t kMaxPayloadBytes = 16u << 20;
 // Bounds on individual fields (beyond the payload bound).
 inline constexpr uint32_t kMaxIdBytes = 256;          // engine ids, request ids, names
 inline constexpr uint32_t kMaxMessageBytes = 4096;    // human-readable texts
-inline constexpr uint32_t kMaxBlobBytes = 1u << 20;   // transport info, memory descriptors
-inline constexpr uint32_t kMaxListEntries = 1u << 22; // tokens, blocks, regions
+// Opaque payloads: what a frame can hold beside its other fields.
+inline constexpr uint32_t kMaxHelloPayloadBytes = kMaxPayloadBytes - 8192;
+inline constexpr uint32_t kMaxDataPayloadBytes = kMaxPayloadBytes - 4;
 
 enum class MessageType : uint16_t {
   kChallenge = 1,
   kHello = 2,
   kHelloAck = 3,
-  kRequest = 4,
-  kRequestAck = 5,
-  kAbort = 6,
-  kError = 7,
+  kData = 4,
+  kError = 5,
 };
 
 // Sent by the accepting side first: a fresh nonce the connecting side must answer.
@@ -57,22 +58,10 @@ struct ChallengeMsg {
   std::string nonce;  // 32 random bytes
 };
 
-// One registered region of the sender's cache: layer index, which tensor, descriptor.
-struct RegionDescriptor {
-  int32_t layer = 0;
-  uint8_t tensor = 0;  // 0 = K, 1 = V
-  std::string descriptor;
-};
-
 // The connecting side's introduction (and, in HelloAck, the accepting side's).
 struct HelloMsg {
   std::string engine_id;
-  uint32_t protocol_version = 0;
-  uint64_t compat_hash = 0;
-  std::string compat_description;  // what was hashed, human-readable, for error messages
-  std::string transport;           // transport name, e.g. "ucx"
-  std::string transport_info;      // Transport::LocalInfo()
-  std::vector<RegionDescriptor> regions;
+  std::string payload;   // the user's introduction (opaque here), checked by its own check
   std::string nonce;     // the sender's own challenge to the other side (may be empty)
   std::string auth_tag;  // HMAC-SHA256(secret, other side's nonce || engine_id); empty = none
 };
@@ -83,23 +72,9 @@ struct HelloAckMsg {
   std::string message;
 };
 
-// The decode side hands a request to the prefill side.
-struct RequestMsg {
-  std::string request_id;
-  std::vector<int32_t> prompt_token_ids;
-  std::vector<int32_t> dest_block_ids;  // the receiver's blocks, in token order
-  uint32_t num_tokens = 0;              // tokens whose KV the receiver expects (prefix)
-};
-
-struct RequestAckMsg {
-  std::string request_id;
-  int32_t status_code = 0;
-  std::string message;
-};
-
-struct AbortMsg {
-  std::string request_id;
-  std::string reason;
+// After the handshake: one message of the channel's user (opaque here).
+struct DataMsg {
+  std::string payload;
 };
 
 struct ErrorMsg {
@@ -107,8 +82,7 @@ struct ErrorMsg {
   std::string message;
 };
 
-using ControlMessage = std::variant<ChallengeMsg, HelloMsg, HelloAckMsg, RequestMsg,
-                                    RequestAckMsg, AbortMsg, ErrorMsg>;
+using ControlMessage = std::variant<ChallengeMsg, HelloMsg, HelloAckMsg, DataMsg, ErrorMsg>;
 
 MessageType TypeOf(const ControlMessage& message);
 absl::string_view MessageTypeName(MessageType type);

@@ -1,0 +1,59 @@
+// What a connector's worker side moved, for reports and metrics.
+#ifndef KVSTREAM_CONNECTOR_CONNECTOR_STATS_H_
+#define KVSTREAM_CONNECTOR_CONNECTOR_STATS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvstream {
+
+struct ConnectorStats {
+  uint64_t bytes_sent = 0;       // producer: bytes of layers whose transfer completed
+  uint64_t layers_sent = 0;
+  uint64_t bytes_received = 0;   // consumer: bytes of layers that arrived and verified
+  uint64_t layers_received = 0;
+  uint64_t load_errors = 0;
+  uint64_t send_failures = 0;
+  double wait_ms = 0;            // consumer: time BeforeAttention blocked
+  double exposed_ms = 0;         // consumer: of which layers were already in flight
+  int64_t blocks_in_flight = 0;  // blocks of requests still being sent or received
+  // Per-layer transfer latency (producer: post to completion; consumer: post to verified
+  // arrival, same-host clocks), as a histogram over kLatencyBucketsMs (+Inf last).
+  static constexpr double kLatencyBucketsMs[] = {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000};
+  static constexpr int kLatencyBuckets = sizeof(kLatencyBucketsMs) / sizeof(double) + 1;
+  uint64_t latency_counts[kLatencyBuckets] = {};  // non-cumulative
+  double latency_sum_ms = 0;
+  void ObserveLatency(double ms) {
+    int b = 0;
+    while (b < kLatencyBuckets - 1 && ms > kLatencyBucketsMs[b]) ++b;
+    ++latency_counts[b];
+    latency_sum_ms += ms;
+  }
+};
+
+// The counters of the traffic with one peer. On a producer the peers are its consumers, on
+// a consumer its producers, named by the engine id they gave at handshake (or by their
+// control address while no handshake succeeded).
+struct PeerConnectorStats {
+  std::string peer;
+  ConnectorStats stats;
+};
+
+// Consumer: one request's transfer, once all its layers arrived.
+struct RequestTransferStats {
+  std::string request_id;
+  uint64_t bytes = 0;
+  std::vector<double> layer_arrival_ms;  // per layer index, ms after the hand-off
+  double wait_ms = 0;                    // time BeforeAttention blocked while it waited
+  // Sum over layers of (arrival - post) on one host's monotonic clock: the time the bytes
+  // spent in flight (meaningless across hosts).
+  double transfer_ms = 0;
+  // The part of wait_ms spent on layers already posted and in flight: transfer time the
+  // prefill compute did not hide.
+  double exposed_ms = 0;
+};
+
+}  // namespace kvstream
+
+#endif  // KVSTREAM_CONNECTOR_CONNECTOR_STATS_H_

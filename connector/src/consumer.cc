@@ -1,0 +1,510 @@
+// ConsumerSide (consumer.h): hand-offs, layer arrivals, waits with deadlines.
+#include "consumer.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvstream/common/int_math.h"
+#include "kvstream/common/logging.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace internal {
+namespace {
+
+absl::Status StatusFromCode(int32_t code, absl::string_view message) {
+  if (code <= 0 || code > 16) return absl::UnknownError(message);
+  return absl::Status(static_cast<absl::StatusCode>(code), message);
+}
+
+// The layer indices a producer's hello registered.
+std::set<int32_t> HelloLayers(const ConnectorHello& hello) {
+  std::set<int32_t> layers;
+  for (const RegionDescriptor& r : hello.regions) layers.insert(r.layer);
+  return layers;
+}
+
+}  // namespace
+
+void ConsumerSide::Stop() {
+  std::vector<std::thread> readers;
+  {
+    absl::MutexLock lock(&threads_mu_);
+    readers = std::move(readers_);
+  }
+  for (std::thread& t : readers) t.join();
+  absl::MutexLock lock(&mu_);
+  recv_.clear();
+  producers_.clear();
+}
+
+absl::Status ConsumerSide::Bind(const KvConnectorMetadata& meta) {
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  if (table == nullptr && (!meta.loads.empty() || !meta.waits.empty())) {
+    return absl::FailedPreconditionError("connector metadata with loads before RegisterKvCaches");
+  }
+  std::vector<Abort> aborts;
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const KvConnectorMetadata::Load& load : meta.loads) {
+      if (recv_.count(load.request_id) != 0) {
+        if (status.ok()) {
+          status = absl::AlreadyExistsError(absl::StrCat(
+              "request ", load.request_id, " is already loading; its second load is ignored"));
+        }
+        continue;
+      }
+      const int64_t need = CeilDiv(load.num_tokens, table->block_size());
+      if (load.num_tokens <= 0 || static_cast<int64_t>(load.block_ids.size()) < need) {
+        if (status.ok()) {
+          status = absl::InvalidArgumentError(absl::StrCat(
+              "request ", load.request_id, ": ", load.block_ids.size(), " blocks for ",
+              load.num_tokens, " remote tokens of block size ", table->block_size()));
+        }
+        continue;
+      }
+      RecvRequest& r = recv_[load.request_id];
+      r.load = load;
+      r.producer = absl::StrCat(load.remote.host, ":", load.remote.port);
+      r.layers.assign(table->slots(), LayerState::kMissing);
+      step_loads_.push_back(load);
+    }
+    waits_ = meta.waits;
+    for (const std::string& id : meta.finished) {
+      auto it = recv_.find(id);
+      if (it == recv_.end()) continue;
+      RecvRequest& r = it->second;
+      if (r.state == RecvState::kPending) {
+        r.state = RecvState::kStopped;  // never handed over: nothing can land
+      } else if (r.state == RecvState::kLoading) {
+        Fail(r, absl::CancelledError("the request finished before its KV arrived"));
+        QueueAbort(r, aborts);
+      }
+    }
+  }
+  SendAborts(aborts);
+  return status;
+}
+
+absl::Status ConsumerSide::StartLoads() {
+  if (shared_.layers() == nullptr) {
+    return absl::FailedPreconditionError("StartLoadKv before RegisterKvCaches");
+  }
+  std::vector<KvConnectorMetadata::Load> loads;
+  {
+    absl::MutexLock lock(&mu_);
+    loads = std::move(step_loads_);
+    step_loads_.clear();
+  }
+  for (const KvConnectorMetadata::Load& load : loads) {
+    absl::Status s = HandOff(load);
+    if (s.ok()) continue;
+    absl::MutexLock lock(&mu_);
+    auto it = recv_.find(load.request_id);
+    if (it == recv_.end()) continue;
+    Fail(it->second, s);
+    MarkStopped(it->second);  // the producer never accepted it: nothing can land
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::ProducerFor(
+    const RemotePrefill& remote) {
+  const std::string key = absl::StrCat(remote.host, ":", remote.port);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = producers_.find(key);
+    if (it != producers_.end() && it->second->alive) return it->second;
+  }
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  ASSIGN_OR_RETURN(HandshakeOptions hs, shared_.Handshake(table.get()));
+  ASSIGN_OR_RETURN(auto conn,
+                   ConnectControl(remote.host, static_cast<uint16_t>(remote.port), hs.deadline));
+  const KvTransferConfig& config = shared_.config;
+  const std::string transport(shared_.transport->name());
+  hs.check = [&](const HelloMsg& peer) -> absl::Status {
+    ASSIGN_OR_RETURN(ConnectorHello theirs, DecodeConnectorHello(peer.payload));
+    RETURN_IF_ERROR(
+        CheckCompatible(*table, config.engine_id, transport, theirs, peer.engine_id));
+    return CheckStageLayers(config.kvstream, table->indices(), HelloLayers(theirs),
+                            absl::StrCat("'", absl::CHexEscape(peer.engine_id), "'"));
+  };
+  auto peer = HandshakeAsClient(*conn, hs);
+  if (!peer.ok()) {
+    return absl::Status(peer.status().code(), absl::StrCat("handshake with producer ", key,
+                                                           ": ", peer.status().message()));
+  }
+  auto link = std::make_shared<ProducerLink>();
+  link->conn = std::move(conn);
+  link->address = key;
+  link->engine_id = peer->engine_id;
+  {
+    absl::MutexLock lock(&mu_);
+    producers_[key] = link;
+  }
+  absl::MutexLock lock(&threads_mu_);
+  readers_.emplace_back([this, link] { ReaderLoop(link); });
+  return link;
+}
+
+absl::Status ConsumerSide::HandOff(const KvConnectorMetadata::Load& load) {
+  ASSIGN_OR_RETURN(std::shared_ptr<ProducerLink> link, ProducerFor(load.remote));
+  HandOffMsg m;
+  m.request_id = load.request_id;
+  m.prompt_token_ids = load.prompt_token_ids;
+  m.dest_block_ids = load.block_ids;
+  m.num_tokens = static_cast<uint32_t>(load.num_tokens);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = recv_.find(load.request_id);
+    if (it == recv_.end() || it->second.state != RecvState::kPending) {
+      return absl::OkStatus();  // finished meanwhile
+    }
+    RecvRequest& r = it->second;
+    r.state = RecvState::kLoading;
+    r.handoff_time = absl::Now();
+    r.producer = link->address;
+    r.producer_id = link->engine_id;
+  }
+  shared_.Wake();
+  absl::Status s = SendConnectorMessage(*link->conn, m, absl::Now() + absl::Seconds(5));
+  if (!s.ok()) {
+    return absl::UnavailableError(absl::StrCat("sending request ", load.request_id,
+                                               " to producer ", link->address, ": ",
+                                               s.message()));
+  }
+  return absl::OkStatus();
+}
+
+void ConsumerSide::ReaderLoop(std::shared_ptr<ProducerLink> link) {
+  while (!shared_.stopping) {
+    auto msg = ReceiveConnectorMessage(*link->conn, absl::Now() + absl::Milliseconds(100));
+    if (!msg.ok()) {
+      if (absl::IsDeadlineExceeded(msg.status()) && !link->conn->closed()) continue;
+      LinkLost(*link, msg.status());
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    if (auto* ack = std::get_if<HandOffAckMsg>(&*msg)) {
+      if (ack->status_code == 0) continue;
+      auto it = recv_.find(ack->request_id);
+      if (it == recv_.end()) continue;
+      Fail(it->second, StatusFromCode(ack->status_code,
+                                      absl::StrCat("producer ", link->address, " rejected request ",
+                                                   ack->request_id, ": ", ack->message)));
+      MarkStopped(it->second);  // refused: nothing of it is written
+    } else if (auto* abort = std::get_if<AbortMsg>(&*msg)) {
+      auto it = recv_.find(abort->request_id);
+      if (it == recv_.end()) continue;
+      Fail(it->second,
+           absl::AbortedError(absl::StrCat("producer ", link->address, " stopped sending request ",
+                                           abort->request_id, ": ", abort->reason)));
+      MarkStopped(it->second);
+    } else {
+      Log(LogLevel::kWarning, absl::StrCat("producer ", link->address, " sent an unexpected ",
+                                           ConnectorMessageName(*msg), " message"));
+    }
+  }
+}
+
+void ConsumerSide::LinkLost(ProducerLink& link, const absl::Status& why) {
+  link.alive = false;
+  link.conn->Close();
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, r] : recv_) {
+    if (r.producer != link.address) continue;
+    if (r.state == RecvState::kLoading) {
+      Fail(r, absl::UnavailableError(
+                  absl::StrCat("lost producer ", link.address, ": ", why.message())));
+    }
+    MarkStopped(r);
+  }
+}
+
+void ConsumerSide::Fail(RecvRequest& r, absl::Status status) {
+  if (r.state != RecvState::kPending && r.state != RecvState::kLoading) return;
+  r.state = RecvState::kFailed;
+  shared_.stats.LoadError(PeerOf(r));
+  r.error = std::move(status);
+  r.abort_deadline = absl::Now() + absl::Milliseconds(shared_.config.kvstream.send_timeout_ms);
+  errors_.push_back({r.load.request_id, r.load.block_ids, r.error});
+  Log(LogLevel::kWarning, absl::StrCat("load error: ", r.error.ToString()));
+}
+
+void ConsumerSide::MarkStopped(RecvRequest& r) {
+  if (r.state == RecvState::kFailed) r.state = RecvState::kStopped;
+}
+
+void ConsumerSide::QueueAbort(RecvRequest& r, std::vector<Abort>& out) {
+  if (r.state != RecvState::kFailed) return;
+  auto it = producers_.find(r.producer);
+  if (it == producers_.end() || !it->second->alive) {
+    MarkStopped(r);
+    return;
+  }
+  out.push_back({it->second, AbortMsg{r.load.request_id, r.error.ToString()}});
+}
+
+void ConsumerSide::SendAborts(const std::vector<Abort>& aborts) {
+  for (const auto& [link, msg] : aborts) {
+    absl::Status s = SendConnectorMessage(*link->conn, msg, absl::Now() + absl::Seconds(1));
+    if (!s.ok()) LinkLost(*link, s);
+  }
+}
+
+absl::Status ConsumerSide::FailAndAbort(const std::string& id, absl::Status status) {
+  std::vector<Abort> aborts;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = recv_.find(id);
+    if (it == recv_.end()) return absl::OkStatus();
+    Fail(it->second, std::move(status));
+    QueueAbort(it->second, aborts);
+  }
+  SendAborts(aborts);
+  return absl::OkStatus();
+}
+
+absl::Status ConsumerSide::WaitForLayer(absl::string_view layer_name) {
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  if (table == nullptr) return absl::OkStatus();
+  const LayerEntry* layer = table->ByName(layer_name);
+  if (layer == nullptr) return absl::OkStatus();  // a layer that shares another's KV
+  const int32_t index = layer->index;
+  const int64_t timeout_ms = shared_.config.kvstream.load_timeout_ms;
+  std::vector<Abort> aborts;
+  {
+    absl::MutexLock lock(&mu_);
+    if (waits_.empty()) return absl::OkStatus();
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const std::string& id : waits_) {
+        auto r = recv_.find(id);
+        if (r == recv_.end() || r->second.state != RecvState::kLoading) continue;
+        if (r->second.layers[index] != LayerState::kArrived) return false;
+      }
+      return true;
+    };
+    // The producers still owing this layer when the wait starts share its time.
+    std::set<std::string> owing;
+    for (const std::string& id : waits_) {
+      auto r = recv_.find(id);
+      if (r != recv_.end() && r->second.state == RecvState::kLoading &&
+          r->second.layers[index] != LayerState::kArrived) {
+        owing.insert(PeerOf(r->second));
+      }
+    }
+    const absl::Time wait_start = absl::Now();
+    const uint64_t wait_start_ns = MonotonicNs();
+    mu_.AwaitWithDeadline(absl::Condition(&ready), wait_start + absl::Milliseconds(timeout_ms));
+    const double waited = absl::ToDoubleMilliseconds(absl::Now() - wait_start);
+    shared_.stats.Waited(owing, waited);
+    for (const std::string& id : waits_) {
+      auto it = recv_.find(id);
+      if (it == recv_.end()) continue;
+      RecvRequest& r = it->second;
+      r.wait_ms += waited;
+      // Exposed transfer: the part of the wait when the layer was already posted and in
+      // flight (the rest was the producer still computing it).
+      if (r.layers[index] == LayerState::kArrived && r.arrival_ns[index] != 0) {
+        const uint64_t from = std::max(r.post_ns[index], wait_start_ns);
+        if (r.arrival_ns[index] > from) {
+          const double ms = static_cast<double>(r.arrival_ns[index] - from) / 1e6;
+          r.exposed_ms += ms;
+          shared_.stats.Exposed(PeerOf(r), ms);
+        }
+      }
+    }
+    if (ready()) return absl::OkStatus();
+    for (const std::string& id : waits_) {
+      auto it = recv_.find(id);
+      if (it == recv_.end() || it->second.state != RecvState::kLoading ||
+          it->second.layers[index] == LayerState::kArrived) {
+        continue;
+      }
+      Fail(it->second, absl::DeadlineExceededError(absl::StrCat(
+                           "layer '", layer_name, "' of request ", id, " did not arrive within ",
+                           timeout_ms, " ms")));
+      QueueAbort(it->second, aborts);
+    }
+  }
+  SendAborts(aborts);
+  // The failed requests are load errors; the layer runs for the rest of the batch.
+  return absl::OkStatus();
+}
+
+void ConsumerSide::ClearStep() {
+  absl::MutexLock lock(&mu_);
+  waits_.clear();
+  step_loads_.clear();
+  for (auto it = recv_.begin(); it != recv_.end();) {
+    const RecvRequest& r = it->second;
+    if (r.state != RecvState::kReported) {
+      ++it;
+      continue;
+    }
+    finished_stats_.push_back(
+        {it->first, r.bytes, r.layer_ms, r.wait_ms, r.transfer_ms, r.exposed_ms});
+    it = recv_.erase(it);
+  }
+}
+
+void ConsumerSide::OnNotice(const Notification& n) {
+  absl::StatusOr<LayerNotice> notice = DecodeLayerNotice(n.payload);
+  if (!notice.ok()) {
+    Log(LogLevel::kWarning, absl::StrCat("dropping a notification from peer ", n.peer, ": ",
+                                         notice.status().message()));
+    return;
+  }
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  if (table == nullptr || table->ByIndex(static_cast<int32_t>(notice->layer)) == nullptr) return;
+  KvConnectorMetadata::Load load;
+  {
+    absl::MutexLock lock(&mu_);
+    auto r = recv_.find(notice->request_id);
+    if (r == recv_.end() || r->second.state != RecvState::kLoading ||
+        r->second.layers[notice->layer] != LayerState::kMissing) {
+      return;  // late (aborted) or duplicate; nothing to do
+    }
+    r->second.layers[notice->layer] = LayerState::kVerifying;
+    load = r->second.load;
+  }
+  const KvCacheView view = table->ByIndex(static_cast<int32_t>(notice->layer))->cache->view();
+  absl::Status verdict;
+  absl::StatusOr<LayerRuns> runs =
+      PlanLayerRuns(view, load.block_ids, load.block_ids, load.num_tokens);
+  if (!runs.ok()) {
+    verdict = runs.status();
+  } else if (runs->bytes != notice->bytes) {
+    verdict = absl::DataLossError(absl::StrCat("request ", notice->request_id, " layer ",
+                                               notice->layer, ": producer sent ", notice->bytes,
+                                               " bytes, expected ", runs->bytes));
+  } else if (shared_.config.kvstream.verify_checksum &&
+             notice->checksum_kind != ChecksumKind::kNone) {
+    if (view.memory != MemoryKind::kHost || notice->checksum_kind != ChecksumKind::kXxh3) {
+      verdict = absl::UnimplementedError(absl::StrCat(
+          "request ", notice->request_id, " layer ", notice->layer, ": a ",
+          MemoryKindName(view.memory), " cache cannot verify a checksum of kind ",
+          static_cast<int>(notice->checksum_kind)));
+    } else {
+      const uint64_t sum = HostLayerChecksum(view, *runs, /*destination=*/true);
+      if (sum != notice->checksum) {
+        verdict = absl::DataLossError(absl::StrCat(
+            "request ", notice->request_id, " layer ", notice->layer, ": checksum mismatch (got ",
+            absl::Hex(sum), ", producer sent ", absl::Hex(notice->checksum), ")"));
+      }
+    }
+  }
+  Arrived(notice->request_id, *notice, verdict);
+}
+
+void ConsumerSide::Arrived(const std::string& id, const LayerNotice& notice,
+                           const absl::Status& verdict) {
+  if (!verdict.ok()) {
+    // A corrupt layer fails the request; the producer is told to stop (its confirmation
+    // lets the blocks go without waiting for the deadline that closes the whole link).
+    FailAndAbort(id, verdict).IgnoreError();
+    return;
+  }
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  absl::MutexLock lock(&mu_);
+  auto it = recv_.find(id);
+  if (it == recv_.end() || it->second.state != RecvState::kLoading) return;
+  RecvRequest& r = it->second;
+  const size_t l = notice.layer;
+  r.layers[l] = LayerState::kArrived;
+  ++r.arrived;
+  r.bytes += notice.bytes;
+  const uint64_t now_ns = MonotonicNs();
+  double latency_ms = -1;
+  if (notice.post_ns != 0 && now_ns > notice.post_ns) {
+    latency_ms = static_cast<double>(now_ns - notice.post_ns) / 1e6;
+    r.transfer_ms += latency_ms;
+  }
+  if (r.post_ns.size() < r.layers.size()) {
+    r.post_ns.assign(r.layers.size(), 0);
+    r.arrival_ns.assign(r.layers.size(), 0);
+    r.layer_ms.assign(r.layers.size(), 0.0);
+  }
+  r.post_ns[l] = notice.post_ns;
+  r.arrival_ns[l] = now_ns;
+  r.layer_ms[l] = absl::ToDoubleMilliseconds(absl::Now() - r.handoff_time);
+  shared_.stats.LayerReceived(PeerOf(r), notice.bytes, latency_ms);
+  if (r.arrived == table->count()) r.state = RecvState::kComplete;
+}
+
+bool ConsumerSide::Poll() {
+  std::vector<std::shared_ptr<ProducerLink>> close;
+  bool outstanding = false;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (auto& [id, r] : recv_) {
+      if (r.state == RecvState::kLoading) outstanding = true;
+      // A failed request whose producer never confirmed it stopped: after the send
+      // deadline the link is closed, so the producer stops every request of ours.
+      if (r.state == RecvState::kFailed) {
+        outstanding = true;
+        if (now > r.abort_deadline) {
+          auto it = producers_.find(r.producer);
+          if (it != producers_.end()) close.push_back(it->second);
+          MarkStopped(r);
+        }
+      }
+    }
+  }
+  for (auto& link : close) {
+    Log(LogLevel::kWarning, absl::StrCat("producer ", link->address,
+                                         " did not confirm an abort; closing the link"));
+    LinkLost(*link, absl::DeadlineExceededError("abort not confirmed"));
+  }
+  return outstanding;
+}
+
+void ConsumerSide::TakeOutput(KvConnectorOutput& out) {
+  absl::MutexLock lock(&mu_);
+  for (LoadError& e : errors_) out.load_errors.push_back(std::move(e));
+  errors_.clear();
+  for (auto it = recv_.begin(); it != recv_.end();) {
+    RecvRequest& r = it->second;
+    if (r.state == RecvState::kComplete) {
+      out.finished_recving.insert(it->first);
+      if (std::find(waits_.begin(), waits_.end(), it->first) != waits_.end()) {
+        r.state = RecvState::kReported;  // the step's remaining waits still count
+        ++it;
+      } else {
+        finished_stats_.push_back(
+            {it->first, r.bytes, r.layer_ms, r.wait_ms, r.transfer_ms, r.exposed_ms});
+        it = recv_.erase(it);
+      }
+    } else if (r.state == RecvState::kStopped) {
+      out.finished_recving.insert(it->first);
+      it = recv_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+int64_t ConsumerSide::BlocksInFlight(std::map<std::string, int64_t>* by_peer) const {
+  absl::MutexLock lock(&mu_);
+  int64_t total = 0;
+  for (const auto& [id, r] : recv_) {
+    if (r.state != RecvState::kLoading && r.state != RecvState::kFailed) continue;
+    const int64_t n = static_cast<int64_t>(r.load.block_ids.size());
+    total += n;
+    if (by_peer != nullptr) (*by_peer)[PeerOf(r)] += n;
+  }
+  return total;
+}
+
+std::vector<RequestTransferStats> ConsumerSide::TakeRequestStats() {
+  absl::MutexLock lock(&mu_);
+  return std::move(finished_stats_);
+}
+
+}  // namespace internal
+}  // namespace kvstream

@@ -1,0 +1,145 @@
+// ConsumerSide: the decode worker's half of the layerwise connector. It hands each load of
+// the step's metadata to its producer over the control channel (connecting and
+// handshaking on first use), receives the producer's layer notices (from the worker's
+// progress loop), verifies every layer (byte count, checksum), and makes the forward pass
+// wait, layer by layer and with a deadline, for the layers of the step's requests.
+//
+// A request's lifecycle (RecvState):
+//   kPending  -> kLoading   StartLoads handed it to its producer
+//   kLoading  -> kComplete  every layer arrived and verified
+//   kComplete -> kReported  TakeOutput reported it finished during a step that waits for
+//                           it (kept until the step ends, so its remaining waits count)
+//   kPending  -> kStopped   the hand-off failed: nothing was sent, nothing can land
+//   kLoading  -> kFailed    a layer missed its deadline, failed its checksum, the producer
+//                           refused or stopped it, the link broke, or the engine finished it
+//   kFailed   -> kStopped   the producer confirmed it stopped writing, the link is gone, or
+//                           the abort deadline passed (the link is then closed)
+// A load error is reported when the request fails; kComplete and kStopped requests are
+// reported finished (their blocks may be freed) by TakeOutput, which forgets kStopped ones;
+// ClearStep forgets kReported ones, recording their RequestTransferStats.
+//
+// Thread safety: thread-safe. One mutex guards the requests and links; the forward pass
+// blocks in WaitForLayer without holding it (absl::Mutex::AwaitWithDeadline), and no
+// control-channel send happens under it.
+#ifndef KVSTREAM_CONNECTOR_SRC_CONSUMER_H_
+#define KVSTREAM_CONNECTOR_SRC_CONSUMER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "control_messages.h"
+#include "kvstream/connector/kv_connector.h"
+#include "layer_notice.h"
+#include "layer_runs.h"
+#include "worker_shared.h"
+
+namespace kvstream {
+namespace internal {
+
+class ConsumerSide {
+ public:
+  explicit ConsumerSide(WorkerShared& shared) : shared_(shared) {}
+  ~ConsumerSide() { Stop(); }
+  ConsumerSide(const ConsumerSide&) = delete;
+  ConsumerSide& operator=(const ConsumerSide&) = delete;
+
+  // Joins the reader threads. Idempotent. REQUIRES: shared.stopping is set.
+  void Stop();
+
+  // The step's loads (new requests), waits and finished requests.
+  absl::Status Bind(const KvConnectorMetadata& metadata);
+  // Hands the step's loads over (connecting on first use). Never waits for KV.
+  absl::Status StartLoads();
+  // Blocks until `layer_name` arrived for every request of the step's waits, or until the
+  // deadline, which fails the requests still missing it (load errors; the layer then runs
+  // for the rest of the batch). OK unless the call itself is wrong.
+  absl::Status WaitForLayer(absl::string_view layer_name);
+  void ClearStep();
+
+  // From the progress loop: a layer notice, and periodic work (verifications finished on the
+  // GPU, abort deadlines). Poll returns whether anything is outstanding.
+  void OnNotice(const Notification& notification);
+  bool Poll();
+
+  void TakeOutput(KvConnectorOutput& out);
+  // Blocks of requests whose producer may still write, in total and by producer.
+  int64_t BlocksInFlight(std::map<std::string, int64_t>* by_peer) const;
+  std::vector<RequestTransferStats> TakeRequestStats();
+
+ private:
+  struct ProducerLink {
+    std::unique_ptr<ControlConnection> conn;
+    std::string address;
+    std::string engine_id;  // from its hello
+    std::atomic<bool> alive{true};
+  };
+
+  enum class RecvState { kPending, kLoading, kComplete, kReported, kFailed, kStopped };
+  enum class LayerState : uint8_t { kMissing, kVerifying, kArrived };
+
+  struct RecvRequest {
+    RecvState state = RecvState::kPending;
+    KvConnectorMetadata::Load load;
+    std::string producer;     // address key of the ProducerLink
+    std::string producer_id;  // its engine id once handed off (metrics label)
+    std::vector<LayerState> layers;  // by layer index
+    int32_t arrived = 0;
+    absl::Status error;
+    absl::Time abort_deadline = absl::InfiniteFuture();
+    absl::Time handoff_time;
+    // Timing and volume, for RequestTransferStats (per layer index).
+    std::vector<double> layer_ms;
+    std::vector<uint64_t> post_ns;
+    std::vector<uint64_t> arrival_ns;
+    double transfer_ms = 0;
+    double exposed_ms = 0;
+    double wait_ms = 0;
+    uint64_t bytes = 0;
+  };
+
+  using Abort = std::pair<std::shared_ptr<ProducerLink>, AbortMsg>;
+
+  static const std::string& PeerOf(const RecvRequest& r) {
+    return r.producer_id.empty() ? r.producer : r.producer_id;
+  }
+
+  absl::StatusOr<std::shared_ptr<ProducerLink>> ProducerFor(const RemotePrefill& remote);
+  absl::Status HandOff(const KvConnectorMetadata::Load& load);
+  void ReaderLoop(std::shared_ptr<ProducerLink> link);
+  void LinkLost(ProducerLink& link, const absl::Status& why);
+  void Fail(RecvRequest& r, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkStopped(RecvRequest& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void QueueAbort(RecvRequest& r, std::vector<Abort>& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendAborts(const std::vector<Abort>& aborts);
+  void Arrived(const std::string& id, const LayerNotice& notice, const absl::Status& verdict);
+  absl::Status FailAndAbort(const std::string& id, absl::Status status);
+
+  WorkerShared& shared_;
+
+  absl::Mutex threads_mu_;
+  std::vector<std::thread> readers_ ABSL_GUARDED_BY(threads_mu_);
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, RecvRequest> recv_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<ProducerLink>> producers_ ABSL_GUARDED_BY(mu_);
+  std::vector<KvConnectorMetadata::Load> step_loads_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> waits_ ABSL_GUARDED_BY(mu_);
+  std::vector<LoadError> errors_ ABSL_GUARDED_BY(mu_);  // not yet reported
+  std::vector<RequestTransferStats> finished_stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace internal
+}  // namespace kvstream
+
+#endif  // KVSTREAM_CONNECTOR_SRC_CONSUMER_H_

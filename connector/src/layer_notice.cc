@@ -1,0 +1,68 @@
+// Encoding and strict decoding of layer notices (layer_notice.h).
+#include "layer_notice.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "kvstream/common/byte_io.h"
+#include "kvstream/common/status_macros.h"
+#include "kvstream/transfer/wire.h"
+
+namespace kvstream {
+namespace internal {
+namespace {
+
+constexpr uint32_t kNoticeMagic = 0x324E564B;  // bytes "KVN2"
+
+}  // namespace
+
+uint64_t MonotonicNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+absl::StatusOr<std::string> EncodeLayerNoticeHead(const LayerNotice& n) {
+  std::string out;
+  ByteWriter w(&out);
+  w.U32(kNoticeMagic);
+  RETURN_IF_ERROR(w.Bytes("layer notice request id", n.request_id, kMaxIdBytes));
+  w.U32(n.layer);
+  w.U64(n.bytes);
+  w.U8(static_cast<uint8_t>(n.checksum_kind));
+  w.U64(n.post_ns);
+  return out;
+}
+
+absl::StatusOr<std::string> EncodeLayerNotice(const LayerNotice& n) {
+  ASSIGN_OR_RETURN(std::string out, EncodeLayerNoticeHead(n));
+  ByteWriter(&out).U64(n.checksum);
+  return out;
+}
+
+absl::StatusOr<LayerNotice> DecodeLayerNotice(absl::string_view payload) {
+  ByteReader r(payload);
+  uint32_t magic = 0;
+  RETURN_IF_ERROR(r.U32("layer notice magic", &magic));
+  if (magic != kNoticeMagic) {
+    return absl::InvalidArgumentError("layer notification: bad magic (not a kvstream layer notice)");
+  }
+  LayerNotice n;
+  RETURN_IF_ERROR(r.Bytes("layer notice request id", kMaxIdBytes, &n.request_id));
+  RETURN_IF_ERROR(r.U32("layer notice layer", &n.layer));
+  RETURN_IF_ERROR(r.U64("layer notice bytes", &n.bytes));
+  uint8_t kind = 0;
+  RETURN_IF_ERROR(r.U8("layer notice checksum kind", &kind));
+  if (kind > static_cast<uint8_t>(ChecksumKind::kKvsum64)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer notification: unknown checksum kind ", int(kind)));
+  }
+  n.checksum_kind = static_cast<ChecksumKind>(kind);
+  RETURN_IF_ERROR(r.U64("layer notice post time", &n.post_ns));
+  RETURN_IF_ERROR(r.U64("layer notice checksum", &n.checksum));
+  RETURN_IF_ERROR(r.ExpectEnd("layer notice"));
+  return n;
+}
+
+}  // namespace internal
+}  // namespace kvstream

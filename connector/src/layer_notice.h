@@ -1,0 +1,55 @@
+// The layer notice: the notification a producer's layer write carries, which the consumer
+// receives only after that layer's bytes are in place (transport.h's ordering).
+//
+//   u32 magic "KVN2"   str request_id (u32 length, at most kMaxIdBytes)   u32 layer
+//   u64 bytes   u8 checksum kind   u64 post time (ns, CLOCK_MONOTONIC: comparable between
+//   processes of one host)   u64 checksum
+// little-endian. The checksum is last so that, for a device cache, the GPU can supply it:
+// the producer posts the notice without it (EncodeLayerNoticeHead) and hands the transport
+// the 8 bytes a kernel writes as the notification's tail (WriteOrder::notification_tail).
+// Decoded strictly; an undecodable notice is InvalidArgument.
+#ifndef KVSTREAM_CONNECTOR_SRC_LAYER_NOTICE_H_
+#define KVSTREAM_CONNECTOR_SRC_LAYER_NOTICE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvstream {
+namespace internal {
+
+// How the checksum of a layer was computed.
+enum class ChecksumKind : uint8_t {
+  kNone = 0,
+  kXxh3 = 1,     // XXH3-64 of the K runs then the V runs (host caches)
+  kKvsum64 = 2,  // kvsum64 (cache/layer_checksum.h) of the same bytes (device caches)
+};
+
+struct LayerNotice {
+  std::string request_id;
+  uint32_t layer = 0;
+  uint64_t bytes = 0;
+  ChecksumKind checksum_kind = ChecksumKind::kNone;
+  uint64_t post_ns = 0;
+  uint64_t checksum = 0;
+};
+
+inline constexpr size_t kLayerNoticeChecksumBytes = 8;
+
+// The whole notice.
+absl::StatusOr<std::string> EncodeLayerNotice(const LayerNotice& notice);
+// The notice without its last kLayerNoticeChecksumBytes (the checksum), to be completed by
+// the bytes of a little-endian u64 appended later.
+absl::StatusOr<std::string> EncodeLayerNoticeHead(const LayerNotice& notice);
+absl::StatusOr<LayerNotice> DecodeLayerNotice(absl::string_view payload);
+
+// Nanoseconds of CLOCK_MONOTONIC (steady_clock), the clock of LayerNotice::post_ns.
+uint64_t MonotonicNs();
+
+}  // namespace internal
+}  // namespace kvstream
+
+#endif  // KVSTREAM_CONNECTOR_SRC_LAYER_NOTICE_H_

@@ -1,0 +1,65 @@
+// LayerSender: posts one layer of one request to one consumer: the K runs as one write,
+// the V runs as a second write that carries the layer notice (the transport delivers it
+// after both writes' data, transport.h), with the layer's checksum.
+//
+// Host caches: the checksum (XXH3) is computed here over the bytes being sent and the
+// writes start at once. Device caches: an event recorded on the layer's stream orders the
+// writes after the layer's cache update (WriteOrder::ready_event), so the host never waits
+// for the GPU.
+//
+// Thread safety: thread-compatible; the producer calls it under its own lock.
+#ifndef KVSTREAM_CONNECTOR_SRC_LAYER_SEND_H_
+#define KVSTREAM_CONNECTOR_SRC_LAYER_SEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kvstream/common/cuda_resources.h"
+#include "kvstream/transfer/transport.h"
+#include "layer_table.h"
+
+namespace kvstream {
+namespace internal {
+
+struct LayerPost {
+  TransferId k = 0;  // the K write
+  TransferId v = 0;  // the V write, with the notice
+  uint64_t bytes = 0;
+  uint64_t post_ns = 0;
+};
+
+class LayerSender {
+ public:
+  // `checksum`: whether notices carry a checksum (verify_checksum). For device caches this
+  // creates the ordering event on the caches' device.
+  static absl::StatusOr<std::unique_ptr<LayerSender>> Create(const LayerTable& table,
+                                                             Transport& transport, bool checksum);
+
+  // Posts the first `num_tokens` tokens of `layer` from `local_blocks` to `dest_blocks` of
+  // the consumer's regions. `stream`: the layer's cudaStream_t for device caches (null for
+  // host caches). Errors: the plan's (bad block ids) or the transport's; nothing is posted
+  // when the K write fails (a failed V write leaves the K write posted: its id is returned
+  // in the error path through `posted_k`).
+  absl::StatusOr<LayerPost> Post(const LayerEntry& layer, const std::string& request_id,
+                                 PeerId peer, const RemoteMemory& k_remote,
+                                 const RemoteMemory& v_remote,
+                                 absl::Span<const int32_t> local_blocks,
+                                 absl::Span<const int32_t> dest_blocks, int32_t num_tokens,
+                                 void* stream, TransferId* posted_k);
+
+ private:
+  LayerSender(Transport& transport, bool checksum) : transport_(transport), checksum_(checksum) {}
+
+  Transport& transport_;
+  const bool checksum_;
+  CudaEvent ready_;  // device caches: recorded on the layer's stream before each post
+};
+
+}  // namespace internal
+}  // namespace kvstream
+
+#endif  // KVSTREAM_CONNECTOR_SRC_LAYER_SEND_H_

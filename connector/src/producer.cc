@@ -1,0 +1,568 @@
+// ProducerSide (producer.h): consumers, hand-offs, layer posts and their completion.
+#include "producer.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "kvstream/common/int_math.h"
+#include "kvstream/common/logging.h"
+#include "kvstream/common/status_macros.h"
+#include "kvstream/connector/layer_routing.h"
+#include "layer_notice.h"
+
+namespace kvstream {
+namespace internal {
+
+absl::Status ProducerSide::Start() {
+  ASSIGN_OR_RETURN(listener_, ControlListener::Listen(
+                                  shared_.config.kv_ip,
+                                  static_cast<uint16_t>(shared_.config.kv_port)));
+  accept_thread_ = std::thread([this] { AcceptLoop(); });
+  return absl::OkStatus();
+}
+
+void ProducerSide::Stop() {
+  if (accept_thread_.joinable()) accept_thread_.join();
+  std::vector<std::thread> readers;
+  {
+    absl::MutexLock lock(&threads_mu_);
+    readers = std::move(readers_);
+  }
+  for (std::thread& t : readers) t.join();
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, s] : send_) {
+    for (TransferId t : s.pending) shared_.transport->Release(t);
+  }
+  send_.clear();
+  links_.clear();  // remote regions go before the transport
+}
+
+std::string ProducerSide::control_address() const {
+  return listener_ ? absl::StrCat(shared_.config.kv_ip, ":", listener_->port()) : std::string();
+}
+
+absl::Status ProducerSide::Prepare(const LayerTable& table) {
+  ASSIGN_OR_RETURN(std::unique_ptr<LayerSender> sender,
+                   LayerSender::Create(table, *shared_.transport,
+                                       shared_.config.kvstream.verify_checksum));
+  absl::MutexLock lock(&mu_);
+  sender_ = std::move(sender);
+  return absl::OkStatus();
+}
+
+// ---- control ----
+
+void ProducerSide::AcceptLoop() {
+  while (!shared_.stopping) {
+    auto conn = listener_->Accept(absl::Now() + absl::Milliseconds(100));
+    if (!conn.ok()) continue;
+    std::shared_ptr<ControlConnection> shared(std::move(*conn));
+    absl::MutexLock lock(&threads_mu_);
+    readers_.emplace_back([this, shared] { ConsumerLoop(shared); });
+  }
+}
+
+void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
+  auto link = std::make_shared<ConsumerLink>();
+  link->conn = conn;
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  absl::StatusOr<HandshakeOptions> hs = shared_.Handshake(table.get());
+  if (!hs.ok()) {
+    Log(LogLevel::kWarning, absl::StrCat("cannot answer consumer ", conn->peer_address(), ": ",
+                                         hs.status().ToString()));
+    conn->Close();
+    return;
+  }
+  const std::string transport(shared_.transport->name());
+  hs->check = [&](const HelloMsg& peer) -> absl::Status {
+    if (table == nullptr) {
+      return absl::UnavailableError(absl::StrCat("producer '", shared_.config.engine_id,
+                                                 "' has not registered its KV caches yet"));
+    }
+    ASSIGN_OR_RETURN(ConnectorHello theirs, DecodeConnectorHello(peer.payload));
+    RETURN_IF_ERROR(
+        CheckCompatible(*table, shared_.config.engine_id, transport, theirs, peer.engine_id));
+    link->engine_id = peer.engine_id;
+    return ImportConsumer(peer, *link);
+  };
+  auto peer = HandshakeAsServer(*conn, *hs);
+  if (!peer.ok()) {
+    // A peer that closes before saying hello is a liveness probe, not an attack.
+    Log(absl::IsUnavailable(peer.status()) ? LogLevel::kInfo : LogLevel::kWarning,
+        absl::StrCat("rejected consumer ", conn->peer_address(), ": ", peer.status().ToString()));
+    conn->Close();
+    return;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    links_.push_back(link);
+  }
+  while (!shared_.stopping) {
+    auto msg = ReceiveConnectorMessage(*conn, absl::Now() + absl::Milliseconds(100));
+    if (!msg.ok()) {
+      if (absl::IsDeadlineExceeded(msg.status()) && !conn->closed()) continue;
+      ConsumerLost(link, msg.status());
+      conn->Close();
+      return;
+    }
+    absl::Status sent;
+    if (auto* m = std::get_if<HandOffMsg>(&*msg)) {
+      absl::Status s = AcceptHandOff(*m, link);
+      HandOffAckMsg ack;
+      ack.request_id = m->request_id;
+      ack.status_code = static_cast<int32_t>(s.code());
+      ack.message = std::string(s.message().substr(0, kMaxMessageBytes));
+      sent = SendConnectorMessage(*conn, ack, absl::Now() + absl::Seconds(1));
+    } else if (auto* abort = std::get_if<AbortMsg>(&*msg)) {
+      if (!HandleAbort(*abort, link)) {
+        // Finished and forgotten, or never handed over on this link: nothing of it can
+        // still land, so confirm at once (the consumer would otherwise close the link at
+        // its deadline, failing every other request on it).
+        AbortMsg confirm{abort->request_id, "no transfer of it is in flight"};
+        sent = SendConnectorMessage(*conn, confirm, absl::Now() + absl::Seconds(1));
+      }
+    } else {
+      Log(LogLevel::kWarning, absl::StrCat("consumer ", link->engine_id, " sent an unexpected ",
+                                           ConnectorMessageName(*msg), " message"));
+    }
+    if (!sent.ok()) {
+      ConsumerLost(link, sent);
+      conn->Close();
+      return;
+    }
+  }
+}
+
+// The consumer's cache regions. It may have all of our layers or, as one stage of a
+// pipeline-parallel decode group, some of them (which the consumer checks against its
+// pipeline configuration); a layer we do not have is refused here.
+absl::Status ProducerSide::ImportConsumer(const HelloMsg& hello, ConsumerLink& link) {
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  ASSIGN_OR_RETURN(ConnectorHello peer, DecodeConnectorHello(hello.payload));
+  const std::string who = absl::StrCat("'", absl::CHexEscape(hello.engine_id), "'");
+  std::set<std::pair<int32_t, int>> seen;
+  for (const RegionDescriptor& r : peer.regions) {
+    if (!seen.insert({r.layer, r.tensor}).second) {
+      return absl::InvalidArgumentError(absl::StrCat("consumer ", who,
+                                                     " sent two regions for layer ", r.layer,
+                                                     " tensor ", int(r.tensor)));
+    }
+    if (table->ByIndex(r.layer) == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "KV cache compatibility mismatch with peer ", who, ": it registered layer ", r.layer,
+          ", which this producer does not have (it has layers ",
+          FormatLayerSet(table->indices()), ")"));
+    }
+    link.layers.insert(r.layer);
+  }
+  if (link.layers.empty() || seen.size() != 2 * link.layers.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("consumer ", who, " registered ", seen.size(), " regions for layers ",
+                     FormatLayerSet(link.layers), "; expected a K and a V region for each"));
+  }
+  ASSIGN_OR_RETURN(link.peer, shared_.transport->Connect(peer.transport_info));
+  for (const RegionDescriptor& r : peer.regions) {
+    ASSIGN_OR_RETURN(auto remote, shared_.transport->ImportRemote(link.peer, r.descriptor));
+    auto& slot = link.regions[r.layer];
+    (r.tensor == 0 ? slot.first : slot.second) = std::move(remote);
+  }
+  // Same layout (the compatibility hash says so): the regions' sizes give its blocks (the
+  // fewest any of its regions holds).
+  const KvCacheView cv = table->view();
+  const uint64_t es = DTypeSize(cv.spec.dtype);
+  const uint64_t k_block = static_cast<uint64_t>(cv.k_strides.block) * es;
+  const uint64_t v_block = static_cast<uint64_t>(cv.v_strides.block) * es;
+  int64_t blocks = INT64_MAX;
+  for (const auto& [layer, regions] : link.regions) {
+    if (k_block == 0 || v_block == 0) {
+      blocks = 0;
+      break;
+    }
+    blocks = std::min({blocks, static_cast<int64_t>(regions.first->length() / k_block),
+                       static_cast<int64_t>(regions.second->length() / v_block)});
+  }
+  link.remote_num_blocks = blocks;
+  return absl::OkStatus();
+}
+
+absl::Status ProducerSide::AcceptHandOff(const HandOffMsg& m,
+                                         const std::shared_ptr<ConsumerLink>& link) {
+  if (m.request_id.empty()) return absl::InvalidArgumentError("empty request id");
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  const int64_t send_timeout_ms = shared_.config.kvstream.send_timeout_ms;
+  absl::MutexLock lock(&mu_);
+  auto existing = send_.find(m.request_id);
+  if (existing != send_.end()) {
+    SendRequest& s = existing->second;
+    if (HasDestination(s, link)) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", m.request_id, " already handed over"));
+    }
+    if (s.state == SendState::kFailed || s.state == SendState::kStopped) {
+      return absl::AbortedError(
+          absl::StrCat("request ", m.request_id, " was already stopped: ", s.stop_reason));
+    }
+    if (s.state != SendState::kGathering) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", m.request_id,
+                                                   " already handed over by ",
+                                                   DestinationNames(s),
+                                                   ", which receive all its layers"));
+    }
+  }
+  const bool pipeline_stage = link->layers.size() < table->indices().size();
+  auto rejected = rejected_stages_.find(m.request_id);
+  if (rejected != rejected_stages_.end() && pipeline_stage) {
+    return absl::AbortedError(absl::StrCat("request ", m.request_id,
+                                           ": the hand-off from another pipeline stage was "
+                                           "rejected: ",
+                                           rejected->second.why));
+  }
+  absl::Status verdict =
+      CheckHandOff(m, *link, existing == send_.end() ? nullptr : &existing->second);
+  if (!verdict.ok()) {
+    // The other stages of a pipeline must not wait for the gather deadline: the request
+    // fails for those already here, and is refused to those still to come.
+    if (existing != send_.end()) {
+      Fail(existing->second, absl::AbortedError(absl::StrCat(
+                                 "the hand-off from ", link->engine_id,
+                                 " was rejected: ", verdict.message())));
+    } else if (pipeline_stage) {
+      rejected_stages_[m.request_id] =
+          RejectedStage{absl::StrCat(link->engine_id, ": ", verdict.message()),
+                        absl::Now() + absl::Milliseconds(send_timeout_ms)};
+    }
+    return verdict;
+  }
+  if (existing == send_.end()) {
+    SendRequest s;
+    s.id = m.request_id;
+    s.prompt = m.prompt_token_ids;
+    s.num_tokens = static_cast<int32_t>(m.num_tokens);
+    // The other stages of a pipeline hand the request over independently; wait for them
+    // no longer than a send may take.
+    s.gather_deadline = absl::Now() + absl::Milliseconds(send_timeout_ms);
+    existing = send_.emplace(s.id, std::move(s)).first;
+  }
+  SendRequest& s = existing->second;
+  s.dests.push_back({link, m.dest_block_ids});
+  for (int32_t l : link->layers) s.route[l] = s.dests.size() - 1;
+  if (s.route.size() == table->indices().size()) {
+    s.state = SendState::kQueued;
+    s.released = true;
+    incoming_.push_back({s.id, s.prompt, s.num_tokens});
+  }
+  return absl::OkStatus();
+}
+
+// What a consumer's hand-off must satisfy: enough destination blocks, all inside what its
+// regions really span, and, where another stage handed the request over already (`other`),
+// the same prompt and layers that no other stage owns.
+absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink& link,
+                                        const SendRequest* other) const {
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  const int32_t block_size = table->block_size();
+  if (m.num_tokens == 0 || m.num_tokens > m.prompt_token_ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("request ", m.request_id, " asks for ",
+                                                   m.num_tokens, " tokens of a ",
+                                                   m.prompt_token_ids.size(), "-token prompt"));
+  }
+  const int64_t need = CeilDiv(m.num_tokens, block_size);
+  if (static_cast<int64_t>(m.dest_block_ids.size()) < need) {
+    return absl::InvalidArgumentError(absl::StrCat("request ", m.request_id, ": ",
+                                                   m.dest_block_ids.size(),
+                                                   " destination blocks for ", m.num_tokens,
+                                                   " tokens of block size ", block_size));
+  }
+  for (int64_t i = 0; i < need; ++i) {
+    const int32_t b = m.dest_block_ids[i];
+    if (b < 0 || b >= link.remote_num_blocks) {
+      return absl::OutOfRangeError(absl::StrCat("request ", m.request_id, ": destination block ",
+                                                b, " outside [0, ", link.remote_num_blocks, ")"));
+    }
+  }
+  if (other == nullptr) return absl::OkStatus();
+  if (other->prompt != m.prompt_token_ids || other->num_tokens != static_cast<int32_t>(m.num_tokens)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request ", m.request_id, " handed over by ", link.engine_id,
+        " has another prompt or token count than the same request handed over by ",
+        DestinationNames(*other)));
+  }
+  for (int32_t l : link.layers) {
+    auto owner = other->route.find(l);
+    if (owner != other->route.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ", m.request_id, ": consumer ", link.engine_id, " asks for layers ",
+          FormatLayerSet(link.layers), " but layer ", l, " already goes to consumer ",
+          other->dests[owner->second].link->engine_id,
+          " (the pipeline stages' layer ranges overlap)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool ProducerSide::HandleAbort(const AbortMsg& m, const std::shared_ptr<ConsumerLink>& link) {
+  absl::MutexLock lock(&mu_);
+  auto it = send_.find(m.request_id);
+  if (it == send_.end() || !HasDestination(it->second, link)) return false;
+  if (it->second.state == SendState::kDone || it->second.state == SendState::kStopped) {
+    return false;
+  }
+  // Poll confirms once its transfers have ended.
+  Fail(it->second, absl::CancelledError(absl::StrCat("consumer aborted request ", m.request_id,
+                                                     ": ", m.reason)));
+  return true;
+}
+
+void ProducerSide::ConsumerLost(const std::shared_ptr<ConsumerLink>& link,
+                                const absl::Status& why) {
+  link->alive = false;
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, s] : send_) {
+    if (HasDestination(s, link)) {
+      Fail(s, absl::UnavailableError(
+                  absl::StrCat("lost consumer ", link->engine_id, ": ", why.message())));
+    }
+  }
+  links_.erase(std::remove(links_.begin(), links_.end(), link), links_.end());
+}
+
+std::string ProducerSide::DestinationNames(const SendRequest& s) {
+  return absl::StrJoin(s.dests, ", ", [](std::string* out, const Destination& d) {
+    absl::StrAppend(out, d.link->engine_id, " (layers ", FormatLayerSet(d.link->layers), ")");
+  });
+}
+
+bool ProducerSide::HasDestination(const SendRequest& s, const std::shared_ptr<ConsumerLink>& link) {
+  for (const Destination& d : s.dests) {
+    if (d.link == link) return true;
+  }
+  return false;
+}
+
+// Stops a request's sends; Poll tells the consumers once its transfers have ended.
+void ProducerSide::Fail(SendRequest& s, const absl::Status& why) {
+  if (s.state == SendState::kFailed || s.state == SendState::kStopped ||
+      s.state == SendState::kDone) {
+    return;
+  }
+  s.state = SendState::kFailed;
+  std::set<std::string> peers;
+  for (const Destination& d : s.dests) peers.insert(d.link->engine_id);
+  shared_.stats.SendFailure(peers);
+  s.stop_reason = why.ToString();
+  Log(LogLevel::kWarning, absl::StrCat("send of request ", s.id, " failed: ", s.stop_reason));
+  for (TransferId t : s.pending) (void)shared_.transport->Cancel(t);
+}
+
+// ---- the step ----
+
+absl::Status ProducerSide::Bind(const KvConnectorMetadata& meta) {
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  if (table == nullptr && !meta.saves.empty()) {
+    return absl::FailedPreconditionError("connector metadata with saves before RegisterKvCaches");
+  }
+  absl::Status status;
+  absl::MutexLock lock(&mu_);
+  step_error_ = absl::OkStatus();
+  step_saves_.clear();
+  for (const KvConnectorMetadata::Save& save : meta.saves) {
+    auto it = send_.find(save.request_id);
+    if (it == send_.end() || it->second.state != SendState::kQueued) continue;  // failed meanwhile
+    SendRequest& s = it->second;
+    const int64_t need = CeilDiv(s.num_tokens, table->block_size());
+    if (save.num_tokens != s.num_tokens || static_cast<int64_t>(save.block_ids.size()) < need) {
+      const absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
+          "request ", s.id, ": a save of ", save.num_tokens, " tokens into ",
+          save.block_ids.size(), " blocks, but ", s.num_tokens, " tokens were handed over"));
+      Fail(s, bad);
+      if (status.ok()) status = bad;
+      continue;
+    }
+    s.local_blocks = save.block_ids;
+    s.state = SendState::kSending;
+    s.deadline = absl::Now() + absl::Milliseconds(shared_.config.kvstream.send_timeout_ms);
+    step_saves_.push_back(s.id);
+  }
+  for (const std::string& id : meta.finished) {
+    auto it = send_.find(id);
+    if (it == send_.end() || it->second.state != SendState::kQueued) continue;
+    Fail(it->second, absl::AbortedError(absl::StrCat(
+                         "the prefill worker finished request ", id, " without sending its KV")));
+  }
+  return status;
+}
+
+absl::Status ProducerSide::PostLayer(absl::string_view layer_name, const KvCache& cache,
+                                     void* stream) {
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  if (table == nullptr) return absl::OkStatus();
+  const LayerEntry* layer = table->ByName(layer_name);
+  absl::MutexLock lock(&mu_);
+  if (step_saves_.empty() || layer == nullptr) return absl::OkStatus();  // nothing, or shared KV
+  if (&cache != layer->cache) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", layer_name, "': the cache passed is not the one registered for it"));
+  }
+  for (const std::string& id : step_saves_) {
+    auto it = send_.find(id);
+    if (it == send_.end() || it->second.state != SendState::kSending) continue;
+    SendRequest& s = it->second;
+    // Routing by layer: the layer goes to the consumer (pipeline stage) that owns it.
+    auto route = s.route.find(layer->index);
+    if (route == s.route.end()) continue;
+    const Destination& dest = s.dests[route->second];
+    if (!dest.link->alive || !s.layers_posted.insert(layer->index).second) continue;
+    auto region = dest.link->regions.find(layer->index);
+    TransferId posted_k = 0;
+    absl::StatusOr<LayerPost> post =
+        region == dest.link->regions.end()
+            ? absl::InternalError(absl::StrCat("no consumer region for layer ", layer->index))
+            : sender_->Post(*layer, s.id, dest.link->peer, *region->second.first,
+                            *region->second.second, s.local_blocks, dest.dest_blocks,
+                            s.num_tokens, stream, &posted_k);
+    if (posted_k != 0) s.pending.push_back(posted_k);
+    if (!post.ok()) {
+      Fail(s, post.status());
+      if (step_error_.ok()) step_error_ = post.status();
+      continue;
+    }
+    s.pending.push_back(post->v);
+    layer_sends_[post->v] = {post->bytes, post->post_ns, dest.link->engine_id};
+    // The deadline measures the transfers, not the prefill: it restarts with every layer
+    // posted, so a long prefill is not mistaken for a consumer that stopped taking data.
+    s.deadline = absl::Now() + absl::Milliseconds(shared_.config.kvstream.send_timeout_ms);
+  }
+  shared_.Wake();
+  return absl::OkStatus();
+}
+
+absl::Status ProducerSide::StepError() const {
+  absl::MutexLock lock(&mu_);
+  return step_error_;
+}
+
+void ProducerSide::ClearStep() {
+  absl::MutexLock lock(&mu_);
+  step_saves_.clear();
+}
+
+// ---- progress ----
+
+bool ProducerSide::Poll() {
+  struct Notify {
+    std::shared_ptr<ConsumerLink> link;
+    AbortMsg msg;
+  };
+  std::vector<Notify> notify;
+  bool outstanding = false;
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  const int32_t layer_count = table == nullptr ? 0 : table->count();
+  const int64_t send_timeout_ms = shared_.config.kvstream.send_timeout_ms;
+  Transport& transport = *shared_.transport;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (auto si = send_.begin(); si != send_.end();) {
+      SendRequest& s = si->second;
+      for (auto it = s.pending.begin(); it != s.pending.end();) {
+        auto state = transport.Test(*it);
+        if (state.ok() && *state == TransferState::kInProgress) {
+          ++it;
+          continue;
+        }
+        auto ls = layer_sends_.find(*it);
+        if (ls != layer_sends_.end()) {
+          if (state.ok()) {
+            shared_.stats.LayerSent(ls->second.peer, ls->second.bytes,
+                                    static_cast<double>(MonotonicNs() - ls->second.post_ns) / 1e6);
+          }
+          layer_sends_.erase(ls);
+        }
+        if (!state.ok()) Fail(s, state.status());
+        transport.Release(*it);
+        it = s.pending.erase(it);
+      }
+      if (s.state == SendState::kSending) {
+        if (s.pending.empty() && static_cast<int32_t>(s.layers_posted.size()) == layer_count) {
+          s.state = SendState::kDone;
+        } else if (!s.pending.empty() && now > s.deadline) {
+          // Only transfers in flight can be late: while none is, the engine is still
+          // computing the next layer (the consumer's own deadlines cover a producer that
+          // stops).
+          Fail(s, absl::DeadlineExceededError(absl::StrCat(
+                      "sends did not finish within ", send_timeout_ms, " ms")));
+        }
+      }
+      // A request split over pipeline stages whose other stages never handed it over.
+      if (s.state == SendState::kGathering && now > s.gather_deadline) {
+        std::set<int32_t> missing;
+        for (int32_t l : table->indices()) {
+          if (s.route.count(l) == 0) missing.insert(l);
+        }
+        Fail(s, absl::DeadlineExceededError(absl::StrCat(
+                    "request ", s.id, " was handed over by ", DestinationNames(s),
+                    " but no consumer asked for layers ", FormatLayerSet(missing), " within ",
+                    send_timeout_ms,
+                    " ms (a pipeline stage is missing, or the stages' layer ranges leave a "
+                    "gap)")));
+      }
+      // A failed request whose transfers all ended: tell its consumers once.
+      if (s.state == SendState::kFailed && s.pending.empty()) {
+        s.state = SendState::kStopped;
+        for (const Destination& d : s.dests) {
+          if (d.link->alive) notify.push_back({d.link, AbortMsg{s.id, s.stop_reason}});
+        }
+      }
+      if (!s.pending.empty() || s.state == SendState::kSending) outstanding = true;
+      // Never given to the engine, so the engine will not finish it: forget it here.
+      if (!s.released && s.state == SendState::kStopped) {
+        si = send_.erase(si);
+      } else {
+        ++si;
+      }
+    }
+    for (auto it = rejected_stages_.begin(); it != rejected_stages_.end();) {
+      it = now > it->second.until ? rejected_stages_.erase(it) : std::next(it);
+    }
+  }
+  for (const Notify& n : notify) {
+    (void)SendConnectorMessage(*n.link->conn, n.msg, absl::Now() + absl::Seconds(1));
+  }
+  return outstanding;
+}
+
+void ProducerSide::TakeOutput(KvConnectorOutput& out) {
+  absl::MutexLock lock(&mu_);
+  for (IncomingRequest& in : incoming_) out.incoming.push_back(std::move(in));
+  incoming_.clear();
+  for (auto it = send_.begin(); it != send_.end();) {
+    const SendState st = it->second.state;
+    if (it->second.released && (st == SendState::kDone || st == SendState::kStopped)) {
+      out.finished_sending.insert(it->first);
+      it = send_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+int64_t ProducerSide::BlocksInFlight(std::map<std::string, int64_t>* by_peer) const {
+  absl::MutexLock lock(&mu_);
+  int64_t total = 0;
+  for (const auto& [id, s] : send_) {
+    if (s.state != SendState::kSending && s.state != SendState::kFailed) continue;
+    const int64_t n = static_cast<int64_t>(s.local_blocks.size());
+    total += n;
+    // Every stage of a pipeline receives some layers of all the request's blocks.
+    if (by_peer != nullptr) {
+      for (const Destination& d : s.dests) (*by_peer)[d.link->engine_id] += n;
+    }
+  }
+  return total;
+}
+
+}  // namespace internal
+}  // namespace kvstream
