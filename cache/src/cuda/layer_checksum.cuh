@@ -1,0 +1,301 @@
+// kvsum64 (kvstream/cache/layer_checksum.h) on the GPU: the kernel, its params struct, and
+// the layout of the span table the host stages for it; above `#if defined(__CUDACC__)`,
+// the arithmetic and the layout in plain C++, shared with the host implementation
+// (layer_checksum.cc) and the launcher (layer_checksum.cu).
+//
+// Work split. B's words are cut into chunks of kChunkWords (32 KiB); a persistent grid
+// (the CTAs resident on the device, at most one per chunk) takes chunks in turn. A word is
+// owned by the span holding its first byte; the host writes, for each chunk, the index of
+// the span holding the chunk's first byte (chunk_first_span), so a CTA walks from there the
+// spans that start inside its chunk, with no search. Inside one (span, chunk) part every
+// thread takes its share of the words:
+//   * a span whose words sit at 8-byte aligned addresses (address - start is a multiple of
+//     8: every cudaMalloc'ed block run at a word-aligned position of B) is read with
+//     16-byte loads (two words each), after one 8-byte load where the first word is not
+//     16-byte aligned and before one for an odd last word;
+//   * any other span is read word by word, each word funnel-shifted out of the two aligned
+//     8-byte words it straddles (loads never touch an aligned word holding none of the
+//     span's bytes, so they stay inside the allocation);
+//   * the span's last word, when the span ends inside it, is assembled byte by byte by one
+//     thread from this span and the following ones (up to 7 more bytes; zero past N).
+// Items are dealt to threads round robin across the spans of a chunk (`rot`), so that
+// chunks of many short spans still keep every thread busy.
+// Reduction: per thread a 64-bit sum, then the CTA's sum (warp shuffles, shared memory)
+// stored to partials[blockIdx.x]; the last CTA to finish (a ticket from an atomic counter
+// in the table header, which the host zeroes in the same copy as the table) adds the
+// partials and writes Mix(sum ^ N) to the result. One atomic per CTA, no second launch,
+// and nothing to reset: each call has its own header.
+#ifndef KVSTREAM_CACHE_CUDA_LAYER_CHECKSUM_CUH_
+#define KVSTREAM_CACHE_CUDA_LAYER_CHECKSUM_CUH_
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define KVSTREAM_KVSUM_HD __host__ __device__ __forceinline__
+#else
+#define KVSTREAM_KVSUM_HD inline
+#endif
+
+namespace kvstream {
+namespace internal {
+namespace kvsum64 {
+
+inline constexpr uint64_t kWeyl = 0x9E3779B97F4A7C15ull;  // 2^64 / golden ratio, odd
+
+// The splitmix64 finaliser: a bijection of 64-bit words with full avalanche.
+KVSTREAM_KVSUM_HD uint64_t Mix(uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xBF58476D1CE4E5B9ull;
+  z ^= z >> 27;
+  z *= 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return z;
+}
+
+// The summand of word `index` (0-based position in B) whose value is `word`.
+KVSTREAM_KVSUM_HD uint64_t Term(uint64_t word, uint64_t index) {
+  return Mix(word + (index + 1) * kWeyl);
+}
+
+// kvsum64 from the sum of the terms and N.
+KVSTREAM_KVSUM_HD uint64_t Finish(uint64_t sum, uint64_t total_bytes) {
+  return Mix(sum ^ total_bytes);
+}
+
+inline constexpr int kThreads = 256;              // per CTA
+inline constexpr uint64_t kChunkWords = 4096;     // 32 KiB of B per chunk
+inline constexpr uint64_t kChunkBytes = kChunkWords * 8;
+
+// The table one call stages (host layout = device layout), each piece 16-byte aligned:
+//   TableHeader                               zeroed: the CTAs' done counter
+//   SpanEntry spans[num_spans]                the non-empty spans, in order
+//   uint32_t chunk_first_span[num_chunks]     the span holding byte chunk * kChunkBytes
+//   uint64_t partials[grid]                   device only (not copied): each CTA's sum
+struct TableHeader {
+  uint32_t done_ctas;
+  uint32_t unused[3];
+};
+struct SpanEntry {
+  uint64_t address;  // device address of the span's first byte
+  uint64_t start;    // its offset in B; the span ends where the next starts (last: at N)
+};
+static_assert(sizeof(TableHeader) == 16 && sizeof(SpanEntry) == 16, "table layout");
+
+inline constexpr size_t RoundUp16(size_t x) { return (x + 15) & ~size_t{15}; }
+
+struct TableLayout {
+  size_t spans_offset = 0;
+  size_t map_offset = 0;
+  size_t partials_offset = 0;
+  size_t copy_bytes = 0;   // header, spans and map: what the host writes and copies
+  size_t total_bytes = 0;  // with the partials
+};
+
+inline TableLayout LayoutFor(size_t num_spans, uint64_t num_chunks, uint64_t grid) {
+  TableLayout t;
+  t.spans_offset = sizeof(TableHeader);
+  t.map_offset = t.spans_offset + num_spans * sizeof(SpanEntry);
+  t.partials_offset = RoundUp16(t.map_offset + static_cast<size_t>(num_chunks) * 4);
+  t.copy_bytes = t.partials_offset;
+  t.total_bytes = RoundUp16(t.partials_offset + static_cast<size_t>(grid) * 8);
+  return t;
+}
+
+inline constexpr uint64_t NumChunks(uint64_t total_bytes) {
+  return ((total_bytes + 7) / 8 + kChunkWords - 1) / kChunkWords;
+}
+
+// Everything the kernel reads, by value. Pointers are device pointers into one staged
+// table (TableLayout) except `result`, which is device memory or mapped pinned host memory.
+struct KernelParams {
+  const SpanEntry* spans;            // [num_spans]
+  const uint32_t* chunk_first_span;  // [num_chunks]
+  TableHeader* header;
+  uint64_t* partials;  // [gridDim.x]
+  uint64_t* result;
+  uint64_t num_spans;
+  uint64_t total_bytes;  // N
+  uint64_t num_chunks;   // NumChunks(N)
+};
+
+#if defined(__CUDACC__)
+
+__device__ __forceinline__ uint64_t LoadWord(uint64_t address) {
+  return __ldg(reinterpret_cast<const unsigned long long*>(address));
+}
+
+__device__ __forceinline__ uint64_t LoadByte(uint64_t address) {
+  return __ldg(reinterpret_cast<const unsigned char*>(address));
+}
+
+// The word at `address` (not 8-byte aligned): the two aligned words it straddles, both
+// holding some of its bytes, funnel-shifted.
+__device__ __forceinline__ uint64_t LoadUnalignedWord(uint64_t address) {
+  const uint64_t aligned = address & ~uint64_t{7};
+  const unsigned shift = static_cast<unsigned>(address & 7) * 8;  // 8 .. 56
+  return (LoadWord(aligned) >> shift) | (LoadWord(aligned + 8) << (64 - shift));
+}
+
+// Word `word` of B, which starts inside span `i` (its bytes from 8 * word up to `end`) and
+// runs past its end: the rest from the following spans, zero past N. One thread.
+__device__ uint64_t AssembleTailWord(const KernelParams& p, uint64_t i, uint64_t base,
+                                     uint64_t end, uint64_t word) {
+  const uint64_t first = word * 8;
+  const uint64_t last = min(first + 8, p.total_bytes);  // bytes [first, last) exist
+  uint64_t w = 0;
+  for (uint64_t b = first; b < end; ++b) w |= LoadByte(base + b) << ((b - first) * 8);
+  uint64_t at = end;
+  for (uint64_t k = i + 1; at < last && k < p.num_spans; ++k) {
+    const SpanEntry s = p.spans[k];
+    const uint64_t s_end = k + 1 < p.num_spans ? p.spans[k + 1].start : p.total_bytes;
+    const uint64_t s_base = s.address - s.start;
+    const uint64_t stop = min(s_end, last);
+    for (uint64_t b = s.start; b < stop; ++b) w |= LoadByte(s_base + b) << ((b - first) * 8);
+    at = s_end;
+  }
+  return w;
+}
+
+// The sum of this thread's terms for the words span `i` ([start, end) of B, bytes at
+// base + offset) owns in chunk words [cw0, cw1). `mine` is the index of the first item
+// this thread takes (items are dealt round robin, see `rot` in the kernel); returns the
+// number of items the part had, by which the caller turns the deal.
+__device__ __forceinline__ uint64_t SumSpanPart(const KernelParams& p, uint64_t i,
+                                                uint64_t base, uint64_t start, uint64_t end,
+                                                uint64_t cw0, uint64_t cw1, uint32_t mine,
+                                                uint64_t* items) {
+  const uint64_t ja = max(cw0, (start + 7) >> 3);  // first word whose first byte is ours
+  const uint64_t jo = min(cw1, (end + 7) >> 3);    // past the last such word in the chunk
+  *items = 0;
+  if (ja >= jo) return 0;
+  const uint64_t jf = min(jo, end >> 3);  // past the last word entirely inside the span
+  const bool tail = (end & 7) != 0 && (end >> 3) < jo;
+  uint64_t acc = 0;
+  if ((base & 7) == 0) {
+    const uint64_t lead = (ja < jf && ((base + ja * 8) & 15) != 0) ? 1 : 0;
+    const uint64_t j0 = ja + lead;  // first word of the first 16-byte aligned pair
+    const uint64_t n = jf > j0 ? jf - j0 : 0;
+    const uint64_t pairs = n >> 1;
+    const ulonglong2* const pair_ptr = reinterpret_cast<const ulonglong2*>(base + j0 * 8);
+    uint64_t k = mine;
+    // Four independent 16-byte loads in flight per thread before any is mixed.
+    for (; k + 3 * kThreads < pairs; k += 4 * kThreads) {
+      ulonglong2 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = __ldg(pair_ptr + k + u * kThreads);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const uint64_t j = j0 + 2 * (k + u * kThreads);
+        const uint64_t t = (j + 1) * kWeyl;
+        acc += Mix(v[u].x + t) + Mix(v[u].y + t + kWeyl);
+      }
+    }
+    for (; k < pairs; k += kThreads) {
+      const ulonglong2 v = __ldg(pair_ptr + k);
+      const uint64_t j = j0 + 2 * k;
+      const uint64_t t = (j + 1) * kWeyl;
+      acc += Mix(v.x + t) + Mix(v.y + t + kWeyl);
+    }
+    // Items pairs, pairs + 1, pairs + 2: the lead word, an odd last word, the tail word.
+    if (lead != 0 && (pairs & (kThreads - 1)) == mine) acc += Term(LoadWord(base + ja * 8), ja);
+    if ((n & 1) != 0 && ((pairs + 1) & (kThreads - 1)) == mine) {
+      acc += Term(LoadWord(base + (jf - 1) * 8), jf - 1);
+    }
+    if (tail && ((pairs + 2) & (kThreads - 1)) == mine) {
+      acc += Term(AssembleTailWord(p, i, base, end, end >> 3), end >> 3);
+    }
+    *items = pairs + 3;
+    return acc;
+  }
+  const uint64_t n = jf - ja;
+  uint64_t k = mine;
+  for (; k + 3 * kThreads < n; k += 4 * kThreads) {
+    uint64_t w[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) w[u] = LoadUnalignedWord(base + (ja + k + u * kThreads) * 8);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc += Term(w[u], ja + k + u * kThreads);
+  }
+  for (; k < n; k += kThreads) acc += Term(LoadUnalignedWord(base + (ja + k) * 8), ja + k);
+  if (tail && (n & (kThreads - 1)) == mine) {
+    acc += Term(AssembleTailWord(p, i, base, end, end >> 3), end >> 3);
+  }
+  *items = n + 1;
+  return acc;
+}
+
+__device__ __forceinline__ uint64_t WarpSum(uint64_t x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// The CTA's sum of `x`, valid in thread 0. REQUIRES: every thread calls it; `scratch` has
+// kThreads / 32 entries and is not in use.
+__device__ __forceinline__ uint64_t CtaSum(uint64_t x, uint64_t* scratch) {
+  x = WarpSum(x);
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  uint64_t total = 0;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+  }
+  return total;
+}
+
+// kvsum64 of the staged spans into *p.result. Grid: any number of CTAs of kThreads (at most
+// num_chunks unless num_chunks is 0, then one), each taking chunks blockIdx.x,
+// blockIdx.x + gridDim.x, ...
+__global__ void __launch_bounds__(kThreads) Kvsum64Kernel(const KernelParams p) {
+  __shared__ uint64_t scratch[kThreads / 32];
+  __shared__ bool last_cta;
+  const uint64_t num_words = (p.total_bytes + 7) >> 3;
+  uint64_t acc = 0;
+  uint32_t rot = 0;  // the thread that takes the next item of the chunk
+  for (uint64_t c = blockIdx.x; c < p.num_chunks; c += gridDim.x) {
+    const uint64_t cw0 = c * kChunkWords;
+    const uint64_t cw1 = min(cw0 + kChunkWords, num_words);
+    uint64_t i = p.chunk_first_span[c];
+    SpanEntry e = p.spans[i];
+    while (true) {
+      const bool more = i + 1 < p.num_spans;
+      const SpanEntry next = more ? p.spans[i + 1] : SpanEntry{0, p.total_bytes};
+      const uint32_t mine = (threadIdx.x - rot) & (kThreads - 1);
+      uint64_t items = 0;
+      acc += SumSpanPart(p, i, e.address - e.start, e.start, next.start, cw0, cw1, mine,
+                         &items);
+      rot = static_cast<uint32_t>((rot + items) & (kThreads - 1));
+      if (!more || next.start >= cw1 * 8) break;
+      e = next;
+      ++i;
+    }
+  }
+  const uint64_t cta_sum = CtaSum(acc, scratch);
+  if (threadIdx.x == 0) {
+    p.partials[blockIdx.x] = cta_sum;
+    __threadfence();  // the partial is visible device-wide before the ticket is taken
+    last_cta = atomicAdd(&p.header->done_ctas, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last_cta) return;
+  __threadfence();  // every other CTA's partial, fenced before its ticket, is seen
+  uint64_t sum = 0;
+  for (uint32_t b = threadIdx.x; b < gridDim.x; b += kThreads) {
+    sum += __ldcg(reinterpret_cast<const unsigned long long*>(p.partials + b));
+  }
+  __syncthreads();  // scratch is free again
+  const uint64_t total = CtaSum(sum, scratch);
+  if (threadIdx.x == 0) *p.result = Finish(total, p.total_bytes);
+}
+
+#endif  // defined(__CUDACC__)
+
+}  // namespace kvsum64
+}  // namespace internal
+}  // namespace kvstream
+
+#endif  // KVSTREAM_CACHE_CUDA_LAYER_CHECKSUM_CUH_
