@@ -250,21 +250,7 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, vo
 
   // The table, written into the staging range (free: the work that last read it is done).
   uint8_t* const host = staging_.data_as<uint8_t>() + begin;
-  std::memset(host, 0, sizeof(ks::TableHeader));
-  auto* const entries = reinterpret_cast<ks::SpanEntry*>(host + layout.spans_offset);
-  auto* const map = reinterpret_cast<uint32_t*>(host + layout.map_offset);
-  uint64_t offset = 0;
-  uint64_t next_chunk = 0;
-  uint32_t index = 0;
-  for (const ChecksumSpan& s : spans) {
-    if (s.length == 0) continue;
-    entries[index] = ks::SpanEntry{reinterpret_cast<uint64_t>(s.data), offset};
-    offset += s.length;
-    for (; next_chunk < chunks && next_chunk * ks::kChunkBytes < offset; ++next_chunk) {
-      map[next_chunk] = index;
-    }
-    ++index;
-  }
+  ks::WriteTable(spans, layout, total, host);
 
   uint8_t* const device = mirror_.data_as<uint8_t>() + begin;
   ks::KernelParams params{};

@@ -1,7 +1,9 @@
 // kvsum64 (kvstream/cache/layer_checksum.h) on the GPU: the kernel, its params struct, and
-// the layout of the span table the host stages for it; above `#if defined(__CUDACC__)`,
-// the arithmetic and the layout in plain C++, shared with the host implementation
-// (layer_checksum.cc) and the launcher (layer_checksum.cu).
+// the layout of the span table the host stages for it. Above `#if defined(__CUDACC__)`
+// everything is plain C++ as well: the arithmetic (shared with Kvsum64Host), the table
+// writer (the launcher's), and the kernel's per-thread work as a template over its loads,
+// so that the unit tests run exactly the kernel's indexing on the host (HostLoads), thread
+// by thread, where no GPU is present.
 //
 // Work split. B's words are cut into chunks of kChunkWords (32 KiB); a persistent grid
 // (the CTAs resident on the device, at most one per chunk) takes chunks in turn. A word is
@@ -30,11 +32,17 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+
+#include "absl/types/span.h"
+#include "kvstream/cache/layer_checksum.h"
 
 #if defined(__CUDACC__)
 #define KVSTREAM_KVSUM_HD __host__ __device__ __forceinline__
+#define KVSTREAM_KVSUM_UNROLL _Pragma("unroll")
 #else
 #define KVSTREAM_KVSUM_HD inline
+#define KVSTREAM_KVSUM_UNROLL
 #endif
 
 namespace kvstream {
@@ -119,91 +127,107 @@ struct KernelParams {
   uint64_t num_chunks;   // NumChunks(N)
 };
 
-#if defined(__CUDACC__)
+KVSTREAM_KVSUM_HD uint64_t MinU64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+KVSTREAM_KVSUM_HD uint64_t MaxU64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
-__device__ __forceinline__ uint64_t LoadWord(uint64_t address) {
-  return __ldg(reinterpret_cast<const unsigned long long*>(address));
-}
+struct WordPair {
+  uint64_t x, y;  // the words at address and address + 8
+};
 
-__device__ __forceinline__ uint64_t LoadByte(uint64_t address) {
-  return __ldg(reinterpret_cast<const unsigned char*>(address));
-}
+// How the code below reads memory: the kernel's loads (DeviceLoads, read-only cache path)
+// or plain host reads (HostLoads: the unit tests run the kernel's per-thread code on the
+// host over host memory, thread by thread).
+struct HostLoads {
+  static uint64_t Word(uint64_t address) {  // REQUIRES: 8-byte aligned
+    uint64_t w;
+    std::memcpy(&w, reinterpret_cast<const void*>(address), 8);
+    return w;
+  }
+  static WordPair Pair(uint64_t address) {  // REQUIRES: 16-byte aligned
+    return WordPair{Word(address), Word(address + 8)};
+  }
+  static uint64_t Byte(uint64_t address) { return *reinterpret_cast<const uint8_t*>(address); }
+};
 
 // The word at `address` (not 8-byte aligned): the two aligned words it straddles, both
-// holding some of its bytes, funnel-shifted.
-__device__ __forceinline__ uint64_t LoadUnalignedWord(uint64_t address) {
+// holding some of its bytes, funnel-shifted. Loads never touch an aligned word holding
+// none of the wanted bytes, so they stay inside the allocation.
+template <typename Loads>
+KVSTREAM_KVSUM_HD uint64_t UnalignedWord(uint64_t address) {
   const uint64_t aligned = address & ~uint64_t{7};
   const unsigned shift = static_cast<unsigned>(address & 7) * 8;  // 8 .. 56
-  return (LoadWord(aligned) >> shift) | (LoadWord(aligned + 8) << (64 - shift));
+  return (Loads::Word(aligned) >> shift) | (Loads::Word(aligned + 8) << (64 - shift));
 }
 
-// Word `word` of B, which starts inside span `i` (its bytes from 8 * word up to `end`) and
-// runs past its end: the rest from the following spans, zero past N. One thread.
-__device__ uint64_t AssembleTailWord(const KernelParams& p, uint64_t i, uint64_t base,
-                                     uint64_t end, uint64_t word) {
+// Word `word` of B, which starts inside span `i` (whose bytes up to `end` lie at base +
+// offset in B) and runs past the span's end: the rest from the following spans, zero past
+// N. One thread.
+template <typename Loads>
+KVSTREAM_KVSUM_HD uint64_t TailWord(const KernelParams& p, uint64_t i, uint64_t base, uint64_t end,
+                         uint64_t word) {
   const uint64_t first = word * 8;
-  const uint64_t last = min(first + 8, p.total_bytes);  // bytes [first, last) exist
+  const uint64_t last = MinU64(first + 8, p.total_bytes);  // bytes [first, last) exist
   uint64_t w = 0;
-  for (uint64_t b = first; b < end; ++b) w |= LoadByte(base + b) << ((b - first) * 8);
+  for (uint64_t b = first; b < end; ++b) w |= Loads::Byte(base + b) << ((b - first) * 8);
   uint64_t at = end;
   for (uint64_t k = i + 1; at < last && k < p.num_spans; ++k) {
     const SpanEntry s = p.spans[k];
     const uint64_t s_end = k + 1 < p.num_spans ? p.spans[k + 1].start : p.total_bytes;
     const uint64_t s_base = s.address - s.start;
-    const uint64_t stop = min(s_end, last);
-    for (uint64_t b = s.start; b < stop; ++b) w |= LoadByte(s_base + b) << ((b - first) * 8);
+    const uint64_t stop = MinU64(s_end, last);
+    for (uint64_t b = s.start; b < stop; ++b) w |= Loads::Byte(s_base + b) << ((b - first) * 8);
     at = s_end;
   }
   return w;
 }
 
-// The sum of this thread's terms for the words span `i` ([start, end) of B, bytes at
-// base + offset) owns in chunk words [cw0, cw1). `mine` is the index of the first item
-// this thread takes (items are dealt round robin, see `rot` in the kernel); returns the
-// number of items the part had, by which the caller turns the deal.
-__device__ __forceinline__ uint64_t SumSpanPart(const KernelParams& p, uint64_t i,
-                                                uint64_t base, uint64_t start, uint64_t end,
-                                                uint64_t cw0, uint64_t cw1, uint32_t mine,
-                                                uint64_t* items) {
-  const uint64_t ja = max(cw0, (start + 7) >> 3);  // first word whose first byte is ours
-  const uint64_t jo = min(cw1, (end + 7) >> 3);    // past the last such word in the chunk
+// The sum of this thread's terms for the words span `i` ([start, end) of B, byte b at
+// base + b) owns in chunk words [cw0, cw1). The part's items (16-byte pairs, or words,
+// then up to three single words) are dealt round robin: this thread takes items `mine`,
+// mine + kThreads, ...; *items is how many the part had, by which the caller turns the
+// deal for the next part.
+template <typename Loads>
+KVSTREAM_KVSUM_HD uint64_t SumSpanPart(const KernelParams& p, uint64_t i, uint64_t base,
+                                       uint64_t start, uint64_t end, uint64_t cw0,
+                                       uint64_t cw1, uint32_t mine, uint64_t* items) {
+  const uint64_t ja = MaxU64(cw0, (start + 7) >> 3);  // first word whose first byte is ours
+  const uint64_t jo = MinU64(cw1, (end + 7) >> 3);    // past the last such word in the chunk
   *items = 0;
   if (ja >= jo) return 0;
-  const uint64_t jf = min(jo, end >> 3);  // past the last word entirely inside the span
+  const uint64_t jf = MinU64(jo, end >> 3);  // past the last word entirely inside the span
   const bool tail = (end & 7) != 0 && (end >> 3) < jo;
+  constexpr uint64_t kMask = kThreads - 1;
   uint64_t acc = 0;
   if ((base & 7) == 0) {
     const uint64_t lead = (ja < jf && ((base + ja * 8) & 15) != 0) ? 1 : 0;
     const uint64_t j0 = ja + lead;  // first word of the first 16-byte aligned pair
     const uint64_t n = jf > j0 ? jf - j0 : 0;
     const uint64_t pairs = n >> 1;
-    const ulonglong2* const pair_ptr = reinterpret_cast<const ulonglong2*>(base + j0 * 8);
+    const uint64_t pair_base = base + j0 * 8;
     uint64_t k = mine;
     // Four independent 16-byte loads in flight per thread before any is mixed.
     for (; k + 3 * kThreads < pairs; k += 4 * kThreads) {
-      ulonglong2 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) v[u] = __ldg(pair_ptr + k + u * kThreads);
-#pragma unroll
+      WordPair v[4];
+KVSTREAM_KVSUM_UNROLL
+      for (int u = 0; u < 4; ++u) v[u] = Loads::Pair(pair_base + (k + u * kThreads) * 16);
+KVSTREAM_KVSUM_UNROLL
       for (int u = 0; u < 4; ++u) {
-        const uint64_t j = j0 + 2 * (k + u * kThreads);
-        const uint64_t t = (j + 1) * kWeyl;
+        const uint64_t t = (j0 + 2 * (k + u * kThreads) + 1) * kWeyl;
         acc += Mix(v[u].x + t) + Mix(v[u].y + t + kWeyl);
       }
     }
     for (; k < pairs; k += kThreads) {
-      const ulonglong2 v = __ldg(pair_ptr + k);
-      const uint64_t j = j0 + 2 * k;
-      const uint64_t t = (j + 1) * kWeyl;
+      const WordPair v = Loads::Pair(pair_base + k * 16);
+      const uint64_t t = (j0 + 2 * k + 1) * kWeyl;
       acc += Mix(v.x + t) + Mix(v.y + t + kWeyl);
     }
     // Items pairs, pairs + 1, pairs + 2: the lead word, an odd last word, the tail word.
-    if (lead != 0 && (pairs & (kThreads - 1)) == mine) acc += Term(LoadWord(base + ja * 8), ja);
-    if ((n & 1) != 0 && ((pairs + 1) & (kThreads - 1)) == mine) {
-      acc += Term(LoadWord(base + (jf - 1) * 8), jf - 1);
+    if (lead != 0 && (pairs & kMask) == mine) acc += Term(Loads::Word(base + ja * 8), ja);
+    if ((n & 1) != 0 && ((pairs + 1) & kMask) == mine) {
+      acc += Term(Loads::Word(base + (jf - 1) * 8), jf - 1);
     }
-    if (tail && ((pairs + 2) & (kThreads - 1)) == mine) {
-      acc += Term(AssembleTailWord(p, i, base, end, end >> 3), end >> 3);
+    if (tail && ((pairs + 2) & kMask) == mine) {
+      acc += Term(TailWord<Loads>(p, i, base, end, end >> 3), end >> 3);
     }
     *items = pairs + 3;
     return acc;
@@ -212,18 +236,87 @@ __device__ __forceinline__ uint64_t SumSpanPart(const KernelParams& p, uint64_t 
   uint64_t k = mine;
   for (; k + 3 * kThreads < n; k += 4 * kThreads) {
     uint64_t w[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) w[u] = LoadUnalignedWord(base + (ja + k + u * kThreads) * 8);
-#pragma unroll
+KVSTREAM_KVSUM_UNROLL
+    for (int u = 0; u < 4; ++u) w[u] = UnalignedWord<Loads>(base + (ja + k + u * kThreads) * 8);
+KVSTREAM_KVSUM_UNROLL
     for (int u = 0; u < 4; ++u) acc += Term(w[u], ja + k + u * kThreads);
   }
-  for (; k < n; k += kThreads) acc += Term(LoadUnalignedWord(base + (ja + k) * 8), ja + k);
-  if (tail && (n & (kThreads - 1)) == mine) {
-    acc += Term(AssembleTailWord(p, i, base, end, end >> 3), end >> 3);
+  for (; k < n; k += kThreads) acc += Term(UnalignedWord<Loads>(base + (ja + k) * 8), ja + k);
+  if (tail && (n & kMask) == mine) {
+    acc += Term(TailWord<Loads>(p, i, base, end, end >> 3), end >> 3);
   }
   *items = n + 1;
   return acc;
 }
+
+// The sum of the terms thread `thread` of CTA `cta` (of `num_ctas`) contributes: chunks
+// cta, cta + num_ctas, ..., in each the parts of the spans that start before the chunk's
+// end, from chunk_first_span on. The terms of all threads of all CTAs add up to kvsum64's
+// sum, each word counted once.
+template <typename Loads>
+KVSTREAM_KVSUM_HD uint64_t ThreadSum(const KernelParams& p, uint64_t cta, uint64_t num_ctas,
+                                     uint32_t thread) {
+  const uint64_t num_words = (p.total_bytes + 7) >> 3;
+  uint64_t acc = 0;
+  uint32_t rot = 0;  // the thread that takes the next item of the chunk
+  for (uint64_t c = cta; c < p.num_chunks; c += num_ctas) {
+    const uint64_t cw0 = c * kChunkWords;
+    const uint64_t cw1 = MinU64(cw0 + kChunkWords, num_words);
+    uint64_t i = p.chunk_first_span[c];
+    SpanEntry e = p.spans[i];
+    while (true) {
+      const bool more = i + 1 < p.num_spans;
+      const SpanEntry next = more ? p.spans[i + 1] : SpanEntry{0, p.total_bytes};
+      const uint32_t mine = (thread - rot) & (kThreads - 1);
+      uint64_t items = 0;
+      acc += SumSpanPart<Loads>(p, i, e.address - e.start, e.start, next.start, cw0, cw1, mine,
+                                &items);
+      rot = static_cast<uint32_t>((rot + items) & (kThreads - 1));
+      if (!more || next.start >= cw1 * 8) break;
+      e = next;
+      ++i;
+    }
+  }
+  return acc;
+}
+
+// Writes the table of `spans` (the non-empty ones: `num_spans`, `total_bytes` in all) at
+// `table` in `layout` (header, span entries, chunk map; not the partials). The entries'
+// addresses are the spans' pointers as they are.
+inline void WriteTable(absl::Span<const ChecksumSpan> spans, const TableLayout& layout,
+                       uint64_t total_bytes, uint8_t* table) {
+  std::memset(table, 0, sizeof(TableHeader));
+  auto* const entries = reinterpret_cast<SpanEntry*>(table + layout.spans_offset);
+  auto* const map = reinterpret_cast<uint32_t*>(table + layout.map_offset);
+  const uint64_t chunks = NumChunks(total_bytes);
+  uint64_t offset = 0;
+  uint64_t next_chunk = 0;
+  uint32_t index = 0;
+  for (const ChecksumSpan& s : spans) {
+    if (s.length == 0) continue;
+    entries[index] = SpanEntry{reinterpret_cast<uint64_t>(s.data), offset};
+    offset += s.length;
+    for (; next_chunk < chunks && next_chunk * kChunkBytes < offset; ++next_chunk) {
+      map[next_chunk] = index;
+    }
+    ++index;
+  }
+}
+
+#if defined(__CUDACC__)
+
+struct DeviceLoads {
+  static __device__ __forceinline__ uint64_t Word(uint64_t address) {
+    return __ldg(reinterpret_cast<const unsigned long long*>(address));
+  }
+  static __device__ __forceinline__ WordPair Pair(uint64_t address) {
+    const ulonglong2 v = __ldg(reinterpret_cast<const ulonglong2*>(address));
+    return WordPair{v.x, v.y};
+  }
+  static __device__ __forceinline__ uint64_t Byte(uint64_t address) {
+    return __ldg(reinterpret_cast<const unsigned char*>(address));
+  }
+};
 
 __device__ __forceinline__ uint64_t WarpSum(uint64_t x) {
 #pragma unroll
@@ -253,27 +346,7 @@ __device__ __forceinline__ uint64_t CtaSum(uint64_t x, uint64_t* scratch) {
 __global__ void __launch_bounds__(kThreads) Kvsum64Kernel(const KernelParams p) {
   __shared__ uint64_t scratch[kThreads / 32];
   __shared__ bool last_cta;
-  const uint64_t num_words = (p.total_bytes + 7) >> 3;
-  uint64_t acc = 0;
-  uint32_t rot = 0;  // the thread that takes the next item of the chunk
-  for (uint64_t c = blockIdx.x; c < p.num_chunks; c += gridDim.x) {
-    const uint64_t cw0 = c * kChunkWords;
-    const uint64_t cw1 = min(cw0 + kChunkWords, num_words);
-    uint64_t i = p.chunk_first_span[c];
-    SpanEntry e = p.spans[i];
-    while (true) {
-      const bool more = i + 1 < p.num_spans;
-      const SpanEntry next = more ? p.spans[i + 1] : SpanEntry{0, p.total_bytes};
-      const uint32_t mine = (threadIdx.x - rot) & (kThreads - 1);
-      uint64_t items = 0;
-      acc += SumSpanPart(p, i, e.address - e.start, e.start, next.start, cw0, cw1, mine,
-                         &items);
-      rot = static_cast<uint32_t>((rot + items) & (kThreads - 1));
-      if (!more || next.start >= cw1 * 8) break;
-      e = next;
-      ++i;
-    }
-  }
+  const uint64_t acc = ThreadSum<DeviceLoads>(p, blockIdx.x, gridDim.x, threadIdx.x);
   const uint64_t cta_sum = CtaSum(acc, scratch);
   if (threadIdx.x == 0) {
     p.partials[blockIdx.x] = cta_sum;
