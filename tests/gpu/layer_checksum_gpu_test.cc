@@ -93,40 +93,36 @@ Mirror MakeMirror(int count, uint32_t seed, LengthFn length, GapFn gap) {
 }
 
 // Blocks a stream from the host until released (or 20 s passed): a host function that
-// waits on a flag, so that work queued behind it is deterministically pending.
+// waits on a flag, so that work queued behind it is deterministically pending. The flag
+// lives in state the host function owns a reference to, so it may run after this object
+// is gone.
 class StreamHold {
  public:
   static absl::StatusOr<std::unique_ptr<StreamHold>> Create(void* stream) {
-    std::unique_ptr<StreamHold> h(new StreamHold(stream));
-    RETURN_IF_ERROR(CudaErrorToStatus(
-        static_cast<int>(cudaLaunchHostFunc(static_cast<cudaStream_t>(stream), &Wait, h.get())),
-        "cudaLaunchHostFunc"));
-    return h;
-  }
-  void Release() { released_.store(true); }
-  // Releases, then waits for the host function to have returned (it reads *this).
-  ~StreamHold() {
-    Release();
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (!finished_.load() && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    auto released = std::make_shared<std::atomic<bool>>(false);
+    auto* arg = new std::shared_ptr<std::atomic<bool>>(released);
+    const cudaError_t e = cudaLaunchHostFunc(static_cast<cudaStream_t>(stream), &Wait, arg);
+    if (e != cudaSuccess) {
+      delete arg;
+      return CudaErrorToStatus(static_cast<int>(e), "cudaLaunchHostFunc");
     }
+    return std::unique_ptr<StreamHold>(new StreamHold(std::move(released)));
   }
+  ~StreamHold() { released_->store(true); }
 
  private:
-  explicit StreamHold(void* stream) : stream_(stream) {}
+  explicit StreamHold(std::shared_ptr<std::atomic<bool>> released)
+      : released_(std::move(released)) {}
   static void CUDART_CB Wait(void* arg) {
-    auto* self = static_cast<StreamHold*>(arg);
+    std::unique_ptr<std::shared_ptr<std::atomic<bool>>> released(
+        static_cast<std::shared_ptr<std::atomic<bool>>*>(arg));
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!self->released_.load() && std::chrono::steady_clock::now() < deadline) {
+    while (!(*released)->load() && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
-    self->finished_.store(true);
   }
 
-  void* stream_;
-  std::atomic<bool> released_{false};
-  std::atomic<bool> finished_{false};
+  std::shared_ptr<std::atomic<bool>> released_;
 };
 
 class LayerChecksumGpuTest : public ::testing::TestWithParam<TableCopy> {
@@ -263,7 +259,7 @@ TEST_P(LayerChecksumGpuTest, RegisteredHostResult) {
       [](std::mt19937& r) { return 2 * (r() % 8) + 1; });
   ASSERT_TRUE(Upload(m, 5).ok());
   std::vector<uint64_t> registered(512, 0);
-  ASSERT_EQ(cudaHostRegister(registered.data(), registered.size() * 8, cudaHostRegisterDefault),
+  ASSERT_EQ(cudaHostRegister(registered.data(), registered.size() * 8, cudaHostRegisterMapped),
             cudaSuccess);
   const absl::Status enqueued = (*summer)->Enqueue(m.DeviceSpans(), stream_.get(), &registered[7]);
   const absl::Status waited = Wait(stream_.get());

@@ -123,7 +123,8 @@ class DeviceChecksummer {
   // Enqueues kvsum64 of the concatenation of `spans` on `stream` (a cudaStream_t of
   // options.device; null: that device's legacy default stream) and returns without
   // waiting. The kernel writes the result to `*result`, 8-byte aligned pinned host memory
-  // (cudaMallocHost, cudaHostAlloc or cudaHostRegister) or device memory of
+  // mapped into the device's address space (cudaMallocHost, cudaHostAlloc, cudaHostRegister
+  // with cudaHostRegisterMapped), managed memory, or device memory of
   // options.device; the caller learns it is there by an event it records on `stream` after
   // this call (or any later synchronisation with `stream`). The spans are read by the
   // kernel when it runs, so they must hold the bytes to check by then (work that writes
@@ -139,10 +140,12 @@ class DeviceChecksummer {
   // than 2^32 - 2 non-empty spans, a stream of another device, or a table larger than the
   // whole staging ring (naming both sizes); ResourceExhausted when options.max_in_flight
   // calls are pending or the ring has no room for this call's table now (try again once
-  // earlier work completed); FailedPrecondition once a CUDA call failed after work was
-  // enqueued (the staging space it used cannot be known to be free again; create a new
-  // checksummer); FailedPrecondition in builds without CUDA; CUDA errors mapped by
-  // CudaErrorToStatus. Pointers in `spans` that are not device memory of options.device
+  // earlier work completed); FailedPrecondition from the call whose completion event could
+  // not be recorded and every call after it (the staging range that call used can no
+  // longer be known to be free; create a new checksummer); FailedPrecondition in builds
+  // without CUDA; CUDA errors mapped by CudaErrorToStatus (a failed kernel launch after
+  // the table copy was enqueued keeps its range until the copy is done, and the
+  // checksummer stays usable). Pointers in `spans` that are not device memory of options.device
   // (or mapped to it) make the kernel fault, which CUDA reports on `stream` (a sticky
   // error): they cannot be checked without a driver call per span.
   //
