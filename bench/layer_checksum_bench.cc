@@ -17,6 +17,9 @@
 // the stream until all are enqueued, so host-side work never shows up as GPU idle time.
 //
 //   kvstream_bench_layer_checksum [--benchmark_filter=DeviceChecksum]
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -27,9 +30,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <benchmark/benchmark.h>
-#include <cuda_runtime.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -66,10 +66,11 @@ absl::StatusOr<Gpu*> GetGpu() {
       RETURN_IF_ERROR(CudaErrorToStatus(
           static_cast<int>(cudaDeviceGetAttribute(&g->num_sms, cudaDevAttrMultiProcessorCount, 0)),
           "cudaDeviceGetAttribute"));
-      ASSIGN_OR_RETURN(g->flag_buffer, DeviceBuffer::CreateZeroed(sizeof(int), MemoryKind::kPinned));
+      ASSIGN_OR_RETURN(g->flag_buffer,
+                       DeviceBuffer::CreateZeroed(sizeof(int), MemoryKind::kPinned));
       g->flag = g->flag_buffer.data_as<int>();
-      ASSIGN_OR_RETURN(g->sink,
-                       DeviceBuffer::Create(sizeof(uint32_t) * g->num_sms * 8, MemoryKind::kDevice));
+      ASSIGN_OR_RETURN(
+          g->sink, DeviceBuffer::Create(sizeof(uint32_t) * g->num_sms * 8, MemoryKind::kDevice));
       return g.release();  // lives for the process
     };
     return new absl::StatusOr<Gpu*>(make());
@@ -136,15 +137,15 @@ absl::StatusOr<std::vector<Layer>> MakeLayers(Gpu& gpu, int64_t tokens, bool odd
   for (int l = 0; l < count; ++l) {
     Layer& layer = layers[static_cast<size_t>(l)];
     ASSIGN_OR_RETURN(layer.bytes, DeviceBuffer::Create(layer_bytes, MemoryKind::kDevice));
-    RETURN_IF_ERROR(CudaErrorToStatus(
-        bench::LaunchFillRandom(layer.bytes.data(), layer_bytes / 2, /*bf16=*/2,
-                                static_cast<uint32_t>(l + 1), gpu.stream.get()),
-        "fill kernel"));
+    RETURN_IF_ERROR(
+        CudaErrorToStatus(bench::LaunchFillRandom(layer.bytes.data(), layer_bytes / 2, /*bf16=*/2,
+                                                  static_cast<uint32_t>(l + 1), gpu.stream.get()),
+                          "fill kernel"));
     RETURN_IF_ERROR(gpu.stream.Synchronize(absl::Seconds(60)));
-    RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaMemcpy(host.data(), layer.bytes.data(),
-                                                                  layer_bytes,
-                                                                  cudaMemcpyDeviceToHost)),
-                                      "cudaMemcpy to host"));
+    RETURN_IF_ERROR(
+        CudaErrorToStatus(static_cast<int>(cudaMemcpy(host.data(), layer.bytes.data(), layer_bytes,
+                                                      cudaMemcpyDeviceToHost)),
+                          "cudaMemcpy to host"));
     std::vector<ChecksumSpan> host_spans;
     for (const auto& [offset, length] : LayerRanges(blocks, static_cast<uint32_t>(l + 7), odd)) {
       layer.spans.push_back({layer.bytes.data_as<uint8_t>() + offset, length});
@@ -162,12 +163,13 @@ absl::StatusOr<double> StreamingReadGbps(Gpu& gpu, const std::vector<Layer>& lay
   double best = 0;
   for (int round = 0; round < 3; ++round) {
     ASSIGN_OR_RETURN(const double s, SecondsPerCall(gpu, [&](int i) {
-      const Layer& layer = layers[static_cast<size_t>(i) % layers.size()];
-      return CudaErrorToStatus(
-          bench::LaunchStreamingRead(layer.bytes.data(), layer.bytes.size(),
-                                     gpu.sink.data_as<uint32_t>(), gpu.num_sms, gpu.stream.get()),
-          "streaming read");
-    }));
+                       const Layer& layer = layers[static_cast<size_t>(i) % layers.size()];
+                       return CudaErrorToStatus(
+                           bench::LaunchStreamingRead(layer.bytes.data(), layer.bytes.size(),
+                                                      gpu.sink.data_as<uint32_t>(), gpu.num_sms,
+                                                      gpu.stream.get()),
+                           "streaming read");
+                     }));
     best = std::max(best, static_cast<double>(layers[0].bytes.size()) / s * 1e-9);
   }
   return best;
@@ -176,16 +178,17 @@ absl::StatusOr<double> StreamingReadGbps(Gpu& gpu, const std::vector<Layer>& lay
 void BM_DeviceChecksum(benchmark::State& state) {
   absl::StatusOr<Gpu*> g = GetGpu();
   if (!g.ok()) {
-    Fail(state, absl::FailedPreconditionError(absl::StrCat("no usable GPU: ", g.status().message())));
+    Fail(state,
+         absl::FailedPreconditionError(absl::StrCat("no usable GPU: ", g.status().message())));
     return;
   }
   Gpu& gpu = **g;
   const int64_t tokens = state.range(0);
   const bool caller_copy = state.range(1) != 0;
   const bool odd = state.range(2) != 0;
-  state.SetLabel(absl::StrCat(caller_copy ? "table copy on the caller's stream"
-                                          : "table copy on the checksummer's stream",
-                              odd ? ", odd offsets" : ""));
+  state.SetLabel(absl::StrCat(
+      caller_copy ? "table copy on the caller's stream" : "table copy on the checksummer's stream",
+      odd ? ", odd offsets" : ""));
   auto run = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(const std::vector<Layer> layers, MakeLayers(gpu, tokens, odd));
     DeviceChecksummer::Options options;
@@ -197,8 +200,8 @@ void BM_DeviceChecksum(benchmark::State& state) {
                      DeviceBuffer::CreateZeroed(8 * kLaunchesPerBatch, MemoryKind::kPinned));
     ASSIGN_OR_RETURN(const double read_gbps, StreamingReadGbps(gpu, layers));
     auto enqueue = [&](int i) {
-      return summer->Enqueue(layers[static_cast<size_t>(i) % layers.size()].spans,
-                             gpu.stream.get(), results.data_as<uint64_t>() + i);
+      return summer->Enqueue(layers[static_cast<size_t>(i) % layers.size()].spans, gpu.stream.get(),
+                             results.data_as<uint64_t>() + i);
     };
     double total_s = 0;
     int64_t batches = 0;
@@ -256,7 +259,8 @@ void BM_HostChecksum(benchmark::State& state) {
   for (int i = 0; i < 5; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     benchmark::DoNotOptimize(plain_read());
-    read_s = std::min(read_s, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    read_s = std::min(read_s,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   double total_s = 0;
   int64_t runs = 0;

@@ -2,11 +2,12 @@
 // wherever a span's bytes line up with B's words, with the few bytes around a span boundary
 // that falls inside a word gathered into that word first. The arithmetic is the kernel's
 // (cuda/layer_checksum.cuh), so both give the same bits by construction.
+#include "cuda/layer_checksum.cuh"
+
 #include <cstdint>
 #include <cstring>
 
 #include "absl/types/span.h"
-#include "cuda/layer_checksum.cuh"
 #include "kvstream/cache/layer_checksum.h"
 
 namespace kvstream {

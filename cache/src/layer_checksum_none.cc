@@ -12,8 +12,8 @@ absl::StatusOr<std::unique_ptr<DeviceChecksummer>> DeviceChecksummer::Create(
 
 DeviceChecksummer::~DeviceChecksummer() = default;
 
-absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> /*spans*/,
-                                        void* /*stream*/, uint64_t* /*result*/) {
+absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> /*spans*/, void* /*stream*/,
+                                        uint64_t* /*result*/) {
   return absl::FailedPreconditionError(
       "DeviceChecksummer: kvstream was built without CUDA (KVSTREAM_CUDA=OFF or no nvcc)");
 }

@@ -7,6 +7,7 @@
 // and rejected arguments. Both ways of copying the table (internal stream, caller's
 // stream). Skips, saying why, where no GPU can be used.
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
@@ -19,8 +20,6 @@
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -218,8 +217,8 @@ TEST_P(LayerChecksumGpuTest, TinyAndEmptyInputs) {
     for (uint64_t prefix = 0; prefix < 16; ++prefix) {
       for (uint64_t offset = 0; offset < 16; ++offset) {
         grid.ranges = {{2048 + offset, prefix}, {offset, length}, {1024 + offset, 9}};
-        ExpectMatches(**summer, grid, absl::StrCat("length ", length, " prefix ", prefix,
-                                                   " offset ", offset));
+        ExpectMatches(**summer, grid,
+                      absl::StrCat("length ", length, " prefix ", prefix, " offset ", offset));
         if (HasFailure()) return;
       }
     }
@@ -317,8 +316,7 @@ TEST_P(LayerChecksumGpuTest, RingWrapsRunsOutAndRecovers) {
     return MakeMirror(
         count, seed, [](std::mt19937&) { return 64; }, [](std::mt19937& r) { return r() % 3; });
   };
-  Mirror a = spans_of(1400, 1), b = spans_of(1400, 2), c = spans_of(1400, 3),
-         d = spans_of(1400, 4);
+  Mirror a = spans_of(1400, 1), b = spans_of(1400, 2), c = spans_of(1400, 3), d = spans_of(1400, 4);
   for (Mirror* m : {&a, &b, &c, &d}) ASSERT_TRUE(Upload(*m, 9).ok());
   const size_t call = s.StagingBytesFor(1400, 1400 * 64);
   ASSERT_GT(call, kRing / 3);  // three do not fit: the third wraps or waits

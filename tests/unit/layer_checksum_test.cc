@@ -9,6 +9,10 @@
 // that holds none of a span's bytes), against Kvsum64Host: random spans at odd offsets,
 // tiny spans, every alignment, grids of 1 to 1056 CTAs. And what DeviceChecksummer::Create
 // says where no GPU can be used.
+#include "cache/src/cuda/layer_checksum.cuh"
+
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -18,9 +22,6 @@
 #include <utility>
 #include <vector>
 
-#include <gtest/gtest.h>
-
-#include "cache/src/cuda/layer_checksum.cuh"
 #include "kvstream/cache/layer_checksum.h"
 #include "kvstream/common/cuda_status.h"
 
@@ -271,16 +272,19 @@ struct CheckedLoads {
   }
   static uint64_t Word(uint64_t address) {
     if (address % 8 != 0) Violation("misaligned 8-byte load", address);
-    if (!Covered(address, address + 8, /*any=*/true)) Violation("8-byte load off every span", address);
+    if (!Covered(address, address + 8, /*any=*/true))
+      Violation("8-byte load off every span", address);
     return ks::HostLoads::Word(address);
   }
   static ks::WordPair Pair(uint64_t address) {
     if (address % 16 != 0) Violation("misaligned 16-byte load", address);
-    if (!Covered(address, address + 16, /*any=*/false)) Violation("16-byte load outside a span", address);
+    if (!Covered(address, address + 16, /*any=*/false))
+      Violation("16-byte load outside a span", address);
     return ks::HostLoads::Pair(address);
   }
   static uint64_t Byte(uint64_t address) {
-    if (!Covered(address, address + 1, /*any=*/false)) Violation("byte load outside a span", address);
+    if (!Covered(address, address + 1, /*any=*/false))
+      Violation("byte load outside a span", address);
     return ks::HostLoads::Byte(address);
   }
 };
@@ -358,8 +362,8 @@ void ExpectKernelMatchesHost(absl::Span<const ChecksumSpan> spans, const std::st
   for (const uint64_t resident : {uint64_t{1}, uint64_t{3}, uint64_t{1056}}) {
     const uint64_t grid = GridFor(total, resident);
     EXPECT_EQ(EmulatedKernel(spans, grid), want) << what << ", grid " << grid;
-    EXPECT_EQ(CheckedLoads::Violations(), 0) << what << ", grid " << grid << ": "
-                                              << CheckedLoads::First();
+    EXPECT_EQ(CheckedLoads::Violations(), 0)
+        << what << ", grid " << grid << ": " << CheckedLoads::First();
   }
 }
 
@@ -382,8 +386,8 @@ TEST(Kvsum64Kernel, RandomLengthsAtOddOffsets) {
 TEST(Kvsum64Kernel, TinySpansSharingWords) {
   // Lengths 1 .. 9 at any gap: most words of B are assembled from several spans.
   Arena a = MakeArena(
-      3000, 7, [](std::mt19937& r) { return 1 + r() % 9; },
-      [](std::mt19937& r) { return r() % 4; }, /*in_order=*/false);
+      3000, 7, [](std::mt19937& r) { return 1 + r() % 9; }, [](std::mt19937& r) { return r() % 4; },
+      /*in_order=*/false);
   ExpectKernelMatchesHost(a.spans, "tiny spans");
   Arena ones = MakeArena(
       200, 8, [](std::mt19937&) { return 1; }, [](std::mt19937& r) { return r() % 3; },
@@ -481,12 +485,10 @@ TEST(DeviceChecksummer, CreateRejectsOptionsOutOfRange) {
   if (!BuiltWithCuda()) GTEST_SKIP() << "built without CUDA: Create always fails";
   DeviceChecksummer::Options options;
   options.max_in_flight = 0;
-  EXPECT_EQ(DeviceChecksummer::Create(options).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DeviceChecksummer::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
   options = DeviceChecksummer::Options();
   options.staging_bytes = 100;
-  EXPECT_EQ(DeviceChecksummer::Create(options).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DeviceChecksummer::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

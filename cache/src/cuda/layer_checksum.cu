@@ -46,18 +46,19 @@ absl::StatusOr<uint64_t*> ResultAddress(uint64_t* result, int device) {
     return absl::InvalidArgumentError("DeviceChecksummer::Enqueue: result is null");
   }
   if (reinterpret_cast<uintptr_t>(result) % alignof(uint64_t) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("DeviceChecksummer::Enqueue: result ", absl::Hex(reinterpret_cast<uintptr_t>(result)),
-                     " is not 8-byte aligned"));
+    return absl::InvalidArgumentError(absl::StrCat("DeviceChecksummer::Enqueue: result ",
+                                                   absl::Hex(reinterpret_cast<uintptr_t>(result)),
+                                                   " is not 8-byte aligned"));
   }
   cudaPointerAttributes attr{};
-  RETURN_IF_ERROR(Cuda(cudaPointerGetAttributes(&attr, result), "cudaPointerGetAttributes(result)"));
+  RETURN_IF_ERROR(
+      Cuda(cudaPointerGetAttributes(&attr, result), "cudaPointerGetAttributes(result)"));
   switch (attr.type) {
     case cudaMemoryTypeDevice:
       if (attr.device != device) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "DeviceChecksummer::Enqueue: result is memory of device ", attr.device,
-            ", the checksummer runs on device ", device));
+        return absl::InvalidArgumentError(
+            absl::StrCat("DeviceChecksummer::Enqueue: result is memory of device ", attr.device,
+                         ", the checksummer runs on device ", device));
       }
       return result;
     case cudaMemoryTypeManaged: return result;
@@ -85,9 +86,9 @@ absl::StatusOr<std::unique_ptr<DeviceChecksummer>> DeviceChecksummer::Create(
                      options.max_in_flight));
   }
   if (options.staging_bytes < kMinStagingBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceChecksummer: staging_bytes must be at least ",
-                                                   kMinStagingBytes, ", got ",
-                                                   options.staging_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("DeviceChecksummer: staging_bytes must be at least ", kMinStagingBytes,
+                     ", got ", options.staging_bytes));
   }
   if (options.table_copy != TableCopy::kInternalStream &&
       options.table_copy != TableCopy::kCallerStream) {
@@ -108,9 +109,9 @@ absl::StatusOr<std::unique_ptr<DeviceChecksummer>> DeviceChecksummer::Create(
   int per_sm = 0;
   RETURN_IF_ERROR(Cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, options.device),
                        "cudaDeviceGetAttribute(multiprocessors)"));
-  RETURN_IF_ERROR(Cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ks::Kvsum64Kernel,
-                                                                     ks::kThreads, 0),
-                       "cudaOccupancyMaxActiveBlocksPerMultiprocessor(kvsum64)"));
+  RETURN_IF_ERROR(Cuda(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ks::Kvsum64Kernel, ks::kThreads, 0),
+      "cudaOccupancyMaxActiveBlocksPerMultiprocessor(kvsum64)"));
   c->ctas_per_launch_ = std::max(1, sms * per_sm);
   // Staging ranges are 16-byte aligned offsets into buffers whose bases are (at least)
   // 256-byte aligned.
@@ -140,8 +141,8 @@ DeviceChecksummer::~DeviceChecksummer() {
   bool pending = false;
   absl::MutexLock lock(&mu_);
   for (const InFlight& call : in_flight_) {
-    const absl::Status s =
-        done_events_[static_cast<size_t>(call.slot)].Synchronize(std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    const absl::Status s = done_events_[static_cast<size_t>(call.slot)].Synchronize(
+        std::max(deadline - absl::Now(), absl::ZeroDuration()));
     if (absl::IsDeadlineExceeded(s)) pending = true;
   }
   if (!broken_.ok()) pending = true;  // a range may be read by work no event tracks
@@ -156,7 +157,8 @@ DeviceChecksummer::~DeviceChecksummer() {
 
 size_t DeviceChecksummer::StagingBytesFor(size_t num_spans, uint64_t total_bytes) const {
   const uint64_t chunks = ks::NumChunks(total_bytes);
-  const uint64_t grid = std::max<uint64_t>(1, std::min<uint64_t>(chunks, static_cast<uint64_t>(ctas_per_launch_)));
+  const uint64_t grid =
+      std::max<uint64_t>(1, std::min<uint64_t>(chunks, static_cast<uint64_t>(ctas_per_launch_)));
   return ks::LayoutFor(num_spans, chunks, grid).total_bytes;
 }
 
@@ -184,10 +186,10 @@ absl::StatusOr<size_t> DeviceChecksummer::AllocateLocked(size_t bytes) {
   } else if (head_ < tail && tail - head_ >= bytes) {
     return head_;
   }
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "DeviceChecksummer::Enqueue: the staging ring has no room for ", bytes,
-      " bytes of span table now (", in_flight_.size(), " calls in flight over ", ring,
-      " bytes); retry once earlier checksums completed"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("DeviceChecksummer::Enqueue: the staging ring has no room for ", bytes,
+                   " bytes of span table now (", in_flight_.size(), " calls in flight over ", ring,
+                   " bytes); retry once earlier checksums completed"));
 }
 
 absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, void* stream,
@@ -202,8 +204,9 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, vo
                                                      " has a null pointer and length ", s.length));
     }
     if (s.length > kMaxTotalBytes - total) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("DeviceChecksummer::Enqueue: the spans add up to more than 2^62 bytes (at span ", i, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "DeviceChecksummer::Enqueue: the spans add up to more than 2^62 bytes (at span ", i,
+          ")"));
     }
     total += s.length;
     ++num_spans;
@@ -219,9 +222,9 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, vo
   int stream_device = -1;
   RETURN_IF_ERROR(Cuda(cudaStreamGetDevice(caller, &stream_device), "cudaStreamGetDevice"));
   if (stream_device != options_.device) {
-    return absl::InvalidArgumentError(absl::StrCat("DeviceChecksummer::Enqueue: the stream belongs to device ",
-                                                   stream_device, ", the checksummer to device ",
-                                                   options_.device));
+    return absl::InvalidArgumentError(
+        absl::StrCat("DeviceChecksummer::Enqueue: the stream belongs to device ", stream_device,
+                     ", the checksummer to device ", options_.device));
   }
 #endif
   ASSIGN_OR_RETURN(uint64_t* const device_result, ResultAddress(result, options_.device));
@@ -266,9 +269,9 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, vo
   const bool internal_copy = options_.table_copy == TableCopy::kInternalStream;
   const cudaStream_t copy_stream =
       internal_copy ? static_cast<cudaStream_t>(copy_stream_.get()) : caller;
-  RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(device, host, layout.copy_bytes, cudaMemcpyHostToDevice,
-                                       copy_stream),
-                       "cudaMemcpyAsync(checksum span table)"));
+  RETURN_IF_ERROR(
+      Cuda(cudaMemcpyAsync(device, host, layout.copy_bytes, cudaMemcpyHostToDevice, copy_stream),
+           "cudaMemcpyAsync(checksum span table)"));
   // From here on the range may be read by enqueued work: it is released only through an
   // event recorded after that work.
   bool launched = false;
@@ -286,10 +289,11 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, vo
   const absl::Status recorded =
       done_events_[static_cast<size_t>(slot)].Record(launched ? caller : copy_stream);
   if (!recorded.ok()) {
-    broken_.Update(absl::FailedPreconditionError(absl::StrCat(
-        "DeviceChecksummer: an earlier call could not record its completion event (",
-        recorded.message(), "); its staging range may still be in use, so this checksummer "
-        "takes no more work")));
+    broken_.Update(absl::FailedPreconditionError(
+        absl::StrCat("DeviceChecksummer: an earlier call could not record its completion event (",
+                     recorded.message(),
+                     "); its staging range may still be in use, so this checksummer "
+                     "takes no more work")));
     return status.ok() ? recorded : status;
   }
   free_slots_.pop_back();

@@ -71,8 +71,8 @@ KVSTREAM_KVSUM_HD uint64_t Finish(uint64_t sum, uint64_t total_bytes) {
   return Mix(sum ^ total_bytes);
 }
 
-inline constexpr int kThreads = 256;              // per CTA
-inline constexpr uint64_t kChunkWords = 4096;     // 32 KiB of B per chunk
+inline constexpr int kThreads = 256;           // per CTA
+inline constexpr uint64_t kChunkWords = 4096;  // 32 KiB of B per chunk
 inline constexpr uint64_t kChunkBytes = kChunkWords * 8;
 
 // The table one call stages (host layout = device layout), each piece 16-byte aligned:
@@ -164,7 +164,7 @@ KVSTREAM_KVSUM_HD uint64_t UnalignedWord(uint64_t address) {
 // N. One thread.
 template <typename Loads>
 KVSTREAM_KVSUM_HD uint64_t TailWord(const KernelParams& p, uint64_t i, uint64_t base, uint64_t end,
-                         uint64_t word) {
+                                    uint64_t word) {
   const uint64_t first = word * 8;
   const uint64_t last = MinU64(first + 8, p.total_bytes);  // bytes [first, last) exist
   uint64_t w = 0;
@@ -188,8 +188,8 @@ KVSTREAM_KVSUM_HD uint64_t TailWord(const KernelParams& p, uint64_t i, uint64_t 
 // deal for the next part.
 template <typename Loads>
 KVSTREAM_KVSUM_HD uint64_t SumSpanPart(const KernelParams& p, uint64_t i, uint64_t base,
-                                       uint64_t start, uint64_t end, uint64_t cw0,
-                                       uint64_t cw1, uint32_t mine, uint64_t* items) {
+                                       uint64_t start, uint64_t end, uint64_t cw0, uint64_t cw1,
+                                       uint32_t mine, uint64_t* items) {
   const uint64_t ja = MaxU64(cw0, (start + 7) >> 3);  // first word whose first byte is ours
   const uint64_t jo = MinU64(cw1, (end + 7) >> 3);    // past the last such word in the chunk
   *items = 0;
@@ -208,9 +208,9 @@ KVSTREAM_KVSUM_HD uint64_t SumSpanPart(const KernelParams& p, uint64_t i, uint64
     // Four independent 16-byte loads in flight per thread before any is mixed.
     for (; k + 3 * kThreads < pairs; k += 4 * kThreads) {
       WordPair v[4];
-KVSTREAM_KVSUM_UNROLL
+      KVSTREAM_KVSUM_UNROLL
       for (int u = 0; u < 4; ++u) v[u] = Loads::Pair(pair_base + (k + u * kThreads) * 16);
-KVSTREAM_KVSUM_UNROLL
+      KVSTREAM_KVSUM_UNROLL
       for (int u = 0; u < 4; ++u) {
         const uint64_t t = (j0 + 2 * (k + u * kThreads) + 1) * kWeyl;
         acc += Mix(v[u].x + t) + Mix(v[u].y + t + kWeyl);
@@ -236,9 +236,9 @@ KVSTREAM_KVSUM_UNROLL
   uint64_t k = mine;
   for (; k + 3 * kThreads < n; k += 4 * kThreads) {
     uint64_t w[4];
-KVSTREAM_KVSUM_UNROLL
+    KVSTREAM_KVSUM_UNROLL
     for (int u = 0; u < 4; ++u) w[u] = UnalignedWord<Loads>(base + (ja + k + u * kThreads) * 8);
-KVSTREAM_KVSUM_UNROLL
+    KVSTREAM_KVSUM_UNROLL
     for (int u = 0; u < 4; ++u) acc += Term(w[u], ja + k + u * kThreads);
   }
   for (; k < n; k += kThreads) acc += Term(UnalignedWord<Loads>(base + (ja + k) * 8), ja + k);

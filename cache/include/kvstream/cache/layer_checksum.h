@@ -185,7 +185,7 @@ class DeviceChecksummer {
   absl::Mutex mu_;
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);
   std::vector<int> free_slots_ ABSL_GUARDED_BY(mu_);
-  size_t head_ ABSL_GUARDED_BY(mu_) = 0;  // where the next allocation starts looking
+  size_t head_ ABSL_GUARDED_BY(mu_) = 0;      // where the next allocation starts looking
   absl::Status broken_ ABSL_GUARDED_BY(mu_);  // set when staging space may be lost
 };
 
