@@ -1,4 +1,5 @@
-// Kvsum64Host (kvstream/cache/layer_checksum.h): one pass over the spans, 8 bytes at a time
+// Kvsum64Host (kvstream/cache/layer_checksum.h), and DeviceChecksummer::StagingBytesFor,
+// which every build has. Kvsum64Host: one pass over the spans, 8 bytes at a time
 // wherever a span's bytes line up with B's words, with the few bytes around a span boundary
 // that falls inside a word gathered into that word first. The arithmetic is the kernel's
 // (cuda/layer_checksum.cuh), so both give the same bits by construction.
@@ -74,6 +75,10 @@ uint64_t Kvsum64Host(absl::Span<const ChecksumSpan> spans) {
   }
   if ((pos & 7) != 0) sum += ks::Term(partial, pos >> 3);  // zero-padded last word
   return ks::Finish(sum, pos);
+}
+
+size_t DeviceChecksummer::StagingBytesFor(size_t num_spans, uint64_t total_bytes) {
+  return ks::LayoutFor(num_spans, ks::NumChunks(total_bytes)).bytes;
 }
 
 }  // namespace kvstream

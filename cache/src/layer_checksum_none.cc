@@ -1,5 +1,6 @@
 // DeviceChecksummer in builds without CUDA: the class exists so that callers link in every
 // build; Create says why it cannot run, so no instance (and no other member) is reachable.
+// StagingBytesFor, plain arithmetic, is in layer_checksum.cc.
 #include "kvstream/cache/layer_checksum.h"
 
 namespace kvstream {
@@ -16,10 +17,6 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> /*spans*/
                                         uint64_t* /*result*/) {
   return absl::FailedPreconditionError(
       "DeviceChecksummer: kvstream was built without CUDA (KVSTREAM_CUDA=OFF or no nvcc)");
-}
-
-size_t DeviceChecksummer::StagingBytesFor(size_t /*num_spans*/, uint64_t /*total_bytes*/) const {
-  return 0;
 }
 
 }  // namespace kvstream

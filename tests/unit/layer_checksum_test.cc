@@ -300,8 +300,9 @@ uint64_t EmulatedKernel(absl::Span<const ChecksumSpan> spans, uint64_t grid) {
     total += s.length;
   }
   const uint64_t chunks = ks::NumChunks(total);
-  const ks::TableLayout layout = ks::LayoutFor(n, chunks, grid);
-  std::vector<uint64_t> storage(layout.total_bytes / 8 + 2);
+  const ks::TableLayout layout = ks::LayoutFor(n, chunks);
+  EXPECT_EQ(layout.bytes, DeviceChecksummer::StagingBytesFor(n, total));
+  std::vector<uint64_t> storage(layout.bytes / 8 + 2);
   uint8_t* table = reinterpret_cast<uint8_t*>(storage.data());
   ks::WriteTable(spans, layout, total, table);
   ks::KernelParams p{};
@@ -444,15 +445,15 @@ TEST(Kvsum64Kernel, TableLayoutAndChunkMap) {
                                 {bytes.data() + 70000, 30000}};
   const uint64_t chunks = ks::NumChunks(100000);
   ASSERT_EQ(chunks, 4u);
-  const ks::TableLayout layout = ks::LayoutFor(3, chunks, 2);
+  const ks::TableLayout layout = ks::LayoutFor(3, chunks);
   EXPECT_EQ(layout.spans_offset, 16u);
   EXPECT_EQ(layout.map_offset, 16u + 3 * 16);
-  EXPECT_EQ(layout.partials_offset, 16u + 3 * 16 + 16);
-  EXPECT_EQ(layout.copy_bytes, layout.partials_offset);
-  EXPECT_EQ(layout.total_bytes, layout.partials_offset + 16);
-  std::vector<uint64_t> storage(layout.total_bytes / 8, ~uint64_t{0});
+  EXPECT_EQ(layout.bytes, 16u + 3 * 16 + 16);
+  EXPECT_EQ(DeviceChecksummer::StagingBytesFor(3, 100000), layout.bytes);
+  std::vector<uint64_t> storage(layout.bytes / 8, ~uint64_t{0});
   uint8_t* table = reinterpret_cast<uint8_t*>(storage.data());
   ks::WriteTable(spans, layout, 100000, table);
+  EXPECT_EQ(reinterpret_cast<const ks::TableHeader*>(table)->sum, 0u);
   EXPECT_EQ(reinterpret_cast<const ks::TableHeader*>(table)->done_ctas, 0u);
   const auto* entries = reinterpret_cast<const ks::SpanEntry*>(table + layout.spans_offset);
   EXPECT_EQ(entries[0].start, 0u);

@@ -155,13 +155,6 @@ DeviceChecksummer::~DeviceChecksummer() {
   }
 }
 
-size_t DeviceChecksummer::StagingBytesFor(size_t num_spans, uint64_t total_bytes) const {
-  const uint64_t chunks = ks::NumChunks(total_bytes);
-  const uint64_t grid =
-      std::max<uint64_t>(1, std::min<uint64_t>(chunks, static_cast<uint64_t>(ctas_per_launch_)));
-  return ks::LayoutFor(num_spans, chunks, grid).total_bytes;
-}
-
 absl::Status DeviceChecksummer::ReclaimLocked() {
   while (!in_flight_.empty()) {
     const InFlight& front = in_flight_.front();
@@ -232,11 +225,11 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, vo
   const uint64_t chunks = ks::NumChunks(total);
   const uint64_t grid =
       std::max<uint64_t>(1, std::min<uint64_t>(chunks, static_cast<uint64_t>(ctas_per_launch_)));
-  const ks::TableLayout layout = ks::LayoutFor(num_spans, chunks, grid);
-  if (layout.total_bytes > staging_.size()) {
+  const ks::TableLayout layout = ks::LayoutFor(num_spans, chunks);
+  if (layout.bytes > staging_.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "DeviceChecksummer::Enqueue: the span table of ", num_spans, " spans over ", total,
-        " bytes takes ", layout.total_bytes, " bytes of staging, more than the whole ring (",
+        " bytes takes ", layout.bytes, " bytes of staging, more than the whole ring (",
         staging_.size(), " bytes; raise Options::staging_bytes)"));
   }
 
@@ -248,7 +241,7 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, vo
         "DeviceChecksummer::Enqueue: ", options_.max_in_flight,
         " checksums in flight (Options::max_in_flight); retry once earlier ones completed"));
   }
-  ASSIGN_OR_RETURN(const size_t begin, AllocateLocked(layout.total_bytes));
+  ASSIGN_OR_RETURN(const size_t begin, AllocateLocked(layout.bytes));
   const int slot = free_slots_.back();
 
   // The table, written into the staging range (free: the work that last read it is done).
@@ -260,7 +253,6 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, vo
   params.spans = reinterpret_cast<const ks::SpanEntry*>(device + layout.spans_offset);
   params.chunk_first_span = reinterpret_cast<const uint32_t*>(device + layout.map_offset);
   params.header = reinterpret_cast<ks::TableHeader*>(device);
-  params.partials = reinterpret_cast<uint64_t*>(device + layout.partials_offset);
   params.result = device_result;
   params.num_spans = num_spans;
   params.total_bytes = total;
@@ -270,7 +262,7 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, vo
   const cudaStream_t copy_stream =
       internal_copy ? static_cast<cudaStream_t>(copy_stream_.get()) : caller;
   RETURN_IF_ERROR(
-      Cuda(cudaMemcpyAsync(device, host, layout.copy_bytes, cudaMemcpyHostToDevice, copy_stream),
+      Cuda(cudaMemcpyAsync(device, host, layout.bytes, cudaMemcpyHostToDevice, copy_stream),
            "cudaMemcpyAsync(checksum span table)"));
   // From here on the range may be read by enqueued work: it is released only through an
   // event recorded after that work.
@@ -297,8 +289,8 @@ absl::Status DeviceChecksummer::Enqueue(absl::Span<const ChecksumSpan> spans, vo
     return status.ok() ? recorded : status;
   }
   free_slots_.pop_back();
-  in_flight_.push_back(InFlight{begin, begin + layout.total_bytes, slot});
-  head_ = begin + layout.total_bytes;
+  in_flight_.push_back(InFlight{begin, begin + layout.bytes, slot});
+  head_ = begin + layout.bytes;
   return status;
 }
 

@@ -22,11 +22,11 @@
 //     thread from this span and the following ones (up to 7 more bytes; zero past N).
 // Items are dealt to threads round robin across the spans of a chunk (`rot`), so that
 // chunks of many short spans still keep every thread busy.
-// Reduction: per thread a 64-bit sum, then the CTA's sum (warp shuffles, shared memory)
-// stored to partials[blockIdx.x]; the last CTA to finish (a ticket from an atomic counter
-// in the table header, which the host zeroes in the same copy as the table) adds the
-// partials and writes Mix(sum ^ N) to the result. One atomic per CTA, no second launch,
-// and nothing to reset: each call has its own header.
+// Reduction: per thread a 64-bit sum, then the CTA's sum (warp shuffles, shared memory),
+// added by one atomic into the table header's 64-bit sum; then a ticket from the header's
+// done counter: the CTA that draws the last one reads the sum and writes Mix(sum ^ N) to
+// the result. Two atomics per CTA, no second launch, and nothing to reset: each call has
+// its own header, which the host zeroes in the same copy as the table.
 #ifndef KVSTREAM_CACHE_CUDA_LAYER_CHECKSUM_CUH_
 #define KVSTREAM_CACHE_CUDA_LAYER_CHECKSUM_CUH_
 
@@ -76,13 +76,13 @@ inline constexpr uint64_t kChunkWords = 4096;  // 32 KiB of B per chunk
 inline constexpr uint64_t kChunkBytes = kChunkWords * 8;
 
 // The table one call stages (host layout = device layout), each piece 16-byte aligned:
-//   TableHeader                               zeroed: the CTAs' done counter
+//   TableHeader                               zeroed: the sum and the CTAs' done counter
 //   SpanEntry spans[num_spans]                the non-empty spans, in order
 //   uint32_t chunk_first_span[num_chunks]     the span holding byte chunk * kChunkBytes
-//   uint64_t partials[grid]                   device only (not copied): each CTA's sum
 struct TableHeader {
-  uint32_t done_ctas;
-  uint32_t unused[3];
+  uint64_t sum;        // the CTAs' sums, added atomically
+  uint32_t done_ctas;  // CTAs that have added theirs
+  uint32_t unused;
 };
 struct SpanEntry {
   uint64_t address;  // device address of the span's first byte
@@ -95,18 +95,14 @@ inline constexpr size_t RoundUp16(size_t x) { return (x + 15) & ~size_t{15}; }
 struct TableLayout {
   size_t spans_offset = 0;
   size_t map_offset = 0;
-  size_t partials_offset = 0;
-  size_t copy_bytes = 0;   // header, spans and map: what the host writes and copies
-  size_t total_bytes = 0;  // with the partials
+  size_t bytes = 0;  // all of it, rounded up to 16: what the host writes and copies
 };
 
-inline TableLayout LayoutFor(size_t num_spans, uint64_t num_chunks, uint64_t grid) {
+inline TableLayout LayoutFor(size_t num_spans, uint64_t num_chunks) {
   TableLayout t;
   t.spans_offset = sizeof(TableHeader);
   t.map_offset = t.spans_offset + num_spans * sizeof(SpanEntry);
-  t.partials_offset = RoundUp16(t.map_offset + static_cast<size_t>(num_chunks) * 4);
-  t.copy_bytes = t.partials_offset;
-  t.total_bytes = RoundUp16(t.partials_offset + static_cast<size_t>(grid) * 8);
+  t.bytes = RoundUp16(t.map_offset + static_cast<size_t>(num_chunks) * 4);
   return t;
 }
 
@@ -120,7 +116,6 @@ struct KernelParams {
   const SpanEntry* spans;            // [num_spans]
   const uint32_t* chunk_first_span;  // [num_chunks]
   TableHeader* header;
-  uint64_t* partials;  // [gridDim.x]
   uint64_t* result;
   uint64_t num_spans;
   uint64_t total_bytes;  // N
@@ -281,7 +276,7 @@ KVSTREAM_KVSUM_HD uint64_t ThreadSum(const KernelParams& p, uint64_t cta, uint64
 }
 
 // Writes the table of `spans` (the non-empty ones: `num_spans`, `total_bytes` in all) at
-// `table` in `layout` (header, span entries, chunk map; not the partials). The entries'
+// `table` in `layout` (header, span entries, chunk map). The entries'
 // addresses are the spans' pointers as they are.
 inline void WriteTable(absl::Span<const ChecksumSpan> spans, const TableLayout& layout,
                        uint64_t total_bytes, uint8_t* table) {
@@ -324,45 +319,24 @@ __device__ __forceinline__ uint64_t WarpSum(uint64_t x) {
   return x;
 }
 
-// The CTA's sum of `x`, valid in thread 0. REQUIRES: every thread calls it; `scratch` has
-// kThreads / 32 entries and is not in use.
-__device__ __forceinline__ uint64_t CtaSum(uint64_t x, uint64_t* scratch) {
-  x = WarpSum(x);
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int warp = static_cast<int>(threadIdx.x) >> 5;
-  if (lane == 0) scratch[warp] = x;
-  __syncthreads();
-  uint64_t total = 0;
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
-  }
-  return total;
-}
-
 // kvsum64 of the staged spans into *p.result. Grid: any number of CTAs of kThreads (at most
 // num_chunks unless num_chunks is 0, then one), each taking chunks blockIdx.x,
 // blockIdx.x + gridDim.x, ...
 __global__ void __launch_bounds__(kThreads) Kvsum64Kernel(const KernelParams p) {
-  __shared__ uint64_t scratch[kThreads / 32];
-  __shared__ bool last_cta;
-  const uint64_t acc = ThreadSum<DeviceLoads>(p, blockIdx.x, gridDim.x, threadIdx.x);
-  const uint64_t cta_sum = CtaSum(acc, scratch);
-  if (threadIdx.x == 0) {
-    p.partials[blockIdx.x] = cta_sum;
-    __threadfence();  // the partial is visible device-wide before the ticket is taken
-    last_cta = atomicAdd(&p.header->done_ctas, 1u) == gridDim.x - 1;
-  }
+  __shared__ uint64_t warp_sums[kThreads / 32];
+  const uint64_t acc = WarpSum(ThreadSum<DeviceLoads>(p, blockIdx.x, gridDim.x, threadIdx.x));
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
   __syncthreads();
-  if (!last_cta) return;
-  __threadfence();  // every other CTA's partial, fenced before its ticket, is seen
-  uint64_t sum = 0;
-  for (uint32_t b = threadIdx.x; b < gridDim.x; b += kThreads) {
-    sum += __ldcg(reinterpret_cast<const unsigned long long*>(p.partials + b));
-  }
-  __syncthreads();  // scratch is free again
-  const uint64_t total = CtaSum(sum, scratch);
-  if (threadIdx.x == 0) *p.result = Finish(total, p.total_bytes);
+  if (threadIdx.x != 0) return;
+  uint64_t cta_sum = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) cta_sum += warp_sums[w];
+  auto* const sum = reinterpret_cast<unsigned long long*>(&p.header->sum);
+  atomicAdd(sum, static_cast<unsigned long long>(cta_sum));
+  __threadfence();  // the add is performed before the ticket is taken
+  if (atomicAdd(&p.header->done_ctas, 1u) != gridDim.x - 1) return;
+  __threadfence();  // every other CTA's add, fenced before its ticket, is seen
+  *p.result = Finish(atomicAdd(sum, 0ull), p.total_bytes);
 }
 
 #endif  // defined(__CUDACC__)

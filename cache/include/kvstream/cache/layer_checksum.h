@@ -95,11 +95,9 @@ class DeviceChecksummer {
     // Enqueue calls whose kernels may be pending at once (each holds two CUDA events).
     int max_in_flight = 64;
     // Bytes of the staging ring: one pinned host buffer and one device buffer of this
-    // size. A call takes 16 bytes, plus 16 per non-empty span, 4 per 32 KiB of input, and
-    // 8 per CTA of its kernel (one per 32 KiB of input, up to the CTAs resident on the
-    // device: about a thousand on an H200), rounded up to 16 (StagingBytesFor); the
-    // default holds, for example, 64 in-flight layers of 4096 spans over 128 MiB (under
-    // 90 KiB each).
+    // size. A call takes 16 bytes, plus 16 per non-empty span and 4 per 32 KiB of input,
+    // rounded up to 16 (StagingBytesFor); the default holds, for example, the tables of 64
+    // in-flight layers of 4096 spans over 128 MiB each (80 KiB a table).
     size_t staging_bytes = size_t{8} << 20;
     TableCopy table_copy = TableCopy::kInternalStream;
   };
@@ -153,8 +151,8 @@ class DeviceChecksummer {
   absl::Status Enqueue(absl::Span<const ChecksumSpan> spans, void* stream, uint64_t* result);
 
   // Bytes of the ring a call over `num_spans` non-empty spans of `total_bytes` in all takes
-  // until its kernel completed (what Options::staging_bytes is sized by).
-  size_t StagingBytesFor(size_t num_spans, uint64_t total_bytes) const;
+  // until its kernel completed (what Options::staging_bytes is sized by). Every build.
+  static size_t StagingBytesFor(size_t num_spans, uint64_t total_bytes);
 
   const Options& options() const { return options_; }
 
