@@ -165,10 +165,16 @@ class LayerChecksumGpuTest : public ::testing::TestWithParam<TableCopy> {
     SCOPED_TRACE(what);
     const uint64_t want = Kvsum64Host(m.HostSpans());
     const std::vector<ChecksumSpan> spans = m.DeviceSpans();
-    *pinned() = ~want;
-    ASSERT_TRUE(summer.Enqueue(spans, stream_.get(), pinned()).ok());
-    ASSERT_TRUE(summer.Enqueue(spans, stream_.get(), device_result()).ok());
-    ASSERT_TRUE(Wait(stream_.get()).ok());
+    // Both destinations start off the answer, so that a result not written shows.
+    const uint64_t wrong = ~want;
+    *pinned() = wrong;
+    ASSERT_EQ(cudaMemcpy(device_result(), &wrong, 8, cudaMemcpyHostToDevice), cudaSuccess);
+    const absl::Status to_pinned = summer.Enqueue(spans, stream_.get(), pinned());
+    ASSERT_TRUE(to_pinned.ok()) << to_pinned;
+    const absl::Status to_device = summer.Enqueue(spans, stream_.get(), device_result());
+    ASSERT_TRUE(to_device.ok()) << to_device;
+    const absl::Status waited = Wait(stream_.get());
+    ASSERT_TRUE(waited.ok()) << waited;
     EXPECT_EQ(*pinned(), want) << "pinned result";
     uint64_t got = ~want;
     ASSERT_TRUE(ToHost(device_result(), 8, &got).ok());
