@@ -82,8 +82,8 @@ class DeviceChecksummer {
     // On an internal stream of the checksummer; the caller's stream waits for that copy (an
     // event) just before the kernel. The copy then overlaps the work already queued on the
     // caller's stream (a layer's cache update or attention), so that the kernel does not
-    // sit behind a host-to-device copy's latency (microseconds: as much as the kernel
-    // takes for a layer of a few tens of MiB). The default.
+    // sit behind a host-to-device copy's latency (microseconds: comparable to the kernel's
+    // own time on a layer of a few tens of MiB). The default.
     kInternalStream,
     // On the caller's stream, right before the kernel: one stream and no cross-stream
     // event, for callers that need all of the work on their stream (CUDA graph capture).
@@ -92,7 +92,7 @@ class DeviceChecksummer {
 
   struct Options {
     int device = 0;  // the CUDA device the spans, the stream and a device result live on
-    // Enqueue calls whose kernels may be pending at once (each holds two CUDA events).
+    // Enqueue calls whose kernels may be pending at once (each holds one or two events).
     int max_in_flight = 64;
     // Bytes of the staging ring: one pinned host buffer and one device buffer of this
     // size. A call takes 16 bytes, plus 16 per non-empty span and 4 per 32 KiB of input,
