@@ -41,6 +41,14 @@ void ConsumerSide::Stop() {
   producers_.clear();
 }
 
+absl::Status ConsumerSide::Prepare(const LayerTable& table) {
+  if (table.memory() != MemoryKind::kDevice || !shared_.config.kvstream.verify_checksum) {
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(device_verifier_, DeviceVerifier::Create(shared_.config.kvstream.cuda_device));
+  return absl::OkStatus();
+}
+
 absl::Status ConsumerSide::Bind(const KvConnectorMetadata& meta) {
   std::shared_ptr<const LayerTable> table = shared_.layers();
   if (table == nullptr && (!meta.loads.empty() || !meta.waits.empty())) {
@@ -384,18 +392,28 @@ void ConsumerSide::OnNotice(const Notification& n) {
                                                " bytes, expected ", runs->bytes));
   } else if (shared_.config.kvstream.verify_checksum &&
              notice->checksum_kind != ChecksumKind::kNone) {
-    if (view.memory != MemoryKind::kHost || notice->checksum_kind != ChecksumKind::kXxh3) {
-      verdict = absl::UnimplementedError(absl::StrCat(
-          "request ", notice->request_id, " layer ", notice->layer, ": a ",
-          MemoryKindName(view.memory), " cache cannot verify a checksum of kind ",
-          static_cast<int>(notice->checksum_kind)));
-    } else {
-      const uint64_t sum = HostLayerChecksum(view, *runs, /*destination=*/true);
+    const bool device = view.memory == MemoryKind::kDevice;
+    if (device && notice->checksum_kind == ChecksumKind::kKvsum64 && device_verifier_ != nullptr) {
+      // Checked on the GPU; Poll completes the arrival.
+      verdict = device_verifier_->Start(view, *runs, *notice);
+      if (verdict.ok()) return;
+    } else if (!device) {
+      uint64_t sum = 0;
+      if (notice->checksum_kind == ChecksumKind::kXxh3) {
+        sum = HostLayerChecksum(view, *runs, /*destination=*/true);
+      } else {
+        sum = Kvsum64Host(LayerSpans(view, *runs, /*destination=*/true));
+      }
       if (sum != notice->checksum) {
         verdict = absl::DataLossError(absl::StrCat(
             "request ", notice->request_id, " layer ", notice->layer, ": checksum mismatch (got ",
             absl::Hex(sum), ", producer sent ", absl::Hex(notice->checksum), ")"));
       }
+    } else {
+      verdict = absl::DataLossError(absl::StrCat(
+          "request ", notice->request_id, " layer ", notice->layer,
+          ": a device cache cannot check a checksum of kind ",
+          static_cast<int>(notice->checksum_kind)));
     }
   }
   Arrived(notice->request_id, *notice, verdict);
@@ -439,6 +457,12 @@ void ConsumerSide::Arrived(const std::string& id, const LayerNotice& notice,
 bool ConsumerSide::Poll() {
   std::vector<std::shared_ptr<ProducerLink>> close;
   bool outstanding = false;
+  if (device_verifier_ != nullptr) {
+    for (DeviceVerifier::Verdict& v : device_verifier_->Poll()) {
+      Arrived(v.notice.request_id, v.notice, v.status);
+    }
+    outstanding = device_verifier_->busy();
+  }
   {
     absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();

@@ -41,6 +41,7 @@
 #include "control_messages.h"
 #include "kvstream/connector/kv_connector.h"
 #include "layer_notice.h"
+#include "device_verifier.h"
 #include "layer_runs.h"
 #include "worker_shared.h"
 
@@ -56,6 +57,10 @@ class ConsumerSide {
 
   // Joins the reader threads. Idempotent. REQUIRES: shared.stopping is set.
   void Stop();
+
+  // Prepares what device caches need (the checksum verifier). Called once the layers are
+  // registered.
+  absl::Status Prepare(const LayerTable& table);
 
   // The step's loads (new requests), waits and finished requests.
   absl::Status Bind(const KvConnectorMetadata& metadata);
@@ -126,6 +131,8 @@ class ConsumerSide {
   absl::Status FailAndAbort(const std::string& id, absl::Status status);
 
   WorkerShared& shared_;
+  // Device caches with checksums: set by Prepare, used by the progress thread only.
+  std::unique_ptr<DeviceVerifier> device_verifier_;
 
   absl::Mutex threads_mu_;
   std::vector<std::thread> readers_ ABSL_GUARDED_BY(threads_mu_);

@@ -42,5 +42,20 @@ uint64_t HostLayerChecksum(const KvCacheView& cv, const LayerRuns& runs, bool de
   return sum;
 }
 
+std::vector<ChecksumSpan> LayerSpans(const KvCacheView& cv, const LayerRuns& runs,
+                                     bool destination) {
+  std::vector<ChecksumSpan> spans;
+  spans.reserve(runs.k.size() + runs.v.size());
+  for (const ByteRun& r : runs.k) {
+    spans.push_back({static_cast<const char*>(cv.k) + (destination ? r.dst_offset : r.src_offset),
+                     r.length});
+  }
+  for (const ByteRun& r : runs.v) {
+    spans.push_back({static_cast<const char*>(cv.v) + (destination ? r.dst_offset : r.src_offset),
+                     r.length});
+  }
+  return spans;
+}
+
 }  // namespace internal
 }  // namespace kvstream

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kvstream/cache/kv_cache.h"
+#include "kvstream/cache/layer_checksum.h"
 #include "kvstream/connector/block_copy_plan.h"
 
 namespace kvstream {
@@ -30,6 +31,11 @@ absl::StatusOr<LayerRuns> PlanLayerRuns(const KvCacheView& view,
 // XXH3-64 of the runs' bytes, K runs then V runs, read at their source offsets
 // (`destination` false) or destination offsets (true) in `view`'s host memory.
 uint64_t HostLayerChecksum(const KvCacheView& view, const LayerRuns& runs, bool destination);
+
+// The runs as kvsum64 spans (cache/layer_checksum.h) of `view`'s memory, K then V, at their
+// source or destination offsets.
+std::vector<ChecksumSpan> LayerSpans(const KvCacheView& view, const LayerRuns& runs,
+                                     bool destination);
 
 }  // namespace internal
 }  // namespace kvstream

@@ -21,15 +21,36 @@ std::vector<Segment> ToSegments(const std::vector<ByteRun>& runs) {
 
 }  // namespace
 
+// Layer checksums that may be pending at once (requests x layers in flight).
+constexpr int kChecksumsInFlight = 1024;
+
 absl::StatusOr<std::unique_ptr<LayerSender>> LayerSender::Create(const LayerTable& table,
                                                                  Transport& transport,
-                                                                 bool checksum) {
+                                                                 bool checksum, int device) {
   std::unique_ptr<LayerSender> s(new LayerSender(transport, checksum));
-  if (table.memory() == MemoryKind::kDevice) {
-    ASSIGN_OR_RETURN(s->ready_, CudaEvent::Create());
+  if (table.memory() != MemoryKind::kDevice) return s;
+  CudaDeviceScope scope(device);
+  RETURN_IF_ERROR(scope.status());
+  ASSIGN_OR_RETURN(s->ready_, CudaEvent::Create());
+  if (checksum) {
+    DeviceChecksummer::Options o;
+    o.device = device;
+    o.max_in_flight = kChecksumsInFlight;
+    o.staging_bytes = size_t{64} << 20;
+    ASSIGN_OR_RETURN(s->summer_, DeviceChecksummer::Create(o));
+    ASSIGN_OR_RETURN(PinnedSlots slots, PinnedSlots::Create(kChecksumsInFlight));
+    s->slots_ = std::move(slots);
   }
   return s;
 }
+
+void LayerSender::Done(TransferId v) {
+  auto it = slot_of_.find(v);
+  if (it == slot_of_.end()) return;
+  slots_->Release(it->second);
+  slot_of_.erase(it);
+}
+
 
 absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::string& request_id,
                                             PeerId peer, const RemoteMemory& k_remote,
@@ -46,27 +67,57 @@ absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::
   notice.layer = static_cast<uint32_t>(layer.index);
   notice.bytes = runs.bytes;
   WriteOrder order;
+  uint64_t* slot = nullptr;
   if (cv.memory == MemoryKind::kDevice) {
     if (stream == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", layer.name, "': a device cache's save needs the layer's stream"));
     }
-    RETURN_IF_ERROR(ready_.Record(stream));
+    if (checksum_) {
+      ASSIGN_OR_RETURN(slot, slots_->Acquire());
+      absl::Status s = summer_->Enqueue(LayerSpans(cv, runs, /*destination=*/false), stream, slot);
+      if (!s.ok()) {
+        slots_->Release(slot);
+        return s;
+      }
+      notice.checksum_kind = ChecksumKind::kKvsum64;
+      order.notification_tail = slot;
+      order.notification_tail_bytes = kLayerNoticeChecksumBytes;
+    }
+    absl::Status s = ready_.Record(stream);
+    if (!s.ok()) {
+      if (slot != nullptr) slots_->Release(slot);
+      return s;
+    }
     order.ready_event = ready_.get();
   } else if (checksum_) {
     notice.checksum_kind = ChecksumKind::kXxh3;
     notice.checksum = HostLayerChecksum(cv, runs, /*destination=*/false);
   }
   notice.post_ns = MonotonicNs();
-  ASSIGN_OR_RETURN(std::string payload, EncodeLayerNotice(notice));
+  // With a GPU-made checksum the notice ends where the tail's 8 bytes go.
+  absl::StatusOr<std::string> payload =
+      slot != nullptr ? EncodeLayerNoticeHead(notice) : EncodeLayerNotice(notice);
   LayerPost post;
   post.bytes = runs.bytes;
   post.post_ns = notice.post_ns;
-  ASSIGN_OR_RETURN(post.k, transport_.PostWrite(peer, *layer.k_reg, k_remote, ToSegments(runs.k),
-                                                "", order));
-  *posted_k = post.k;
-  ASSIGN_OR_RETURN(post.v, transport_.PostWrite(peer, *layer.v_reg, v_remote, ToSegments(runs.v),
-                                                payload, order));
+  absl::StatusOr<TransferId> k =
+      payload.ok() ? transport_.PostWrite(peer, *layer.k_reg, k_remote, ToSegments(runs.k), "",
+                                          WriteOrder{order.ready_event})
+                   : payload.status();
+  if (!k.ok()) {
+    if (slot != nullptr) slots_->Release(slot);
+    return k.status();
+  }
+  post.k = *posted_k = *k;
+  absl::StatusOr<TransferId> v =
+      transport_.PostWrite(peer, *layer.v_reg, v_remote, ToSegments(runs.v), *payload, order);
+  if (!v.ok()) {
+    if (slot != nullptr) slots_->Release(slot);
+    return v.status();
+  }
+  post.v = *v;
+  if (slot != nullptr) slot_of_[post.v] = slot;
   return post;
 }
 

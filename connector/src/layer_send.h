@@ -3,24 +3,30 @@
 // after both writes' data, transport.h), with the layer's checksum.
 //
 // Host caches: the checksum (XXH3) is computed here over the bytes being sent and the
-// writes start at once. Device caches: an event recorded on the layer's stream orders the
-// writes after the layer's cache update (WriteOrder::ready_event), so the host never waits
-// for the GPU.
+// writes start at once. Device caches: a kvsum64 kernel (cache/layer_checksum.h) is
+// enqueued on the layer's stream over the bytes being sent, writing into a pinned slot, and
+// an event recorded after it orders the writes after the layer's cache update and the
+// checksum (WriteOrder::ready_event); the slot's 8 bytes complete the notice
+// (WriteOrder::notification_tail). The host never waits for the GPU.
 //
 // Thread safety: thread-compatible; the producer calls it under its own lock.
 #ifndef KVSTREAM_CONNECTOR_SRC_LAYER_SEND_H_
 #define KVSTREAM_CONNECTOR_SRC_LAYER_SEND_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "kvstream/cache/layer_checksum.h"
 #include "kvstream/common/cuda_resources.h"
 #include "kvstream/transfer/transport.h"
 #include "layer_table.h"
+#include "pinned_slots.h"
 
 namespace kvstream {
 namespace internal {
@@ -35,9 +41,11 @@ struct LayerPost {
 class LayerSender {
  public:
   // `checksum`: whether notices carry a checksum (verify_checksum). For device caches this
-  // creates the ordering event on the caches' device.
+  // creates, on `device`, the ordering event and (with `checksum`) the checksum engine and
+  // its result slots.
   static absl::StatusOr<std::unique_ptr<LayerSender>> Create(const LayerTable& table,
-                                                             Transport& transport, bool checksum);
+                                                             Transport& transport, bool checksum,
+                                                             int device);
 
   // Posts the first `num_tokens` tokens of `layer` from `local_blocks` to `dest_blocks` of
   // the consumer's regions. `stream`: the layer's cudaStream_t for device caches (null for
@@ -51,12 +59,18 @@ class LayerSender {
                                  absl::Span<const int32_t> dest_blocks, int32_t num_tokens,
                                  void* stream, TransferId* posted_k);
 
+  // The V write `v` (from a LayerPost) ended: its checksum slot may be reused.
+  void Done(TransferId v);
+
  private:
   LayerSender(Transport& transport, bool checksum) : transport_(transport), checksum_(checksum) {}
 
   Transport& transport_;
   const bool checksum_;
   CudaEvent ready_;  // device caches: recorded on the layer's stream before each post
+  std::unique_ptr<DeviceChecksummer> summer_;  // device caches with checksums
+  std::optional<PinnedSlots> slots_;           // the checksums' results
+  std::map<TransferId, uint64_t*> slot_of_;    // V write -> its checksum slot
 };
 
 }  // namespace internal

@@ -73,6 +73,7 @@ class LayerwiseWorker final : public KvConnectorWorker {
     ASSIGN_OR_RETURN(std::unique_ptr<LayerTable> table,
                      LayerTable::Create(caches, shared_.config.kvstream, *shared_.transport));
     if (producer_) RETURN_IF_ERROR(producer_->Prepare(*table));
+    if (consumer_) RETURN_IF_ERROR(consumer_->Prepare(*table));
     shared_.PublishLayers(std::move(table));
     return absl::OkStatus();
   }

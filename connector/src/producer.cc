@@ -48,7 +48,8 @@ std::string ProducerSide::control_address() const {
 absl::Status ProducerSide::Prepare(const LayerTable& table) {
   ASSIGN_OR_RETURN(std::unique_ptr<LayerSender> sender,
                    LayerSender::Create(table, *shared_.transport,
-                                       shared_.config.kvstream.verify_checksum));
+                                       shared_.config.kvstream.verify_checksum,
+                                       shared_.config.kvstream.cuda_device));
   absl::MutexLock lock(&mu_);
   sender_ = std::move(sender);
   return absl::OkStatus();
@@ -482,6 +483,7 @@ bool ProducerSide::Poll() {
           layer_sends_.erase(ls);
         }
         if (!state.ok()) Fail(s, state.status());
+        sender_->Done(*it);
         transport.Release(*it);
         it = s.pending.erase(it);
       }
