@@ -138,6 +138,12 @@ TEST_P(SocketPairTest, PeerCloseIsUnavailableNamingThePeer) {
   auto more = RecvSome(p.server.fd.get(), buf, sizeof(buf), "peer 7");
   EXPECT_EQ(more.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(more.status().message(), HasSubstr("peer 7 closed the connection"));
+  // Or as a value, when the caller asks for it.
+  bool eof = false;
+  auto at_end = RecvSome(p.server.fd.get(), buf, sizeof(buf), "peer 7", &eof);
+  ASSERT_TRUE(at_end.ok()) << at_end.status();
+  EXPECT_EQ(*at_end, 0u);
+  EXPECT_TRUE(eof);
 }
 
 TEST_P(SocketPairTest, WritingToAClosedPeerFailsWithoutSigpipe) {
@@ -159,9 +165,11 @@ TEST_P(SocketPairTest, NonBlockingCallsNeverWait) {
   Pair p = Make();
   ASSERT_TRUE(p.client.valid() && p.server.fd.valid());
   char buf[64];
-  auto nothing = RecvSome(p.server.fd.get(), buf, sizeof(buf), "client");
+  bool eof = true;
+  auto nothing = RecvSome(p.server.fd.get(), buf, sizeof(buf), "client", &eof);
   ASSERT_TRUE(nothing.ok()) << nothing.status();
   EXPECT_EQ(*nothing, 0u);
+  EXPECT_FALSE(eof);
   // Nobody reads: the socket fills and SendSome returns a short count, then 0.
   const std::string big(64 << 20, 'q');
   auto first = SendSome(p.client.get(), big, "server");

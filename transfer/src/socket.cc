@@ -315,11 +315,19 @@ absl::StatusOr<size_t> SendSome(int fd, absl::string_view data, absl::string_vie
   return sent;
 }
 
-absl::StatusOr<size_t> RecvSome(int fd, char* out, size_t n, absl::string_view peer) {
+absl::StatusOr<size_t> RecvSome(int fd, char* out, size_t n, absl::string_view peer,
+                                bool* eof) {
+  if (eof != nullptr) *eof = false;
   for (;;) {
     const ssize_t r = ::recv(fd, out, n, MSG_DONTWAIT);
     if (r > 0) return static_cast<size_t>(r);
-    if (r == 0) return absl::UnavailableError(absl::StrCat(peer, " closed the connection"));
+    if (r == 0) {
+      if (eof == nullptr) {
+        return absl::UnavailableError(absl::StrCat(peer, " closed the connection"));
+      }
+      *eof = true;
+      return size_t{0};
+    }
     const int err = errno;
     if (err == EINTR) continue;
     if (WouldBlock(err)) return size_t{0};

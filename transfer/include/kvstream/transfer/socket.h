@@ -146,9 +146,11 @@ absl::Status RecvAll(int fd, char* out, size_t n, absl::Time deadline, absl::str
 // waits. Unavailable when the peer is gone.
 absl::StatusOr<size_t> SendSome(int fd, absl::string_view data, absl::string_view peer);
 // Reads what is there now, at most `n` bytes: the count (0 when nothing is waiting). Never
-// waits. Unavailable naming the peer at end of stream ("closed the connection") or when
-// the connection broke. REQUIRES: n > 0.
-absl::StatusOr<size_t> RecvSome(int fd, char* out, size_t n, absl::string_view peer);
+// waits. Unavailable naming the peer when the connection broke, and at end of stream
+// ("closed the connection") unless `eof` is given: then end of stream sets *eof and
+// returns 0 (*eof is false otherwise). REQUIRES: n > 0.
+absl::StatusOr<size_t> RecvSome(int fd, char* out, size_t n, absl::string_view peer,
+                                bool* eof = nullptr);
 
 }  // namespace kvstream
 
