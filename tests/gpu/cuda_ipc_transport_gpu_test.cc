@@ -13,6 +13,8 @@
 //   the notification carries WriteOrder::notification_tail, written by that kernel's stream;
 // - two regions carved from one cudaMalloc, imported by the writer, are opened once, and a
 //   receiver names a sender that never connected back;
+// - registration refuses pinned host memory and stream-ordered pool memory saying why, and
+//   describes a sub-range of AllocateMemory's memory by its offset in the allocation;
 // - imports are checked against what was mapped, not what a descriptor claims;
 // - Disconnect closes the mappings and the peer sees a goodbye, not a failure;
 // - a peer killed (SIGKILL) with writes in flight fails them with an error naming it,
@@ -338,7 +340,9 @@ TEST_F(CudaIpcGpuTest, SubRangesOfOneAllocationAreMappedOnceAndNamedSendersAreRe
   constexpr uint32_t kSeed = 21;
   const size_t offsets[2] = {1 << 20, 5 << 20};
   const size_t lengths[2] = {2 << 20, (3 << 20) - 4096};
-  ASSERT_NO_FATAL_FAILURE(Spawn({"--role=writer", absl::StrCat("--bytes=", 2 << 20),
+  // The writer's source holds at least as many blocks as the larger region.
+  constexpr size_t kSource = 4 << 20;
+  ASSERT_NO_FATAL_FAILURE(Spawn({"--role=writer", absl::StrCat("--bytes=", kSource),
                                  "--regions=2", absl::StrCat("--block=", kBlock),
                                  absl::StrCat("--count=", kCount),
                                  absl::StrCat("--seed=", kSeed)}));
@@ -375,7 +379,7 @@ TEST_F(CudaIpcGpuTest, SubRangesOfOneAllocationAreMappedOnceAndNamedSendersAreRe
   ASSERT_TRUE(mappings.ok()) << mappings.status();
   EXPECT_EQ(*mappings, "MAPPINGS 1") << "two regions of one allocation were opened twice";
 
-  std::vector<char> src(2 << 20);
+  std::vector<char> src(kSource);
   FillPattern(src.data(), src.size(), kSeed);
   std::vector<char> expected(kAlloc, 0);
   for (int r = 0; r < 2; ++r) {
@@ -410,6 +414,46 @@ TEST_F(CudaIpcGpuTest, SubRangesOfOneAllocationAreMappedOnceAndNamedSendersAreRe
   EXPECT_EQ(*code, 0);
   regions.clear();
   cudaFree(alloc);
+}
+
+TEST_F(CudaIpcGpuTest, RegistrationSaysWhatCannotBeExported) {
+  ASSERT_NO_FATAL_FAILURE(MakeTransport());
+  // Pinned host memory.
+  void* pinned = nullptr;
+  ASSERT_TRUE(CudaOk(cudaMallocHost(&pinned, 1 << 16), "cudaMallocHost").ok());
+  auto host = transport_->RegisterMemory(pinned, 1 << 16, MemoryKind::kDevice);
+  EXPECT_EQ(host.status().code(), absl::StatusCode::kInvalidArgument) << host.status();
+  EXPECT_THAT(host.status().message(), HasSubstr("host memory"));
+  cudaFreeHost(pinned);
+  // Stream-ordered pool memory cannot be exported with cudaIpcGetMemHandle.
+  void* pooled = nullptr;
+  ASSERT_TRUE(CudaOk(cudaMallocAsync(&pooled, 1 << 20, nullptr), "cudaMallocAsync").ok());
+  ASSERT_TRUE(CudaOk(cudaStreamSynchronize(nullptr), "sync").ok());
+  auto pool = transport_->RegisterMemory(pooled, 1 << 20, MemoryKind::kDevice);
+  EXPECT_EQ(pool.status().code(), absl::StatusCode::kFailedPrecondition) << pool.status();
+  EXPECT_THAT(pool.status().message(), HasSubstr("cudaIpcGetMemHandle"));
+  cudaFreeAsync(pooled, nullptr);
+  ASSERT_TRUE(CudaOk(cudaStreamSynchronize(nullptr), "sync").ok());
+  // A sub-range of memory from AllocateMemory: the descriptor says where it lies.
+  auto whole = transport_->AllocateMemory(1 << 20, MemoryKind::kDevice);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  auto part = transport_->RegisterMemory(static_cast<char*>((*whole)->base()) + 4096, 8192,
+                                         MemoryKind::kDevice);
+  ASSERT_TRUE(part.ok()) << part.status();
+  auto d = internal::DecodeCudaIpcDescriptor((*part)->descriptor());
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->offset, 4096u);
+  EXPECT_EQ(d->length, 8192u);
+  EXPECT_GE(d->allocation_size, uint64_t{1} << 20);
+  // AllocateMemory zero-fills.
+  std::vector<char> bytes(1 << 20, 1);
+  ASSERT_TRUE(CudaOk(cudaMemcpy(bytes.data(), (*whole)->base(), bytes.size(),
+                                cudaMemcpyDeviceToHost),
+                     "download")
+                  .ok());
+  EXPECT_EQ(std::count(bytes.begin(), bytes.end(), 0), static_cast<long>(bytes.size()));
+  part->reset();
+  whole->reset();
 }
 
 TEST_F(CudaIpcGpuTest, ImportsAreCheckedAgainstWhatWasMapped) {

@@ -58,8 +58,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOption
     return CreateCudaIpcTransport(ipc);
 #else
     return absl::FailedPreconditionError(
-        "transport 'cuda_ipc' needs a build with CUDA (kvstream was configured without nvcc "
-        "or with KVSTREAM_CUDA=OFF)");
+        "transport 'cuda_ipc': kvstream was built without CUDA (no nvcc when it was "
+        "configured, or KVSTREAM_CUDA=OFF)");
 #endif
   }
   return absl::NotFoundError(absl::StrCat("unknown transport '", options.name, "' (choices: ",
