@@ -107,9 +107,10 @@ void CudaIpcTransport::ReadPending() {
     absl::StatusOr<IpcHello> hello =
         problem.ok() ? DecodeIpcHello(payload) : absl::StatusOr<IpcHello>(problem);
     if (!hello.ok() || hello->uid == uid_) {
+      const std::string why = hello.ok() ? std::string("it claims this transport's own uid")
+                                         : std::string(hello.status().message());
       Log(LogLevel::kWarning,
-          absl::StrCat("cuda_ipc: dropped connection ", conn.label(), ": ",
-                       hello.ok() ? "it claims this transport's own uid" : hello.status().message()));
+          absl::StrCat("cuda_ipc: dropped connection ", conn.label(), ": ", why));
       pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
       continue;
     }

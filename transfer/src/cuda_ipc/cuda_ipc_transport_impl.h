@@ -1,7 +1,8 @@
 // The cuda_ipc transport's class (cuda_ipc_transport.h says what it does; cuda_ipc_state.h
 // how a transfer moves). Its methods live in two files: cuda_ipc_transport.cc (memory,
 // peers, posting, the transfer calls) and cuda_ipc_progress.cc (what Progress advances:
-// connections, copy completions, notifications, peer failures).
+// connections, copy completions, notifications, peer failures); CreateCudaIpcTransport is in
+// cuda_ipc_create.cc.
 #ifndef KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_IMPL_H_
 #define KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_IMPL_H_
 
