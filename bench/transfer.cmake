@@ -5,3 +5,11 @@ if(benchmark_FOUND)
   target_link_libraries(kvstream_bench_transfer PRIVATE kvstream::transfer benchmark::benchmark)
   kvstream_set_warnings(kvstream_bench_transfer)
 endif()
+# Benchmark: the cuda_ipc transport between two processes on one GPU, beside a contiguous
+# device-to-device cudaMemcpyAsync of the same bytes (a plain main: no Google Benchmark).
+if(KVSTREAM_HAVE_CUDA)
+  add_executable(kvstream_bench_cuda_ipc cuda_ipc_bench.cc)
+  target_link_libraries(kvstream_bench_cuda_ipc PRIVATE kvstream::transfer kvstream::common
+                        CUDA::cudart)
+  kvstream_set_warnings(kvstream_bench_cuda_ipc)
+endif()

@@ -4,3 +4,4 @@
 kvstream_add_gtest(wire_test LABELS unit SOURCES wire_test.cc DEPS kvstream::transfer)
 kvstream_add_gtest(control_channel_test LABELS unit SOURCES control_channel_test.cc
                    DEPS kvstream::transfer)
+kvstream_add_gtest(socket_test LABELS unit SOURCES socket_test.cc DEPS kvstream::transfer)

@@ -7,3 +7,8 @@ kvstream_add_gtest(copy_pool_test LABELS unit SOURCES copy_pool_test.cc
                    DEPS kvstream::transfer)
 kvstream_add_gtest(transport_factory_test LABELS unit SOURCES transport_factory_test.cc
                    DEPS kvstream::transfer)
+# cuda_ipc: its wire formats and what it does without a GPU (its GPU tests are in tests/gpu/).
+kvstream_add_gtest(cuda_ipc_wire_test LABELS unit SOURCES cuda_ipc_wire_test.cc
+                   DEPS kvstream::transfer)
+kvstream_add_gtest(cuda_ipc_transport_test LABELS unit SOURCES cuda_ipc_transport_test.cc
+                   DEPS kvstream::transfer)

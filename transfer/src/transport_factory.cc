@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kvstream/transfer/cuda_ipc_transport.h"
 #include "kvstream/transfer/loopback_transport.h"
 #include "kvstream/transfer/ucx_transport.h"
 
@@ -49,6 +50,17 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOption
                                  ? absl::StrCat("loopback-", next.fetch_add(1))
                                  : options.loopback_name;
     return DefaultLoopbackFabric().CreateTransport(name);
+  }
+  if (options.name == "cuda_ipc") {
+#if defined(KVSTREAM_HAVE_CUDA_IPC)
+    CudaIpcTransportOptions ipc;
+    ipc.device = options.cuda_device;
+    return CreateCudaIpcTransport(ipc);
+#else
+    return absl::FailedPreconditionError(
+        "transport 'cuda_ipc': kvstream was built without CUDA (no nvcc when it was "
+        "configured, or KVSTREAM_CUDA=OFF)");
+#endif
   }
   return absl::NotFoundError(absl::StrCat("unknown transport '", options.name, "' (choices: ",
                                           absl::StrJoin(TransportNames(), ", "), ")"));

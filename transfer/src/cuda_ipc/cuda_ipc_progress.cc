@@ -1,0 +1,304 @@
+// What the cuda_ipc transport's Progress advances (cuda_ipc_state.h has the life of a
+// transfer): new connections and their hellos, frames from peers, ends of stream, copy
+// completions in stream order, notifications in post order per peer; peer failures; and
+// the bounded wait for copies at destruction. Nothing here blocks: sockets are read and
+// written only as far as they go without waiting, events are queried, never synchronised.
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "cuda_ipc/cuda_ipc_transport_impl.h"
+#include "kvstream/common/cuda_status.h"
+#include "kvstream/common/logging.h"
+
+namespace kvstream {
+namespace internal {
+namespace {
+
+// Bounds on the work one Progress call does, so it never runs long.
+constexpr size_t kMaxReadPerConnection = size_t{1} << 20;
+constexpr int kMaxAcceptsPerProgress = 16;
+// What is read from an outgoing connection to see its end (the peer sends nothing on it).
+constexpr size_t kOutboundProbeBytes = 256;
+
+}  // namespace
+
+absl::Status CudaIpcTransport::Progress() {
+  std::vector<std::pair<PeerId, absl::Status>> errors;
+  PeerErrorCallback callback;
+  {
+    absl::MutexLock lock(&mu_);
+    CudaDeviceScope scope(device_);
+    AcceptConnections();
+    ReadPending();
+    for (auto& [id, peer] : peers_) {
+      if (peer->in != nullptr) ReadInbound(peer.get());
+      if (peer->out != nullptr) WatchOutbound(peer.get());
+    }
+    PollCopies();
+    for (auto& [id, peer] : peers_) {
+      if (peer->out != nullptr && peer->status.ok()) SendReady(peer.get());
+    }
+    if (!peer_errors_.empty()) {
+      errors.swap(peer_errors_);
+      callback = callback_;
+    }
+  }
+  // Outside the lock: the callback may take its own locks (it must not call us).
+  if (callback) {
+    for (const auto& [peer, error] : errors) callback(peer, error);
+  }
+  return absl::OkStatus();
+}
+
+void CudaIpcTransport::AcceptConnections() {
+  if (!listener_.valid()) return;
+  for (int i = 0; i < kMaxAcceptsPerProgress; ++i) {
+    absl::StatusOr<AcceptedSocket> accepted =
+        AcceptSocket(listener_.get(), absl::InfinitePast(), socket_label_);
+    if (!accepted.ok()) {
+      if (!absl::IsDeadlineExceeded(accepted.status())) {
+        Log(LogLevel::kWarning, absl::StrCat("cuda_ipc: ", accepted.status().message()));
+      }
+      return;
+    }
+    // Anyone on the host can reach an abstract socket: only this user's processes may
+    // deliver notifications (and they could map our memory anyway).
+    if (accepted->uid >= 0 && accepted->uid != static_cast<int>(getuid())) {
+      Log(LogLevel::kWarning, absl::StrCat("cuda_ipc: refused a connection on ", socket_label_,
+                                           " from uid ", accepted->uid, " (pid ", accepted->pid,
+                                           ")"));
+      continue;
+    }
+    pending_.push_back(
+        std::make_unique<IpcConnection>(std::move(accepted->fd), std::move(accepted->peer)));
+  }
+}
+
+IpcPeer* CudaIpcTransport::PeerForUid(uint64_t uid, uint32_t pid) {
+  for (auto& [id, peer] : peers_) {
+    if (peer->uid == uid && peer->status.ok()) return peer.get();
+  }
+  return NewPeer(uid, pid);
+}
+
+void CudaIpcTransport::ReadPending() {
+  for (size_t i = 0; i < pending_.size();) {
+    IpcConnection& conn = *pending_[i];
+    absl::StatusOr<bool> eof = conn.ReadAvailable(kIpcFrameHeaderBytes + 64);
+    IpcFrameType type = IpcFrameType::kHello;
+    std::string payload;
+    absl::StatusOr<bool> frame = eof.ok() ? conn.reader().Next(&type, &payload) : eof.status();
+    absl::Status problem;
+    if (!frame.ok()) {
+      problem = frame.status();
+    } else if (!*frame) {
+      if (!*eof) {
+        ++i;  // no hello yet
+        continue;
+      }
+      problem = absl::UnavailableError("closed before its hello");
+    } else if (type != IpcFrameType::kHello) {
+      problem = absl::InvalidArgumentError("its first frame is not a hello");
+    }
+    absl::StatusOr<IpcHello> hello =
+        problem.ok() ? DecodeIpcHello(payload) : absl::StatusOr<IpcHello>(problem);
+    if (!hello.ok() || hello->uid == uid_) {
+      const std::string why = hello.ok() ? std::string("it claims this transport's own uid")
+                                         : std::string(hello.status().message());
+      Log(LogLevel::kWarning,
+          absl::StrCat("cuda_ipc: dropped connection ", conn.label(), ": ", why));
+      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      continue;
+    }
+    IpcPeer* peer = PeerForUid(hello->uid, hello->pid);
+    // A newer connection from the same transport replaces an older one (a reconnect).
+    peer->in = std::move(pending_[i]);
+    peer->in->set_label(peer->label);
+    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+    ReadInbound(peer);  // frames that came with the hello
+  }
+}
+
+void CudaIpcTransport::ReadInbound(IpcPeer* peer) {
+  absl::StatusOr<bool> eof = peer->in->ReadAvailable(kMaxReadPerConnection);
+  if (!eof.ok()) {
+    FailPeer(peer, eof.status());
+    return;
+  }
+  for (;;) {
+    IpcFrameType type = IpcFrameType::kHello;
+    std::string payload;
+    absl::StatusOr<bool> frame = peer->in->reader().Next(&type, &payload);
+    if (!frame.ok()) {
+      FailPeer(peer, absl::InvalidArgumentError(
+                         absl::StrCat("malformed frame: ", frame.status().message())));
+      return;
+    }
+    if (!*frame) break;
+    if (type == IpcFrameType::kNotification) {
+      Notification n;
+      n.peer = peer->id;
+      n.payload = std::move(payload);
+      inbox_.push_back(std::move(n));
+    } else if (type == IpcFrameType::kBye) {
+      // The peer closed on purpose: its connection ends here, the peer is not failed.
+      peer->in.reset();
+      return;
+    } else {
+      FailPeer(peer, absl::InvalidArgumentError("a second hello on its connection"));
+      return;
+    }
+  }
+  if (*eof) {
+    FailPeer(peer, absl::UnavailableError(
+                       "closed its connection without a goodbye (the process exited or was "
+                       "killed?)"));
+  }
+}
+
+void CudaIpcTransport::WatchOutbound(IpcPeer* peer) {
+  absl::StatusOr<bool> eof = peer->out->ReadAvailable(kOutboundProbeBytes);
+  if (!eof.ok()) {
+    FailPeer(peer, eof.status());
+  } else if (peer->out->reader().buffered() > 0) {
+    FailPeer(peer, absl::InvalidArgumentError("sent bytes on a connection it only receives on"));
+  } else if (*eof) {
+    FailPeer(peer, absl::UnavailableError(
+                       "closed the connection (the process exited, was killed, or "
+                       "disconnected)"));
+  }
+}
+
+void CudaIpcTransport::PollCopies() {
+  while (!inflight_.empty()) {
+    InFlightCopy& copy = inflight_.front();
+    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(copy.done.get()));
+    if (e == cudaErrorNotReady) return;
+    auto it = copy.transfer == 0 ? transfers_.end() : transfers_.find(copy.transfer);
+    if (e == cudaSuccess) {
+      if (it != transfers_.end()) it->second.copy_done = true;
+      free_events_.push_back(std::move(copy.done));
+    } else {
+      // An error of the copy or of earlier work on the device (sticky errors end the
+      // context): the transfer fails with it; the event is not reused.
+      cudaGetLastError();
+      if (it != transfers_.end()) {
+        FailTransfer(copy.transfer,
+                     CudaErrorToStatus(static_cast<int>(e),
+                                       absl::StrCat("cuda_ipc transfer ", copy.transfer,
+                                                    ": the copy failed")));
+      }
+    }
+    if (copy.ring != nullptr) copy.ring->ReleaseOldest();
+    inflight_.pop_front();  // drops its hold on the destination's mapping
+  }
+}
+
+void CudaIpcTransport::SendReady(IpcPeer* peer) {
+  while (!peer->queue.empty()) {
+    const TransferId id = peer->queue.front();
+    auto it = transfers_.find(id);
+    if (it == transfers_.end() || it->second.phase != IpcPhase::kQueued) {
+      peer->queue.pop_front();  // released, cancelled or failed
+      continue;
+    }
+    IpcTransfer& t = it->second;
+    // Its data, and (stream order) that of every earlier write, is not all in place yet.
+    if (!t.copy_done) break;
+    peer->queue.pop_front();
+    if (t.notification.empty()) {
+      t.phase = IpcPhase::kDone;
+      continue;
+    }
+    std::string payload = std::move(t.notification);
+    // The GPU wrote the tail before ready_event, which the finished copy waited for.
+    if (t.tail_bytes > 0) payload.append(static_cast<const char*>(t.tail), t.tail_bytes);
+    t.send_mark = peer->out->Queue(IpcFrameType::kNotification, payload);
+    t.phase = IpcPhase::kSending;
+    peer->sending.push_back(id);
+  }
+  absl::Status flushed = peer->out->Flush();
+  if (!flushed.ok()) {
+    FailPeer(peer, flushed);
+    return;
+  }
+  while (!peer->sending.empty()) {
+    auto it = transfers_.find(peer->sending.front());
+    if (it != transfers_.end() && it->second.phase == IpcPhase::kSending) {
+      if (it->second.send_mark > peer->out->bytes_sent()) break;
+      it->second.phase = IpcPhase::kDone;
+    }
+    peer->sending.pop_front();
+  }
+}
+
+void CudaIpcTransport::FailTransfer(TransferId id, const absl::Status& status) {
+  auto it = transfers_.find(id);
+  if (it == transfers_.end() || !it->second.active()) return;
+  it->second.phase = IpcPhase::kFailed;
+  it->second.status = status;
+}
+
+void CudaIpcTransport::FailPeer(IpcPeer* peer, const absl::Status& cause) {
+  if (!peer->status.ok()) return;
+  peer->status = absl::Status(cause.code(),
+                              absl::StrCat(peer->label, " failed: ", cause.message()));
+  for (TransferId id : peer->queue) FailTransfer(id, peer->status);
+  for (TransferId id : peer->sending) FailTransfer(id, peer->status);
+  peer->queue.clear();
+  peer->sending.clear();
+  peer->out.reset();
+  peer->in.reset();
+  // Closed once the copies in flight into them are done (they hold references).
+  peer->mappings.clear();
+  peer_errors_.emplace_back(peer->id, peer->status);
+}
+
+void CudaIpcTransport::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  CudaDeviceScope scope(device_);
+  for (auto& [id, t] : transfers_) {
+    if (t.active()) {
+      t.phase = IpcPhase::kFailed;
+      t.status = absl::CancelledError("cuda_ipc transport destroyed");
+    }
+  }
+  for (auto& [id, peer] : peers_) {
+    if (peer->out != nullptr && peer->status.ok()) {
+      peer->out->Queue(IpcFrameType::kBye, "");
+      (void)peer->out->Flush();
+    }
+  }
+  peers_.clear();
+  pending_.clear();
+  listener_.Reset();
+  // Mappings, staging rings and events must outlive the copies that use them.
+  const absl::Time deadline = absl::Now() + options_.shutdown_timeout;
+  while (!inflight_.empty()) {
+    PollCopies();
+    if (inflight_.empty()) break;
+    if (absl::Now() >= deadline) {
+      Log(LogLevel::kError,
+          absl::StrCat("cuda_ipc transport destroyed with ", inflight_.size(),
+                       " copies still running after ",
+                       absl::FormatDuration(options_.shutdown_timeout),
+                       ": their mappings and staging memory are left open"));
+      for (InFlightCopy& copy : inflight_) {
+        if (copy.mapping != nullptr) new std::shared_ptr<IpcMapping>(std::move(copy.mapping));
+      }
+      (void)ring_.release();
+      for (auto& ring : retired_rings_) (void)ring.release();
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  inflight_.clear();
+  transfers_.clear();
+}
+
+}  // namespace internal
+}  // namespace kvstream

@@ -1,0 +1,150 @@
+// The cuda_ipc transport's class (cuda_ipc_transport.h says what it does; cuda_ipc_state.h
+// how a transfer moves). Its methods live in two files: cuda_ipc_transport.cc (memory,
+// peers, posting, the transfer calls) and cuda_ipc_progress.cc (what Progress advances:
+// connections, copy completions, notifications, peer failures); CreateCudaIpcTransport is in
+// cuda_ipc_create.cc.
+#ifndef KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_IMPL_H_
+#define KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_IMPL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "cuda_ipc/cuda_ipc_state.h"
+#include "cuda_ipc/ipc_stream.h"
+#include "cuda_ipc/staging_ring.h"
+#include "kvstream/transfer/cuda_ipc_transport.h"
+#include "kvstream/transfer/socket.h"
+#include "kvstream/transfer/transport.h"
+
+namespace kvstream {
+namespace internal {
+
+// What Create() settles before the transport exists.
+struct CudaIpcSetup {
+  CudaIpcTransportOptions options;
+  int grid = 0;  // CTAs of a full copy launch
+  uint64_t uid = 0;
+  std::string device_uuid;
+  std::string socket_name;
+  ScopedFd listener;
+  IpcStream stream;
+  std::unique_ptr<StagingRing> ring;
+};
+
+class CudaIpcTransport final : public Transport {
+ public:
+  using Transport::PostWrite;
+  explicit CudaIpcTransport(CudaIpcSetup setup);
+  ~CudaIpcTransport() override;
+
+  absl::string_view name() const override { return "cuda_ipc"; }
+  TransportCapabilities capabilities() const override;
+  absl::StatusOr<std::string> LocalInfo() override;
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* base, size_t length,
+                                                                     MemoryKind kind) override;
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateMemory(size_t length,
+                                                                      MemoryKind kind) override;
+  absl::StatusOr<PeerId> Connect(absl::string_view peer_info) override;
+  absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
+      PeerId peer, absl::string_view descriptor) override;
+  absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
+                                       const RemoteMemory& remote,
+                                       absl::Span<const Segment> segments,
+                                       absl::string_view notification,
+                                       const WriteOrder& order) override;
+  absl::StatusOr<TransferId> PostNotification(PeerId peer, absl::string_view payload) override;
+  absl::StatusOr<TransferState> Test(TransferId id) override;
+  absl::Status Cancel(TransferId id) override;
+  void Release(TransferId id) override;
+  absl::Status Progress() override;
+  std::vector<Notification> PollNotifications() override;
+  absl::Status Disconnect(PeerId peer) override;
+  absl::Status PeerStatus(PeerId peer) override;
+  void SetPeerErrorCallback(PeerErrorCallback callback) override;
+
+  size_t OpenMappingCount();
+
+ private:
+  // --- cuda_ipc_transport.cc ---
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> Register(void* base, size_t length,
+                                                               DeviceBuffer owned);
+  // The peer if it can take new work: NotFound (unknown), FailedPrecondition (failed, or
+  // never connected to).
+  absl::StatusOr<IpcPeer*> UsablePeer(PeerId peer, absl::string_view op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  IpcPeer* NewPeer(uint64_t uid, uint32_t pid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Enqueues the table copy, the wait for `order.ready_event`, the copy and its event.
+  absl::StatusOr<InFlightCopy> EnqueueCopy(absl::Span<const Segment> segments,
+                                           const char* src_base, char* dst_base,
+                                           const WriteOrder& order)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::pair<StagingRing*, size_t>> ReserveStaging(size_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<CudaEvent> TakeEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  TransferId AddTransfer(IpcPeer* peer, IpcTransfer transfer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // --- cuda_ipc_progress.cc ---
+  void AcceptConnections() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReadPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The peer that connection frames from `uid` belong to (created if new).
+  IpcPeer* PeerForUid(uint64_t uid, uint32_t pid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReadInbound(IpcPeer* peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WatchOutbound(IpcPeer* peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Retires completed copies, oldest first; never blocks.
+  void PollCopies() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendReady(IpcPeer* peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailTransfer(TransferId id, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the peer failed (first error wins), fails its transfers, closes its connections
+  // and drops its mappings; the callback is told from Progress.
+  void FailPeer(IpcPeer* peer, const absl::Status& cause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The destructor's part: fail everything, close peers, wait (bounded) for copies.
+  void Shutdown();
+
+  const CudaIpcTransportOptions options_;
+  const int device_;
+  const int grid_;
+  const uint64_t uid_;
+  const std::string device_uuid_;
+  const std::string socket_name_;
+  const std::string socket_label_;
+
+  absl::Mutex mu_;
+  ScopedFd listener_ ABSL_GUARDED_BY(mu_);
+  IpcStream stream_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<StagingRing> ring_ ABSL_GUARDED_BY(mu_);
+  // Outgrown rings, kept (their last copies may still read them) and freed at destruction.
+  std::vector<std::unique_ptr<StagingRing>> retired_rings_ ABSL_GUARDED_BY(mu_);
+  std::vector<CudaEvent> free_events_ ABSL_GUARDED_BY(mu_);
+  std::deque<InFlightCopy> inflight_ ABSL_GUARDED_BY(mu_);  // stream order
+  std::map<PeerId, std::unique_ptr<IpcPeer>> peers_ ABSL_GUARDED_BY(mu_);
+  // Accepted connections that have not said hello yet.
+  std::vector<std::unique_ptr<IpcConnection>> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<TransferId, IpcTransfer> transfers_ ABSL_GUARDED_BY(mu_);
+  std::vector<Notification> inbox_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<PeerId, absl::Status>> peer_errors_ ABSL_GUARDED_BY(mu_);
+  PeerErrorCallback callback_ ABSL_GUARDED_BY(mu_);
+  PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
+  TransferId next_transfer_ ABSL_GUARDED_BY(mu_) = 1;
+  // Scratch of EnqueueCopy: segments for the copy engine (src, dst, length).
+  struct EngineCopy {
+    const char* src;
+    char* dst;
+    uint64_t length;
+  };
+  std::vector<EngineCopy> engine_copies_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace internal
+}  // namespace kvstream
+
+#endif  // KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_IMPL_H_
