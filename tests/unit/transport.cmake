@@ -7,3 +7,6 @@ kvstream_add_gtest(copy_pool_test LABELS unit SOURCES copy_pool_test.cc
                    DEPS kvstream::transfer)
 kvstream_add_gtest(transport_factory_test LABELS unit SOURCES transport_factory_test.cc
                    DEPS kvstream::transfer)
+kvstream_add_gtest(ucx_staged_test LABELS unit SOURCES ucx_staged_test.cc
+                   DEPS kvstream::transfer)
+target_include_directories(ucx_staged_test PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)

@@ -1,7 +1,8 @@
 // The UCX transport (see ucx_transport.h): the Transport facade over UcxCore
 // (ucx/ucx_core.h), which holds the peers and transfers and whose callbacks move transfers
 // on. This file validates arguments, registers memory, connects, and posts writes: UCX puts
-// (then the core's flush and notification), or jobs for the copy threads.
+// (then the core's flush and notification), jobs for the copy threads, or, between device
+// regions, staged writes (ucx/staged_engine.h, which documents that protocol).
 //
 // Threading: every UCX call runs with UcxCore::mu held (see ucx/ucx_core.h). The user's
 // peer-error callback is queued by the core and called by Progress() after mu is released.
@@ -40,8 +41,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "copy_pool.h"
+#include "kvstream/common/cuda_resources.h"
+#include "kvstream/common/cuda_status.h"
 #include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
+#include "ucx/staged_cuda.h"
+#include "ucx/staged_engine.h"
 #include "ucx/ucx_core.h"
 #include "ucx/ucx_handles.h"
 #include "ucx/ucx_memory.h"
@@ -77,7 +82,8 @@ class UcxTransport final : public Transport {
     caps.one_sided_write = true;
     caps.notifications = true;
     caps.host_memory = true;
-    caps.device_memory = false;  // Debian's UCX has no CUDA transports
+    // Staged through pinned host memory (no UCX CUDA transport is needed).
+    caps.device_memory = BuiltWithCuda();
     caps.inter_process = true;
     caps.inter_node = core_->network;
     return caps;
@@ -91,8 +97,12 @@ class UcxTransport final : public Transport {
       return absl::InvalidArgumentError("UCX RegisterMemory: null or empty range");
     }
     if (kind == MemoryKind::kDevice) {
-      return absl::InvalidArgumentError(
-          "UCX RegisterMemory: device memory is not supported (this UCX has no CUDA transports)");
+      if (!BuiltWithCuda()) {
+        return absl::InvalidArgumentError(
+            "UCX RegisterMemory: device memory needs a build of kvstream with CUDA");
+      }
+      ASSIGN_OR_RETURN(int device, DeviceOfRange(base, length));
+      return RegisterDevice(base, length, device, DeviceBuffer());
     }
     absl::MutexLock lock(&core_->mu);
     // Inside an allocation: a fresh ucp_mem_map of it would give a key without the
@@ -127,6 +137,19 @@ class UcxTransport final : public Transport {
   absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateMemory(size_t length,
                                                                       MemoryKind kind) override {
     if (length == 0) return absl::InvalidArgumentError("UCX AllocateMemory: zero length");
+    if (kind == MemoryKind::kDevice && BuiltWithCuda()) {
+      int device = kCurrentCudaDevice;
+      {
+        absl::MutexLock lock(&core_->mu);
+        if (core_->staged != nullptr) device = core_->staged->device;
+      }
+      CudaDeviceScope scope(device);
+      RETURN_IF_ERROR(scope.status());
+      ASSIGN_OR_RETURN(int current, CurrentCudaDevice());
+      ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::CreateZeroed(length, kind));
+      void* base = buffer.data();
+      return RegisterDevice(base, length, current, std::move(buffer));
+    }
     if (kind != MemoryKind::kHost) {
       return absl::InvalidArgumentError(absl::StrCat("UCX AllocateMemory: cannot allocate ",
                                                      MemoryKindName(kind), " memory"));
@@ -192,23 +215,11 @@ class UcxTransport final : public Transport {
     }
     const bool fresh = peer == nullptr;
     if (fresh) peer = core_->NewPeer(info.uid);
-    ucp_ep_params_t params;
-    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    params.address = reinterpret_cast<const ucp_address_t*>(info.address.data());
-    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    params.err_handler.cb = OnEndpointError;
-    params.err_handler.arg = peer;
-    ucp_ep_h ep = nullptr;
-    absl::Status status =
-        UcxStatusToStatus(ucp_ep_create(core_->worker.get(), &params, &ep), "ep_create",
-                          peer->label);
+    absl::Status status = core_->ConnectPeer(peer, info.address);
     if (!status.ok()) {
       if (fresh) core_->peers.erase(peer->id);
       return status;
     }
-    peer->ep = UcxEndpoint(core_->worker.get(), ep);
-    peer->connected = true;
     return peer->id;
   }
 
@@ -217,6 +228,10 @@ class UcxTransport final : public Transport {
     ASSIGN_OR_RETURN(UcxMemoryDescriptor d, DecodeMemoryDescriptor(descriptor));
     absl::MutexLock lock(&core_->mu);
     ASSIGN_OR_RETURN(UcxPeer * peer, UsablePeer(peer_id, "ImportRemote"));
+    if (d.kind == UcxRegionKind::kDevice) {
+      return std::unique_ptr<RemoteMemory>(
+          new UcxRemote(core_, peer_id, d.address, d.length, d.region_id));
+    }
     ucp_rkey_h raw_rkey = nullptr;
     absl::Status status = UcxStatusToStatus(
         ucp_ep_rkey_unpack(peer->ep.get(), d.rkey.data(), &raw_rkey), "ep_rkey_unpack",
@@ -241,11 +256,6 @@ class UcxTransport final : public Transport {
                                        absl::Span<const Segment> segments,
                                        absl::string_view notification,
                                        const WriteOrder& order) override {
-    if (order.ready_event != nullptr || order.notification_tail != nullptr) {
-      return absl::InvalidArgumentError(
-          "UCX PostWrite: a ready event or notification tail was given, but this transport "
-          "moves host memory only");
-    }
     const auto* reg = dynamic_cast<const UcxRegistration*>(&local);
     const auto* rem = dynamic_cast<const UcxRemote*>(&remote);
     if (reg == nullptr || reg->core() != core_.get()) {
@@ -268,8 +278,18 @@ class UcxTransport final : public Transport {
             reg->length(), " bytes) or the remote one (", rem->length(), " bytes)"));
       }
     }
+    if (reg->device() != rem->device()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "UCX PostWrite: writes from ", reg->device() ? "device" : "host", " memory into ",
+          rem->device() ? "device" : "host",
+          " memory are not supported (both sides must be device memory, or both host)"));
+    }
+    RETURN_IF_ERROR(CheckOrder(order, notification, reg->device()));
     absl::MutexLock lock(&core_->mu);
     ASSIGN_OR_RETURN(UcxPeer * peer, UsablePeer(peer_id, "PostWrite"));
+    if (reg->device()) {
+      return PostStagedWrite(core_.get(), peer, *reg, *rem, segments, notification, order);
+    }
     if (pool_ != nullptr && rem->mapped() != nullptr) {
       return PostCopies(peer, *reg, *rem, segments, notification);
     }
@@ -359,6 +379,7 @@ class UcxTransport final : public Transport {
       for (int i = 0; i < kMaxProgressCalls && ucp_worker_progress(core_->worker.get()) != 0;
            ++i) {
       }
+      ProgressStaged(core_.get());
       if (core_->maintenance) core_->Maintain();
       if (!core_->peer_errors.empty()) {
         errors.swap(core_->peer_errors);
@@ -416,6 +437,50 @@ class UcxTransport final : public Transport {
   }
 
  private:
+  // The WriteOrder rules of transport.h: GPU ordering applies to device writes only.
+  static absl::Status CheckOrder(const WriteOrder& order, absl::string_view notification,
+                                 bool device) {
+    if (!device) {
+      if (order.ready_event != nullptr || order.notification_tail != nullptr) {
+        return absl::InvalidArgumentError(
+            "UCX PostWrite: a ready event or notification tail was given for a write of host "
+            "memory (GPU ordering applies to device memory)");
+      }
+      return absl::OkStatus();
+    }
+    if ((order.notification_tail == nullptr) != (order.notification_tail_bytes == 0)) {
+      return absl::InvalidArgumentError(
+          "UCX PostWrite: notification_tail and notification_tail_bytes must be given together");
+    }
+    if (order.notification_tail != nullptr &&
+        (order.ready_event == nullptr || notification.empty() ||
+         order.notification_tail_bytes > kMaxNotificationTailBytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "UCX PostWrite: a notification tail needs a ready event, a non-empty notification "
+          "and at most ", kMaxNotificationTailBytes, " bytes (", order.notification_tail_bytes,
+          " given)"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Registers device memory on `device` (owning `owned`, if not empty) as a staged region.
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterDevice(void* base, size_t length,
+                                                                      int device,
+                                                                      DeviceBuffer owned) {
+    absl::MutexLock lock(&core_->mu);
+    RETURN_IF_ERROR(CheckNotShutDown("RegisterMemory"));
+    RETURN_IF_ERROR(EnsureStagedEngine(core_.get(), device));
+    const uint64_t region_id = core_->next_region_id++;
+    core_->device_regions[region_id] = DeviceRegion{static_cast<char*>(base), length};
+    UcxMemoryDescriptor d;
+    d.kind = UcxRegionKind::kDevice;
+    d.address = reinterpret_cast<uintptr_t>(base);
+    d.length = length;
+    d.region_id = region_id;
+    return std::unique_ptr<MemoryRegistration>(new UcxRegistration(
+        core_, region_id, std::move(owned), base, length, EncodeMemoryDescriptor(d)));
+  }
+
   absl::Status CheckNotShutDown(absl::string_view op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu) {
     if (core_->shut_down) {
       return absl::FailedPreconditionError(absl::StrCat("UCX ", op, ": transport shut down"));
@@ -456,6 +521,7 @@ class UcxTransport final : public Transport {
 
   static std::string Descriptor(uintptr_t address, size_t length, const std::string& rkey) {
     UcxMemoryDescriptor descriptor;
+    descriptor.kind = UcxRegionKind::kHost;
     descriptor.address = address;
     descriptor.length = length;
     descriptor.rkey = rkey;
@@ -480,7 +546,7 @@ class UcxTransport final : public Transport {
     t->id = core_->next_transfer++;
     t->peer = peer;
     t->payload.assign(notification.data(), notification.size());
-    if (!t->payload.empty()) t->header = EncodeNotificationHeader(core_->uid);
+    t->watermark = peer->staged_posted;
     core_->transfers.emplace(t->id, std::move(owned));
     peer->outstanding.insert(t);
     return t;
@@ -551,7 +617,22 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportImpl(
                                                    options.copy_threads, " is outside 0..",
                                                    kMaxCopyThreads));
   }
+  if (options.staged_chunk_bytes < kMinStagedChunkBytes ||
+      options.staged_chunk_bytes > kMaxStagedChunkBytes ||
+      options.staged_chunk_bytes % kStagingAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "UCX transport: staged_chunk_bytes ", options.staged_chunk_bytes,
+        " is not a multiple of ", kStagingAlignment, " in [", kMinStagedChunkBytes, ", ",
+        kMaxStagedChunkBytes, "]"));
+  }
+  if (options.staged_slots < 2 || options.staged_slots > static_cast<int>(kMaxStagedSlots)) {
+    return absl::InvalidArgumentError(absl::StrCat("UCX transport: staged_slots ",
+                                                   options.staged_slots, " is outside 2..",
+                                                   kMaxStagedSlots));
+  }
   ASSIGN_OR_RETURN(std::shared_ptr<UcxCore> core, CreateUcxCore(options));
+  core->staged_options.chunk_bytes = options.staged_chunk_bytes;
+  core->staged_options.slots = static_cast<uint32_t>(options.staged_slots);
   std::unique_ptr<CopyPool> pool;
   if (options.copy_threads > 0) {
     const unsigned cpus = std::thread::hardware_concurrency();

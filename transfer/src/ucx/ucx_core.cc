@@ -21,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
+#include "ucx/staged_engine.h"
 #include "ucx/ucx_status.h"
 
 namespace kvstream {
@@ -57,7 +58,7 @@ ucs_status_t OnNotification(void* arg, const void* header, size_t header_length,
                             size_t length, const ucp_am_recv_param_t* param)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   auto* core = static_cast<UcxCore*>(arg);
-  absl::StatusOr<uint64_t> sender = DecodeNotificationHeader(
+  absl::StatusOr<NotificationHeaderFields> sender = DecodeNotificationHeader(
       absl::string_view(static_cast<const char*>(header), header_length));
   if (!sender.ok()) {
     Log(LogLevel::kWarning, absl::StrCat("UCX: dropped a malformed notification: ",
@@ -69,14 +70,36 @@ ucs_status_t OnNotification(void* arg, const void* header, size_t header_length,
     Log(LogLevel::kWarning, "UCX: dropped a rendezvous notification");
     return UCS_OK;
   }
+  UcxPeer* peer = core->PeerForUid(sender->sender_uid);
   Notification n;
-  n.peer = core->PeerForUid(*sender)->id;
+  n.peer = peer->id;
   n.payload.assign(static_cast<const char*>(data), length);
-  core->inbox.push_back(std::move(n));
+  DeliverNotification(core, peer, sender->watermark, std::move(n));
   return UCS_OK;
 }
 
+void OnControlSent(void* request, ucs_status_t status, void* user_data)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  auto* send = static_cast<ControlSend*>(user_data);
+  ucp_request_free(request);
+  // A failed send fails the endpoint, whose error callback reports it.
+  send->core->control_sends.erase(send);
+}
+
 }  // namespace
+
+UcxTransfer::UcxTransfer() = default;
+UcxTransfer::~UcxTransfer() = default;
+
+bool UcxTransfer::copying() const {
+  if (job != nullptr && !job->finished()) return true;
+  return staged != nullptr && !StagedSendFinished(*staged);
+}
+
+UcxPeer::UcxPeer() = default;
+UcxPeer::~UcxPeer() = default;
+
+UcxCore::UcxCore() = default;
 
 void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   auto* peer = static_cast<UcxPeer*>(arg);
@@ -99,8 +122,53 @@ absl::Status UcxCore::InstallHandlers() {
   am.flags = UCP_AM_FLAG_WHOLE_MSG;
   am.cb = OnNotification;
   am.arg = this;
+  RETURN_IF_ERROR(UcxStatusToStatus(ucp_worker_set_am_recv_handler(worker.get(), &am),
+                                    "set_am_recv_handler"));
+  am.id = kStagedAmId;
+  am.cb = OnStagedMessage;
   return UcxStatusToStatus(ucp_worker_set_am_recv_handler(worker.get(), &am),
-                           "set_am_recv_handler");
+                           "set_am_recv_handler (staged)");
+}
+
+absl::Status UcxCore::ConnectPeer(UcxPeer* peer, const std::string& address) {
+  ucp_ep_params_t params;
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.err_handler.cb = OnEndpointError;
+  params.err_handler.arg = peer;
+  ucp_ep_h ep = nullptr;
+  RETURN_IF_ERROR(
+      UcxStatusToStatus(ucp_ep_create(worker.get(), &params, &ep), "ep_create", peer->label));
+  peer->ep = UcxEndpoint(worker.get(), ep);
+  peer->connected = true;
+  return absl::OkStatus();
+}
+
+void UcxCore::SendControl(UcxPeer* peer, StagedType type, std::string body) {
+  if (!peer->ep || !peer->status.ok() || shut_down) return;
+  auto owned = std::make_unique<ControlSend>();
+  ControlSend* send = owned.get();
+  send->core = this;
+  send->header = EncodeStagedHeader(type, uid);
+  send->body = std::move(body);
+  ucp_request_param_t param;
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_AM_SEND_FLAG_EAGER;
+  param.cb.send = OnControlSent;
+  param.user_data = send;
+  ucs_status_ptr_t request =
+      ucp_am_send_nbx(peer->ep.get(), kStagedAmId, send->header.data(), send->header.size(),
+                      send->body.data(), send->body.size(), &param);
+  if (UCS_PTR_IS_ERR(request)) {
+    FailPeer(peer, UcxStatusToStatus(UCS_PTR_STATUS(request), "am_send_nbx (staged)",
+                                     peer->label));
+  } else if (request != nullptr) {
+    send->request = request;
+    control_sends.emplace(send, std::move(owned));
+  }
 }
 
 UcxPeer* UcxCore::NewPeer(uint64_t peer_uid) {
@@ -131,8 +199,9 @@ void UcxCore::FailTransfer(UcxTransfer* t, absl::Status status) {
   const bool was_waiting = t->phase == Phase::kCopying;
   t->phase = Phase::kFailed;
   t->status = std::move(status);
-  if (t->copying()) CopyPool::Abandon(*t->job);
+  if (t->job != nullptr && !t->job->finished()) CopyPool::Abandon(*t->job);
   t->job.reset();
+  if (t->staged != nullptr) StagedTransferFailed(this, t);
   if (was_waiting) {
     auto it = std::find(peer->waiting.begin(), peer->waiting.end(), t);
     if (it != peer->waiting.end()) peer->waiting.erase(it);
@@ -181,6 +250,7 @@ void UcxCore::FailPeer(UcxPeer* peer, const absl::Status& error) {
   for (UcxTransfer* t : outstanding) FailTransfer(t, error);
   // A peer the user already disconnected from is not news to report.
   if (!peer->disconnected) peer_errors.emplace_back(peer->id, error);
+  StagedPeerFailed(this, peer);
   maintenance = true;
 }
 
@@ -199,6 +269,13 @@ void UcxCore::SendNotification(UcxTransfer* t) {
     CompleteTransfer(t);
     return;
   }
+  // The tail's producer ran before the write's ready event, which the write's GPU work
+  // (or StagedSendFinished) has seen complete by now.
+  if (t->tail != nullptr) {
+    t->payload.append(static_cast<const char*>(t->tail), t->tail_bytes);
+    t->tail = nullptr;
+  }
+  t->header = EncodeNotificationHeader(uid, t->watermark);
   ucp_request_param_t param;
   param.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -246,11 +323,13 @@ void UcxCore::Maintain() {
       ucp_request_free(peer->close_request);
       peer->close_request = nullptr;
     }
-    if (peer->disconnected && peer->close_request == nullptr && peer->outstanding.empty()) {
+    const bool idle = StagedPeerIdle(*peer);
+    if (peer->disconnected && peer->close_request == nullptr && peer->outstanding.empty() &&
+        idle) {
       it = peers.erase(it);
       continue;
     }
-    again = again || peer->close_request != nullptr;
+    again = again || peer->close_request != nullptr || (peer->disconnected && !idle);
     ++it;
   }
   maintenance = again;
@@ -273,7 +352,7 @@ void UcxCore::Shutdown() {
   }
   const absl::Time deadline = absl::Now() + kShutdownTimeout;
   while (true) {
-    bool pending = !zombies.empty();
+    bool pending = !zombies.empty() || !control_sends.empty();
     for (auto& [id, t] : transfers) pending = pending || t->request != nullptr;
     for (auto& [id, peer] : peers) {
       if (peer->close_request != nullptr &&
@@ -291,6 +370,7 @@ void UcxCore::Shutdown() {
         if (t->request != nullptr) (void)t.release();
       }
       for (auto& [raw, t] : zombies) (void)t.release();
+      for (auto& [raw, send] : control_sends) (void)send.release();
       for (auto& [id, peer] : peers) {
         if (peer->close_request != nullptr) (void)peer.release();
       }
@@ -298,10 +378,15 @@ void UcxCore::Shutdown() {
     }
     ucp_worker_progress(worker.get());
   }
+  // No GPU work may still touch a buffer the peers' staged state frees.
+  DrainStaged(this, absl::Now() + kShutdownTimeout);
   transfers.clear();
   zombies.clear();
+  control_sends.clear();
   peers.clear();
   inbox.clear();
+  staged_inbox.clear();
+  staged.reset();
 }
 
 }  // namespace internal

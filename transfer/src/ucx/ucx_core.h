@@ -33,6 +33,7 @@
 #include "absl/time/time.h"
 #include "copy_pool.h"
 #include "kvstream/transfer/transport.h"
+#include "ucx/staged_wire.h"
 #include "ucx/ucx_handles.h"
 #include "ucx/ucx_wire.h"
 
@@ -48,6 +49,35 @@ inline constexpr int kMaxProgressCalls = 64;
 
 struct UcxCore;
 struct UcxPeer;
+// The staged device path's state (ucx/staged_engine.h).
+struct StagedSend;
+struct StagedOut;
+struct StagedIn;
+struct StagedEngine;
+
+struct StagedOptions {
+  uint64_t chunk_bytes = uint64_t{4} << 20;  // a slot's size
+  uint32_t slots = 4;                        // slots per sender and receiver pair
+};
+
+// A device region this transport registered, by region id.
+struct DeviceRegion {
+  char* base = nullptr;
+  uint64_t length = 0;
+};
+
+// A message the staged handler received, processed in Progress (outside UCX callbacks).
+struct StagedInbound {
+  StagedHeader header;
+  std::string body;
+};
+
+// A control message of the staged path in flight (owned by UcxCore::control_sends).
+struct ControlSend {
+  UcxCore* core = nullptr;
+  std::string header, body;
+  void* request = nullptr;
+};
 
 // kCopying: in its peer's `waiting` queue (copies in flight, or an earlier transfer to the
 // peer still waiting); kFlushing, kNotifying: a UCX request in flight.
@@ -68,12 +98,21 @@ struct UcxTransfer {
   std::shared_ptr<CopyJob> job;
   const void* local_handle = nullptr;
   const void* remote_handle = nullptr;
+  // Staged device writes: the chunks' state (null for other transfers), and the
+  // notification tail appended when the notification is sent (WriteOrder).
+  std::unique_ptr<StagedSend> staged;
+  const void* tail = nullptr;
+  size_t tail_bytes = 0;
+  // Staged writes posted to the peer before the notification (ucx/staged_engine.h).
+  uint64_t watermark = 0;
 
+  UcxTransfer();
+  ~UcxTransfer();
   bool active() const {
     return phase == Phase::kCopying || phase == Phase::kFlushing || phase == Phase::kNotifying;
   }
-  // Whether bytes of its own remain to be copied.
-  bool copying() const { return job != nullptr && !job->finished(); }
+  // Whether bytes of its own remain to be copied (copy threads) or staged.
+  bool copying() const;
 };
 
 struct UcxPeer {
@@ -88,6 +127,14 @@ struct UcxPeer {
   absl::Status status;                // OK while healthy
   std::set<UcxTransfer*> outstanding;  // active transfers to this peer
   std::deque<UcxTransfer*> waiting;    // kCopying transfers, in post order
+  // Staged device path: sequence numbers given out to writes to this peer, the sending
+  // side's link and slots, the receiving side's landing area and ordering.
+  uint64_t staged_posted = 0;
+  std::unique_ptr<StagedOut> out;
+  std::unique_ptr<StagedIn> in;
+
+  UcxPeer();
+  ~UcxPeer();
 };
 
 // A memory handle shared by the registration that allocated its memory and registrations of
@@ -124,12 +171,29 @@ struct UcxCore {
   bool maintenance ABSL_GUARDED_BY(mu) = false;  // some peer needs closing or erasing
   bool shut_down ABSL_GUARDED_BY(mu) = false;
 
+  // Staged device path (ucx/staged_engine.h): the engine (from the first device
+  // registration), device regions by id, received messages, control messages in flight.
+  StagedOptions staged_options;
+  std::unique_ptr<StagedEngine> staged ABSL_GUARDED_BY(mu);
+  std::map<uint64_t, DeviceRegion> device_regions ABSL_GUARDED_BY(mu);
+  uint64_t next_region_id ABSL_GUARDED_BY(mu) = 1;
+  std::deque<StagedInbound> staged_inbox ABSL_GUARDED_BY(mu);
+  std::map<ControlSend*, std::unique_ptr<ControlSend>> control_sends ABSL_GUARDED_BY(mu);
+
+  UcxCore();
   ~UcxCore();
 
   // Installs the notification handler on the worker (once, at creation).
   absl::Status InstallHandlers();
 
   UcxPeer* NewPeer(uint64_t peer_uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Gives `peer` an endpoint to the worker `address` (error mode PEER).
+  absl::Status ConnectPeer(UcxPeer* peer, const std::string& address)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Sends a staged control message to the peer (eager active message); a failure to send
+  // fails the peer.
+  void SendControl(UcxPeer* peer, StagedType type, std::string body)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // The peer under which notifications from `sender_uid` are reported: the connected one
   // if any, else one created for it.
   UcxPeer* PeerForUid(uint64_t sender_uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);

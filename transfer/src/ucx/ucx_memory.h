@@ -2,7 +2,9 @@
 // (caller-owned memory, memory AllocateMemory allocated, or a range inside the latter), and
 // UcxRemote, a peer's region imported from its descriptor. Both keep the core alive and, on
 // destruction, fail the transfers still copying through them, so no copy outlives the
-// memory it touches.
+// memory it touches. Device regions (MemoryKind::kDevice) have no UCX memory handle or
+// rkey: they are known by region id, and written through the staged path
+// (ucx/staged_engine.h); destroying one also waits (bounded) for the GPU work on it.
 #ifndef KVSTREAM_TRANSFER_SRC_UCX_UCX_MEMORY_H_
 #define KVSTREAM_TRANSFER_SRC_UCX_UCX_MEMORY_H_
 
@@ -12,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "kvstream/common/cuda_resources.h"
 #include "kvstream/transfer/transport.h"
 #include "ucx/ucx_core.h"
 #include "ucx/ucx_handles.h"
@@ -28,6 +31,13 @@ class UcxRegistration final : public MemoryRegistration {
                   size_t length, MemoryKind kind, std::string descriptor, bool allocated)
       : core_(std::move(core)), memh_(std::move(memh)), base_(base), length_(length),
         kind_(kind), descriptor_(std::move(descriptor)), allocated_(allocated) {}
+  // A device region `region_id` (known to the core's device_regions), owning `owned`
+  // when AllocateMemory allocated it.
+  UcxRegistration(std::shared_ptr<UcxCore> core, uint64_t region_id, DeviceBuffer owned,
+                  void* base, size_t length, std::string descriptor)
+      : core_(std::move(core)), base_(base), length_(length), kind_(MemoryKind::kDevice),
+        descriptor_(std::move(descriptor)), allocated_(false), region_id_(region_id),
+        owned_(std::move(owned)) {}
   ~UcxRegistration() override;
 
   void* base() const override { return base_; }
@@ -35,7 +45,10 @@ class UcxRegistration final : public MemoryRegistration {
   MemoryKind memory_kind() const override { return kind_; }
   const std::string& descriptor() const override { return descriptor_; }
   const UcxCore* core() const { return core_.get(); }
+  // REQUIRES: not a device region.
   ucp_mem_h memh() const { return memh_->get(); }
+  bool device() const { return kind_ == MemoryKind::kDevice; }
+  uint64_t region_id() const { return region_id_; }
 
  private:
   std::shared_ptr<UcxCore> core_;
@@ -45,6 +58,8 @@ class UcxRegistration final : public MemoryRegistration {
   MemoryKind kind_;
   std::string descriptor_;
   bool allocated_;
+  uint64_t region_id_ = 0;
+  DeviceBuffer owned_;  // destroyed last: after the GPU work on it was waited for
 };
 
 class UcxRemote final : public RemoteMemory {
@@ -54,6 +69,11 @@ class UcxRemote final : public RemoteMemory {
             UcxRkey rkey, char* mapped)
       : core_(std::move(core)), peer_(peer), address_(address), length_(length),
         rkey_(std::move(rkey)), mapped_(mapped) {}
+  // A peer's device region (no rkey: written through the staged path).
+  UcxRemote(std::shared_ptr<UcxCore> core, PeerId peer, uint64_t address, uint64_t length,
+            uint64_t region_id)
+      : core_(std::move(core)), peer_(peer), address_(address), length_(length),
+        mapped_(nullptr), region_id_(region_id) {}
   ~UcxRemote() override;
 
   PeerId peer() const override { return peer_; }
@@ -62,6 +82,8 @@ class UcxRemote final : public RemoteMemory {
   uint64_t address() const { return address_; }
   ucp_rkey_h rkey() const { return rkey_.get(); }
   char* mapped() const { return mapped_; }
+  bool device() const { return region_id_ != 0; }
+  uint64_t region_id() const { return region_id_; }
 
  private:
   std::shared_ptr<UcxCore> core_;
@@ -70,6 +92,7 @@ class UcxRemote final : public RemoteMemory {
   uint64_t length_;
   UcxRkey rkey_;
   char* mapped_;
+  uint64_t region_id_ = 0;
 };
 
 }  // namespace internal
