@@ -525,6 +525,14 @@ bool StagedPeerIdle(const UcxPeer& peer) {
   return ReceiverIdle(peer);
 }
 
+bool StagedRequestsPending(const UcxPeer& peer) {
+  if (peer.out == nullptr) return false;
+  for (const auto& slot : peer.out->slots) {
+    if (slot->request != nullptr) return true;
+  }
+  return false;
+}
+
 void WaitForStagedRegionIdle(UcxCore* core, const void* handle, uint64_t region_id)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   std::vector<const CudaEvent*> events;

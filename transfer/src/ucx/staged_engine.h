@@ -207,6 +207,9 @@ void ProgressStaged(UcxCore* core);
 // erased).
 bool StagedPeerIdle(const UcxPeer& peer);
 
+// Whether a UCX request of the peer's staged slots is in flight (its callback will run).
+bool StagedRequestsPending(const UcxPeer& peer);
+
 // Drops what a failed peer had pending on the receiving side.
 void StagedPeerFailed(UcxCore* core, UcxPeer* peer);
 

@@ -51,7 +51,8 @@ void Advance(UcxCore* core, StagedIn& in) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   }
 }
 
-// The landing area for `peer`'s writes, allocated on its first hello.
+// The landing area for `peer`'s writes, allocated on its first hello. Nothing of it is
+// kept unless all of it could be had (the ordering state in `in` stays either way).
 absl::Status EnsureLanding(UcxCore* core, UcxPeer* peer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   StagedIn& in = InState(peer);
   if (in.landing != nullptr) return absl::OkStatus();
@@ -86,17 +87,19 @@ absl::Status EnsureLanding(UcxCore* core, UcxPeer* peer) ABSL_NO_THREAD_SAFETY_A
   ucp_rkey_buffer_release(packed);
   CudaDeviceScope scope(core->staged->device);
   RETURN_IF_ERROR(scope.status());
+  std::vector<std::unique_ptr<ReceiverSlot>> slots;
+  for (uint32_t i = 0; i < options.slots; ++i) {
+    auto slot = std::make_unique<ReceiverSlot>();
+    ASSIGN_OR_RETURN(slot->buffers, NewSlotBuffers(options.chunk_bytes));
+    slots.push_back(std::move(slot));
+  }
   RETURN_IF_ERROR(HostRegister(attr.address, total, "staged landing area"));
   in.landing_memh = std::move(owned);
   in.landing = static_cast<char*>(attr.address);
   in.landing_locked = true;
   in.slot_bytes = options.chunk_bytes;
   in.landing_descriptor = EncodeMemoryDescriptor(d);
-  for (uint32_t i = 0; i < options.slots; ++i) {
-    auto slot = std::make_unique<ReceiverSlot>();
-    ASSIGN_OR_RETURN(slot->buffers, NewSlotBuffers(options.chunk_bytes));
-    in.slots.push_back(std::move(slot));
-  }
+  in.slots = std::move(slots);
   return absl::OkStatus();
 }
 
@@ -130,7 +133,6 @@ void HandleHello(UcxCore* core, UcxPeer* peer, const StagedInbound& m)
     welcome.landing_descriptor = peer->in->landing_descriptor;
   } else {
     welcome.reason = std::string(status.message());
-    peer->in.reset();  // a partial landing area (the next hello tries again)
   }
   core->SendControl(peer, StagedType::kWelcome, EncodeWelcome(welcome));
 }

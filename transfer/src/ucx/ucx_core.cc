@@ -360,7 +360,7 @@ void UcxCore::Shutdown() {
         ucp_request_free(peer->close_request);
         peer->close_request = nullptr;
       }
-      pending = pending || peer->close_request != nullptr;
+      pending = pending || peer->close_request != nullptr || StagedRequestsPending(*peer);
     }
     if (!pending) break;
     if (absl::Now() >= deadline) {
@@ -372,7 +372,7 @@ void UcxCore::Shutdown() {
       for (auto& [raw, t] : zombies) (void)t.release();
       for (auto& [raw, send] : control_sends) (void)send.release();
       for (auto& [id, peer] : peers) {
-        if (peer->close_request != nullptr) (void)peer.release();
+        if (peer->close_request != nullptr || StagedRequestsPending(*peer)) (void)peer.release();
       }
       break;
     }

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "kvstream/common/cuda_resources.h"
 #include "kvstream/transfer/transport.h"
 #include "ucx/ucx_core.h"
@@ -94,6 +95,13 @@ class UcxRemote final : public RemoteMemory {
   char* mapped_;
   uint64_t region_id_ = 0;
 };
+
+// Transport::RegisterMemory and Transport::AllocateMemory (contracts in transport.h and
+// ucx_transport.h). Take core->mu themselves.
+absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterUcxMemory(
+    const std::shared_ptr<UcxCore>& core, void* base, size_t length, MemoryKind kind);
+absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateUcxMemory(
+    const std::shared_ptr<UcxCore>& core, size_t length, MemoryKind kind);
 
 }  // namespace internal
 }  // namespace kvstream
