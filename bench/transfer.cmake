@@ -13,3 +13,11 @@ if(KVSTREAM_HAVE_CUDA)
                         CUDA::cudart)
   kvstream_set_warnings(kvstream_bench_cuda_ipc)
 endif()
+# Benchmark: the UCX staged device path between two processes on one GPU, beside the
+# pinned copy ceiling measured in the same run (a plain program: it spawns its own peer).
+if(KVSTREAM_HAVE_CUDA)
+  add_executable(kvstream_bench_ucx_staged ucx_staged_bench.cc)
+  target_link_libraries(kvstream_bench_ucx_staged PRIVATE kvstream::transfer CUDA::cudart)
+  target_include_directories(kvstream_bench_ucx_staged PRIVATE ${PROJECT_SOURCE_DIR})
+  kvstream_set_warnings(kvstream_bench_ucx_staged)
+endif()

@@ -12,3 +12,6 @@ kvstream_add_gtest(cuda_ipc_wire_test LABELS unit SOURCES cuda_ipc_wire_test.cc
                    DEPS kvstream::transfer)
 kvstream_add_gtest(cuda_ipc_transport_test LABELS unit SOURCES cuda_ipc_transport_test.cc
                    DEPS kvstream::transfer)
+kvstream_add_gtest(ucx_staged_test LABELS unit SOURCES ucx_staged_test.cc
+                   DEPS kvstream::transfer)
+target_include_directories(ucx_staged_test PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)

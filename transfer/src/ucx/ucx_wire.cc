@@ -1,10 +1,11 @@
 // Encoding and strict decoding of the UCX transport's worker info, memory descriptors and
-// notification headers (format in ucx_wire.h).
+// notification headers (format in ucx_wire.h), over common/byte_io.h.
 #include "ucx/ucx_wire.h"
 
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvstream/common/byte_io.h"
 #include "kvstream/common/status_macros.h"
 
 namespace kvstream {
@@ -14,11 +15,55 @@ namespace {
 constexpr uint32_t kWorkerInfoMagic = 0x57555653;    // bytes "SVUW"
 constexpr uint32_t kDescriptorMagic = 0x4D555653;    // bytes "SVUM"
 constexpr uint32_t kNotificationMagic = 0x4E555653;  // bytes "SVUN"
-constexpr size_t kPreambleBytes = 8;
-constexpr size_t kChecksumBytes = 8;
 
-uint64_t Fnv1a64(absl::string_view bytes) {
-  uint64_t hash = 0xcbf29ce484222325ull;
+// Prefixes a ByteReader's error with what was being decoded.
+absl::Status In(absl::string_view what, absl::Status status) {
+  if (status.ok()) return status;
+  return absl::InvalidArgumentError(absl::StrCat(what, ": ", status.message()));
+}
+
+// Checks magic, version and the reserved field.
+absl::Status ReadPreamble(ByteReader& r, uint32_t magic, absl::string_view what) {
+  uint32_t m = 0;
+  uint16_t version = 0, reserved = 0;
+  RETURN_IF_ERROR(In(what, r.U32("magic", &m)));
+  if (m != magic) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": wrong magic (not a ", what, ")"));
+  }
+  RETURN_IF_ERROR(In(what, r.U16("version", &version)));
+  if (version != kUcxWireVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": unsupported version ", version,
+                                                   " (this build reads version ",
+                                                   kUcxWireVersion, ")"));
+  }
+  RETURN_IF_ERROR(In(what, r.U16("reserved", &reserved)));
+  if (reserved != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": reserved field is not zero"));
+  }
+  return absl::OkStatus();
+}
+
+// Checks the trailing checksum over everything before it and that nothing follows.
+absl::Status ReadChecksum(ByteReader& r, absl::string_view bytes, absl::string_view what) {
+  const size_t covered = r.position();
+  uint64_t sum = 0;
+  RETURN_IF_ERROR(In(what, r.U64("checksum", &sum)));
+  RETURN_IF_ERROR(In(what, r.ExpectEnd(what)));
+  if (sum != UcxChecksum(bytes.substr(0, covered))) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": checksum mismatch (garbled)"));
+  }
+  return absl::OkStatus();
+}
+
+void PutChecksum(std::string& out) {
+  const uint64_t sum = UcxChecksum(out);
+  ByteWriter(&out).U64(sum);
+}
+
+}  // namespace
+
+uint64_t UcxChecksum(absl::string_view bytes) {
+  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a-64
   for (unsigned char c : bytes) {
     hash ^= c;
     hash *= 0x100000001b3ull;
@@ -26,157 +71,117 @@ uint64_t Fnv1a64(absl::string_view bytes) {
   return hash;
 }
 
-void PutLe(std::string& out, uint64_t value, size_t bytes) {
-  for (size_t i = 0; i < bytes; ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+void PutUcxPreamble(std::string& out, uint32_t magic) {
+  ByteWriter w(&out);
+  w.U32(magic);
+  w.U16(kUcxWireVersion);
+  w.U16(0);
 }
-
-// Reads little-endian integers and blobs from a byte string, failing (never reading past
-// the end) when the input is too short.
-class Reader {
- public:
-  Reader(absl::string_view bytes, absl::string_view what) : bytes_(bytes), what_(what) {}
-
-  absl::StatusOr<uint64_t> Int(size_t width, absl::string_view field) {
-    if (bytes_.size() - pos_ < width) return Truncated(field);
-    uint64_t value = 0;
-    for (size_t i = 0; i < width; ++i) {
-      value |= static_cast<uint64_t>(static_cast<unsigned char>(bytes_[pos_ + i])) << (8 * i);
-    }
-    pos_ += width;
-    return value;
-  }
-
-  absl::StatusOr<std::string> Blob(uint32_t max_bytes, absl::string_view field) {
-    ASSIGN_OR_RETURN(uint64_t n, Int(4, field));
-    if (n == 0 || n > max_bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what_, ": ", field, " length ", n, " is outside [1, ", max_bytes, "]"));
-    }
-    if (bytes_.size() - pos_ < n) return Truncated(field);
-    std::string blob(bytes_.substr(pos_, n));
-    pos_ += n;
-    return blob;
-  }
-
-  // Checks magic, version and the reserved field.
-  absl::Status Preamble(uint32_t magic) {
-    ASSIGN_OR_RETURN(uint64_t m, Int(4, "magic"));
-    if (m != magic) {
-      return absl::InvalidArgumentError(absl::StrCat(what_, ": wrong magic (not a ", what_, ")"));
-    }
-    ASSIGN_OR_RETURN(uint64_t version, Int(2, "version"));
-    if (version != kUcxWireVersion) {
-      return absl::InvalidArgumentError(absl::StrCat(what_, ": unsupported version ", version,
-                                                     " (this build reads version ",
-                                                     kUcxWireVersion, ")"));
-    }
-    ASSIGN_OR_RETURN(uint64_t reserved, Int(2, "reserved"));
-    if (reserved != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(what_, ": reserved field is not zero"));
-    }
-    return absl::OkStatus();
-  }
-
-  // Checks the trailing checksum over everything before it and that nothing follows.
-  absl::Status Checksum() {
-    const size_t covered = pos_;
-    ASSIGN_OR_RETURN(uint64_t sum, Int(kChecksumBytes, "checksum"));
-    if (pos_ != bytes_.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what_, ": ", bytes_.size() - pos_, " trailing bytes"));
-    }
-    if (sum != Fnv1a64(bytes_.substr(0, covered))) {
-      return absl::InvalidArgumentError(absl::StrCat(what_, ": checksum mismatch (garbled)"));
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  absl::Status Truncated(absl::string_view field) const {
-    return absl::InvalidArgumentError(absl::StrCat(what_, ": truncated at ", field, " (",
-                                                   bytes_.size(), " bytes)"));
-  }
-
-  absl::string_view bytes_;
-  absl::string_view what_;
-  size_t pos_ = 0;
-};
-
-void PutPreamble(std::string& out, uint32_t magic) {
-  PutLe(out, magic, 4);
-  PutLe(out, kUcxWireVersion, 2);
-  PutLe(out, 0, 2);
-}
-
-void PutChecksum(std::string& out) { PutLe(out, Fnv1a64(out), kChecksumBytes); }
-
-}  // namespace
 
 std::string EncodeWorkerInfo(const UcxWorkerInfo& info) {
   std::string out;
-  out.reserve(kPreambleBytes + 12 + info.address.size() + kChecksumBytes);
-  PutPreamble(out, kWorkerInfoMagic);
-  PutLe(out, info.uid, 8);
-  PutLe(out, info.address.size(), 4);
-  out += info.address;
+  PutUcxPreamble(out, kWorkerInfoMagic);
+  ByteWriter w(&out);
+  w.U64(info.uid);
+  w.U32(static_cast<uint32_t>(info.address.size()));
+  w.Raw(info.address);
   PutChecksum(out);
   return out;
 }
 
 absl::StatusOr<UcxWorkerInfo> DecodeWorkerInfo(absl::string_view bytes) {
-  Reader reader(bytes, "UCX worker info");
-  RETURN_IF_ERROR(reader.Preamble(kWorkerInfoMagic));
+  constexpr absl::string_view kWhat = "UCX worker info";
+  ByteReader r(bytes);
+  RETURN_IF_ERROR(ReadPreamble(r, kWorkerInfoMagic, kWhat));
   UcxWorkerInfo info;
-  ASSIGN_OR_RETURN(info.uid, reader.Int(8, "uid"));
-  ASSIGN_OR_RETURN(info.address, reader.Blob(kMaxUcxAddressBytes, "worker address"));
-  RETURN_IF_ERROR(reader.Checksum());
+  RETURN_IF_ERROR(In(kWhat, r.U64("uid", &info.uid)));
+  RETURN_IF_ERROR(In(kWhat, r.Bytes("worker address", kMaxUcxAddressBytes, &info.address)));
+  if (info.address.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": empty worker address"));
+  }
+  RETURN_IF_ERROR(ReadChecksum(r, bytes, kWhat));
   return info;
 }
 
-std::string EncodeMemoryDescriptor(const UcxMemoryDescriptor& descriptor) {
+std::string EncodeMemoryDescriptor(const UcxMemoryDescriptor& d) {
   std::string out;
-  out.reserve(kPreambleBytes + 20 + descriptor.rkey.size() + kChecksumBytes);
-  PutPreamble(out, kDescriptorMagic);
-  PutLe(out, descriptor.address, 8);
-  PutLe(out, descriptor.length, 8);
-  PutLe(out, descriptor.rkey.size(), 4);
-  out += descriptor.rkey;
+  PutUcxPreamble(out, kDescriptorMagic);
+  ByteWriter w(&out);
+  w.U8(static_cast<uint8_t>(d.kind));
+  w.U8(0);
+  w.U16(0);
+  w.U64(d.address);
+  w.U64(d.length);
+  w.U64(d.region_id);
+  w.U32(static_cast<uint32_t>(d.rkey.size()));
+  w.Raw(d.rkey);
   PutChecksum(out);
   return out;
 }
 
 absl::StatusOr<UcxMemoryDescriptor> DecodeMemoryDescriptor(absl::string_view bytes) {
-  Reader reader(bytes, "UCX memory descriptor");
-  RETURN_IF_ERROR(reader.Preamble(kDescriptorMagic));
+  constexpr absl::string_view kWhat = "UCX memory descriptor";
+  ByteReader r(bytes);
+  RETURN_IF_ERROR(ReadPreamble(r, kDescriptorMagic, kWhat));
   UcxMemoryDescriptor d;
-  ASSIGN_OR_RETURN(d.address, reader.Int(8, "address"));
-  ASSIGN_OR_RETURN(d.length, reader.Int(8, "length"));
-  ASSIGN_OR_RETURN(d.rkey, reader.Blob(kMaxUcxRkeyBytes, "rkey"));
-  RETURN_IF_ERROR(reader.Checksum());
+  uint8_t kind = 0, reserved8 = 0;
+  uint16_t reserved16 = 0;
+  RETURN_IF_ERROR(In(kWhat, r.U8("kind", &kind)));
+  RETURN_IF_ERROR(In(kWhat, r.U8("reserved", &reserved8)));
+  RETURN_IF_ERROR(In(kWhat, r.U16("reserved", &reserved16)));
+  RETURN_IF_ERROR(In(kWhat, r.U64("address", &d.address)));
+  RETURN_IF_ERROR(In(kWhat, r.U64("length", &d.length)));
+  RETURN_IF_ERROR(In(kWhat, r.U64("region id", &d.region_id)));
+  RETURN_IF_ERROR(In(kWhat, r.Bytes("rkey", kMaxUcxRkeyBytes, &d.rkey)));
+  RETURN_IF_ERROR(ReadChecksum(r, bytes, kWhat));
+  if (reserved8 != 0 || reserved16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": reserved field is not zero"));
+  }
+  if (kind == static_cast<uint8_t>(UcxRegionKind::kHost)) {
+    d.kind = UcxRegionKind::kHost;
+    if (d.rkey.empty() || d.region_id != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kWhat, ": a host region needs an rkey and region id 0 (rkey ", d.rkey.size(),
+          " bytes, region id ", d.region_id, ")"));
+    }
+  } else if (kind == static_cast<uint8_t>(UcxRegionKind::kDevice)) {
+    d.kind = UcxRegionKind::kDevice;
+    if (!d.rkey.empty() || d.region_id == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kWhat, ": a device region carries no rkey and a non-zero region id (rkey ",
+          d.rkey.size(), " bytes, region id ", d.region_id, ")"));
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": unknown memory kind ",
+                                                   static_cast<int>(kind)));
+  }
   if (d.length == 0 || d.address > UINT64_MAX - d.length) {
-    return absl::InvalidArgumentError(absl::StrCat("UCX memory descriptor: bad region (address ",
-                                                   d.address, ", length ", d.length, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": bad region (address ", d.address,
+                                                   ", length ", d.length, ")"));
   }
   return d;
 }
 
-NotificationHeader EncodeNotificationHeader(uint64_t sender_uid) {
+NotificationHeader EncodeNotificationHeader(uint64_t sender_uid, uint64_t watermark) {
   std::string out;
-  PutPreamble(out, kNotificationMagic);
-  PutLe(out, sender_uid, 8);
+  PutUcxPreamble(out, kNotificationMagic);
+  ByteWriter w(&out);
+  w.U64(sender_uid);
+  w.U64(watermark);
   NotificationHeader header;
   std::memcpy(header.data(), out.data(), header.size());
   return header;
 }
 
-absl::StatusOr<uint64_t> DecodeNotificationHeader(absl::string_view bytes) {
-  Reader reader(bytes, "UCX notification header");
-  RETURN_IF_ERROR(reader.Preamble(kNotificationMagic));
-  ASSIGN_OR_RETURN(uint64_t uid, reader.Int(8, "uid"));
-  if (bytes.size() != kNotificationHeaderBytes) {
-    return absl::InvalidArgumentError("UCX notification header: wrong size");
-  }
-  return uid;
+absl::StatusOr<NotificationHeaderFields> DecodeNotificationHeader(absl::string_view bytes) {
+  constexpr absl::string_view kWhat = "UCX notification header";
+  ByteReader r(bytes);
+  RETURN_IF_ERROR(ReadPreamble(r, kNotificationMagic, kWhat));
+  NotificationHeaderFields fields;
+  RETURN_IF_ERROR(In(kWhat, r.U64("uid", &fields.sender_uid)));
+  RETURN_IF_ERROR(In(kWhat, r.U64("watermark", &fields.watermark)));
+  RETURN_IF_ERROR(In(kWhat, r.ExpectEnd(kWhat)));
+  return fields;
 }
 
 }  // namespace internal

@@ -3,7 +3,20 @@
 // notifications as active messages sent after an endpoint flush, so that a peer sees a
 // notification only once the data before it is in place.
 //
-// Debian's UCX has no CUDA transports: host memory only here.
+// Device memory (builds with CUDA): neither Debian's UCX nor the GPU machines' has CUDA
+// transports, so a write from a device registration into a peer's device region is staged
+// through pinned host memory: one gather kernel per chunk into a device staging buffer and
+// a device-to-host copy into the receiver's landing slot (mapped into the writer over
+// shared memory; put across over TCP), then, on the receiver, a host-to-device copy and
+// one scatter kernel per chunk; the notification is delivered only after every chunk of
+// the write (and of every earlier write from that sender) has landed on the receiver's
+// GPU, which the receiver learns by polling events in Progress (never a blocking sync).
+// WriteOrder::ready_event is waited for on the device (cudaStreamWaitEvent);
+// notification_tail is appended when the notification is sent. Writes between host and
+// device memory are refused (InvalidArgument). The protocol is written down in
+// transfer/src/ucx/staged_engine.h. The receiver takes part: it scatters and credits only
+// inside its Progress(), so a staged write advances only while both sides progress.
+// One GPU per transport: the device of its first device registration.
 //
 // Two properties of UCX 1.13 that users of this transport must know:
 // - Over shared memory ("shm") and TCP, UCX has no one-sided path for memory it did not
@@ -69,11 +82,18 @@ struct UcxTransportOptions {
   // compete with the threads that post and progress). See docs/benchmarks.md for what they
   // gain where cores are free.
   int copy_threads = 0;
+  // Staged device path: the size of a chunk (one landing slot), a multiple of 16 in
+  // [64 KiB, 256 MiB], and how many slots each sender has in flight to each receiver
+  // (2..64). The receiver's values apply to writes into it: it allocates, per sender,
+  // staged_slots * staged_chunk_bytes of pinned host memory and as much device staging.
+  uint64_t staged_chunk_bytes = uint64_t{4} << 20;
+  int staged_slots = 4;
 };
 
 inline constexpr int kMaxCopyThreads = 64;
 
-// A transport with its own UCP context and worker. InvalidArgument for an empty tls; the UCX
+// A transport with its own UCP context and worker. InvalidArgument for an empty tls or
+// options out of their ranges; the UCX
 // error (naming the UCX call) when UCX cannot start with these options, for example a
 // transport name it does not know. UCX's own UCX_* environment variables still apply, under
 // the options. Does not block on any peer.

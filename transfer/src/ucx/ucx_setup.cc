@@ -1,0 +1,136 @@
+// UCX configuration and start-up for one transport (ucx_setup.h).
+#include "ucx/ucx_setup.h"
+
+#include <unistd.h>
+
+#include <random>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "kvstream/common/status_macros.h"
+#include "ucx/ucx_status.h"
+
+namespace kvstream {
+namespace internal {
+namespace {
+
+// UCX_TLS for the options' tls.
+std::string TlsFor(const std::string& tls) {
+  if (tls == "shm") return "sm,self";
+  if (tls == "tcp") return "tcp,self";
+  return tls;
+}
+
+// Whether UCX_TLS allows a transport that reaches other hosts (anything but shared memory
+// and self).
+bool AllowsNetwork(const std::string& tls) {
+  for (absl::string_view name : absl::StrSplit(tls, ',')) {
+    if (!name.empty() && name[0] == '^') return true;  // "all but ...": networks included
+    if (name != "sm" && name != "shm" && name != "posix" && name != "sysv" && name != "cma" &&
+        name != "knem" && name != "xpmem" && name != "self") {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Whether UCX_TLS may select UCX's posix/sysv shared-memory transports (to avoid UCX's
+// warning about a setting no selected transport uses).
+bool MayUseSharedMemory(const std::string& tls) {
+  for (absl::string_view name : absl::StrSplit(tls, ',')) {
+    if (name == "sm" || name == "shm" || name == "posix" || name == "sysv" || name == "all" ||
+        (!name.empty() && name[0] == '^')) {
+      return true;
+    }
+  }
+  return false;
+}
+
+uint64_t NewUid() {
+  std::random_device device;
+  uint64_t uid = (static_cast<uint64_t>(device()) << 32) ^ device();
+  uid ^= static_cast<uint64_t>(getpid()) << 16;
+  uid ^= static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  return uid == 0 ? 1 : uid;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<UcxCore>> CreateUcxCore(const UcxTransportOptions& options) {
+  ucp_config_t* raw_config = nullptr;
+  RETURN_IF_ERROR(UcxStatusToStatus(ucp_config_read(nullptr, nullptr, &raw_config),
+                                    "config_read"));
+  UcxConfig config(NoOwner{}, raw_config);
+  const std::string tls = TlsFor(options.tls);
+  auto set = [&](const char* name, const std::string& value) {
+    return UcxStatusToStatus(ucp_config_modify(config.get(), name, value.c_str()),
+                             absl::StrCat("config_modify ", name, "=", value));
+  };
+  RETURN_IF_ERROR(set("TLS", tls));
+  if (!options.net_devices.empty()) RETURN_IF_ERROR(set("NET_DEVICES", options.net_devices));
+  // Keepalive probes are how a peer that died without closing its sockets, or whose
+  // shared-memory segment just stops being read, is detected.
+  const int64_t keepalive_ms = absl::ToInt64Milliseconds(options.keepalive_interval);
+  if (keepalive_ms > 0) {
+    RETURN_IF_ERROR(set("KEEPALIVE_INTERVAL", absl::StrCat(keepalive_ms, "ms")));
+  }
+  // Error mode PEER excludes transports without peer-failure support, and UCX's
+  // shared-memory transports (posix, sysv) only advertise it when asked to; without them no
+  // shared-memory transport carries active messages. The key is the field's name within the
+  // transports' common "MM_" table (the environment spells it UCX_POSIX_ERROR_HANDLING).
+  // UCX's adaptive progress leaves out of the worker's progress every interface that no local
+  // endpoint uses, and arms it for events instead. A receiver never connects back over the
+  // interface its peers write to (notifications arrive on the shared-memory FIFO), so with
+  // it every notification found the receiver's interface armed and the sender paid a
+  // sendto() to wake the receiver's async thread: about 10 us per transfer inside
+  // ucp_am_send_nbx, half the time of a 1 MiB layer (docs/benchmarks-transfer.md, Run F).
+  // Progressing every interface costs a few polls per Progress() with the few this
+  // transport opens.
+  RETURN_IF_ERROR(set("ADAPTIVE_PROGRESS", "n"));
+  if (MayUseSharedMemory(tls)) {
+    RETURN_IF_ERROR(set("MM_ERROR_HANDLING", "y"));
+    // Puts into ordinary memory travel as active-message fragments of at most one FIFO
+    // segment; 64 KiB segments (UCX's default is 8 KiB) carry a typical KV block in one
+    // fragment and doubled the bandwidth of 16-64 MiB layers here (docs/benchmarks.md).
+    // The cost is shared memory: FIFO_SIZE (64) segments per worker, 4 MiB.
+    RETURN_IF_ERROR(set("MM_SEG_SIZE", "64k"));
+  }
+  for (const auto& [name, value] : options.ucx_config) RETURN_IF_ERROR(set(name.c_str(), value));
+
+  auto core = std::make_shared<UcxCore>();
+  ucp_params_t params;
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+  params.mt_workers_shared = 0;
+  ucp_context_h context = nullptr;
+  RETURN_IF_ERROR(UcxStatusToStatus(ucp_init(&params, config.get(), &context),
+                                    absl::StrCat("init (UCX_TLS=", tls, ")")));
+  core->context = UcxContext(NoOwner{}, context);
+
+  ucp_worker_params_t worker_params;
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  ucp_worker_h worker = nullptr;
+  RETURN_IF_ERROR(UcxStatusToStatus(ucp_worker_create(context, &worker_params, &worker),
+                                    "worker_create"));
+  core->worker = UcxWorker(NoOwner{}, worker);
+  RETURN_IF_ERROR(core->InstallHandlers());
+
+  ucp_address_t* address = nullptr;
+  size_t address_length = 0;
+  RETURN_IF_ERROR(UcxStatusToStatus(ucp_worker_get_address(worker, &address, &address_length),
+                                    "worker_get_address"));
+  UcxWorkerInfo info;
+  info.uid = NewUid();
+  info.address.assign(reinterpret_cast<const char*>(address), address_length);
+  ucp_worker_release_address(worker, address);
+  core->uid = info.uid;
+  core->local_info = EncodeWorkerInfo(info);
+  core->network = AllowsNetwork(tls);
+  return core;
+}
+
+}  // namespace internal
+}  // namespace kvstream
