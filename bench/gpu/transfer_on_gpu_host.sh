@@ -17,7 +17,7 @@ status=0
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSTREAM_CUDA=ON "$@" \
   > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-cmake --build "$build" -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -E "error|Error" -A3 "$out/build.log" | head -60; exit 1; }
+cmake --build "$build" -j "$(nproc)" -- -k 0 > "$out/build.log" 2>&1 || { grep -E "error|Error" -A3 "$out/build.log" | head -60; exit 1; }
 echo "build ok ($(date +%T))"
 tests=${GPU_TESTS:-$(cd "$build/tests/gpu" && ls *_gpu_test)}
 for name in $tests; do

@@ -23,11 +23,11 @@ TEST(ByteIoTest, RoundTripsEveryFieldLittleEndian) {
   ASSERT_TRUE(w.Bytes("name", "hello", 16).ok());
   EXPECT_EQ(out.substr(1, 2), std::string("\x34\x12", 2));
   ByteReader r(out);
-  uint8_t a;
-  uint16_t b;
-  uint32_t c;
-  uint64_t d;
-  int32_t e;
+  uint8_t a = 0;
+  uint16_t b = 0;
+  uint32_t c = 0;
+  uint64_t d = 0;
+  int32_t e = 0;
   std::string magic, name;
   ASSERT_TRUE(r.U8("a", &a).ok());
   ASSERT_TRUE(r.U16("b", &b).ok());
@@ -60,14 +60,14 @@ TEST(ByteIoTest, RefusesWhatRunsPastTheEndOrItsBound) {
   ByteReader r2(out);
   EXPECT_THAT(r2.Bytes("blob", 10, &s).message(), HasSubstr("exceeds the limit"));
   ByteReader r3(out);
-  uint32_t n;
+  uint32_t n = 0;
   // 1000 entries of at least 4 bytes cannot fit in 0 remaining bytes.
   EXPECT_THAT(r3.Count("list", 1u << 20, 4, &n).message(), HasSubstr("runs past the end"));
   ByteReader r4(absl::string_view("ab"));
   EXPECT_THAT(r4.U32("x", &n).message(), HasSubstr("truncated"));
   EXPECT_THAT(ByteReader("abc").Raw("magic", 4, &s).message(), HasSubstr("truncated"));
   ByteReader r5(absl::string_view("abcd"));
-  uint8_t b;
+  uint8_t b = 0;
   ASSERT_TRUE(r5.U8("b", &b).ok());
   EXPECT_THAT(r5.ExpectEnd("thing").message(), HasSubstr("3 trailing bytes"));
 }
