@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "kvstream/common/status_macros.h"
+#include "segment_check.h"
 
 namespace kvstream {
 namespace {
@@ -198,10 +199,6 @@ class LoopbackRemote final : public RemoteMemory {
   size_t length_;
 };
 
-bool SegmentFits(uint64_t offset, uint64_t length, uint64_t region_length) {
-  return length <= region_length && offset <= region_length - length;
-}
-
 class LoopbackTransport final : public Transport {
  public:
   using Transport::PostWrite;
@@ -355,16 +352,8 @@ class LoopbackTransport final : public Transport {
           "loopback PostWrite: the remote memory was not imported from peer ", peer,
           " by this transport"));
     }
-    for (size_t i = 0; i < segments.size(); ++i) {
-      const Segment& s = segments[i];
-      if (!SegmentFits(s.local_offset, s.length, reg->length()) ||
-          !SegmentFits(s.remote_offset, s.length, rem->length())) {
-        return absl::OutOfRangeError(absl::StrCat(
-            "loopback PostWrite: segment ", i, " (local ", s.local_offset, ", remote ",
-            s.remote_offset, ", length ", s.length, ") is outside the local region (",
-            reg->length(), " bytes) or the remote one (", rem->length(), " bytes)"));
-      }
-    }
+    // Every segment is checked before anything is posted: a bad batch posts nothing.
+    RETURN_IF_ERROR(internal::CheckSegments("loopback", segments, reg->length(), rem->length()));
     LoopbackTransfer transfer;
     transfer.local_region = reg->region();
     transfer.remote_region = rem->region();

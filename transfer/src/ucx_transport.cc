@@ -36,6 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "copy_pool.h"
+#include "segment_check.h"
 #include "kvstream/common/cuda_resources.h"
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/logging.h"
@@ -52,10 +53,6 @@
 namespace kvstream {
 namespace internal {
 namespace {
-
-bool SegmentFits(uint64_t offset, uint64_t length, uint64_t region_length) {
-  return length <= region_length && offset <= region_length - length;
-}
 
 // --- The transport ---
 
@@ -160,17 +157,8 @@ class UcxTransport final : public Transport {
           "UCX PostWrite: the remote memory was not imported from peer ", peer_id,
           " by this transport"));
     }
-    // Every segment is checked before the first put: a bad batch posts nothing.
-    for (size_t i = 0; i < segments.size(); ++i) {
-      const Segment& s = segments[i];
-      if (!SegmentFits(s.local_offset, s.length, reg->length()) ||
-          !SegmentFits(s.remote_offset, s.length, rem->length())) {
-        return absl::OutOfRangeError(absl::StrCat(
-            "UCX PostWrite: segment ", i, " (local ", s.local_offset, ", remote ",
-            s.remote_offset, ", length ", s.length, ") is outside the local region (",
-            reg->length(), " bytes) or the remote one (", rem->length(), " bytes)"));
-      }
-    }
+    // Every segment is checked before anything is posted: a bad batch posts nothing.
+    RETURN_IF_ERROR(CheckSegments("UCX", segments, reg->length(), rem->length()));
     if (reg->device() != rem->device()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "UCX PostWrite: writes from ", reg->device() ? "device" : "host", " memory into ",

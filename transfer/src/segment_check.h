@@ -1,0 +1,43 @@
+// The range check every transport's PostWrite makes before it posts anything: each segment
+// must lie inside both regions, with no overflow. Private to transfer/.
+#ifndef KVSTREAM_TRANSFER_SRC_SEGMENT_CHECK_H_
+#define KVSTREAM_TRANSFER_SRC_SEGMENT_CHECK_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "kvstream/transfer/transport.h"
+
+namespace kvstream {
+namespace internal {
+
+// [offset, offset + length) inside [0, region_length), without overflow.
+inline bool SegmentFits(uint64_t offset, uint64_t length, uint64_t region_length) {
+  return length <= region_length && offset <= region_length - length;
+}
+
+// OK when every segment fits both regions; else OutOfRange naming the first that does not,
+// prefixed by `transport` ("UCX", "cuda_ipc", ...).
+inline absl::Status CheckSegments(absl::string_view transport, absl::Span<const Segment> segments,
+                                  uint64_t local_length, uint64_t remote_length) {
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& s = segments[i];
+    if (!SegmentFits(s.local_offset, s.length, local_length) ||
+        !SegmentFits(s.remote_offset, s.length, remote_length)) {
+      return absl::OutOfRangeError(absl::StrCat(
+          transport, " PostWrite: segment ", i, " (local ", s.local_offset, ", remote ",
+          s.remote_offset, ", length ", s.length, ") is outside the local region (",
+          local_length, " bytes) or the remote one (", remote_length, " bytes)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+}  // namespace kvstream
+
+#endif  // KVSTREAM_TRANSFER_SRC_SEGMENT_CHECK_H_
