@@ -43,25 +43,35 @@ absl::Status Launched(const char* what) {
   return CudaErrorToStatus(static_cast<int>(cudaGetLastError()), what);
 }
 
+template <IpcTableSource kSource, IpcCopyUnit kUnit, int kVectors>
+void LaunchRingVariant(const IpcCopySegment* segments, uint32_t n, int grid, cudaStream_t s) {
+  IpcSegmentCopyKernel<kSource, kUnit, kVectors><<<grid, kIpcCopyThreads, 0, s>>>(segments, n);
+}
+
 template <IpcTableSource kSource, IpcCopyUnit kUnit>
 absl::Status LaunchRing(const IpcCopySegment* segments, uint32_t n, int vectors, int grid,
                         cudaStream_t s) {
   switch (vectors) {
-    case 2: IpcSegmentCopyKernel<kSource, kUnit, 2><<<grid, kIpcCopyThreads, 0, s>>>(segments, n); break;
-    case 4: IpcSegmentCopyKernel<kSource, kUnit, 4><<<grid, kIpcCopyThreads, 0, s>>>(segments, n); break;
-    case 8: IpcSegmentCopyKernel<kSource, kUnit, 8><<<grid, kIpcCopyThreads, 0, s>>>(segments, n); break;
+    case 2: LaunchRingVariant<kSource, kUnit, 2>(segments, n, grid, s); break;
+    case 4: LaunchRingVariant<kSource, kUnit, 4>(segments, n, grid, s); break;
+    case 8: LaunchRingVariant<kSource, kUnit, 8>(segments, n, grid, s); break;
     default: return NoVariant(vectors);
   }
   return Launched("cuda_ipc per-segment copy kernel launch");
+}
+
+template <uint32_t kCapacity, IpcCopyUnit kUnit, int kVectors>
+void LaunchParamsVariant(const IpcParamTable<kCapacity>& table, int grid, cudaStream_t s) {
+  IpcSegmentCopyParamKernel<kCapacity, kUnit, kVectors><<<grid, kIpcCopyThreads, 0, s>>>(table);
 }
 
 template <uint32_t kCapacity, IpcCopyUnit kUnit>
 absl::Status LaunchParams(const IpcParamTable<kCapacity>& table, int vectors, int grid,
                           cudaStream_t s) {
   switch (vectors) {
-    case 2: IpcSegmentCopyParamKernel<kCapacity, kUnit, 2><<<grid, kIpcCopyThreads, 0, s>>>(table); break;
-    case 4: IpcSegmentCopyParamKernel<kCapacity, kUnit, 4><<<grid, kIpcCopyThreads, 0, s>>>(table); break;
-    case 8: IpcSegmentCopyParamKernel<kCapacity, kUnit, 8><<<grid, kIpcCopyThreads, 0, s>>>(table); break;
+    case 2: LaunchParamsVariant<kCapacity, kUnit, 2>(table, grid, s); break;
+    case 4: LaunchParamsVariant<kCapacity, kUnit, 4>(table, grid, s); break;
+    case 8: LaunchParamsVariant<kCapacity, kUnit, 8>(table, grid, s); break;
     default: return NoVariant(vectors);
   }
   return Launched("cuda_ipc per-segment copy kernel launch (table in the parameters)");

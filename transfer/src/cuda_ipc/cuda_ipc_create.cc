@@ -52,7 +52,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda_ipc: vectors_per_thread ", options.vectors_per_thread, " (2, 4 or 8)"));
   }
-  if (options.kernel != CudaIpcKernel::kChunked && options.kernel != CudaIpcKernel::kCtaPerSegment &&
+  if (options.kernel != CudaIpcKernel::kChunked &&
+      options.kernel != CudaIpcKernel::kCtaPerSegment &&
       options.kernel != CudaIpcKernel::kWarpPerSegment) {
     return absl::InvalidArgumentError("cuda_ipc: unknown kernel");
   }
@@ -66,8 +67,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
         "cuda_ipc: the chunked kernel searches its table and cannot take it in its parameters "
         "(table kParams needs a per-segment kernel)");
   }
-  if (options.max_piece_bytes < (size_t{4} << 10) || options.max_piece_bytes > (size_t{1} << 30) ||
-      (options.max_piece_bytes & (options.max_piece_bytes - 1)) != 0) {
+  const size_t piece = options.max_piece_bytes;
+  if (piece < (size_t{4} << 10) || piece > (size_t{1} << 30) || (piece & (piece - 1)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda_ipc: max_piece_bytes ", options.max_piece_bytes,
         " is not a power of two from 4 KiB to 1 GiB"));

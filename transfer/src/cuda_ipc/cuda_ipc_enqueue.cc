@@ -199,6 +199,9 @@ absl::StatusOr<InFlightCopy> CudaIpcTransport::EnqueueCopy(absl::Span<const Segm
         chunks += ((table[i].length - 1) >> shift) + 1;
       }
     }
+  } else if (plan.engine > 0) {
+    // Every segment for the copy engine: no entry is written.
+    written = WriteEntries<IpcCopySegment>(segments, src_base, dst_base, nullptr);
   }
   if (written != n) {
     if (ring != nullptr) ring->ReleaseNewest();
