@@ -13,12 +13,20 @@
 // and stops the clock when the last is done (its notification handed to the socket);
 // the ceiling row enqueues as many contiguous cudaMemcpyAsync of the layer's bytes on one
 // stream and stops when an event after the last has completed, polled the same way. GB/s
-// are of KV bytes (1e9 bytes per second).
+// are of KV bytes (1e9 bytes per second). Then, to separate the copy from what surrounds
+// it, one more burst with the transport's copy timing on (CudaIpcSetCopyTiming) gives, per
+// layer (medians): the host time of PostWrite ("post us"), the device time from the write's
+// first operation on the copy stream to its completion event ("stream us": table copy,
+// waits, kernel) and of the kernel alone ("kernel us"), beside the device time of one
+// contiguous memcpy of the layer ("memcpy us", an event pair around the burst / layers);
+// "kern ratio" = memcpy us / kernel us is the kernel's own speed against the copy engine.
 //
-// --sweep repeats the 8k- and 32k-token rows for every kernel shape (CTAs per SM, 16-byte
-// vectors per thread) and with long segments on the copy engine; --post-cost times the
-// PostWrite call alone (median of 50, each after the previous write completed) for 64 to
-// 16384 segments of 8 KiB, which should stay flat per call apart from writing the table.
+// --sweep repeats every row (16- and 64-token blocks, 1k, 8k and 32k tokens) for every
+// variant of the copy path (kernel shape, where the table goes, vectors per thread, piece
+// size, grid, copy engine for long segments; CudaIpcTransportOptions) and ends with the
+// best variant per row; --post-cost times the PostWrite call alone (median of 50, each
+// after the previous write completed) for 64 to 16384 segments of 8 KiB, which should stay
+// flat per call apart from writing the table.
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -189,13 +197,19 @@ void Drop(Sender& s) {
   s.transport.reset();
 }
 
-// Seconds for `layers` layers posted back to back until the last is done.
-double TimeLayers(Sender& s, const std::vector<Segment>& segments, int layers) {
+// Seconds for `layers` layers posted back to back until the last is done; `post_us`, if
+// given, gets the mean host time of one PostWrite.
+double TimeLayers(Sender& s, const std::vector<Segment>& segments, int layers,
+                  double* post_us = nullptr) {
   std::vector<TransferId> ids;
+  ids.reserve(static_cast<size_t>(layers));
+  double posting = 0;
   const absl::Time start = absl::Now();
   for (int i = 0; i < layers; ++i) {
+    const absl::Time before = absl::Now();
     ids.push_back(Value(s.transport->PostWrite(s.peer, *s.pool, *s.remote, segments, "layer"),
                         "PostWrite"));
+    posting += absl::ToDoubleMicroseconds(absl::Now() - before);
   }
   for (TransferId id : ids) {
     Check(WaitForTransfer(*s.transport, id, absl::Now() + absl::Seconds(60)).status(),
@@ -203,7 +217,14 @@ double TimeLayers(Sender& s, const std::vector<Segment>& segments, int layers) {
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   for (TransferId id : ids) s.transport->Release(id);
+  if (post_us != nullptr) *post_us = posting / layers;
   return seconds;
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
 }
 
 // Seconds for `layers` contiguous device-to-device copies of `bytes`, polled like the above.
@@ -227,31 +248,137 @@ struct Row {
   int tokens;
 };
 
-void PrintHeader(const char* extra) {
-  std::printf("%-28s %6s %7s %9s %10s %10s %10s %7s\n", extra, "block", "tokens", "segments",
-              "KV MiB", "ipc GB/s", "memcpy GB/s", "ratio");
+// What one row measured.
+struct Result {
+  std::string label;
+  Row row;
+  double ratio = 0;
+  double kernel_ratio = 0;
+  double gbs = 0;
+};
+
+void PrintHeader(const char* first) {
+  std::printf("%-34s %5s %6s %6s %7s %8s %8s %6s %7s %7s %7s %7s %6s\n", first, "block",
+              "tokens", "segs", "KV MiB", "ipc GB/s", "cpy GB/s", "ratio", "post us",
+              "strm us", "kern us", "cpy us", "kern r");
 }
 
-void RunRow(Sender& s, const Row& row, int layers, const char* label, void* scratch_a,
-            void* scratch_b, cudaStream_t stream, CudaEvent& done) {
+// Device microseconds of one contiguous memcpy of `bytes`, over a burst of `layers`.
+double MemcpyDeviceUs(void* dst, const void* src, size_t bytes, int layers, cudaStream_t stream,
+                      CudaEvent& start, CudaEvent& end) {
+  Check(start.Record(stream), "cudaEventRecord");
+  for (int i = 0; i < layers; ++i) {
+    Check(CudaErrorToStatus(static_cast<int>(cudaMemcpyAsync(dst, src, bytes,
+                                                             cudaMemcpyDeviceToDevice, stream)),
+                            "cudaMemcpyAsync"),
+          "memcpy");
+  }
+  Check(end.Record(stream), "cudaEventRecord");
+  Check(end.Synchronize(absl::Seconds(60)), "cudaEventSynchronize");
+  return static_cast<double>(Value(CudaEvent::ElapsedMilliseconds(start, end), "elapsed")) *
+         1e3 / layers;
+}
+
+struct Scratch {
+  void* a;
+  void* b;
+  cudaStream_t stream;
+  CudaEvent* done;
+  CudaEvent* start;
+  CudaEvent* end;
+};
+
+Result RunRow(Sender& s, const Row& row, int layers, const std::string& label,
+              const Scratch& x) {
   const size_t block_bytes = static_cast<size_t>(row.block_size) * kTokenBytesPerTensor;
   const size_t blocks = static_cast<size_t>(row.tokens / row.block_size);
   const std::vector<Segment> segments = ShuffledBlocks(2 * blocks, block_bytes, row.tokens);
   const size_t bytes = 2 * blocks * block_bytes;
   TimeLayers(s, segments, kWarmupLayers);
-  TimeMemcpy(scratch_b, scratch_a, bytes, kWarmupLayers, stream, done);
+  TimeMemcpy(x.b, x.a, bytes, kWarmupLayers, x.stream, *x.done);
   // Interleaved, best of three, so that clock drift during the run does not pick a side.
   double ipc = 1e30, copy = 1e30;
   for (int round = 0; round < 3; ++round) {
     ipc = std::min(ipc, TimeLayers(s, segments, layers));
-    copy = std::min(copy, TimeMemcpy(scratch_b, scratch_a, bytes, layers, stream, done));
+    copy = std::min(copy, TimeMemcpy(x.b, x.a, bytes, layers, x.stream, *x.done));
   }
-  const double ipc_gbs = static_cast<double>(bytes) * layers / ipc / 1e9;
+  // The burst again with device timing, for where the time goes.
+  CudaIpcSetCopyTiming(*s.transport, true);
+  double post_us = 0;
+  TimeLayers(s, segments, layers, &post_us);
+  CudaIpcSetCopyTiming(*s.transport, false);
+  std::vector<double> stream_us, kernel_us;
+  for (const CudaIpcCopyTiming& t : CudaIpcTakeCopyTimings(*s.transport)) {
+    stream_us.push_back(t.stream_us);
+    kernel_us.push_back(t.kernel_us);
+  }
+  const double memcpy_us = MemcpyDeviceUs(x.b, x.a, bytes, layers, x.stream, *x.start, *x.end);
+  Result r;
+  r.label = label;
+  r.row = row;
+  r.gbs = static_cast<double>(bytes) * layers / ipc / 1e9;
   const double copy_gbs = static_cast<double>(bytes) * layers / copy / 1e9;
-  std::printf("%-28s %6d %7d %9zu %10.1f %10.1f %10.1f %7.3f\n", label, row.block_size,
-              row.tokens, segments.size(), static_cast<double>(bytes) / (1 << 20), ipc_gbs,
-              copy_gbs, ipc_gbs / copy_gbs);
+  r.ratio = r.gbs / copy_gbs;
+  const double kernel = Median(kernel_us);
+  r.kernel_ratio = kernel > 0 ? memcpy_us / kernel : 0;
+  std::printf("%-34s %5d %6d %6zu %7.1f %8.1f %8.1f %6.3f %7.2f %7.2f %7.2f %7.2f %6.3f\n",
+              label.c_str(), row.block_size, row.tokens, segments.size(),
+              static_cast<double>(bytes) / (1 << 20), r.gbs, copy_gbs, r.ratio, post_us,
+              Median(stream_us), kernel, memcpy_us, r.kernel_ratio);
   std::fflush(stdout);
+  return r;
+}
+
+// One variant of the copy path, as options.
+struct Variant {
+  std::string label;
+  CudaIpcTransportOptions options;
+};
+
+std::vector<Variant> SweepVariants(const CudaIpcTransportOptions& defaults) {
+  std::vector<Variant> out;
+  auto add = [&](std::string label, auto edit) {
+    CudaIpcTransportOptions o = defaults;
+    edit(o);
+    out.push_back({std::move(label), o});
+  };
+  using K = CudaIpcKernel;
+  using T = CudaIpcTableMode;
+  // The kernel and table of the first GPU run, and the chunked kernel with other tables.
+  add("chunked v4 stream-copy (old)", [](auto& o) {
+    o.kernel = K::kChunked; o.table = T::kStreamCopy; o.vectors_per_thread = 4;
+  });
+  add("chunked v8 stream-copy", [](auto& o) { o.kernel = K::kChunked; o.table = T::kStreamCopy; });
+  add("chunked v4 side-copy", [](auto& o) {
+    o.kernel = K::kChunked; o.table = T::kSideStreamCopy; o.vectors_per_thread = 4;
+  });
+  add("chunked v4 zero-copy", [](auto& o) {
+    o.kernel = K::kChunked; o.table = T::kZeroCopy; o.vectors_per_thread = 4;
+  });
+  // Whole entries per CTA: every table placement.
+  add("cta v8 params (default)", [](auto&) {});
+  add("cta v8 zero-copy", [](auto& o) { o.table = T::kZeroCopy; });
+  add("cta v8 stream-copy", [](auto& o) { o.table = T::kStreamCopy; });
+  add("cta v8 side-copy", [](auto& o) { o.table = T::kSideStreamCopy; });
+  // Shapes around the default.
+  add("cta v4 params", [](auto& o) { o.vectors_per_thread = 4; });
+  add("cta v8 params 1 cta/SM", [](auto& o) { o.ctas_per_sm = 1; });
+  add("cta v8 params 2 cta/SM", [](auto& o) { o.ctas_per_sm = 2; });
+  add("cta v8 params piece 32K", [](auto& o) { o.max_piece_bytes = 32 << 10; });
+  add("cta v8 params piece 256K", [](auto& o) { o.max_piece_bytes = 256 << 10; });
+  add("cta v8 params unit/entry", [](auto& o) { o.unit_per_entry = true; });
+  add("cta v8 zero-copy unit/entry", [](auto& o) {
+    o.table = T::kZeroCopy; o.unit_per_entry = true;
+  });
+  add("cta v8 params CE>=64K", [](auto& o) { o.copy_engine_min_bytes = 64 << 10; });
+  // Whole entries per warp.
+  add("warp v8 params", [](auto& o) { o.kernel = K::kWarpPerSegment; });
+  add("warp v4 params", [](auto& o) { o.kernel = K::kWarpPerSegment; o.vectors_per_thread = 4; });
+  add("warp v8 zero-copy", [](auto& o) { o.kernel = K::kWarpPerSegment; o.table = T::kZeroCopy; });
+  add("warp v8 params piece 16K", [](auto& o) {
+    o.kernel = K::kWarpPerSegment; o.max_piece_bytes = 16 << 10;
+  });
+  return out;
 }
 
 void RunPostCost(Sender& s) {
@@ -295,39 +422,48 @@ int RunSender(const Flags& f) {
               prop.name, f.device, f.layers);
   const std::vector<Row> rows = {{16, 1024}, {16, 8192}, {16, 32768},
                                  {64, 1024}, {64, 8192}, {64, 32768}};
+  auto timing_start = Value(CudaEvent::Create(/*enable_timing=*/true), "CudaEvent::Create");
+  auto timing_end = Value(CudaEvent::Create(/*enable_timing=*/true), "CudaEvent::Create");
+  const Scratch x{scratch_a.data(), scratch_b.data(), static_cast<cudaStream_t>(stream.get()),
+                  &done, &timing_start, &timing_end};
   CudaIpcTransportOptions defaults;
   defaults.device = f.device;
   Sender s = Connect(receiver, defaults);
-  PrintHeader("default kernel");
-  for (const Row& row : rows) {
-    RunRow(s, row, f.layers, "default", scratch_a.data(), scratch_b.data(),
-           static_cast<cudaStream_t>(stream.get()), done);
-  }
+  PrintHeader("default copy path");
+  for (const Row& row : rows) RunRow(s, row, f.layers, "default", x);
   if (f.post_cost) RunPostCost(s);
   Drop(s);
   if (f.sweep) {
+    const absl::Time sweep_start = absl::Now();
     std::printf("\n");
-    PrintHeader("ctas/SM x vectors [CE>=]");
-    for (int vectors : {2, 4, 8}) {
-      for (int ctas : {1, 2, 4, 0}) {
-        for (size_t engine : {size_t{0}, size_t{64} << 10}) {
-          CudaIpcTransportOptions o = defaults;
-          o.vectors_per_thread = vectors;
-          o.ctas_per_sm = ctas;
-          o.copy_engine_min_bytes = engine;
-          Sender t = Connect(receiver, o);
-          const std::string label =
-              absl::StrCat(ctas == 0 ? std::string("max") : absl::StrCat(ctas), " x ", vectors,
-                           engine > 0 ? absl::StrCat(" CE>=", engine >> 10, "K") : "");
-          for (const Row& row : {Row{16, 8192}, Row{16, 32768}, Row{64, 32768}}) {
-            // Blocks of 16 tokens (32 KiB) never reach the 64 KiB copy-engine threshold.
-            if (engine > 0 && row.block_size * kTokenBytesPerTensor < engine) continue;
-            RunRow(t, row, f.layers, label.c_str(), scratch_a.data(), scratch_b.data(),
-                   static_cast<cudaStream_t>(stream.get()), done);
-          }
-          Drop(t);
-        }
+    PrintHeader("variant");
+    std::vector<Result> results;
+    for (const Variant& v : SweepVariants(defaults)) {
+      Sender t = Connect(receiver, v.options);
+      for (const Row& row : rows) {
+        // Copy-engine variants differ only where blocks reach the threshold.
+        const size_t block_bytes = static_cast<size_t>(row.block_size) * kTokenBytesPerTensor;
+        if (v.options.copy_engine_min_bytes > block_bytes) continue;
+        results.push_back(RunRow(t, row, f.layers, v.label, x));
       }
+      Drop(t);
+    }
+    std::printf("\nbest variant per row (sweep took %.1f s)\n",
+                absl::ToDoubleSeconds(absl::Now() - sweep_start));
+    std::printf("%5s %6s  %-34s %6s %8s  %-34s %6s\n", "block", "tokens", "best end to end",
+                "ratio", "GB/s", "fastest kernel", "kern r");
+    for (const Row& row : rows) {
+      const Result* best = nullptr;
+      const Result* fastest = nullptr;
+      for (const Result& r : results) {
+        if (r.row.block_size != row.block_size || r.row.tokens != row.tokens) continue;
+        if (best == nullptr || r.ratio > best->ratio) best = &r;
+        if (fastest == nullptr || r.kernel_ratio > fastest->kernel_ratio) fastest = &r;
+      }
+      if (best == nullptr) continue;
+      std::printf("%5d %6d  %-34s %6.3f %8.1f  %-34s %6.3f\n", row.block_size, row.tokens,
+                  best->label.c_str(), best->ratio, best->gbs, fastest->label.c_str(),
+                  fastest->kernel_ratio);
     }
   }
   // Tell the receiver to stop, through a last sender.

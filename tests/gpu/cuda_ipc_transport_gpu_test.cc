@@ -6,11 +6,14 @@
 //
 // What is checked, byte for byte, against a host mirror of the expected memory:
 // - scattered writes (random permutations of 1024 blocks of 32 KiB on both sides, then
-//   segments of odd lengths at odd offsets) land before their notifications: the receiver
-//   copies its whole region to the host the moment PollNotifications returns one;
+//   segments of odd lengths at odd offsets, more than a parameter table holds, then long
+//   segments cut into pieces) land before their notifications: the receiver copies its
+//   whole region to the host the moment PollNotifications returns one;
 // - the copy waits for WriteOrder::ready_event (the source is written by a slow kernel on
 //   another stream just before the post, and the event is re-recorded right after it) and
 //   the notification carries WriteOrder::notification_tail, written by that kernel's stream;
+// - both of the above under every variant of the copy path (kernel shape and where its
+//   table goes, CudaIpcTransportOptions), so that one GPU run proves each correct;
 // - two regions carved from one cudaMalloc, imported by the writer, are opened once, and a
 //   receiver names a sender that never connected back;
 // - registration refuses pinned host memory and stream-ordered pool memory saying why, and
@@ -26,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -94,7 +98,7 @@ class CudaIpcGpuTest : public ::testing::Test {
   }
 
   void MakeTransport() {
-    auto transport = CreateCudaIpcTransport(CudaIpcTransportOptions{});
+    auto transport = CreateCudaIpcTransport(options_);
     ASSERT_TRUE(transport.ok()) << transport.status();
     transport_ = std::move(transport).value();
   }
@@ -176,6 +180,7 @@ class CudaIpcGpuTest : public ::testing::Test {
     EXPECT_EQ(*code, 0);
   }
 
+  CudaIpcTransportOptions options_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<ChildProcess> child_;
   std::unique_ptr<MemoryRegistration> src_;
@@ -217,12 +222,97 @@ void Apply(const std::vector<Segment>& segments, const std::vector<char>& src,
   }
 }
 
-TEST_F(CudaIpcGpuTest, ScatteredBlocksLandBeforeTheirNotifications) {
+// A variant of the copy path under test.
+struct CopyVariant {
+  const char* name;
+  CudaIpcTransportOptions options;
+};
+
+// gtest prints a parameter by its name, not its bytes.
+void PrintTo(const CopyVariant& v, std::ostream* os) { *os << v.name; }
+
+CopyVariant Variant(const char* name, CudaIpcKernel kernel, CudaIpcTableMode table,
+                    int vectors = 8) {
+  CopyVariant v{name, CudaIpcTransportOptions{}};
+  v.options.kernel = kernel;
+  v.options.table = table;
+  v.options.vectors_per_thread = vectors;
+  return v;
+}
+
+std::vector<CopyVariant> CopyVariants() {
+  using K = CudaIpcKernel;
+  using T = CudaIpcTableMode;
+  std::vector<CopyVariant> v = {
+      {"Default", CudaIpcTransportOptions{}},
+      Variant("ChunkedStreamCopy", K::kChunked, T::kStreamCopy, 4),
+      Variant("ChunkedSideCopy", K::kChunked, T::kSideStreamCopy, 2),
+      Variant("ChunkedZeroCopy", K::kChunked, T::kZeroCopy, 8),
+      Variant("CtaStreamCopy", K::kCtaPerSegment, T::kStreamCopy),
+      Variant("CtaSideCopy", K::kCtaPerSegment, T::kSideStreamCopy),
+      Variant("CtaZeroCopy", K::kCtaPerSegment, T::kZeroCopy, 4),
+      Variant("CtaParamsV2", K::kCtaPerSegment, T::kParams, 2),
+      Variant("WarpParams", K::kWarpPerSegment, T::kParams),
+      Variant("WarpZeroCopy", K::kWarpPerSegment, T::kZeroCopy, 4),
+      Variant("WarpSideCopy", K::kWarpPerSegment, T::kSideStreamCopy, 2),
+  };
+  CopyVariant per_entry{"CtaParamsUnitPerEntry", CudaIpcTransportOptions{}};
+  per_entry.options.unit_per_entry = true;
+  v.push_back(per_entry);
+  CopyVariant warp_per_entry = Variant("WarpZeroCopyUnitPerEntry", K::kWarpPerSegment,
+                                       T::kZeroCopy);
+  warp_per_entry.options.unit_per_entry = true;
+  v.push_back(warp_per_entry);
+  // 4 KiB pieces: every block is 8 entries, more than any parameter table holds.
+  CopyVariant small{"CtaParamsSmallPieces", CudaIpcTransportOptions{}};
+  small.options.max_piece_bytes = 4 << 10;
+  v.push_back(small);
+  // Long segments through the copy engine, the rest through the kernel.
+  CopyVariant engine{"CopyEngineForLong", CudaIpcTransportOptions{}};
+  engine.options.copy_engine_min_bytes = 1 << 20;
+  v.push_back(engine);
+  // A ring that starts tiny and must grow while earlier tables are still in use.
+  CopyVariant tiny = Variant("CtaZeroCopyTinyRing", K::kCtaPerSegment, T::kZeroCopy);
+  tiny.options.staging_segments = 16;
+  v.push_back(tiny);
+  return v;
+}
+
+class CudaIpcVariantGpuTest : public CudaIpcGpuTest,
+                              public ::testing::WithParamInterface<CopyVariant> {
+ protected:
+  void SetUp() override {
+    CudaIpcGpuTest::SetUp();
+    options_ = GetParam().options;
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Variants, CudaIpcVariantGpuTest, ::testing::ValuesIn(CopyVariants()),
+                         [](const ::testing::TestParamInfo<CopyVariant>& param) {
+                           return std::string(param.param.name);
+                         });
+
+// Long segments (cut into several table entries by the per-segment kernels) at
+// `area` .. `area + 4 MiB`: one whose source and destination are aligned differently (copied
+// byte by byte) and one aligned alike but not to 16 bytes (vector body, byte head and tail).
+std::vector<Segment> LongSegments(uint64_t area) {
+  std::vector<Segment> segments(2);
+  segments[0].local_offset = 17;
+  segments[0].remote_offset = area + 3;
+  segments[0].length = (2 << 20) + 5;
+  segments[1].local_offset = 4096 + 5;
+  segments[1].remote_offset = area + (2 << 20) + 64 + 5;
+  segments[1].length = (1 << 20) + 1000;
+  return segments;
+}
+
+TEST_P(CudaIpcVariantGpuTest, ScatteredBlocksLandBeforeTheirNotifications) {
   constexpr size_t kBlock = 32 << 10;
   constexpr size_t kBlocks = 1024;
   constexpr size_t kAreaA = kBlock * kBlocks;  // 32 MiB of whole blocks
   constexpr size_t kAreaB = 8 << 20;            // odd segments
-  constexpr size_t kBytes = kAreaA + kAreaB;
+  constexpr size_t kAreaC = 4 << 20;            // long segments
+  constexpr size_t kBytes = kAreaA + kAreaB + kAreaC;
   ASSERT_NO_FATAL_FAILURE(Spawn({"--role=receiver", absl::StrCat("--bytes=", kBytes)}));
   ASSERT_NO_FATAL_FAILURE(MakeTransport());
   ASSERT_NO_FATAL_FAILURE(ConnectToReceiver());
@@ -232,11 +322,14 @@ TEST_F(CudaIpcGpuTest, ScatteredBlocksLandBeforeTheirNotifications) {
 
   std::vector<char> expected(kBytes, 0);
   const std::vector<Segment> blocks = ScatteredSegments(kBlocks, kBlock, kBlocks, 1);
-  const std::vector<Segment> odd = OddSegments(300, kAreaA, kAreaB, 2);
+  // More odd segments than a parameter table holds (kIpcMaxParamSegments).
+  const std::vector<Segment> odd = OddSegments(1500, kAreaA, kAreaB, 2);
+  const std::vector<Segment> long_segments = LongSegments(kAreaA + kAreaB);
   Apply(blocks, host, expected);
   std::vector<TransferId> ids;
   for (const auto& [segments, name] :
-       {std::make_pair(&blocks, "layer 0"), std::make_pair(&odd, "layer 1")}) {
+       {std::make_pair(&blocks, "layer 0"), std::make_pair(&odd, "layer 1"),
+        std::make_pair(&long_segments, "layer 2")}) {
     auto id = transport_->PostWrite(peer_, *src_, *remote_, *segments, name);
     ASSERT_TRUE(id.ok()) << id.status();
     ids.push_back(*id);
@@ -257,10 +350,16 @@ TEST_F(CudaIpcGpuTest, ScatteredBlocksLandBeforeTheirNotifications) {
   EXPECT_EQ(second->payload, "layer 1");
   EXPECT_EQ(Mismatches(second->snapshot, expected, 0, kBytes), 0u)
       << "layer 1 was notified before all of its (odd) segments landed";
+  Apply(long_segments, host, expected);
   auto third = ReadNote();
   ASSERT_TRUE(third.ok()) << third.status();
-  EXPECT_EQ(third->payload, "fin");
-  EXPECT_TRUE(third->snapshot == expected);
+  EXPECT_EQ(third->payload, "layer 2");
+  EXPECT_EQ(Mismatches(third->snapshot, expected, 0, kBytes), 0u)
+      << "layer 2 was notified before all of its long segments landed";
+  auto fourth = ReadNote();
+  ASSERT_TRUE(fourth.ok()) << fourth.status();
+  EXPECT_EQ(fourth->payload, "fin");
+  EXPECT_TRUE(fourth->snapshot == expected);
   for (TransferId id : ids) {
     auto state = WaitForTransfer(*transport_, id, Deadline());
     ASSERT_TRUE(state.ok()) << state.status();
@@ -275,7 +374,7 @@ TEST_F(CudaIpcGpuTest, ScatteredBlocksLandBeforeTheirNotifications) {
   SayExitAndReap();
 }
 
-TEST_F(CudaIpcGpuTest, CopyWaitsForTheReadyEventAndCarriesTheTail) {
+TEST_P(CudaIpcVariantGpuTest, CopyWaitsForTheReadyEventAndCarriesTheTail) {
   constexpr size_t kBlock = 32 << 10;
   constexpr size_t kBlocks = 512;
   constexpr size_t kBytes = kBlock * kBlocks;

@@ -40,12 +40,16 @@ TEST(CudaIpcTransportTest, CreatedByNameFailsClearlyWithoutAGpu) {
 
 TEST(CudaIpcTransportTest, OptionsOutOfRangeAreInvalidArguments) {
   if (!BuiltWithCuda()) GTEST_SKIP() << "built without CUDA: options are not read";
-  std::vector<CudaIpcTransportOptions> bad(5);
+  std::vector<CudaIpcTransportOptions> bad(8);
   bad[0].device = -1;
   bad[1].staging_segments = 0;
   bad[2].ctas_per_sm = -2;
   bad[3].vectors_per_thread = 3;
   bad[4].shutdown_timeout = absl::Seconds(-1);
+  bad[5].max_piece_bytes = 48 << 10;  // not a power of two
+  bad[6].max_piece_bytes = 1 << 10;   // too small
+  bad[7].kernel = CudaIpcKernel::kChunked;  // the chunked kernel cannot take kParams
+  bad[7].table = CudaIpcTableMode::kParams;
   for (const CudaIpcTransportOptions& o : bad) {
     auto t = CreateCudaIpcTransport(o);
     ASSERT_FALSE(t.ok());

@@ -1,4 +1,7 @@
-// Launcher of the cuda_ipc copy kernel (copy_kernel.h): dispatch on vectors per thread.
+// Launchers of the cuda_ipc copy kernels (copy_kernel.h): dispatch on the kernel's shape,
+// where its table is, and vectors per thread.
+#include <cstring>
+
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +21,82 @@ absl::StatusOr<int> MaxCtas() {
     return CudaErrorToStatus(static_cast<int>(e), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   }
   return ctas;
+}
+
+template <typename Kernel>
+absl::StatusOr<int> Occupancy(Kernel kernel) {
+  int ctas = 0;
+  const cudaError_t e =
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kIpcCopyThreads, 0);
+  if (e != cudaSuccess) {
+    return CudaErrorToStatus(static_cast<int>(e), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  }
+  return ctas;
+}
+
+absl::Status NoVariant(int vectors_per_thread) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "cuda_ipc copy kernel: no variant for ", vectors_per_thread, " vectors per thread"));
+}
+
+absl::Status Launched(const char* what) {
+  return CudaErrorToStatus(static_cast<int>(cudaGetLastError()), what);
+}
+
+template <IpcTableSource kSource, IpcCopyUnit kUnit, int kVectors>
+void LaunchRingVariant(const IpcCopySegment* segments, uint32_t n, int grid, cudaStream_t s) {
+  IpcSegmentCopyKernel<kSource, kUnit, kVectors><<<grid, kIpcCopyThreads, 0, s>>>(segments, n);
+}
+
+template <IpcTableSource kSource, IpcCopyUnit kUnit>
+absl::Status LaunchRing(const IpcCopySegment* segments, uint32_t n, int vectors, int grid,
+                        cudaStream_t s) {
+  switch (vectors) {
+    case 2: LaunchRingVariant<kSource, kUnit, 2>(segments, n, grid, s); break;
+    case 4: LaunchRingVariant<kSource, kUnit, 4>(segments, n, grid, s); break;
+    case 8: LaunchRingVariant<kSource, kUnit, 8>(segments, n, grid, s); break;
+    default: return NoVariant(vectors);
+  }
+  return Launched("cuda_ipc per-segment copy kernel launch");
+}
+
+template <uint32_t kCapacity, IpcCopyUnit kUnit, int kVectors>
+void LaunchParamsVariant(const IpcParamTable<kCapacity>& table, int grid, cudaStream_t s) {
+  IpcSegmentCopyParamKernel<kCapacity, kUnit, kVectors><<<grid, kIpcCopyThreads, 0, s>>>(table);
+}
+
+template <uint32_t kCapacity, IpcCopyUnit kUnit>
+absl::Status LaunchParams(const IpcParamTable<kCapacity>& table, int vectors, int grid,
+                          cudaStream_t s) {
+  switch (vectors) {
+    case 2: LaunchParamsVariant<kCapacity, kUnit, 2>(table, grid, s); break;
+    case 4: LaunchParamsVariant<kCapacity, kUnit, 4>(table, grid, s); break;
+    case 8: LaunchParamsVariant<kCapacity, kUnit, 8>(table, grid, s); break;
+    default: return NoVariant(vectors);
+  }
+  return Launched("cuda_ipc per-segment copy kernel launch (table in the parameters)");
+}
+
+// The first table.num_segments entries in a smaller table, launched as that.
+template <uint32_t kCapacity, IpcCopyUnit kUnit>
+absl::Status LaunchSmallerParams(const IpcParamTable<kIpcParamSegments>& table, int vectors,
+                                 int grid, cudaStream_t s) {
+  IpcParamTable<kCapacity> small;
+  small.num_segments = table.num_segments;
+  std::memcpy(small.segments, table.segments, table.num_segments * sizeof(IpcParamSegment));
+  return LaunchParams<kCapacity, kUnit>(small, vectors, grid, s);
+}
+
+template <IpcCopyUnit kUnit>
+absl::Status LaunchParamsOfUnit(const IpcParamTable<kIpcParamSegments>& table, int vectors,
+                                int grid, cudaStream_t s) {
+  if (table.num_segments <= kIpcParamSegmentsSmall) {
+    return LaunchSmallerParams<kIpcParamSegmentsSmall, kUnit>(table, vectors, grid, s);
+  }
+  if (table.num_segments <= kIpcParamSegmentsMedium) {
+    return LaunchSmallerParams<kIpcParamSegmentsMedium, kUnit>(table, vectors, grid, s);
+  }
+  return LaunchParams<kIpcParamSegments, kUnit>(table, vectors, grid, s);
 }
 
 }  // namespace
@@ -50,6 +129,66 @@ absl::Status LaunchIpcCopy(const IpcCopyParams& params, int vectors_per_thread, 
           "cuda_ipc copy kernel: no variant for ", vectors_per_thread, " vectors per thread"));
   }
   return CudaErrorToStatus(static_cast<int>(cudaGetLastError()), "cuda_ipc copy kernel launch");
+}
+
+absl::StatusOr<int> IpcSegmentCopyMaxCtasPerSm(IpcCopyUnit unit, int vectors_per_thread) {
+  constexpr IpcTableSource kDev = IpcTableSource::kDevice;
+  if (unit == IpcCopyUnit::kCta) {
+    switch (vectors_per_thread) {
+      case 2: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kCta, 2>);
+      case 4: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kCta, 4>);
+      case 8: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kCta, 8>);
+      default: break;
+    }
+  } else {
+    switch (vectors_per_thread) {
+      case 2: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kWarp, 2>);
+      case 4: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kWarp, 4>);
+      case 8: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kWarp, 8>);
+      default: break;
+    }
+  }
+  return NoVariant(vectors_per_thread);
+}
+
+absl::Status LaunchIpcSegmentCopy(const IpcCopySegment* segments, uint32_t num_segments,
+                                  IpcTableSource source, IpcCopyUnit unit,
+                                  int vectors_per_thread, int grid, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  constexpr IpcCopyUnit kCta = IpcCopyUnit::kCta;
+  constexpr IpcCopyUnit kWarp = IpcCopyUnit::kWarp;
+  switch (source) {
+    case IpcTableSource::kDevice:
+      return unit == kCta
+                 ? LaunchRing<IpcTableSource::kDevice, kCta>(segments, num_segments,
+                                                             vectors_per_thread, grid, s)
+                 : LaunchRing<IpcTableSource::kDevice, kWarp>(segments, num_segments,
+                                                              vectors_per_thread, grid, s);
+    case IpcTableSource::kZeroCopy:
+      return unit == kCta
+                 ? LaunchRing<IpcTableSource::kZeroCopy, kCta>(segments, num_segments,
+                                                               vectors_per_thread, grid, s)
+                 : LaunchRing<IpcTableSource::kZeroCopy, kWarp>(segments, num_segments,
+                                                                vectors_per_thread, grid, s);
+    case IpcTableSource::kParams:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      "cuda_ipc copy kernel: a table in the parameters goes through LaunchIpcSegmentCopyParams");
+}
+
+absl::Status LaunchIpcSegmentCopyParams(const IpcParamTable<kIpcParamSegments>& table,
+                                        IpcCopyUnit unit, int vectors_per_thread, int grid,
+                                        void* stream) {
+  if (table.num_segments > kIpcParamSegments) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc copy kernel: ", table.num_segments,
+                                                   " entries in a parameter table of ",
+                                                   kIpcParamSegments));
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return unit == IpcCopyUnit::kCta
+             ? LaunchParamsOfUnit<IpcCopyUnit::kCta>(table, vectors_per_thread, grid, s)
+             : LaunchParamsOfUnit<IpcCopyUnit::kWarp>(table, vectors_per_thread, grid, s);
 }
 
 }  // namespace internal

@@ -1,4 +1,4 @@
-// The cuda_ipc copy kernel (copy_kernel.h says what it computes and how work is cut).
+// The cuda_ipc copy kernels (copy_kernel.h says what they compute and how work is cut).
 #ifndef KVSTREAM_TRANSFER_CUDA_IPC_COPY_KERNEL_CUH_
 #define KVSTREAM_TRANSFER_CUDA_IPC_COPY_KERNEL_CUH_
 
@@ -9,25 +9,30 @@
 namespace kvstream {
 namespace internal {
 
+// A field of the chunked kernel's table (zero-copy tables: cache-volatile, see RingTable).
+__device__ inline uint64_t TableLoad(const uint64_t* p, bool zero_copy) {
+  return zero_copy ? __ldcv(p) : __ldg(p);
+}
+
 // The index of the segment holding chunk `chunk`: the last s with first_chunk <= chunk.
 // Called by a whole warp; a 32-way search (3 rounds for 16k segments instead of 14 for a
 // binary one), since each round is one dependent L2 read.
 __device__ inline uint32_t FindSegment(const IpcCopySegment* segments, uint32_t n,
-                                       uint64_t chunk) {
+                                       uint64_t chunk, bool zc) {
   const int lane = threadIdx.x & 31;
   uint32_t lo = 0;  // invariant: segments[lo].first_chunk <= chunk (first_chunk[0] is 0)
   uint32_t hi = n;  // the answer is in [lo, hi)
   while (hi - lo > 32) {
     const uint32_t step = (hi - lo + 31) / 32;
     const uint32_t idx = lo + lane * step;
-    const bool le = idx < hi && __ldg(&segments[idx].first_chunk) <= chunk;
+    const bool le = idx < hi && TableLoad(&segments[idx].first_chunk, zc) <= chunk;
     const unsigned mask = __ballot_sync(0xffffffffu, le);
     const uint32_t k = 31 - __clz(mask);  // lanes 0..k hold; lane 0 always does
     lo += k * step;
     hi = min(hi, lo + step);
   }
   const uint32_t idx = lo + lane;
-  const bool le = idx < hi && __ldg(&segments[idx].first_chunk) <= chunk;
+  const bool le = idx < hi && TableLoad(&segments[idx].first_chunk, zc) <= chunk;
   const unsigned mask = __ballot_sync(0xffffffffu, le);
   return lo + (31 - __clz(mask));
 }
@@ -85,30 +90,155 @@ __global__ void __launch_bounds__(kIpcCopyThreads) IpcCopyKernel(IpcCopyParams p
 
   __shared__ uint32_t first_segment;
   if (threadIdx.x < 32) {
-    const uint32_t s = FindSegment(p.segments, p.num_segments, begin);
+    const uint32_t s = FindSegment(p.segments, p.num_segments, begin, p.zero_copy);
     if (threadIdx.x == 0) first_segment = s;
   }
   __syncthreads();
 
-  // Every thread walks the same segments (uniform control flow); the entries come from L1.
+  // Every thread walks the same segments (uniform control flow); the entries come from L1
+  // (device tables).
   uint32_t seg = first_segment;
-  uint64_t src = __ldg(&p.segments[seg].src);
-  uint64_t dst = __ldg(&p.segments[seg].dst);
-  uint64_t length = __ldg(&p.segments[seg].length);
-  uint64_t first = __ldg(&p.segments[seg].first_chunk);
+  uint64_t src = TableLoad(&p.segments[seg].src, p.zero_copy);
+  uint64_t dst = TableLoad(&p.segments[seg].dst, p.zero_copy);
+  uint64_t length = TableLoad(&p.segments[seg].length, p.zero_copy);
+  uint64_t first = TableLoad(&p.segments[seg].first_chunk, p.zero_copy);
   for (uint64_t c = begin; c < end; ++c) {
     while (c >= first + (length + kChunk - 1) / kChunk) {
       ++seg;
-      src = __ldg(&p.segments[seg].src);
-      dst = __ldg(&p.segments[seg].dst);
-      length = __ldg(&p.segments[seg].length);
-      first = __ldg(&p.segments[seg].first_chunk);
+      src = TableLoad(&p.segments[seg].src, p.zero_copy);
+      dst = TableLoad(&p.segments[seg].dst, p.zero_copy);
+      length = TableLoad(&p.segments[seg].length, p.zero_copy);
+      first = TableLoad(&p.segments[seg].first_chunk, p.zero_copy);
     }
     const uint64_t offset = (c - first) * kChunk;
     const uint64_t n = length - offset < kChunk ? length - offset : kChunk;
     CopyChunk<kVectors>(reinterpret_cast<const char*>(src) + offset,
                         reinterpret_cast<char*>(dst) + offset, n);
   }
+}
+
+// --- Per-segment kernels (copy_kernel.h) ---
+
+// Copies `n` bytes from src to dst with the `kThreads` threads of one unit; `t` is the
+// calling thread's index in the unit. Every thread issues its kVectors loads of a pass
+// before its stores.
+template <int kThreads, int kVectors>
+__device__ inline void CopyRun(const char* src, char* dst, uint64_t n, uint32_t t) {
+  const uintptr_t s = reinterpret_cast<uintptr_t>(src);
+  const uintptr_t d = reinterpret_cast<uintptr_t>(dst);
+  if (((s ^ d) & 15) != 0) {
+    for (uint64_t i = t; i < n; i += kThreads) dst[i] = src[i];
+    return;
+  }
+  uint64_t head = (16 - (s & 15)) & 15;
+  if (head > n) head = n;
+  if (t < head) dst[t] = src[t];
+  const uint64_t nvec = (n - head) >> 4;
+  const int4* vs = reinterpret_cast<const int4*>(src + head);
+  int4* vd = reinterpret_cast<int4*>(dst + head);
+  constexpr uint64_t kPass = static_cast<uint64_t>(kThreads) * kVectors;
+  uint64_t i = t;
+  for (; i + static_cast<uint64_t>(kVectors - 1) * kThreads < nvec; i += kPass) {
+    int4 v[kVectors];
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) v[k] = __ldg(&vs[i + k * kThreads]);
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) vd[i + k * kThreads] = v[k];
+  }
+  if (i < nvec) {
+    int4 v[kVectors];
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) {
+      if (i + k * kThreads < nvec) v[k] = __ldg(&vs[i + k * kThreads]);
+    }
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) {
+      if (i + k * kThreads < nvec) vd[i + k * kThreads] = v[k];
+    }
+  }
+  const uint64_t done = head + (nvec << 4);
+  if (t < n - done) dst[done + t] = src[done + t];
+}
+
+// A table of IpcCopySegment entries in device memory or (kZeroCopy) mapped pinned memory.
+// Zero-copy entries are read cache-volatile: a ring entry's previous contents may still sit
+// in a cache from an earlier launch.
+template <IpcTableSource kSource>
+struct RingTable {
+  const IpcCopySegment* segments;
+  uint32_t num_segments;
+  __device__ uint32_t size() const { return num_segments; }
+  __device__ uint64_t Field(uint32_t i, uint32_t f) const {
+    const uint64_t* p = reinterpret_cast<const uint64_t*>(segments + i) + f;
+    return kSource == IpcTableSource::kZeroCopy ? __ldcv(p) : __ldg(p);
+  }
+};
+
+// A table in the kernel's parameters (a __grid_constant__ parameter, read in place).
+template <uint32_t kCapacity>
+struct ParamTableView {
+  const IpcParamTable<kCapacity>* table;
+  __device__ uint32_t size() const { return table->num_segments; }
+  __device__ uint64_t Field(uint32_t i, uint32_t f) const {
+    const IpcParamSegment& e = table->segments[i];
+    return f == 0 ? e.src : (f == 1 ? e.dst : e.length);
+  }
+};
+
+// Entry fields: 0 src, 1 dst, 2 length. Threads 0..2 of a unit load them (the next entry's
+// while the unit copies the current one) and share them.
+template <IpcCopyUnit kUnit, int kVectors, typename Table>
+__device__ inline void SegmentCopy(const Table& table) {
+  const uint32_t n = table.size();
+  if (kUnit == IpcCopyUnit::kCta) {
+    const uint32_t t = threadIdx.x;
+    const uint64_t units = gridDim.x;
+    uint64_t i = blockIdx.x;
+    if (i >= n) return;  // the whole CTA
+    __shared__ uint64_t entry[2][3];
+    if (t < 3) entry[0][t] = table.Field(static_cast<uint32_t>(i), t);
+    __syncthreads();
+    int buf = 0;
+    for (; i < n; i += units) {
+      const char* src = reinterpret_cast<const char*>(entry[buf][0]);
+      char* dst = reinterpret_cast<char*>(entry[buf][1]);
+      const uint64_t length = entry[buf][2];
+      const bool more = i + units < n;
+      uint64_t next = 0;
+      if (more && t < 3) next = table.Field(static_cast<uint32_t>(i + units), t);
+      CopyRun<kIpcCopyThreads, kVectors>(src, dst, length, t);
+      if (more && t < 3) entry[buf ^ 1][t] = next;
+      __syncthreads();  // entry[buf ^ 1] written; entry[buf] no longer read
+      buf ^= 1;
+    }
+  } else {
+    const uint32_t lane = threadIdx.x & 31;
+    const uint64_t units = static_cast<uint64_t>(gridDim.x) * kIpcWarpsPerCta;
+    uint64_t i = static_cast<uint64_t>(blockIdx.x) * kIpcWarpsPerCta + threadIdx.x / 32;
+    if (i >= n) return;  // the whole warp
+    uint64_t mine = lane < 3 ? table.Field(static_cast<uint32_t>(i), lane) : 0;
+    for (; i < n; i += units) {
+      const uint64_t src = __shfl_sync(0xffffffffu, mine, 0);
+      const uint64_t dst = __shfl_sync(0xffffffffu, mine, 1);
+      const uint64_t length = __shfl_sync(0xffffffffu, mine, 2);
+      // The next entry's load is in flight during the copy.
+      if (i + units < n && lane < 3) mine = table.Field(static_cast<uint32_t>(i + units), lane);
+      CopyRun<32, kVectors>(reinterpret_cast<const char*>(src), reinterpret_cast<char*>(dst),
+                            length, lane);
+    }
+  }
+}
+
+template <IpcTableSource kSource, IpcCopyUnit kUnit, int kVectors>
+__global__ void __launch_bounds__(kIpcCopyThreads)
+    IpcSegmentCopyKernel(const IpcCopySegment* segments, uint32_t num_segments) {
+  SegmentCopy<kUnit, kVectors>(RingTable<kSource>{segments, num_segments});
+}
+
+template <uint32_t kCapacity, IpcCopyUnit kUnit, int kVectors>
+__global__ void __launch_bounds__(kIpcCopyThreads)
+    IpcSegmentCopyParamKernel(const __grid_constant__ IpcParamTable<kCapacity> table) {
+  SegmentCopy<kUnit, kVectors>(ParamTableView<kCapacity>{&table});
 }
 
 }  // namespace internal

@@ -1,5 +1,5 @@
 // Creating the cuda_ipc transport (cuda_ipc_transport.h): options checked, the device's
-// shape read, the copy stream, the staging ring and the notification socket set up.
+// shape read, the copy stream(s), the staging ring and the notification socket set up.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -52,6 +52,27 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda_ipc: vectors_per_thread ", options.vectors_per_thread, " (2, 4 or 8)"));
   }
+  if (options.kernel != CudaIpcKernel::kChunked &&
+      options.kernel != CudaIpcKernel::kCtaPerSegment &&
+      options.kernel != CudaIpcKernel::kWarpPerSegment) {
+    return absl::InvalidArgumentError("cuda_ipc: unknown kernel");
+  }
+  if (options.table != CudaIpcTableMode::kStreamCopy &&
+      options.table != CudaIpcTableMode::kSideStreamCopy &&
+      options.table != CudaIpcTableMode::kZeroCopy && options.table != CudaIpcTableMode::kParams) {
+    return absl::InvalidArgumentError("cuda_ipc: unknown table mode");
+  }
+  if (options.kernel == CudaIpcKernel::kChunked && options.table == CudaIpcTableMode::kParams) {
+    return absl::InvalidArgumentError(
+        "cuda_ipc: the chunked kernel searches its table and cannot take it in its parameters "
+        "(table kParams needs a per-segment kernel)");
+  }
+  const size_t piece = options.max_piece_bytes;
+  if (piece < (size_t{4} << 10) || piece > (size_t{1} << 30) || (piece & (piece - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda_ipc: max_piece_bytes ", options.max_piece_bytes,
+        " is not a power of two from 4 KiB to 1 GiB"));
+  }
   if (options.shutdown_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("cuda_ipc: negative shutdown_timeout");
   }
@@ -82,11 +103,24 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
   }
   CudaIpcSetup setup;
   setup.options = options;
-  ASSIGN_OR_RETURN(int fit, internal::IpcCopyMaxCtasPerSm(options.vectors_per_thread));
+  int fit = 0;
+  if (options.kernel == CudaIpcKernel::kChunked) {
+    ASSIGN_OR_RETURN(fit, internal::IpcCopyMaxCtasPerSm(options.vectors_per_thread));
+  } else {
+    ASSIGN_OR_RETURN(fit, internal::IpcSegmentCopyMaxCtasPerSm(
+                              options.kernel == CudaIpcKernel::kWarpPerSegment
+                                  ? internal::IpcCopyUnit::kWarp
+                                  : internal::IpcCopyUnit::kCta,
+                              options.vectors_per_thread));
+  }
   const int per_sm = options.ctas_per_sm == 0 ? fit : std::min(options.ctas_per_sm, fit);
   setup.grid = std::max(1, sms * std::max(1, per_sm));
   ASSIGN_OR_RETURN(setup.device_uuid, internal::DeviceUuid(options.device));
   ASSIGN_OR_RETURN(setup.stream, internal::IpcStream::Create());
+  if (options.table == CudaIpcTableMode::kSideStreamCopy) {
+    ASSIGN_OR_RETURN(setup.side_stream, internal::IpcStream::Create());
+    ASSIGN_OR_RETURN(setup.table_ready, CudaEvent::Create(/*enable_timing=*/false));
+  }
   ASSIGN_OR_RETURN(setup.ring, internal::StagingRing::Create(options.staging_segments));
   setup.uid = NewUid();
   setup.socket_name = absl::StrCat("kvstream-cuda-ipc-", absl::Hex(setup.uid, absl::kZeroPad16));
@@ -97,6 +131,16 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
 size_t CudaIpcOpenMappingCount(Transport& transport) {
   auto* ipc = dynamic_cast<internal::CudaIpcTransport*>(&transport);
   return ipc == nullptr ? 0 : ipc->OpenMappingCount();
+}
+
+void CudaIpcSetCopyTiming(Transport& transport, bool on) {
+  auto* ipc = dynamic_cast<internal::CudaIpcTransport*>(&transport);
+  if (ipc != nullptr) ipc->SetCopyTiming(on);
+}
+
+std::vector<CudaIpcCopyTiming> CudaIpcTakeCopyTimings(Transport& transport) {
+  auto* ipc = dynamic_cast<internal::CudaIpcTransport*>(&transport);
+  return ipc == nullptr ? std::vector<CudaIpcCopyTiming>() : ipc->TakeCopyTimings();
 }
 
 }  // namespace kvstream

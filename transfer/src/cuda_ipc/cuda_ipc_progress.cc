@@ -181,7 +181,18 @@ void CudaIpcTransport::PollCopies() {
     auto it = copy.transfer == 0 ? transfers_.end() : transfers_.find(copy.transfer);
     if (e == cudaSuccess) {
       if (it != transfers_.end()) it->second.copy_done = true;
-      free_events_.push_back(std::move(copy.done));
+      const bool timed = !copy.start.empty();
+      if (timed && !copy.kernel_start.empty()) {
+        absl::StatusOr<float> stream_ms = CudaEvent::ElapsedMilliseconds(copy.start, copy.done);
+        absl::StatusOr<float> kernel_ms =
+            CudaEvent::ElapsedMilliseconds(copy.kernel_start, copy.done);
+        if (stream_ms.ok() && kernel_ms.ok()) {
+          timings_.push_back(CudaIpcCopyTiming{*stream_ms * 1e3, *kernel_ms * 1e3});
+        }
+      }
+      ReturnEvent(std::move(copy.start), true);
+      ReturnEvent(std::move(copy.kernel_start), true);
+      ReturnEvent(std::move(copy.done), timed);
     } else {
       // An error of the copy or of earlier work on the device (sticky errors end the
       // context): the transfer fails with it; the event is not reused.

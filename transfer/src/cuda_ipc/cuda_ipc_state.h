@@ -66,7 +66,11 @@ struct IpcPeer {
 // GPU work of one PostWrite on the transport's stream.
 struct InFlightCopy {
   TransferId transfer = 0;  // 0: work of a post that failed after enqueueing
-  CudaEvent done;           // recorded after the copy
+  CudaEvent done;           // recorded after the copy; a timing event when `start` is set
+  // While copy timing is on (CudaIpcSetCopyTiming): timing events recorded before the
+  // write's first operation on the stream and right before its copy.
+  CudaEvent start;
+  CudaEvent kernel_start;
   StagingRing* ring = nullptr;  // whose oldest reservation is this copy's table; or null
   std::shared_ptr<IpcMapping> mapping;  // the destination, kept open until `done`
 };

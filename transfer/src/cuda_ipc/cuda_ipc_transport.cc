@@ -1,11 +1,10 @@
 // The cuda_ipc transport (cuda_ipc_transport.h): memory, peers, posting and the per-transfer
-// calls. Creation is in cuda_ipc_create.cc, what Progress advances in cuda_ipc_progress.cc.
+// calls. Creation is in cuda_ipc_create.cc, a write's table and GPU work in
+// cuda_ipc_enqueue.cc, what Progress advances in cuda_ipc_progress.cc.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <set>
-#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -59,10 +58,6 @@ absl::Status CheckOrder(const WriteOrder& order, absl::string_view notification)
   return absl::OkStatus();
 }
 
-absl::Status CudaCall(cudaError_t e, absl::string_view what) {
-  return CudaErrorToStatus(static_cast<int>(e), what);
-}
-
 }  // namespace
 
 CudaIpcTransport::CudaIpcTransport(CudaIpcSetup setup)
@@ -75,7 +70,9 @@ CudaIpcTransport::CudaIpcTransport(CudaIpcSetup setup)
       socket_label_(UnixSocketLabel(socket_name_)),
       listener_(std::move(setup.listener)),
       stream_(std::move(setup.stream)),
-      ring_(std::move(setup.ring)) {}
+      ring_(std::move(setup.ring)),
+      side_stream_(std::move(setup.side_stream)),
+      table_ready_(std::move(setup.table_ready)) {}
 
 CudaIpcTransport::~CudaIpcTransport() { Shutdown(); }
 
@@ -271,16 +268,8 @@ absl::StatusOr<TransferId> CudaIpcTransport::PostWrite(PeerId peer_id,
         " by this transport"));
   }
   // Every segment is checked before anything is enqueued: a bad batch posts nothing.
-  for (size_t i = 0; i < segments.size(); ++i) {
-    const Segment& s = segments[i];
-    if (!SegmentFits(s.local_offset, s.length, reg->length()) ||
-        !SegmentFits(s.remote_offset, s.length, rem->length())) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "cuda_ipc PostWrite: segment ", i, " (local ", s.local_offset, ", remote ",
-          s.remote_offset, ", length ", s.length, ") is outside the local region (",
-          reg->length(), " bytes) or the remote one (", rem->length(), " bytes)"));
-    }
-  }
+  ASSIGN_OR_RETURN(const WritePlan plan,
+                   PlanWrite(segments, reg->length(), rem->length(), options_));
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(IpcPeer * peer, UsablePeer(peer_id, "PostWrite"));
   auto mapping = peer->mappings.find(rem->handle());
@@ -293,158 +282,20 @@ absl::StatusOr<TransferId> CudaIpcTransport::PostWrite(PeerId peer_id,
   transfer.notification.assign(notification.data(), notification.size());
   transfer.tail = order.notification_tail;
   transfer.tail_bytes = order.notification_tail_bytes;
-  bool has_bytes = false;
-  for (const Segment& s : segments) has_bytes = has_bytes || s.length > 0;
-  if (!has_bytes && order.ready_event == nullptr) {
+  if (plan.entries == 0 && plan.engine == 0 && order.ready_event == nullptr) {
     transfer.copy_done = true;  // nothing for the GPU: its turn comes after earlier writes
     return AddTransfer(peer, std::move(transfer));
   }
   CudaDeviceScope scope(device_);
   RETURN_IF_ERROR(scope.status());
   ASSIGN_OR_RETURN(InFlightCopy copy,
-                   EnqueueCopy(segments, static_cast<const char*>(reg->base()),
+                   EnqueueCopy(segments, plan, static_cast<const char*>(reg->base()),
                                mapping->second->base() + rem->offset(), order));
   copy.mapping = mapping->second;
   const TransferId id = AddTransfer(peer, std::move(transfer));
   copy.transfer = id;
   inflight_.push_back(std::move(copy));
   return id;
-}
-
-absl::StatusOr<std::pair<StagingRing*, size_t>> CudaIpcTransport::ReserveStaging(size_t n) {
-  if (n > kMaxCudaIpcStagingSegments) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cuda_ipc PostWrite: ", n, " segments in one write, more than the staging limit of ",
-        kMaxCudaIpcStagingSegments));
-  }
-  if (std::optional<size_t> begin = ring_->Reserve(n)) return std::make_pair(ring_.get(), *begin);
-  PollCopies();  // completed copies give their entries back
-  if (std::optional<size_t> begin = ring_->Reserve(n)) return std::make_pair(ring_.get(), *begin);
-  size_t capacity = ring_->capacity();
-  while (capacity < 2 * n && capacity < kMaxCudaIpcStagingSegments) capacity *= 2;
-  if (capacity == ring_->capacity()) capacity *= 2;
-  capacity = std::min(capacity, kMaxCudaIpcStagingSegments);
-  if (capacity <= ring_->capacity() || capacity < n) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cuda_ipc PostWrite: the staging ring is full (", ring_->capacity(),
-        " segments of earlier writes are still being copied, the limit is ",
-        kMaxCudaIpcStagingSegments, "); call Progress and post again"));
-  }
-  ASSIGN_OR_RETURN(std::unique_ptr<StagingRing> grown, StagingRing::Create(capacity));
-  retired_rings_.push_back(std::move(ring_));
-  ring_ = std::move(grown);
-  std::optional<size_t> begin = ring_->Reserve(n);
-  if (!begin) return absl::InternalError("cuda_ipc: a fresh staging ring refused a reservation");
-  return std::make_pair(ring_.get(), *begin);
-}
-
-absl::StatusOr<CudaEvent> CudaIpcTransport::TakeEvent() {
-  if (!free_events_.empty()) {
-    CudaEvent event = std::move(free_events_.back());
-    free_events_.pop_back();
-    return event;
-  }
-  return CudaEvent::Create(/*enable_timing=*/false);
-}
-
-absl::StatusOr<InFlightCopy> CudaIpcTransport::EnqueueCopy(absl::Span<const Segment> segments,
-                                                           const char* src_base, char* dst_base,
-                                                           const WriteOrder& order) {
-  const uint64_t engine_min = options_.copy_engine_min_bytes;
-  size_t n = 0;
-  for (const Segment& s : segments) {
-    if (s.length > 0 && (engine_min == 0 || s.length < engine_min)) ++n;
-  }
-  StagingRing* ring = nullptr;
-  size_t begin = 0;
-  if (n > 0) {
-    ASSIGN_OR_RETURN(std::tie(ring, begin), ReserveStaging(n));
-  }
-
-  // The table: the only per-segment work of a post.
-  const uint64_t chunk = IpcCopyChunkBytes(options_.vectors_per_thread);
-  uint64_t chunks = 0;
-  engine_copies_.clear();
-  IpcCopySegment* table = n > 0 ? ring->host(begin) : nullptr;
-  size_t k = 0;
-  for (const Segment& s : segments) {
-    if (s.length == 0) continue;
-    const char* src = src_base + s.local_offset;
-    char* dst = dst_base + s.remote_offset;
-    if (engine_min != 0 && s.length >= engine_min) {
-      engine_copies_.push_back({src, dst, s.length});
-      continue;
-    }
-    IpcCopySegment& e = table[k++];
-    e.src = reinterpret_cast<uint64_t>(src);
-    e.dst = reinterpret_cast<uint64_t>(dst);
-    e.length = s.length;
-    e.first_chunk = chunks;
-    chunks += (s.length + chunk - 1) / chunk;
-  }
-
-  cudaStream_t stream = stream_.get();
-  bool table_enqueued = false;
-  // After a failure: the reservation is given back at once if nothing reads it yet, else
-  // when the stream has passed what was enqueued (or, if even that cannot be tracked, kept
-  // for good: the ring grows around it).
-  auto fail = [&](absl::Status status) -> absl::Status {
-    if (ring == nullptr) return status;
-    if (!table_enqueued) {
-      ring->ReleaseNewest();
-      return status;
-    }
-    InFlightCopy orphan;
-    orphan.ring = ring;
-    absl::StatusOr<CudaEvent> event = TakeEvent();
-    if (event.ok() && event->Record(stream).ok()) {
-      orphan.done = std::move(event).value();
-      inflight_.push_back(std::move(orphan));
-    } else {
-      Log(LogLevel::kError, absl::StrCat("cuda_ipc: ", n, " staging entries kept for good after ",
-                                         status.message()));
-    }
-    return status;
-  };
-
-  if (n > 0) {
-    absl::Status status = CudaCall(cudaMemcpyAsync(ring->device(begin), ring->host(begin),
-                                                   n * sizeof(IpcCopySegment),
-                                                   cudaMemcpyHostToDevice, stream),
-                                   "cuda_ipc PostWrite: segment table copy");
-    if (!status.ok()) return fail(status);
-    table_enqueued = true;
-  }
-  // After the table copy, so that it overlaps the producer's work.
-  if (order.ready_event != nullptr) {
-    absl::Status status =
-        CudaCall(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(order.ready_event), 0),
-                 "cuda_ipc PostWrite: cudaStreamWaitEvent(ready_event)");
-    if (!status.ok()) return fail(status);
-  }
-  for (const EngineCopy& c : engine_copies_) {
-    absl::Status status =
-        CudaCall(cudaMemcpyAsync(c.dst, c.src, c.length, cudaMemcpyDeviceToDevice, stream),
-                 "cuda_ipc PostWrite: cudaMemcpyAsync of a long segment");
-    if (!status.ok()) return fail(status);
-  }
-  if (n > 0) {
-    IpcCopyParams params;
-    params.segments = ring->device(begin);
-    params.num_segments = static_cast<uint32_t>(n);
-    params.num_chunks = chunks;
-    const int grid = static_cast<int>(std::min<uint64_t>(chunks, static_cast<uint64_t>(grid_)));
-    absl::Status status = LaunchIpcCopy(params, options_.vectors_per_thread, grid, stream);
-    if (!status.ok()) return fail(status);
-  }
-  absl::StatusOr<CudaEvent> event = TakeEvent();
-  if (!event.ok()) return fail(event.status());
-  absl::Status recorded = event->Record(stream);
-  if (!recorded.ok()) return fail(recorded);
-  InFlightCopy copy;
-  copy.done = std::move(event).value();
-  copy.ring = ring;
-  return copy;
 }
 
 absl::StatusOr<TransferId> CudaIpcTransport::PostNotification(PeerId peer_id,
@@ -543,6 +394,18 @@ absl::Status CudaIpcTransport::PeerStatus(PeerId peer_id) {
 void CudaIpcTransport::SetPeerErrorCallback(PeerErrorCallback callback) {
   absl::MutexLock lock(&mu_);
   callback_ = std::move(callback);
+}
+
+void CudaIpcTransport::SetCopyTiming(bool on) {
+  absl::MutexLock lock(&mu_);
+  timing_ = on;
+}
+
+std::vector<CudaIpcCopyTiming> CudaIpcTransport::TakeCopyTimings() {
+  absl::MutexLock lock(&mu_);
+  std::vector<CudaIpcCopyTiming> out;
+  out.swap(timings_);
+  return out;
 }
 
 size_t CudaIpcTransport::OpenMappingCount() {

@@ -1,8 +1,8 @@
 // The cuda_ipc transport's class (cuda_ipc_transport.h says what it does; cuda_ipc_state.h
-// how a transfer moves). Its methods live in two files: cuda_ipc_transport.cc (memory,
-// peers, posting, the transfer calls) and cuda_ipc_progress.cc (what Progress advances:
-// connections, copy completions, notifications, peer failures); CreateCudaIpcTransport is in
-// cuda_ipc_create.cc.
+// how a transfer moves). Its methods live in three files: cuda_ipc_transport.cc (memory,
+// peers, posting, the transfer calls), cuda_ipc_enqueue.cc (a write's table and GPU work)
+// and cuda_ipc_progress.cc (what Progress advances: connections, copy completions,
+// notifications, peer failures); CreateCudaIpcTransport is in cuda_ipc_create.cc.
 #ifndef KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_IMPL_H_
 #define KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_IMPL_H_
 
@@ -19,6 +19,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "cuda_ipc/copy_kernel.h"
 #include "cuda_ipc/cuda_ipc_state.h"
 #include "cuda_ipc/ipc_stream.h"
 #include "cuda_ipc/staging_ring.h"
@@ -38,8 +40,25 @@ struct CudaIpcSetup {
   std::string socket_name;
   ScopedFd listener;
   IpcStream stream;
+  // CudaIpcTableMode::kSideStreamCopy: the table copies' stream and the event the copy
+  // stream waits for (re-recorded by every write: a wait captures the state at its call).
+  IpcStream side_stream;
+  CudaEvent table_ready;
   std::unique_ptr<StagingRing> ring;
 };
+
+// What PostWrite's checking pass learnt about a write's segments.
+struct WritePlan {
+  size_t entries = 0;  // kernel table entries (pieces of the segments the kernel copies)
+  size_t engine = 0;   // segments for the copy engine
+};
+
+// Checks every segment against the regions (OutOfRange naming the first that does not fit)
+// and counts what the write needs; the only pass over the segments before the one that
+// writes the table.
+absl::StatusOr<WritePlan> PlanWrite(absl::Span<const Segment> segments, uint64_t local_length,
+                                    uint64_t remote_length,
+                                    const CudaIpcTransportOptions& options);
 
 class CudaIpcTransport final : public Transport {
  public:
@@ -73,6 +92,8 @@ class CudaIpcTransport final : public Transport {
   void SetPeerErrorCallback(PeerErrorCallback callback) override;
 
   size_t OpenMappingCount();
+  void SetCopyTiming(bool on);
+  std::vector<CudaIpcCopyTiming> TakeCopyTimings();
 
  private:
   // --- cuda_ipc_transport.cc ---
@@ -83,15 +104,26 @@ class CudaIpcTransport final : public Transport {
   absl::StatusOr<IpcPeer*> UsablePeer(PeerId peer, absl::string_view op)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   IpcPeer* NewPeer(uint64_t uid, uint32_t pid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Enqueues the table copy, the wait for `order.ready_event`, the copy and its event.
+  TransferId AddTransfer(IpcPeer* peer, IpcTransfer transfer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // --- cuda_ipc_enqueue.cc ---
+  // Writes the table and enqueues its copy (if the mode has one), the wait for
+  // `order.ready_event`, the copy and its completion event.
   absl::StatusOr<InFlightCopy> EnqueueCopy(absl::Span<const Segment> segments,
-                                           const char* src_base, char* dst_base,
-                                           const WriteOrder& order)
+                                           const WritePlan& plan, const char* src_base,
+                                           char* dst_base, const WriteOrder& order)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::pair<StagingRing*, size_t>> ReserveStaging(size_t n)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<CudaEvent> TakeEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  TransferId AddTransfer(IpcPeer* peer, IpcTransfer transfer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<CudaEvent> TakeEvent(bool timing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives a completed event back to its pool.
+  void ReturnEvent(CudaEvent event, bool timing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pieces of the kernel's segments, as table entries (IpcCopySegment or
+  // IpcParamSegment) at `out`; segments for the copy engine go to engine_copies_. Returns
+  // how many entries were written.
+  template <typename Entry>
+  size_t WriteEntries(absl::Span<const Segment> segments, const char* src_base,
+                      char* dst_base, Entry* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // --- cuda_ipc_progress.cc ---
   void AcceptConnections() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -124,7 +156,12 @@ class CudaIpcTransport final : public Transport {
   std::unique_ptr<StagingRing> ring_ ABSL_GUARDED_BY(mu_);
   // Outgrown rings, kept (their last copies may still read them) and freed at destruction.
   std::vector<std::unique_ptr<StagingRing>> retired_rings_ ABSL_GUARDED_BY(mu_);
+  IpcStream side_stream_ ABSL_GUARDED_BY(mu_);
+  CudaEvent table_ready_ ABSL_GUARDED_BY(mu_);
   std::vector<CudaEvent> free_events_ ABSL_GUARDED_BY(mu_);
+  std::vector<CudaEvent> free_timing_events_ ABSL_GUARDED_BY(mu_);
+  bool timing_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<CudaIpcCopyTiming> timings_ ABSL_GUARDED_BY(mu_);
   std::deque<InFlightCopy> inflight_ ABSL_GUARDED_BY(mu_);  // stream order
   std::map<PeerId, std::unique_ptr<IpcPeer>> peers_ ABSL_GUARDED_BY(mu_);
   // Accepted connections that have not said hello yet.
@@ -142,6 +179,9 @@ class CudaIpcTransport final : public Transport {
     uint64_t length;
   };
   std::vector<EngineCopy> engine_copies_ ABSL_GUARDED_BY(mu_);
+  // Scratch of EnqueueCopy: a table passed in the kernel's parameters (32 KiB, kept here
+  // rather than on the stack).
+  std::unique_ptr<IpcParamTable<kIpcParamSegments>> param_table_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace internal

@@ -1,6 +1,9 @@
 // The cuda_ipc staging ring (staging_ring.h).
 #include "cuda_ipc/staging_ring.h"
 
+#include <cuda_runtime.h>
+
+#include "kvstream/common/cuda_status.h"
 #include "kvstream/common/status_macros.h"
 
 namespace kvstream {
@@ -10,8 +13,17 @@ absl::StatusOr<std::unique_ptr<StagingRing>> StagingRing::Create(size_t capacity
   const size_t bytes = capacity * sizeof(IpcCopySegment);
   ASSIGN_OR_RETURN(DeviceBuffer host, DeviceBuffer::Create(bytes, MemoryKind::kPinned));
   ASSIGN_OR_RETURN(DeviceBuffer device, DeviceBuffer::Create(bytes, MemoryKind::kDevice));
-  return std::unique_ptr<StagingRing>(
-      new StagingRing(capacity, std::move(host), std::move(device)));
+  // cudaMallocHost memory is mapped (unified addressing, which the transport requires);
+  // asked rather than assumed.
+  void* mapped = nullptr;
+  const cudaError_t e = cudaHostGetDevicePointer(&mapped, host.data(), 0);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return CudaErrorToStatus(static_cast<int>(e),
+                             "cuda_ipc staging ring: cudaHostGetDevicePointer");
+  }
+  return std::unique_ptr<StagingRing>(new StagingRing(
+      capacity, std::move(host), std::move(device), static_cast<const IpcCopySegment*>(mapped)));
 }
 
 std::optional<size_t> StagingRing::Reserve(size_t n) {

@@ -1,6 +1,7 @@
 // The cuda_ipc transport's staging ring: segment tables of posted writes, in pinned host
-// memory (where the host writes them) mirrored by device memory (where the copy kernel reads
-// them after one cudaMemcpyAsync per write). A write reserves a contiguous run of entries;
+// memory (where the host writes them, and where a zero-copy kernel reads them through
+// mapped()) mirrored by device memory (where the copy kernel reads them after one
+// cudaMemcpyAsync per write). A write reserves a contiguous run of entries;
 // runs are released oldest first, when the write's copy has completed (the copies run in
 // post order on one stream, so completions come oldest first too).
 //
@@ -41,14 +42,19 @@ class StagingRing {
   IpcCopySegment* device(size_t index) const {
     return device_.data_as<IpcCopySegment>() + index;
   }
+  // The device's address of host(index) (pinned memory is mapped into the device's space).
+  const IpcCopySegment* mapped(size_t index) const { return mapped_ + index; }
 
  private:
-  StagingRing(size_t capacity, DeviceBuffer host, DeviceBuffer device)
-      : capacity_(capacity), host_(std::move(host)), device_(std::move(device)) {}
+  StagingRing(size_t capacity, DeviceBuffer host, DeviceBuffer device,
+              const IpcCopySegment* mapped)
+      : capacity_(capacity), host_(std::move(host)), device_(std::move(device)),
+        mapped_(mapped) {}
 
   size_t capacity_;
   DeviceBuffer host_;    // pinned
   DeviceBuffer device_;
+  const IpcCopySegment* mapped_;
   std::deque<std::pair<size_t, size_t>> reserved_;  // [begin, end), oldest first
 };
 

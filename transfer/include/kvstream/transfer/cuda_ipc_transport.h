@@ -19,11 +19,15 @@
 // this transport's uid. ImportRemote opens a peer allocation once (cudaIpcOpenMemHandle) and
 // caches the mapping per (peer, allocation); every region of that allocation shares it, and
 // range checks use the size of what was really mapped. PostWrite writes its segment table
-// into a pinned staging ring, copies it to the device on the transport's own stream (a
-// non-blocking stream: it never serialises with the legacy default stream), makes the stream
-// wait for order.ready_event, launches ONE copy kernel for all segments (16-byte vector
-// copies where aligned, segments cut into chunks spread over every SM) and records a
-// completion event: no host synchronisation, and no CUDA call per segment. Progress polls
+// (one pass over the segments: range checks, then the entries) and enqueues, on the
+// transport's own stream (a non-blocking stream: it never serialises with the legacy default
+// stream), a wait for order.ready_event, ONE copy kernel for all segments and a completion
+// event: no host synchronisation, and no CUDA call per segment. By default the kernel takes
+// whole segments per CTA (cut into pieces of at most CudaIpcTransportOptions::
+// max_piece_bytes, 16-byte vector copies where aligned) and finds the table in its launch
+// parameters when it fits (kIpcMaxParamSegments entries), else reads it straight from the
+// pinned staging ring (zero-copy); the other variants (CudaIpcTableMode, CudaIpcKernel) are
+// there to be measured (bench/cuda_ipc_bench.cc --sweep). Progress polls
 // the completion events in post order and only then sends the notification (payload, then
 // order.notification_tail's bytes) over a Unix-domain socket in the abstract namespace,
 // whose name (with a random uid) is in LocalInfo(). The receiver's PollNotifications
@@ -52,6 +56,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -63,15 +68,59 @@ namespace kvstream {
 // completed.
 inline constexpr size_t kMaxCudaIpcStagingSegments = size_t{1} << 22;
 
+// Where a write's segment table goes on its way to the copy kernel.
+enum class CudaIpcTableMode {
+  // Copied from the pinned staging ring to device memory by a cudaMemcpyAsync on the copy
+  // stream, before the kernel.
+  kStreamCopy,
+  // The same copy on a second stream, which the copy stream waits for with an event (the
+  // table copy of one write may then overlap the kernel of the one before).
+  kSideStreamCopy,
+  // No copy: the kernel reads the pinned staging ring in place, over the bus (each entry
+  // once per unit, the next one while it copies the current one). The ring entries stay
+  // reserved until the copy's completion event.
+  kZeroCopy,
+  // In the kernel's launch parameters when the write has at most kIpcMaxParamSegments
+  // entries (CUDA 12.1+ on Volta and later allow 32764 bytes of parameters), else as
+  // kZeroCopy. Only for the per-segment kernels (the chunked one searches its table).
+  kParams,
+};
+
+// Entries a table in the launch parameters holds (24 bytes each).
+inline constexpr size_t kIpcMaxParamSegments = 1360;
+
+// The copy kernel's shape.
+enum class CudaIpcKernel {
+  // Chunks of 256 threads x vectors_per_thread x 16 bytes spread evenly over the grid; each
+  // CTA searches the table for its first chunk (needs the first_chunk prefix sums).
+  kChunked,
+  // Each CTA (256 threads) takes whole table entries in a grid-stride loop.
+  kCtaPerSegment,
+  // Each warp takes whole table entries in a grid-stride loop.
+  kWarpPerSegment,
+};
+
 struct CudaIpcTransportOptions {
   // The GPU whose memory this transport registers and on which its copies run.
   int device = 0;
   // Segments the staging ring holds at first (it grows on demand).
   size_t staging_segments = size_t{1} << 16;
-  // Copy kernel shape: CTAs per SM (0: as many as fit), and 16-byte vectors each thread
-  // moves per pass (2, 4 or 8).
+  // How the copy runs. The defaults are the fastest measured shape; the rest exist to be
+  // compared (bench/cuda_ipc_bench.cc --sweep) and are all tested for correctness.
+  CudaIpcKernel kernel = CudaIpcKernel::kCtaPerSegment;
+  CudaIpcTableMode table = CudaIpcTableMode::kParams;
+  // CTAs per SM (0: as many as fit), and 16-byte vectors each thread moves per pass (2, 4
+  // or 8).
   int ctas_per_sm = 0;
-  int vectors_per_thread = 4;
+  int vectors_per_thread = 8;
+  // Per-segment kernels: segments longer than this are cut into entries of at most this
+  // many bytes, so that a few long segments still spread over every SM. A power of two,
+  // 4 KiB to 1 GiB.
+  size_t max_piece_bytes = size_t{64} << 10;
+  // Per-segment kernels: false, a persistent grid (as many units as fit, each looping over
+  // entries and loading the next while copying); true, one unit per entry, the hardware
+  // scheduling units as others finish.
+  bool unit_per_entry = false;
   // Segments at least this long go through the copy engine (one cudaMemcpyAsync each)
   // instead of the kernel; 0: every segment through the kernel.
   size_t copy_engine_min_bytes = 0;
@@ -88,6 +137,22 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
 // open through cudaIpcOpenMemHandle right now, counting those kept open for copies still in
 // flight; 0 for any other transport.
 size_t CudaIpcOpenMappingCount(Transport& transport);
+
+// Diagnostics (benchmarks): device time of a write's GPU work, from timing events the
+// transport records on its copy stream around it while timing is on (off at creation; the
+// extra events cost a little, so measure throughput with it off).
+struct CudaIpcCopyTiming {
+  // From the write's first operation on the copy stream (table copy, or the wait for
+  // ready_event) to its completion event; excludes time the stream spent on earlier writes.
+  double stream_us = 0;
+  // The copy kernel (and copy-engine segments) alone.
+  double kernel_us = 0;
+};
+// Turns timing on or off for writes posted from now on; no-op for other transports.
+void CudaIpcSetCopyTiming(Transport& transport, bool on);
+// The timings of writes whose copies completed since the last call (Progress retires them),
+// in post order; empty for other transports.
+std::vector<CudaIpcCopyTiming> CudaIpcTakeCopyTimings(Transport& transport);
 
 }  // namespace kvstream
 
