@@ -348,7 +348,9 @@ TEST_P(CudaIpcVariantGpuTest, ScatteredBlocksLandBeforeTheirNotifications) {
   auto second = ReadNote();
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ(second->payload, "layer 1");
-  EXPECT_EQ(Mismatches(second->snapshot, expected, 0, kBytes), 0u)
+  // Only what layer 1 and the writes before it cover: layer 2's long segments may have
+  // landed by the time the snapshot is taken.
+  EXPECT_EQ(Mismatches(second->snapshot, expected, 0, kAreaA + kAreaB), 0u)
       << "layer 1 was notified before all of its (odd) segments landed";
   Apply(long_segments, host, expected);
   auto third = ReadNote();
