@@ -1,39 +1,35 @@
 // The metrics endpoint (metrics_server.h).
 #include "metrics_server.h"
 
-#include <netinet/in.h>
 #include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
-#include <cerrno>
-#include <cstring>
+#include <cstdint>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "kvstream/common/logging.h"
 
 namespace kvstream {
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     int port, std::function<std::string()> render) {
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics endpoint: port ", port, " is outside 0..65535"));
+  }
   std::unique_ptr<MetricsServer> s(new MetricsServer());
   s->render_ = std::move(render);
-  s->fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s->fd_ < 0) return absl::InternalError(absl::StrCat("metrics socket: ", std::strerror(errno)));
-  const int one = 1;
-  setsockopt(s->fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (bind(s->fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      listen(s->fd_, 16) != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics endpoint on port ", port, ": ", std::strerror(errno)));
+  absl::StatusOr<ScopedFd> listener = ListenTcp("0.0.0.0", static_cast<uint16_t>(port), 16);
+  if (!listener.ok()) {
+    return absl::Status(listener.status().code(),
+                        absl::StrCat("metrics endpoint on port ", port, ": ",
+                                     listener.status().message()));
   }
-  socklen_t len = sizeof(addr);
-  getsockname(s->fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  s->port_ = ntohs(addr.sin_port);
+  s->listener_ = std::move(*listener);
+  absl::StatusOr<uint16_t> bound = BoundTcpPort(s->listener_.get());
+  if (!bound.ok()) return bound.status();
+  s->port_ = *bound;
   s->thread_ = std::thread([p = s.get()] { p->Loop(); });
   return s;
 }
@@ -41,41 +37,48 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
 MetricsServer::~MetricsServer() {
   stop_ = true;
   if (thread_.joinable()) thread_.join();
-  if (fd_ >= 0) close(fd_);
 }
 
 void MetricsServer::Loop() {
   while (!stop_) {
-    pollfd p{fd_, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (c < 0) continue;
-    // Read the request line (bounded in size and time), answer, close.
-    std::string request;
-    char buf[1024];
-    pollfd cp{c, POLLIN, 0};
-    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 8192 &&
-           poll(&cp, 1, 1000) > 0) {
-      const ssize_t n = recv(c, buf, sizeof(buf), 0);
-      if (n <= 0) break;
-      request.append(buf, static_cast<size_t>(n));
+    absl::StatusOr<AcceptedSocket> client =
+        AcceptSocket(listener_.get(), absl::Now() + kAcceptPoll, "the metrics endpoint");
+    if (absl::IsDeadlineExceeded(client.status())) continue;
+    if (!client.ok()) {
+      // Out of descriptors, say: say so, and wait rather than spin on a listener that
+      // stays readable.
+      Log(LogLevel::kWarning, absl::StrCat("metrics endpoint: ", client.status().message()));
+      absl::SleepFor(kAcceptPoll);
+      continue;
     }
-    std::string response;
-    if (request.rfind("GET /metrics", 0) == 0) {
-      const std::string body = render_();
-      response = absl::StrCat("HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                              "Content-Length: ", body.size(), "\r\n\r\n", body);
-    } else {
-      response = "HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n";
-    }
-    size_t off = 0;
-    while (off < response.size()) {
-      const ssize_t n = send(c, response.data() + off, response.size() - off, MSG_NOSIGNAL);
-      if (n <= 0) break;
-      off += static_cast<size_t>(n);
-    }
-    close(c);
+    Serve(client->fd.get(), client->peer);
   }
+}
+
+void MetricsServer::Serve(int fd, const std::string& peer) {
+  // The request head, bounded in size and time; whatever came is answered (a client that
+  // closed or stalled early gets a 404 it may not read).
+  const absl::Time read_deadline = absl::Now() + kClientReadTimeout;
+  std::string request;
+  char buf[1024];
+  while (request.find("\r\n\r\n") == std::string::npos && request.size() < kMaxRequestBytes) {
+    absl::StatusOr<bool> ready = WaitFd(fd, POLLIN, read_deadline, "metrics request");
+    if (!ready.ok() || !*ready) break;
+    bool eof = false;
+    absl::StatusOr<size_t> n = RecvSome(fd, buf, sizeof(buf), peer, &eof);
+    if (!n.ok() || eof) break;
+    request.append(buf, *n);
+  }
+  std::string response;
+  if (request.rfind("GET /metrics", 0) == 0) {
+    const std::string body = render_();
+    response = absl::StrCat("HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                            "Content-Length: ", body.size(), "\r\n\r\n", body);
+  } else {
+    response = "HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n";
+  }
+  // A client that does not read its answer is dropped at the deadline (the error is its).
+  SendAll(fd, response, absl::Now() + kClientWriteTimeout, peer).IgnoreError();
 }
 
 namespace {

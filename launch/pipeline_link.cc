@@ -1,27 +1,27 @@
-// Pipeline stages joined over TCP (pipeline_link.h).
+// Pipeline stages joined over TCP (pipeline_link.h). Bytes are encoded with ByteWriter and
+// decoded with ByteReader (kvstream/common/byte_io.h); the sockets are kvstream's socket
+// helper's (kvstream/transfer/socket.h), which also turns their errno values into Status.
 #include "pipeline_link.h"
 
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "kvstream/common/byte_io.h"
 #include "kvstream/common/status_macros.h"
+#include "kvstream/transfer/socket.h"
 
 namespace kvstream {
 namespace {
@@ -29,161 +29,70 @@ namespace {
 constexpr uint32_t kFrameMagic = 0x4650564B;  // "KVPF"
 constexpr uint32_t kHelloMagic = 0x4850564B;  // "KVPH"
 constexpr uint32_t kVersion = 2;  // 2: the hello carries the group key
-constexpr size_t kFrameHeaderBytes = 12;  // magic, payload length
+// Hello: magic, version, stage, number of stages, group key length (u32 each), then the key.
+constexpr size_t kHelloFixedBytes = 20;
+constexpr size_t kFrameHeaderBytes = 12;  // magic (u32), payload length (u64)
 // step, schedule, value count, error count: the payload of an empty message.
 constexpr uint64_t kMinPayload = 8 + 8 + 8 + 4;
+// An error on the wire: request id length, code, message length (u32 each), then the bytes.
+constexpr size_t kMinErrorBytes = 12;
 // Receive grows its payload buffer by at most this much ahead of the bytes that arrived.
 constexpr size_t kReadChunkBytes = size_t{4} << 20;
 constexpr uint64_t kLastCode = static_cast<uint64_t>(absl::StatusCode::kUnauthenticated);
+// Only the previous stage connects to a stage's listener.
+constexpr int kListenBacklog = 4;
+// How often a stage looks again for the next stage's rendezvous file or listener.
+constexpr absl::Duration kConnectRetry = absl::Milliseconds(20);
 
+// Values travel as little-endian IEEE-754 binary32, 4 bytes each. On the hosts kvstream
+// builds for, that is exactly how a float sits in memory, so the values are copied as one
+// block rather than encoded one by one (logits of a step reach hundreds of MiB).
 static_assert(sizeof(float) == 4, "floats travel as 4 bytes");
+static_assert(std::numeric_limits<float>::is_iec559, "floats travel as IEEE-754 binary32");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "float values are copied as little-endian bytes");
 
-void Put(std::string& out, uint64_t v, int n) {
-  for (int i = 0; i < n; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+// `status` with "<what>: " in front of its message.
+absl::Status Annotate(const absl::Status& status, absl::string_view what) {
+  return absl::Status(status.code(), absl::StrCat(what, ": ", status.message()));
 }
 
-// Reads little-endian integers from a payload, failing once it would run past the end.
-class Reader {
- public:
-  explicit Reader(const std::string& s) : s_(s) {}
-  bool Get(int n, uint64_t& v) {
-    if (s_.size() - pos_ < static_cast<size_t>(n)) return false;
-    v = 0;
-    for (int i = 0; i < n; ++i) {
-      v |= static_cast<uint64_t>(static_cast<uint8_t>(s_[pos_ + i])) << (8 * i);
-    }
-    pos_ += n;
-    return true;
-  }
-  bool Bytes(size_t n, std::string& out) {
-    if (s_.size() - pos_ < n) return false;
-    out.assign(s_, pos_, n);
-    pos_ += n;
-    return true;
-  }
-  size_t remaining() const { return s_.size() - pos_; }
-  const char* here() const { return s_.data() + pos_; }
-  void Skip(size_t n) { pos_ += n; }
-
- private:
-  const std::string& s_;
-  size_t pos_ = 0;
-};
-
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      Reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { Reset(); }
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  void Reset() {
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
-
-absl::Status Errno(absl::string_view what) {
-  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
+// True when `status` is the caller's own deadline passing (not, say, a TCP timeout
+// reported by the kernel as ETIMEDOUT, which leaves the connection dead).
+bool DeadlinePassed(const absl::Status& status, absl::Time deadline) {
+  return absl::IsDeadlineExceeded(status) && absl::Now() >= deadline;
 }
 
-// Waits until `fd` is ready for `events` or the deadline passes.
-absl::Status WaitFor(int fd, short events, absl::Time deadline, absl::string_view what) {
-  while (true) {
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) {
-      return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
-    }
-    pollfd p{fd, events, 0};
-    // Clamped before converting: `left` is infinite for absl::InfiniteFuture(). Rounded up so
-    // that poll does not return just before the deadline.
-    const int ms = static_cast<int>(absl::ToInt64Milliseconds(
-        absl::Ceil(std::min(left, absl::Seconds(1)), absl::Milliseconds(1))));
-    const int r = poll(&p, 1, ms);
-    if (r > 0) return absl::OkStatus();
-    if (r < 0 && errno != EINTR) return Errno(what);
-  }
-}
-
-// Sends all of `data`; `*off` counts the bytes sent, also on failure.
-absl::Status SendAll(int fd, const std::string& data, absl::Time deadline, absl::string_view what,
-                     size_t* off_out) {
-  size_t& off = *off_out;
-  off = 0;
-  while (off < data.size()) {
-    RETURN_IF_ERROR(WaitFor(fd, POLLOUT, deadline, what));
-    const ssize_t n = send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
-      return Errno(what);
-    }
-    off += static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
-}
-
-// Receives exactly `len` bytes; `*off` counts the bytes received, also on failure.
-absl::Status RecvAll(int fd, char* out, size_t len, absl::Time deadline, absl::string_view what,
-                     size_t* off_out) {
-  size_t& off = *off_out;
-  off = 0;
-  while (off < len) {
-    RETURN_IF_ERROR(WaitFor(fd, POLLIN, deadline, what));
-    const ssize_t n = recv(fd, out + off, len - off, MSG_DONTWAIT);
-    if (n == 0) return absl::UnavailableError(absl::StrCat(what, ": the other stage closed"));
-    if (n < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
-      return Errno(what);
-    }
-    off += static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
-}
-
-// Hello: magic, version, stage, number of stages, group key length (4 bytes each), key.
-std::string EncodeHello(int stage, int num_stages, const std::string& group_key) {
+absl::StatusOr<std::string> EncodeHello(int stage, int num_stages, const std::string& group_key) {
   std::string out;
-  Put(out, kHelloMagic, 4);
-  Put(out, kVersion, 4);
-  Put(out, static_cast<uint32_t>(stage), 4);
-  Put(out, static_cast<uint32_t>(num_stages), 4);
-  Put(out, group_key.size(), 4);
-  out += group_key;
+  ByteWriter w(&out);
+  w.U32(kHelloMagic);
+  w.U32(kVersion);
+  w.U32(static_cast<uint32_t>(stage));
+  w.U32(static_cast<uint32_t>(num_stages));
+  RETURN_IF_ERROR(w.Bytes("pipeline stage group key", group_key, kMaxStageGroupKeyBytes));
   return out;
 }
 
-// Receives the other side's hello and checks it is `want_stage` of `num_stages` with the
-// same group key.
-absl::Status ExpectHello(int fd, int want_stage, int num_stages, const std::string& group_key,
-                         absl::Time deadline) {
-  std::string buf(20, '\0');
-  size_t got = 0;
-  RETURN_IF_ERROR(RecvAll(fd, buf.data(), buf.size(), deadline, "pipeline stage hello", &got));
-  Reader r(buf);
-  uint64_t magic = 0, version = 0, stage = 0, stages = 0, key_bytes = 0;
-  r.Get(4, magic);
-  r.Get(4, version);
-  r.Get(4, stage);
-  r.Get(4, stages);
-  r.Get(4, key_bytes);
+// Receives the hello of `peer` on `fd` and checks it is `want_stage` of `num_stages` with
+// the same group key.
+absl::Status ExpectHello(int fd, const std::string& peer, int want_stage, int num_stages,
+                         const std::string& group_key, absl::Time deadline) {
+  std::string fixed(kHelloFixedBytes, '\0');
+  absl::Status received = RecvAll(fd, fixed.data(), fixed.size(), deadline, peer);
+  if (!received.ok()) return Annotate(received, "pipeline stage hello");
+  ByteReader r(fixed);
+  uint32_t magic = 0, version = 0, stage = 0, stages = 0, key_bytes = 0;
+  RETURN_IF_ERROR(r.U32("hello magic", &magic));
+  RETURN_IF_ERROR(r.U32("hello version", &version));
+  RETURN_IF_ERROR(r.U32("hello stage", &stage));
+  RETURN_IF_ERROR(r.U32("hello stage count", &stages));
+  RETURN_IF_ERROR(r.U32("hello group key length", &key_bytes));
   if (magic != kHelloMagic || version != kVersion) {
-    return absl::FailedPreconditionError(
-        "pipeline stage hello: not a kvstream stage (or another version)");
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pipeline stage hello: ", peer, " is not a kvstream stage (or another version)"));
   }
-  if (static_cast<int>(stage) != want_stage || static_cast<int>(stages) != num_stages) {
+  if (static_cast<int64_t>(stage) != want_stage || static_cast<int64_t>(stages) != num_stages) {
     return absl::FailedPreconditionError(absl::StrCat(
         "pipeline stage hello: expected stage ", want_stage, " of ", num_stages, ", got stage ",
         stage, " of ", stages, " (do the decode ranks agree on the pipeline size?)"));
@@ -193,8 +102,9 @@ absl::Status ExpectHello(int fd, int want_stage, int num_stages, const std::stri
         absl::StrCat("pipeline stage hello: stage ", stage, " announces a group key of ",
                      key_bytes, " bytes, more than ", kMaxStageGroupKeyBytes));
   }
-  std::string key(static_cast<size_t>(key_bytes), '\0');
-  RETURN_IF_ERROR(RecvAll(fd, key.data(), key.size(), deadline, "pipeline stage hello", &got));
+  std::string key(key_bytes, '\0');
+  received = RecvAll(fd, key.data(), key.size(), deadline, peer);
+  if (!received.ok()) return Annotate(received, "pipeline stage hello");
   if (key != group_key) {
     return absl::FailedPreconditionError(absl::StrCat(
         "pipeline stage hello: stage ", stage, " belongs to group '", absl::CHexEscape(key),
@@ -202,33 +112,6 @@ absl::Status ExpectHello(int fd, int want_stage, int num_stages, const std::stri
         "' (stages of another job or model on the same rendezvous path?)"));
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<sockaddr_in> ParseAddress(const std::string& host, int port) {
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  const std::string h = host == "localhost" ? "127.0.0.1" : host;
-  if (inet_pton(AF_INET, h.c_str(), &a.sin_addr) != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("'", host, "' is not an IPv4 address"));
-  }
-  return a;
-}
-
-absl::StatusOr<Fd> Listen(const std::string& host, int& port) {
-  ASSIGN_OR_RETURN(sockaddr_in addr, ParseAddress(host, 0));
-  Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return Errno("pipeline stage socket");
-  const int one = 1;
-  setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      listen(fd.get(), 4) != 0) {
-    return Errno(absl::StrCat("pipeline stage listening on ", host));
-  }
-  socklen_t len = sizeof(addr);
-  getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
-  port = ntohs(addr.sin_port);
-  return fd;
 }
 
 // Writes "host:port" to `path` (through a rename, so a reader never sees half a line).
@@ -254,74 +137,75 @@ void Unpublish(const std::string& path, const std::string& address) {
   if (f && std::getline(f, line) && line == address) std::remove(path.c_str());
 }
 
-// Reads the next stage's address from its rendezvous file and connects, retrying until the
-// deadline (the file may not exist yet).
-absl::StatusOr<Fd> ConnectNext(const std::string& path, absl::Time deadline) {
+// A connected neighbour and how messages name it.
+struct Neighbour {
+  ScopedFd fd;
+  std::string peer;
+};
+
+// Reads the address of stage `stage` from its rendezvous file at `path` and connects,
+// retrying until the deadline while the file is missing or nobody listens at the address
+// yet (the file may be a stale one that its stage has not overwritten yet).
+absl::StatusOr<Neighbour> ConnectNext(const std::string& path, int stage, absl::Time deadline) {
   absl::Status last = absl::NotFoundError(absl::StrCat("no rendezvous file ", path));
   while (absl::Now() < deadline) {
     std::ifstream f(path);
     std::string line;
     if (!f || !std::getline(f, line) || line.empty()) {
-      absl::SleepFor(absl::Milliseconds(20));
+      absl::SleepFor(kConnectRetry);
       continue;
     }
     const size_t colon = line.rfind(':');
-    int port = 0;
-    if (colon == std::string::npos || !absl::SimpleAtoi(line.substr(colon + 1), &port)) {
+    uint32_t port = 0;
+    if (colon == std::string::npos || !absl::SimpleAtoi(line.substr(colon + 1), &port) ||
+        port == 0 || port > 65535) {
       return absl::InvalidArgumentError(absl::StrCat(path, " holds '", line, "', not host:port"));
     }
-    ASSIGN_OR_RETURN(sockaddr_in addr, ParseAddress(line.substr(0, colon), port));
-    Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    if (!fd.valid()) return Errno("pipeline stage socket");
-    if (connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 &&
-        errno != EINPROGRESS) {
-      last = Errno(absl::StrCat("connecting to the next pipeline stage at ", line));
-      absl::SleepFor(absl::Milliseconds(20));
-      continue;
+    absl::StatusOr<ScopedFd> fd =
+        ConnectTcp(line.substr(0, colon), static_cast<uint16_t>(port), deadline);
+    if (fd.ok()) {
+      return Neighbour{std::move(*fd), absl::StrCat("pipeline stage ", stage, " at ", line)};
     }
-    absl::Status ready = WaitFor(fd.get(), POLLOUT, deadline, "connecting to the next stage");
-    if (!ready.ok()) return ready;
-    int err = 0;
-    socklen_t len = sizeof(err);
-    getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err != 0) {
-      last = absl::UnavailableError(absl::StrCat("connecting to the next pipeline stage at ",
-                                                 line, ": ", std::strerror(err)));
-      absl::SleepFor(absl::Milliseconds(20));
-      continue;
+    // Refused or unreachable: the stage is not listening yet. Anything else (a bad host,
+    // the deadline, no descriptors left) will not change by retrying.
+    if (!absl::IsUnavailable(fd.status())) {
+      return Annotate(fd.status(), absl::StrCat("connecting to the next pipeline stage (", path,
+                                                ")"));
     }
-    return fd;
+    last = fd.status();
+    absl::SleepFor(kConnectRetry);
   }
   return absl::DeadlineExceededError(absl::StrCat("the next pipeline stage did not show up in ",
                                                   path, " in time: ", last.message()));
-}
-
-void NoDelay(int fd) {
-  const int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
 // Bytes of the payload EncodeStageMessage produces for `m` (when it succeeds).
 uint64_t EncodedSize(const StageMessage& m) {
   uint64_t size = kMinPayload + uint64_t{m.values.size()} * sizeof(float);
   for (const StageError& e : m.errors) {
-    size += 12 + e.request_id.size() + std::min(e.message.size(), kMaxStageErrorMessageBytes);
+    size += kMinErrorBytes + e.request_id.size() +
+            std::min(e.message.size(), kMaxStageErrorMessageBytes);
   }
   return size;
 }
 
-// One neighbour: the socket to it and, once a failure has left the stream out of step, why.
+// One neighbour: the socket to it, how messages name it and, once a failure has left the
+// stream out of step, why.
 struct Link {
-  Fd fd;
+  ScopedFd fd;
+  std::string peer;
   std::string broken;  // empty while the link is usable
 };
 
 class TcpStageChannel final : public StageChannel {
  public:
-  TcpStageChannel(int stage, int num_stages, uint64_t max_frame_bytes, Fd prev, Fd next)
+  TcpStageChannel(int stage, int num_stages, uint64_t max_frame_bytes, Neighbour prev,
+                  Neighbour next)
       : stage_(stage), num_stages_(num_stages), max_frame_bytes_(max_frame_bytes) {
-    prev_.fd = std::move(prev);
-    next_.fd = std::move(next);
+    prev_.fd = std::move(prev.fd);
+    prev_.peer = std::move(prev.peer);
+    next_.fd = std::move(next.fd);
+    next_.peer = std::move(next.peer);
   }
 
   int stage() const override { return stage_; }
@@ -375,19 +259,23 @@ class TcpStageChannel final : public StageChannel {
           " bytes (StageChannelOptions::max_frame_bytes)"));
     }
     absl::StatusOr<std::string> payload = EncodeStageMessage(m);
-    if (!payload.ok()) {
-      return absl::Status(payload.status().code(),
-                          absl::StrCat(what, ": ", payload.status().message()));
+    if (!payload.ok()) return Annotate(payload.status(), what);
+    // A deadline already passed sends nothing (SendAll would still try once).
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          what, ": the deadline had passed before the frame was sent (nothing sent; the link "
+                "is intact)"));
     }
     std::string frame;
     frame.reserve(kFrameHeaderBytes + payload->size());
-    Put(frame, kFrameMagic, 4);
-    Put(frame, payload->size(), 8);
-    frame += *payload;
+    ByteWriter w(&frame);
+    w.U32(kFrameMagic);
+    w.U64(payload->size());
+    w.Raw(*payload);
     size_t sent = 0;
-    const absl::Status status = SendAll(link.fd.get(), frame, deadline, what, &sent);
+    const absl::Status status = SendAll(link.fd.get(), frame, deadline, link.peer, &sent);
     if (status.ok()) return status;
-    if (absl::IsDeadlineExceeded(status) && sent == 0) {
+    if (sent == 0 && DeadlinePassed(status, deadline)) {
       return absl::DeadlineExceededError(
           absl::StrCat(status.message(), " (nothing sent; the link is intact)"));
     }
@@ -396,21 +284,28 @@ class TcpStageChannel final : public StageChannel {
 
   absl::StatusOr<StageMessage> Receive(Link& link, absl::Time deadline, absl::string_view what) {
     RETURN_IF_ERROR(Usable(link, what));
+    // A deadline already passed reads nothing, even when a frame is waiting (as Send).
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          what, ": the deadline had passed before a frame was read (no frame begun; the link "
+                "is intact)"));
+    }
     std::string header(kFrameHeaderBytes, '\0');
     size_t got = 0;
     absl::Status status =
-        RecvAll(link.fd.get(), header.data(), header.size(), deadline, what, &got);
+        RecvAll(link.fd.get(), header.data(), header.size(), deadline, link.peer, &got);
     if (!status.ok()) {
-      if (absl::IsDeadlineExceeded(status) && got == 0) {
+      if (got == 0 && DeadlinePassed(status, deadline)) {
         return absl::DeadlineExceededError(
             absl::StrCat(status.message(), " (no frame begun; the link is intact)"));
       }
       return Break(link, status, got);
     }
-    Reader r(header);
-    uint64_t magic = 0, len = 0;
-    r.Get(4, magic);
-    r.Get(8, len);
+    ByteReader r(header);
+    uint32_t magic = 0;
+    uint64_t len = 0;
+    RETURN_IF_ERROR(r.U32("frame magic", &magic));
+    RETURN_IF_ERROR(r.U64("frame length", &len));
     if (magic != kFrameMagic) {
       return Break(link,
                    absl::InvalidArgumentError(absl::StrCat(what, ": bad frame header (magic ",
@@ -432,7 +327,7 @@ class TcpStageChannel final : public StageChannel {
       const size_t chunk = static_cast<size_t>(std::min<uint64_t>(len - at, kReadChunkBytes));
       payload.resize(at + chunk);
       size_t chunk_got = 0;
-      status = RecvAll(link.fd.get(), &payload[at], chunk, deadline, what, &chunk_got);
+      status = RecvAll(link.fd.get(), &payload[at], chunk, deadline, link.peer, &chunk_got);
       got += chunk_got;
       if (!status.ok()) {
         return Break(link, absl::Status(status.code(),
@@ -445,10 +340,7 @@ class TcpStageChannel final : public StageChannel {
     if (!message.ok()) {
       // The stream is still in step, but a peer that encodes differently cannot be trusted
       // with the next frame either.
-      return Break(link,
-                   absl::Status(message.status().code(),
-                                absl::StrCat(what, ": ", message.status().message())),
-                   0);
+      return Break(link, Annotate(message.status(), what), 0);
     }
     return message;
   }
@@ -460,19 +352,58 @@ class TcpStageChannel final : public StageChannel {
   Link next_;
 };
 
+// One error of a payload, read where `r` stands.
+absl::Status DecodeStageError(ByteReader& r, StageError* e) {
+  uint32_t code = 0;
+  RETURN_IF_ERROR(r.Bytes("request id", kMaxStageRequestIdBytes, &e->request_id));
+  RETURN_IF_ERROR(r.U32("error code", &code));
+  if (code == 0 || code > kLastCode) {
+    return absl::InvalidArgumentError(absl::StrCat("request '", absl::CHexEscape(e->request_id),
+                                                   "' has code ", code,
+                                                   ", not an error code (1..", kLastCode, ")"));
+  }
+  e->code = static_cast<int32_t>(code);
+  return r.Bytes("error message", kMaxStageErrorMessageBytes, &e->message);
+}
+
+absl::StatusOr<StageMessage> DecodePayload(absl::string_view payload) {
+  StageMessage m;
+  ByteReader head(payload);
+  uint64_t count = 0;
+  RETURN_IF_ERROR(head.U64("step", &m.step));
+  RETURN_IF_ERROR(head.U64("schedule", &m.schedule));
+  RETURN_IF_ERROR(head.U64("value count", &count));
+  if (count > head.remaining() / sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrCat(count, " values run past the end (",
+                                                   head.remaining(), " bytes left)"));
+  }
+  // The values are copied straight from the payload (see the static_asserts above); a
+  // second reader takes over after them.
+  const size_t values_at = head.position();
+  const size_t values_bytes = static_cast<size_t>(count) * sizeof(float);
+  m.values.resize(static_cast<size_t>(count));
+  if (count > 0) std::memcpy(m.values.data(), payload.data() + values_at, values_bytes);
+  ByteReader r(payload.substr(values_at + values_bytes));
+  uint32_t errors = 0;
+  RETURN_IF_ERROR(
+      r.Count("error", std::numeric_limits<uint32_t>::max(), kMinErrorBytes, &errors));
+  m.errors.resize(errors);
+  for (uint32_t i = 0; i < errors; ++i) {
+    const absl::Status status = DecodeStageError(r, &m.errors[i]);
+    if (!status.ok()) return Annotate(status, absl::StrCat("error ", i));
+  }
+  RETURN_IF_ERROR(r.ExpectEnd("stage message"));
+  return m;
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> EncodeStageMessage(const StageMessage& m) {
-  std::string out;
-  out.reserve(EncodedSize(m));
-  Put(out, m.step, 8);
-  Put(out, m.schedule, 8);
-  Put(out, m.values.size(), 8);
-  const size_t at = out.size();
-  out.resize(at + m.values.size() * sizeof(float));
-  // Host byte order: the stages run the same build on machines of one architecture.
-  if (!m.values.empty()) std::memcpy(&out[at], m.values.data(), m.values.size() * sizeof(float));
-  Put(out, m.errors.size(), 4);
+  // Everything is checked before anything is written.
+  if (m.errors.size() > std::numeric_limits<uint32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline stage message: ", m.errors.size(),
+                                                   " errors, more than a u32 counts"));
+  }
   for (const StageError& e : m.errors) {
     // Truncating an id could make the stages disagree about which request failed.
     if (e.request_id.size() > kMaxStageRequestIdBytes) {
@@ -485,53 +416,29 @@ absl::StatusOr<std::string> EncodeStageMessage(const StageMessage& m) {
           absl::StrCat("pipeline stage message: the error of request '", e.request_id,
                        "' has code ", e.code, ", not an error code (1..", kLastCode, ")"));
     }
-    const size_t msg_len = std::min(e.message.size(), kMaxStageErrorMessageBytes);
-    Put(out, e.request_id.size(), 4);
-    out += e.request_id;
-    Put(out, static_cast<uint32_t>(e.code), 4);
-    Put(out, msg_len, 4);
-    out.append(e.message, 0, msg_len);
+  }
+  std::string out;
+  out.reserve(EncodedSize(m));
+  ByteWriter w(&out);
+  w.U64(m.step);
+  w.U64(m.schedule);
+  w.U64(m.values.size());
+  w.Raw(absl::string_view(reinterpret_cast<const char*>(m.values.data()),
+                          m.values.size() * sizeof(float)));
+  w.U32(static_cast<uint32_t>(m.errors.size()));
+  for (const StageError& e : m.errors) {
+    RETURN_IF_ERROR(w.Bytes("pipeline stage request id", e.request_id, kMaxStageRequestIdBytes));
+    w.U32(static_cast<uint32_t>(e.code));
+    RETURN_IF_ERROR(w.Bytes("pipeline stage error message",
+                            absl::string_view(e.message).substr(0, kMaxStageErrorMessageBytes),
+                            kMaxStageErrorMessageBytes));
   }
   return out;
 }
 
 absl::StatusOr<StageMessage> DecodeStageMessage(const std::string& payload) {
-  StageMessage m;
-  Reader r(payload);
-  uint64_t count = 0;
-  if (!r.Get(8, m.step) || !r.Get(8, m.schedule) || !r.Get(8, count)) {
-    return absl::InvalidArgumentError("pipeline stage message: truncated header");
-  }
-  if (count > r.remaining() / sizeof(float)) {
-    return absl::InvalidArgumentError(absl::StrCat("pipeline stage message: ", count,
-                                                   " values run past the end"));
-  }
-  m.values.resize(count);
-  if (count > 0) std::memcpy(m.values.data(), r.here(), count * sizeof(float));
-  r.Skip(count * sizeof(float));
-  uint64_t errors = 0;
-  if (!r.Get(4, errors)) return absl::InvalidArgumentError("pipeline stage message: truncated");
-  for (uint64_t i = 0; i < errors; ++i) {
-    StageError e;
-    uint64_t id_len = 0, code = 0, msg_len = 0;
-    if (!r.Get(4, id_len) || id_len > kMaxStageRequestIdBytes || !r.Bytes(id_len, e.request_id) ||
-        !r.Get(4, code) || !r.Get(4, msg_len) || msg_len > kMaxStageErrorMessageBytes ||
-        !r.Bytes(msg_len, e.message)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("pipeline stage message: error ", i, " is truncated or out of bounds"));
-    }
-    if (code == 0 || code > kLastCode) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("pipeline stage message: error ", i, " (request '", e.request_id,
-                       "') has code ", code, ", not an error code (1..", kLastCode, ")"));
-    }
-    e.code = static_cast<int32_t>(code);
-    m.errors.push_back(std::move(e));
-  }
-  if (r.remaining() != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("pipeline stage message: ", r.remaining(),
-                                                   " trailing bytes"));
-  }
+  absl::StatusOr<StageMessage> m = DecodePayload(payload);
+  if (!m.ok()) return Annotate(m.status(), "pipeline stage message");
   return m;
 }
 
@@ -574,38 +481,47 @@ absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOp
                                                    kMinPayload, "-byte empty message"));
   }
   const absl::Time deadline = absl::Now() + o.timeout;
-  Fd listener, prev, next;
+  ASSIGN_OR_RETURN(const std::string hello, EncodeHello(o.stage, o.num_stages, o.group_key));
+  ScopedFd listener;
+  Neighbour prev, next;
   const std::string published_path = absl::StrCat(o.rendezvous, ".pp", o.stage);
   std::string published;
   if (o.stage > 0) {
-    int port = 0;
-    ASSIGN_OR_RETURN(listener, Listen(o.listen_host, port));
+    absl::StatusOr<ScopedFd> listening = ListenTcp(o.listen_host, 0, kListenBacklog);
+    if (!listening.ok()) {
+      return Annotate(listening.status(),
+                      absl::StrCat("pipeline stage ", o.stage, " listening on ", o.listen_host));
+    }
+    listener = std::move(*listening);
+    ASSIGN_OR_RETURN(const uint16_t port, BoundTcpPort(listener.get()));
     published = DialableAddress(absl::StrCat(o.listen_host, ":", port));
     RETURN_IF_ERROR(Publish(published_path, published));
   }
   if (o.stage + 1 < o.num_stages) {
-    ASSIGN_OR_RETURN(next, ConnectNext(absl::StrCat(o.rendezvous, ".pp", o.stage + 1), deadline));
-    NoDelay(next.get());
-    size_t sent = 0;
-    RETURN_IF_ERROR(SendAll(next.get(), EncodeHello(o.stage, o.num_stages, o.group_key),
-                            deadline, "pipeline stage hello", &sent));
-    RETURN_IF_ERROR(ExpectHello(next.get(), o.stage + 1, o.num_stages, o.group_key, deadline));
+    ASSIGN_OR_RETURN(next,
+                     ConnectNext(absl::StrCat(o.rendezvous, ".pp", o.stage + 1), o.stage + 1,
+                                 deadline));
+    const absl::Status sent = SendAll(next.fd.get(), hello, deadline, next.peer);
+    if (!sent.ok()) return Annotate(sent, "pipeline stage hello");
+    RETURN_IF_ERROR(
+        ExpectHello(next.fd.get(), next.peer, o.stage + 1, o.num_stages, o.group_key, deadline));
   }
   if (o.stage > 0) {
-    RETURN_IF_ERROR(WaitFor(listener.get(), POLLIN, deadline,
-                            "waiting for the previous pipeline stage"));
-    prev = Fd(accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!prev.valid()) return Errno("accepting the previous pipeline stage");
-    NoDelay(prev.get());
-    RETURN_IF_ERROR(ExpectHello(prev.get(), o.stage - 1, o.num_stages, o.group_key, deadline));
-    size_t sent = 0;
-    RETURN_IF_ERROR(SendAll(prev.get(), EncodeHello(o.stage, o.num_stages, o.group_key),
-                            deadline, "pipeline stage hello", &sent));
+    ASSIGN_OR_RETURN(AcceptedSocket accepted,
+                     AcceptSocket(listener.get(), deadline,
+                                  absl::StrCat("pipeline stage ", o.stage, "'s listener at ",
+                                               published, " (waiting for stage ", o.stage - 1,
+                                               ")")));
+    prev.fd = std::move(accepted.fd);
+    prev.peer = absl::StrCat("pipeline stage ", o.stage - 1, " at ", accepted.peer);
+    RETURN_IF_ERROR(
+        ExpectHello(prev.fd.get(), prev.peer, o.stage - 1, o.num_stages, o.group_key, deadline));
+    const absl::Status sent = SendAll(prev.fd.get(), hello, deadline, prev.peer);
+    if (!sent.ok()) return Annotate(sent, "pipeline stage hello");
     Unpublish(published_path, published);
   }
-  return std::unique_ptr<StageChannel>(
-      new TcpStageChannel(o.stage, o.num_stages, o.max_frame_bytes, std::move(prev),
-                          std::move(next)));
+  return std::unique_ptr<StageChannel>(new TcpStageChannel(
+      o.stage, o.num_stages, o.max_frame_bytes, std::move(prev), std::move(next)));
 }
 
 }  // namespace kvstream

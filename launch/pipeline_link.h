@@ -10,11 +10,12 @@
 //   ... run layers ...
 //   RETURN_IF_ERROR(channel->SendBackward(logits_and_errors, deadline));
 //
-// ConnectStages joins the stages over TCP: stage s > 0 listens and publishes its address in
-// the file "<rendezvous>.pp<s>"; stage s < last connects to stage s + 1, and the two check
-// each other's stage number, stage count and group key (the worker's: group engine id,
-// model, mpirun job) in a hello. Frames are length-prefixed, capped in size and decoded
-// strictly; every wait has a deadline.
+// ConnectStages joins the stages over TCP (kvstream/transfer/socket.h): stage s > 0 listens
+// and publishes its address in the file "<rendezvous>.pp<s>"; stage s < last connects to
+// stage s + 1, and the two check each other's stage number, stage count and group key (the
+// worker's: group engine id, model, mpirun job) in a hello. Frames are length-prefixed,
+// capped in size, little-endian (kvstream/common/byte_io.h; float values as IEEE-754
+// binary32) and decoded strictly; every wait has a deadline.
 //
 // A link to a neighbour carries a byte stream, so a frame cut short leaves it out of step:
 // once any byte of a frame has moved, a failure (deadline, socket error, malformed frame)
@@ -64,10 +65,13 @@ class StageChannel {
   // To stage + 1 / from stage - 1 / to stage - 1 / from stage + 1. Block until done or the
   // deadline (absl::InfiniteFuture() waits as long as it takes). On failure:
   //   DeadlineExceeded: retryable only when no byte of the frame had moved (the link is
-  //     intact; the message says so). When the deadline passed in the middle of a frame the
-  //     link is broken (see above) and the message says how many bytes had moved.
+  //     intact; the message says so), as always with a deadline that had passed before the
+  //     call. When the deadline passed in the middle of a frame the link is broken (see
+  //     above) and the message says how many bytes had moved.
   //   Unavailable: the neighbour is gone, a socket error, or the link was broken by an
-  //     earlier failure (named in the message). The link is closed.
+  //     earlier failure (named in the message). The link is closed. (A socket error the
+  //     kernel blames on this process keeps its own code and also closes the link:
+  //     ResourceExhausted when out of buffers, Internal for a bad descriptor.)
   //   FailedPrecondition: there is no such neighbour.
   //   InvalidArgument from Send: the message cannot be sent (over the frame size limit, a
   //     request id too long, an error code that is not an error); nothing was written and
@@ -103,7 +107,8 @@ struct StageChannelOptions {
 
 // Connects this stage to its neighbours (see above). InvalidArgument for bad options
 // (including a max_frame_bytes too small for an empty message);
-// DeadlineExceeded when a neighbour does not show up in time; Unavailable for socket errors;
+// DeadlineExceeded when a neighbour does not show up in time; Unavailable for socket errors
+// (ResourceExhausted when out of descriptors);
 // FailedPrecondition when the peer is not the expected stage of as many stages or has
 // another group key.
 absl::StatusOr<std::unique_ptr<StageChannel>> ConnectStages(const StageChannelOptions& options);

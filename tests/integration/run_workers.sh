@@ -130,31 +130,49 @@ case "$scenario" in
     fi
     mport=$(sed -n 's|^metrics on http://0.0.0.0:\([0-9]*\)/metrics$|\1|p' "$work/prefill.out")
     [ -n "$mport" ] || fail "no metrics port printed"
-    # The producer counts a layer as sent when its transport reports the put complete, which
-    # can lag the consumer's arrival by a progress-loop pass: scrape until every peer's sent
-    # count is in (at most 5 s), then check everything on that scrape.
-    for try in $(seq 50); do
+    # The producer's exact counters per peer, one metrics line each: bytes and layer
+    # transfers sent, and the latency histogram's count and +Inf bucket.
+    want_samples() {
+      for p in $peers; do
+        peer=${p%%:*}; layers=${p##*:}
+        l="role=\"kv_producer\",engine=\"prefill-prefill0\",peer=\"$peer\""
+        echo "bytes sent to $peer|kvstream_transfer_bytes_total{$l,direction=\"sent\"} $((layers * layer_bytes / 4))"
+        echo "expected $layers layer transfers to $peer|kvstream_layers_transferred_total{$l,direction=\"sent\"} $layers"
+        echo "latency histogram count for $peer|kvstream_layer_transfer_latency_seconds_count{$l} $layers"
+        echo "latency histogram +Inf bucket for $peer|kvstream_layer_transfer_latency_seconds_bucket{$l,le=\"+Inf\"} $layers"
+      done
+    }
+    # The first wanted sample missing from the last scrape ("" when all are there).
+    missing_sample() {
+      want_samples | while IFS='|' read -r what line; do
+        grep -qxF "$line" "$work/metrics.txt" || { echo "$what"; break; }
+      done
+    }
+    # The producer counts a layer as sent when its transport reports the transfer complete,
+    # on its progress thread, which can lag the consumer's arrival (and the decode worker's
+    # exit) by a pass of that thread: scrape until every wanted sample is there, for at most
+    # 5 s, then check that scrape. The counters only grow, so waiting cannot hide a wrong
+    # value: one still short at the deadline fails, and one past the mark never matches.
+    settle_by=$(( $(date +%s%N) + 5000000000 ))
+    scrapes=0
+    while :; do
+      scrapes=$((scrapes + 1))
       exec 3<>"/dev/tcp/127.0.0.1/$mport" || fail "cannot connect to the metrics port"
       printf 'GET /metrics HTTP/1.0\r\n\r\n' >&3
       cat <&3 >"$work/metrics.txt"; exec 3<&-
-      settled=1
-      for p in $peers; do
-        l="role=\"kv_producer\",engine=\"prefill-prefill0\",peer=\"${p%%:*}\""
-        grep -q "^kvstream_layers_transferred_total{$l,direction=\"sent\"} ${p##*:}$" "$work/metrics.txt" || settled=0
-      done
-      [ $settled -eq 1 ] && break
+      [ -z "$(missing_sample)" ] && break
+      [ "$(date +%s%N)" -lt "$settle_by" ] || break
       sleep 0.1
     done
     cat "$work/metrics.txt"
+    echo "metrics: $scrapes scrape(s)"
     grep -q "^HTTP/1.0 200" "$work/metrics.txt" || fail "no 200 answer"
     # Every sample carries the producer's role and engine and the consumer it went to.
+    what=$(missing_sample)
+    [ -z "$what" ] || fail "$what (not in the metrics after $scrapes scrapes over 5 s)"
     for p in $peers; do
-      peer=${p%%:*}; layers=${p##*:}
+      peer=${p%%:*}
       l="role=\"kv_producer\",engine=\"prefill-prefill0\",peer=\"$peer\""
-      grep -q "^kvstream_transfer_bytes_total{$l,direction=\"sent\"} $((layers * layer_bytes / 4))" "$work/metrics.txt" || fail "bytes sent to $peer"
-      grep -q "^kvstream_layers_transferred_total{$l,direction=\"sent\"} $layers" "$work/metrics.txt" || fail "expected $layers layer transfers to $peer"
-      grep -q "^kvstream_layer_transfer_latency_seconds_count{$l} $layers" "$work/metrics.txt" || fail "latency histogram count for $peer"
-      grep -q "^kvstream_layer_transfer_latency_seconds_bucket{$l,le=\"+Inf\"} $layers" "$work/metrics.txt" || fail "latency histogram +Inf bucket for $peer"
       for m in kvstream_exposed_transfer_seconds_total kvstream_load_errors_total kvstream_blocks_in_flight kvstream_send_failures_total; do
         grep -q "^$m{$l} " "$work/metrics.txt" || fail "$m has no sample for $peer"
       done

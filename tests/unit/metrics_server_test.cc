@@ -2,9 +2,7 @@
 // cumulative latency buckets, escaped label values, and the HTTP endpoint.
 #include "launch/metrics_server.h"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include <poll.h>
 
 #include <string>
 #include <vector>
@@ -12,10 +10,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvstream/transfer/socket.h"
+
 namespace kvstream {
 namespace {
 
+using ::testing::EndsWith;
 using ::testing::HasSubstr;
+using ::testing::StartsWith;
 using ::testing::Not;
 
 std::vector<PeerConnectorStats> TwoPeers() {
@@ -72,24 +76,31 @@ TEST(RenderConnectorMetricsTest, SeriesPerPeerWithRoleEngineAndPeer) {
   EXPECT_THAT(empty, Not(HasSubstr("{")));
 }
 
-std::string Get(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
+// What arrives on `fd` until the server closes it, then what went wrong if anything did; a
+// missing end stops at the deadline instead of hanging the test.
+std::string ReadToEnd(int fd, absl::Time deadline) {
   std::string out;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string request = "GET " + path + " HTTP/1.0\r\n\r\n";
-    if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
-        static_cast<ssize_t>(request.size())) {
-      char buf[4096];
-      ssize_t n;
-      while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
-    }
+  std::vector<char> buf(1 << 16);
+  for (;;) {
+    absl::StatusOr<bool> ready = WaitFd(fd, POLLIN, deadline, "metrics answer");
+    if (!ready.ok() || !*ready) return out + "<no end before the deadline>";
+    bool eof = false;
+    absl::StatusOr<size_t> n = RecvSome(fd, buf.data(), buf.size(), "the metrics server", &eof);
+    if (!n.ok()) return out + std::string(n.status().message());
+    if (eof) return out;
+    out.append(buf.data(), *n);
   }
-  close(fd);
-  return out;
+}
+
+// The whole answer to "GET <path>", or what went wrong.
+std::string Get(int port, const std::string& path,
+                absl::Time deadline = absl::Now() + absl::Seconds(30)) {
+  absl::StatusOr<ScopedFd> fd = ConnectTcp("127.0.0.1", static_cast<uint16_t>(port), deadline);
+  if (!fd.ok()) return std::string(fd.status().message());
+  const absl::Status sent =
+      SendAll(fd->get(), "GET " + path + " HTTP/1.0\r\n\r\n", deadline, "the metrics server");
+  if (!sent.ok()) return std::string(sent.message());
+  return ReadToEnd(fd->get(), deadline);
 }
 
 TEST(MetricsServerTest, ServesTheRenderedTextOnMetricsOnly) {
@@ -100,7 +111,45 @@ TEST(MetricsServerTest, ServesTheRenderedTextOnMetricsOnly) {
   const std::string ok = Get((*server)->port(), "/metrics");
   EXPECT_THAT(ok, HasSubstr("HTTP/1.0 200 OK"));
   EXPECT_THAT(ok, HasSubstr(R"(peer="decode-0-pp0",direction="sent"} 1000)"));
+  const std::string body = RenderConnectorMetrics(TwoPeers(), "kv_producer", "prefill-0");
+  EXPECT_THAT(ok, EndsWith(absl::StrCat("Content-Length: ", body.size(), "\r\n\r\n", body)));
   EXPECT_THAT(Get((*server)->port(), "/other"), HasSubstr("404"));
+}
+
+TEST(MetricsServerTest, ATakenPortOrABadOneIsRefused) {
+  auto first = MetricsServer::Start(0, [] { return std::string(); });
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = MetricsServer::Start((*first)->port(), [] { return std::string(); });
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(second.status().message(),
+              HasSubstr(absl::StrCat("metrics endpoint on port ", (*first)->port())));
+  EXPECT_EQ(MetricsServer::Start(65536, [] { return std::string(); }).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Clients that send nothing, or never read their answer, are dropped at the client
+// deadlines: the next scrape is still answered (the server serves one client at a time).
+TEST(MetricsServerTest, StalledClientsDoNotHoldTheServer) {
+  const std::string big(size_t{64} << 20, '#');  // far more than the socket buffers hold
+  auto server = MetricsServer::Start(0, [&] { return big; });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = static_cast<uint16_t>((*server)->port());
+  const absl::Time later = absl::Now() + absl::Seconds(30);
+
+  absl::StatusOr<ScopedFd> silent = ConnectTcp("127.0.0.1", port, later);
+  ASSERT_TRUE(silent.ok()) << silent.status();
+  absl::StatusOr<ScopedFd> not_reading = ConnectTcp("127.0.0.1", port, later);
+  ASSERT_TRUE(not_reading.ok()) << not_reading.status();
+  ASSERT_TRUE(SendAll(not_reading->get(), "GET /metrics HTTP/1.0\r\n\r\n", later, "server").ok());
+
+  const std::string answer = Get(port, "/metrics", later);
+  EXPECT_THAT(answer, StartsWith("HTTP/1.0 200 OK"));
+  EXPECT_EQ(answer.size(), answer.find("\r\n\r\n") + 4 + big.size());
+  // The silent client got the 404 for an empty request, and the one that did not read was
+  // cut off before the end of its answer.
+  EXPECT_EQ(ReadToEnd(silent->get(), later),
+            "HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n");
+  EXPECT_LT(ReadToEnd(not_reading->get(), later).size(), answer.size());
 }
 
 }  // namespace

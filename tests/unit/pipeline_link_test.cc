@@ -3,9 +3,6 @@
 // neighbour that sends partial, oversized or late frames.
 #include "launch/pipeline_link.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -24,7 +21,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/time/clock.h"
+#include "kvstream/common/byte_io.h"
+#include "kvstream/transfer/socket.h"
 
 // The largest single allocation made by a thread while it tracks them, to check that Receive
 // does not allocate what a peer merely announces. Replacing the global operator new is the
@@ -66,14 +66,11 @@ class AllocationTracker {
   size_t largest() const { return largest_allocation.load(); }
 };
 
-void Put(std::string& out, uint64_t v, int n) {
-  for (int i = 0; i < n; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
 std::string FrameHeader(uint64_t payload_len) {
   std::string out;
-  Put(out, 0x4650564B, 4);  // "KVPF"
-  Put(out, payload_len, 8);
+  ByteWriter w(&out);
+  w.U32(0x4650564B);  // "KVPF"
+  w.U64(payload_len);
   return out;
 }
 
@@ -87,14 +84,15 @@ std::string Frame(const StageMessage& m) {
 // can carry codes the encoder refuses.
 std::string PayloadWithCode(uint32_t code) {
   std::string out;
-  Put(out, 1, 8);  // step
-  Put(out, 2, 8);  // schedule
-  Put(out, 0, 8);  // values
-  Put(out, 1, 4);  // errors
-  Put(out, 1, 4);
-  out += "r";
-  Put(out, code, 4);
-  Put(out, 0, 4);  // message
+  ByteWriter w(&out);
+  w.U64(1);  // step
+  w.U64(2);  // schedule
+  w.U64(0);  // values
+  w.U32(1);  // errors
+  w.U32(1);
+  w.Raw("r");
+  w.U32(code);
+  w.U32(0);  // message
   return out;
 }
 
@@ -139,6 +137,71 @@ TEST(StageMessageTest, RoundTripAndStrictDecoding) {
   std::string huge = frame;
   huge[16 + 7] = '\x7f';  // the value count's top byte
   EXPECT_THAT(DecodeStageMessage(huge).status().message(), HasSubstr("past the end"));
+}
+
+// The wire format, byte for byte: little-endian integers, floats as 4-byte IEEE-754, u32
+// length-prefixed strings. Stages of different builds must keep agreeing on it.
+TEST(StageMessageTest, WireFormatIsPinned) {
+  StageMessage m;
+  m.step = 7;
+  m.schedule = 0x0123456789abcdefull;
+  m.values = {1.5f, -2.0f};
+  m.errors = {{"r", 4, "m"}};
+  absl::StatusOr<std::string> encoded = EncodeStageMessage(m);
+  ASSERT_TRUE(encoded.ok()) << encoded.status();
+  const std::string want =
+      "0700000000000000"  // step
+      "efcdab8967452301"  // schedule
+      "0200000000000000"  // value count
+      "0000c03f"          // 1.5f
+      "000000c0"          // -2.0f
+      "01000000"          // error count
+      "0100000072"        // request id "r"
+      "04000000"          // code (DeadlineExceeded)
+      "010000006d";       // message "m"
+  EXPECT_EQ(absl::BytesToHexString(*encoded), want);
+  auto back = DecodeStageMessage(absl::HexStringToBytes(want));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->values, m.values);
+  EXPECT_EQ(back->errors[0].message, "m");
+}
+
+// Every bound of a payload is checked, and the message names what was wrong.
+TEST(StageMessageTest, OutOfBoundsFieldsAreNamed) {
+  std::string out;
+  ByteWriter w(&out);
+  w.U64(1);
+  w.U64(2);
+  w.U64(0);
+  w.U32(1);
+  w.U32(kMaxStageRequestIdBytes + 1);  // request id length over the limit
+  out += std::string(kMaxStageRequestIdBytes + 1, 'x') + std::string(8, '\0');
+  absl::StatusOr<StageMessage> back = DecodeStageMessage(out);
+  EXPECT_EQ(back.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(back.status().message(), HasSubstr("error 0: request id length 257 exceeds"));
+
+  out.clear();
+  w.U64(1);
+  w.U64(2);
+  w.U64(0);
+  w.U32(1);
+  w.U32(1);
+  out += "r";
+  w.U32(4);
+  w.U32(kMaxStageErrorMessageBytes + 1);  // message length over the limit
+  out += std::string(kMaxStageErrorMessageBytes + 1, 'm');
+  back = DecodeStageMessage(out);
+  EXPECT_THAT(back.status().message(), HasSubstr("error 0: error message length 4097 exceeds"));
+
+  // An error count the remaining bytes could not hold is refused before any is decoded.
+  out.clear();
+  w.U64(1);
+  w.U64(2);
+  w.U64(0);
+  w.U32(1000);
+  out += std::string(11 * 1000, '\0');
+  back = DecodeStageMessage(out);
+  EXPECT_THAT(back.status().message(), HasSubstr("error count 1000 runs past the end"));
 }
 
 TEST(StageMessageTest, RequestIdsOverTheLimitAreRefusedNotTruncated) {
@@ -211,36 +274,38 @@ class StageLinkTest : public ::testing::Test {
   // a 2 s receive timeout, so that a test controls every byte stage 0 receives.
   std::unique_ptr<StageChannel> ConnectToHandPlayedStage(
       uint64_t max_frame_bytes = StageChannelOptions().max_frame_bytes) {
-    const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    EXPECT_GE(listener, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(addr);
-    EXPECT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    EXPECT_EQ(listen(listener, 1), 0);
-    EXPECT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-    std::ofstream(Prefix() + ".pp1") << "127.0.0.1:" << ntohs(addr.sin_port) << "\n";
+    absl::StatusOr<ScopedFd> listener = ListenTcp("127.0.0.1", 0);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    if (!listener.ok()) return nullptr;
+    absl::StatusOr<uint16_t> port = BoundTcpPort(listener->get());
+    EXPECT_TRUE(port.ok()) << port.status();
+    std::ofstream(Prefix() + ".pp1") << "127.0.0.1:" << port.value_or(0) << "\n";
 
     absl::StatusOr<std::unique_ptr<StageChannel>> channel = absl::UnknownError("unset");
     StageChannelOptions o = Options(0, 2, absl::Seconds(10));
     o.max_frame_bytes = max_frame_bytes;
     std::thread connect([&] { channel = ConnectStages(o); });
-    pollfd p{listener, POLLIN, 0};
-    EXPECT_EQ(poll(&p, 1, 10000), 1);
-    peer_ = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-    close(listener);
-    EXPECT_GE(peer_, 0);
+    absl::StatusOr<AcceptedSocket> accepted =
+        AcceptSocket(listener->get(), absl::Now() + absl::Seconds(10), "hand-played stage 1");
+    EXPECT_TRUE(accepted.ok()) << accepted.status();
+    if (accepted.ok()) {
+      EXPECT_TRUE(SetNonBlocking(accepted->fd.get(), false).ok());
+      peer_ = accepted->fd.release();
+    }
+    listener->Reset();
     const timeval two_seconds{2, 0};
     setsockopt(peer_, SOL_SOCKET, SO_RCVTIMEO, &two_seconds, sizeof(two_seconds));
+    // Stage 0's hello, byte for byte: "KVPH", version 2, stage 0 of 2, an empty group key.
     std::string hello(20, '\0');
-    EXPECT_EQ(recv(peer_, hello.data(), hello.size(), MSG_WAITALL), 20);  // empty group key
+    EXPECT_EQ(recv(peer_, hello.data(), hello.size(), MSG_WAITALL), 20);
+    EXPECT_EQ(absl::BytesToHexString(hello), "4b565048020000000000000002000000" "00000000");
     hello.clear();
-    Put(hello, 0x4850564B, 4);  // "KVPH"
-    Put(hello, 2, 4);           // version
-    Put(hello, 1, 4);           // stage 1
-    Put(hello, 2, 4);           // of 2
-    Put(hello, 0, 4);           // group key: empty, as stage 0's
+    ByteWriter w(&hello);
+    w.U32(0x4850564B);  // "KVPH"
+    w.U32(2);           // version
+    w.U32(1);           // stage 1
+    w.U32(2);           // of 2
+    w.U32(0);           // group key: empty, as stage 0's
     Write(hello);
     connect.join();
     EXPECT_TRUE(channel.ok()) << channel.status();
@@ -305,7 +370,7 @@ TEST_F(StageLinkTest, DeadlineInTheMiddleOfAFrameBreaksTheLink) {
   absl::StatusOr<StageMessage> after = ch->ReceiveBackward(absl::Now() + absl::Seconds(2));
   EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(after.status().message(), HasSubstr("earlier failure"));
-  EXPECT_THAT(after.status().message(), HasSubstr("timed out"));
+  EXPECT_THAT(after.status().message(), HasSubstr("deadline exceeded"));
   absl::Status send = ch->SendForward(Sample(), absl::Now() + absl::Seconds(2));
   EXPECT_EQ(send.code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(send.message(), HasSubstr("earlier failure"));
@@ -515,6 +580,11 @@ TEST_F(StageLinkTest, MissingNeighbourIsADeadline) {
   auto alone = ConnectStages(Options(0, 2, absl::Milliseconds(300)));
   EXPECT_EQ(alone.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(alone.status().message(), HasSubstr(".pp1"));
+  // A later stage whose previous stage never connects stops at its deadline too, naming
+  // what it waited for.
+  auto last_alone = ConnectStages(Options(1, 2, absl::Milliseconds(300)));
+  EXPECT_EQ(last_alone.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(last_alone.status().message(), HasSubstr("waiting for stage 0"));
   EXPECT_EQ(ConnectStages(Options(2, 2, absl::Seconds(1))).status().code(),
             absl::StatusCode::kInvalidArgument);
   StageChannelOptions no_path = Options(0, 2, absl::Seconds(1));
