@@ -16,6 +16,7 @@
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
+#include "segment_check.h"
 
 namespace kvstream {
 namespace internal {
@@ -23,10 +24,6 @@ namespace {
 
 // Connecting to a peer's socket waits only while its accept backlog is full.
 constexpr absl::Duration kConnectTimeout = absl::Seconds(2);
-
-bool SegmentFits(uint64_t offset, uint64_t length, uint64_t region_length) {
-  return length <= region_length && offset <= region_length - length;
-}
 
 absl::Status CheckOrder(const WriteOrder& order, absl::string_view notification) {
   if ((order.notification_tail == nullptr) != (order.notification_tail_bytes == 0)) {
