@@ -138,14 +138,14 @@ __device__ inline void CopyRun(const char* src, char* dst, uint64_t n, uint32_t 
   int4* vd = reinterpret_cast<int4*>(dst + head);
   constexpr uint64_t kPass = static_cast<uint64_t>(kThreads) * kVectors;
   uint64_t i = t;
-  // Streaming loads and stores (evict-first): every byte is touched once, and keeping it
-  // in L2 would only evict the next blocks' lines.
+  // Plain loads and stores: evict-first ones (__ldcs / __stcs) with at least 4 CTAs per SM
+  // measured no faster on an H200 (docs/benchmarks.md).
   for (; i + static_cast<uint64_t>(kVectors - 1) * kThreads < nvec; i += kPass) {
     int4 v[kVectors];
 #pragma unroll
-    for (int k = 0; k < kVectors; ++k) v[k] = __ldcs(&vs[i + k * kThreads]);
+    for (int k = 0; k < kVectors; ++k) v[k] = __ldg(&vs[i + k * kThreads]);
 #pragma unroll
-    for (int k = 0; k < kVectors; ++k) __stcs(&vd[i + k * kThreads], v[k]);
+    for (int k = 0; k < kVectors; ++k) vd[i + k * kThreads] = v[k];
   }
   if (i < nvec) {
     int4 v[kVectors];
@@ -231,15 +231,14 @@ __device__ inline void SegmentCopy(const Table& table) {
   }
 }
 
-// At least 4 CTAs per SM: 8 vectors in flight per thread fit in 64 registers.
 template <IpcTableSource kSource, IpcCopyUnit kUnit, int kVectors>
-__global__ void __launch_bounds__(kIpcCopyThreads, 4)
+__global__ void __launch_bounds__(kIpcCopyThreads)
     IpcSegmentCopyKernel(const IpcCopySegment* segments, uint32_t num_segments) {
   SegmentCopy<kUnit, kVectors>(RingTable<kSource>{segments, num_segments});
 }
 
 template <uint32_t kCapacity, IpcCopyUnit kUnit, int kVectors>
-__global__ void __launch_bounds__(kIpcCopyThreads, 4)
+__global__ void __launch_bounds__(kIpcCopyThreads)
     IpcSegmentCopyParamKernel(const __grid_constant__ IpcParamTable<kCapacity> table) {
   SegmentCopy<kUnit, kVectors>(ParamTableView<kCapacity>{&table});
 }
