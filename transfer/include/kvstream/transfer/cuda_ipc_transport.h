@@ -24,9 +24,9 @@
 // stream), a wait for order.ready_event, ONE copy kernel for all segments and a completion
 // event: no host synchronisation, and no CUDA call per segment. By default the kernel takes
 // whole segments per CTA (cut into pieces of at most CudaIpcTransportOptions::
-// max_piece_bytes, 16-byte vector copies where aligned) and finds the table in its launch
-// parameters when it fits (kIpcMaxParamSegments entries), else reads it straight from the
-// pinned staging ring (zero-copy); the other variants (CudaIpcTableMode, CudaIpcKernel) are
+// max_piece_bytes, 16-byte vector copies where aligned) and reads the table straight from
+// the pinned staging ring (zero-copy: the post is then cheapest on the host, where a
+// 24 KiB parameter table costs more than the kernel saves); the other variants (CudaIpcTableMode, CudaIpcKernel) are
 // there to be measured (bench/cuda_ipc_bench.cc --sweep). Progress polls
 // the completion events in post order and only then sends the notification (payload, then
 // order.notification_tail's bytes) over a Unix-domain socket in the abstract namespace,
@@ -108,7 +108,7 @@ struct CudaIpcTransportOptions {
   // How the copy runs. The defaults are the fastest measured shape; the rest exist to be
   // compared (bench/cuda_ipc_bench.cc --sweep) and are all tested for correctness.
   CudaIpcKernel kernel = CudaIpcKernel::kCtaPerSegment;
-  CudaIpcTableMode table = CudaIpcTableMode::kParams;
+  CudaIpcTableMode table = CudaIpcTableMode::kZeroCopy;
   // CTAs per SM (0: as many as fit), and 16-byte vectors each thread moves per pass (2, 4
   // or 8).
   int ctas_per_sm = 0;
@@ -116,7 +116,7 @@ struct CudaIpcTransportOptions {
   // Per-segment kernels: segments longer than this are cut into entries of at most this
   // many bytes, so that a few long segments still spread over every SM. A power of two,
   // 4 KiB to 1 GiB.
-  size_t max_piece_bytes = size_t{64} << 10;
+  size_t max_piece_bytes = size_t{256} << 10;
   // Per-segment kernels: false, a persistent grid (as many units as fit, each looping over
   // entries and loading the next while copying); true, one unit per entry, the hardware
   // scheduling units as others finish.
