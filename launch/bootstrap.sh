@@ -13,7 +13,8 @@ set -eu
 
 PACKAGES="build-essential cmake ninja-build pkg-config git ca-certificates
 libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libcli11-dev
-libucx-dev ucx-utils libssl-dev libxxhash-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin"
+libucx-dev ucx-utils libssl-dev libxxhash-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
+clang libclang-rt-14-dev"
 
 if [ "${1:-}" = "--list" ]; then
   echo $PACKAGES

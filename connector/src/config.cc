@@ -187,7 +187,7 @@ absl::StatusOr<KvTransferConfig> ParseKvTransferConfig(absl::string_view text) {
     try {
       json again = json::parse(text.begin(), text.end());
       (void)again;
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, and out_of_range for huge numbers
       return absl::InvalidArgumentError(absl::StrCat("kv_transfer_config: malformed JSON: ", e.what()));
     }
     return absl::InvalidArgumentError("kv_transfer_config: malformed JSON");

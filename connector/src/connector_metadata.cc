@@ -79,13 +79,17 @@ absl::Status GetStringList(absl::string_view field, ByteReader& r, std::vector<s
   return absl::OkStatus();
 }
 
+// A set travels in its own (increasing) order, each element once, so that an accepted
+// encoding is exactly what the encoder writes for it.
 absl::Status GetStringSet(absl::string_view field, ByteReader& r, std::set<std::string>* out) {
   std::vector<std::string> list;
   RETURN_IF_ERROR(GetStringList(field, r, &list));
-  for (std::string& s : list) {
-    if (!out->insert(std::move(s)).second) {
-      return absl::InvalidArgumentError(absl::StrCat(field, " lists a request twice"));
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (i > 0 && !(*out->rbegin() < list[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " lists a request twice or out of order (entry ", i, ")"));
     }
+    out->insert(out->end(), std::move(list[i]));
   }
   return absl::OkStatus();
 }

@@ -48,8 +48,9 @@ class CudaDeviceScope {
   const absl::Status& status() const { return status_; }
 
  private:
-  int previous_ = 0;
-  bool restore_ = false;
+  // Unused in builds without CUDA (cuda_resources_none.cc).
+  [[maybe_unused]] int previous_ = 0;
+  [[maybe_unused]] bool restore_ = false;
   absl::Status status_;
 };
 

@@ -19,7 +19,9 @@
 // Decoding is strict: truncation, trailing bytes, a wrong magic or version, a count past the
 // bytes left, a string over its bound (ids kMaxIdBytes, messages kMaxMessageBytes, hosts 255),
 // a negative token or block id or token count, a port outside 0..65535, a status code
-// outside 1..16 are InvalidArgument naming the field. Encoding checks the same rules.
+// outside 1..16, a set (finished_sending, finished_recving) not in increasing order or with
+// an id twice are InvalidArgument naming the field. Encoding checks the same rules, so an
+// accepted encoding re-encodes to the same bytes.
 #ifndef KVSTREAM_CONNECTOR_CONNECTOR_METADATA_H_
 #define KVSTREAM_CONNECTOR_CONNECTOR_METADATA_H_
 
