@@ -33,6 +33,8 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/synchronization/mutex.h"
+#include "kvstream/common/logging.h"
 #include "kvstream/transfer/wire.h"
 
 namespace kvstream {
@@ -1289,6 +1291,376 @@ TEST(HandshakeTest, ClientRejectsAnUnexpectedMessage) {
     ASSERT_NE(error, nullptr) << MessageTypeName(TypeOf(*told));
     EXPECT_EQ(error->status_code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
   }
+}
+
+// ---- Hostile middles and eavesdroppers ----
+
+// A middle process: accepts one connection on its own port, connects on to `target_port`
+// and forwards every frame both ways, after `edit` has seen (and possibly changed) it.
+class Relay {
+ public:
+  using Edit = std::function<void(bool from_client, ControlMessage& message)>;
+
+  Relay(uint16_t target_port, Edit edit) : target_port_(target_port), edit_(std::move(edit)) {
+    auto listener = ControlListener::Listen("127.0.0.1", 0);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    if (!listener.ok()) return;
+    listener_ = std::move(*listener);
+    acceptor_ = std::thread([this] {
+      auto from_client = listener_->Accept(Later());
+      if (!from_client.ok()) return;
+      auto to_server = ConnectControl("127.0.0.1", target_port_, Later());
+      if (!to_server.ok()) return;
+      client_side_ = std::move(*from_client);
+      server_side_ = std::move(*to_server);
+      pumps_.emplace_back([this] { Pump(*client_side_, *server_side_, true); });
+      pumps_.emplace_back([this] { Pump(*server_side_, *client_side_, false); });
+    });
+  }
+  ~Relay() {
+    if (acceptor_.joinable()) acceptor_.join();
+    if (client_side_) client_side_->Close();
+    if (server_side_) server_side_->Close();
+    for (auto& t : pumps_) t.join();
+  }
+  uint16_t port() const { return listener_ ? listener_->port() : 0; }
+
+ private:
+  void Pump(ControlConnection& from, ControlConnection& to, bool from_client) {
+    for (;;) {
+      auto m = from.Receive(Later());
+      if (!m.ok()) break;
+      if (edit_) edit_(from_client, *m);
+      if (!to.Send(*m, Later()).ok()) break;
+    }
+    from.Close();
+    to.Close();
+  }
+
+  const uint16_t target_port_;
+  const Edit edit_;
+  std::unique_ptr<ControlListener> listener_;
+  std::unique_ptr<ControlConnection> client_side_;
+  std::unique_ptr<ControlConnection> server_side_;
+  std::thread acceptor_;
+  std::vector<std::thread> pumps_;
+};
+
+struct RelayedOutcome {
+  absl::StatusOr<HelloMsg> client = absl::UnknownError("not run");
+  absl::StatusOr<HelloMsg> server = absl::UnknownError("not run");
+  // The server's connection, for what the client sent after the handshake.
+  std::unique_ptr<ControlConnection> server_conn;
+};
+
+// A client and a server whose connection goes through a Relay with `edit`.
+RelayedOutcome RunRelayed(const HandshakeOptions& client_options,
+                          const HandshakeOptions& server_options, Relay::Edit edit) {
+  RelayedOutcome out;
+  auto listener = ControlListener::Listen("127.0.0.1", 0);
+  EXPECT_TRUE(listener.ok()) << listener.status();
+  if (!listener.ok()) return out;
+  std::thread server([&] {
+    auto conn = (*listener)->Accept(Later());
+    if (!conn.ok()) return;
+    out.server_conn = std::move(*conn);
+    out.server = HandshakeAsServer(*out.server_conn, server_options);
+  });
+  {
+    Relay relay((*listener)->port(), std::move(edit));
+    auto conn = ConnectControl("127.0.0.1", relay.port(), Later());
+    EXPECT_TRUE(conn.ok()) << conn.status();
+    if (conn.ok()) out.client = HandshakeAsClient(**conn, client_options);
+    server.join();
+  }
+  return out;
+}
+
+// True if `needle` occurs in the encoding of any of `messages`.
+bool AnyContains(const std::vector<ControlMessage>& messages, absl::string_view needle) {
+  for (const ControlMessage& m : messages) {
+    absl::StatusOr<std::string> bytes = EncodeFrame(m);
+    EXPECT_TRUE(bytes.ok()) << bytes.status();
+    if (bytes.ok() && absl::StrContains(*bytes, needle)) return true;
+  }
+  return false;
+}
+
+TEST(HandshakeAttackTest, ARelayedHandshakeFailsWithASecret) {
+  // The relay forwards every byte faithfully: all it changes is that the two sides are
+  // on two different TCP connections.
+  const HelloMsg client_hello = MakeHello("decode-0", "d");
+  const HelloMsg server_hello = MakeHello("prefill-0", "d");
+  RelayedOutcome out = RunRelayed(Options(client_hello, "secret"),
+                                  Options(server_hello, "secret"), nullptr);
+  ASSERT_FALSE(out.server.ok());
+  EXPECT_EQ(out.server.status().code(), absl::StatusCode::kPermissionDenied) << out.server.status();
+  EXPECT_THAT(Msg(out.server.status()), HasSubstr("relayed"));
+  ASSERT_FALSE(out.client.ok());
+  EXPECT_EQ(out.client.status().code(), absl::StatusCode::kPermissionDenied) << out.client.status();
+
+  // The same relay passes without a secret (nothing can be authenticated then) and with
+  // the endpoint binding turned off on both sides: it is the binding that refused it.
+  RelayedOutcome open = RunRelayed(Options(client_hello), Options(server_hello), nullptr);
+  EXPECT_TRUE(open.client.ok()) << open.client.status();
+  EXPECT_TRUE(open.server.ok()) << open.server.status();
+  HandshakeOptions c = Options(client_hello, "secret");
+  HandshakeOptions s = Options(server_hello, "secret");
+  c.bind_to_endpoints = false;
+  s.bind_to_endpoints = false;
+  RelayedOutcome unbound = RunRelayed(c, s, nullptr);
+  EXPECT_TRUE(unbound.client.ok()) << unbound.client.status();
+  EXPECT_TRUE(unbound.server.ok()) << unbound.server.status();
+}
+
+TEST(HandshakeAttackTest, AReplayedHelloFailsOnANewConnection) {
+  // Record a real client's Hello and Intro (through a relay, with the endpoint binding off
+  // so that the recorded handshake succeeds and only the nonces defend), then replay them
+  // on a connection of our own.
+  HandshakeOptions c = Options(MakeHello("decode-0", "d"), "secret");
+  HandshakeOptions s = Options(MakeHello("prefill-0", "SERVER-CACHE-DESCRIPTION"), "secret");
+  c.bind_to_endpoints = false;
+  s.bind_to_endpoints = false;
+  std::vector<ControlMessage> recorded;
+  RelayedOutcome real = RunRelayed(c, s, [&](bool from_client, ControlMessage& m) {
+    if (from_client) recorded.push_back(m);
+  });
+  ASSERT_TRUE(real.client.ok()) << real.client.status();
+  ASSERT_TRUE(real.server.ok()) << real.server.status();
+  ASSERT_EQ(recorded.size(), 2u);
+  ASSERT_TRUE(std::holds_alternative<HelloMsg>(recorded[0]));
+
+  Pair p = Connect();
+  ASSERT_TRUE(p.server && p.client);
+  bool checked = false;
+  s.check = [&checked](const HelloMsg&) {
+    checked = true;
+    return absl::OkStatus();
+  };
+  absl::StatusOr<HelloMsg> server = absl::UnknownError("not run");
+  std::thread t([&] { server = HandshakeAsServer(*p.server, s); });
+  ExpectChallenge(*p.client);
+  ASSERT_TRUE(p.client->Send(recorded[0], Later()).ok());
+  std::vector<ControlMessage> received;
+  for (;;) {
+    auto m = p.client->Receive(Later());
+    if (!m.ok()) break;
+    received.push_back(*m);
+    if (std::holds_alternative<HelloAckMsg>(*m)) {
+      ASSERT_TRUE(p.client->Send(recorded[1], Later()).ok());  // the Intro, in case
+    }
+  }
+  t.join();
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kPermissionDenied) << server.status();
+  EXPECT_FALSE(checked);
+  ASSERT_EQ(received.size(), 1u);
+  ASSERT_TRUE(std::holds_alternative<ErrorMsg>(received[0]));
+  EXPECT_THAT(std::get<ErrorMsg>(received[0]).message, StartsWith("authentication failed"));
+  EXPECT_FALSE(AnyContains(received, "SERVER-CACHE-DESCRIPTION"));
+}
+
+TEST(HandshakeAttackTest, APeerWithoutTheSecretLearnsNothingOfTheServersPayload) {
+  // A server whose check would describe its cache in a refusal. Whatever a client without
+  // the secret tries, the check never runs and nothing of the description reaches it.
+  const std::string kDescription = "SERVER-CACHE-DESCRIPTION";
+  HandshakeOptions s = Options(MakeHello("prefill-0", kDescription), "secret");
+  s.bind_to_endpoints = false;  // the eavesdropping relay is not what is tested here
+  std::atomic<int> checks{0};
+  s.check = [&](const HelloMsg&) {
+    ++checks;
+    return absl::FailedPreconditionError(absl::StrCat("this side has ", kDescription));
+  };
+  std::vector<HandshakeOptions> clients;
+  clients.push_back(Options(MakeHello("no-secret", "d")));
+  clients.push_back(Options(MakeHello("wrong-secret", "d"), "wrong"));
+  for (const HandshakeOptions& c : clients) {
+    SCOPED_TRACE(c.local.engine_id);
+    std::vector<ControlMessage> to_client;
+    RelayedOutcome out = RunRelayed(c, s, [&](bool from_client, ControlMessage& m) {
+      if (!from_client) to_client.push_back(m);
+    });
+    ASSERT_FALSE(out.client.ok());
+    EXPECT_EQ(out.client.status().code(), absl::StatusCode::kPermissionDenied)
+        << out.client.status();
+    EXPECT_FALSE(AnyContains(to_client, kDescription));
+    EXPECT_THAT(Msg(out.client.status()), Not(HasSubstr(kDescription)));
+  }
+  // Hand-played: a Hello with a nonce and a made-up tag.
+  Pair p = Connect();
+  ASSERT_TRUE(p.server && p.client);
+  absl::StatusOr<HelloMsg> server = absl::UnknownError("not run");
+  std::thread t([&] { server = HandshakeAsServer(*p.server, s); });
+  ExpectChallenge(*p.client);
+  HelloMsg hello;
+  hello.engine_id = "guesser";
+  hello.nonce.assign(32, 'n');
+  hello.auth_tag.assign(32, 't');
+  ASSERT_TRUE(p.client->Send(hello, Later()).ok());
+  std::vector<ControlMessage> received;
+  for (auto m = p.client->Receive(Later()); m.ok(); m = p.client->Receive(Later())) {
+    received.push_back(*m);
+  }
+  t.join();
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kPermissionDenied) << server.status();
+  EXPECT_FALSE(AnyContains(received, kDescription));
+  EXPECT_EQ(checks.load(), 0);
+}
+
+TEST(HandshakeAttackTest, AClientWithASecretSaysNothingToAServerWithoutIt) {
+  // A fake server that does not know the secret: it sees the client's engine id and
+  // nonce, never its payload.
+  const HelloMsg client_hello = MakeHello("decode-0", "CLIENT-CACHE-DESCRIPTION");
+  HelloMsg seen;
+  FakeServerRun run = PlayServer(Options(client_hello, "secret"),
+                                 [&](const HelloMsg& h, const HandshakeBinding& b) {
+                                   seen = h;
+                                   HelloAckMsg ack;
+                                   ack.hello.engine_id = "prefill-0";
+                                   ack.hello.nonce = b.server_nonce;
+                                   ack.hello.auth_tag.assign(32, 't');
+                                   return ack;
+                                 });
+  ASSERT_FALSE(run.client.ok());
+  EXPECT_EQ(run.client.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(seen.engine_id, "decode-0");
+  EXPECT_TRUE(seen.payload.empty()) << seen.payload;
+  ASSERT_TRUE(run.after.ok()) << run.after.status();
+  ASSERT_TRUE(std::holds_alternative<ErrorMsg>(*run.after));
+  EXPECT_FALSE(AnyContains({*run.after}, "CLIENT-CACHE-DESCRIPTION"));
+}
+
+TEST(HandshakeAttackTest, AnythingChangedInTransitIsDetected) {
+  // An on-path middle that passes the authentication (binding off, so that the relay
+  // itself is allowed) and then changes one field: each change fails verification, and
+  // neither check ever sees the changed value.
+  struct Case {
+    const char* name;
+    bool from_client;
+    std::function<void(ControlMessage&)> change;
+  };
+  const std::vector<Case> cases = {
+      {"client payload", true,
+       [](ControlMessage& m) {
+         if (auto* intro = std::get_if<IntroMsg>(&m)) intro->payload = LayoutPayload("X");
+       }},
+      {"server payload", false,
+       [](ControlMessage& m) {
+         if (auto* intro = std::get_if<IntroMsg>(&m)) intro->payload = LayoutPayload("X");
+       }},
+      {"client engine id", true,
+       [](ControlMessage& m) {
+         if (auto* hello = std::get_if<HelloMsg>(&m)) hello->engine_id = "decode-9";
+       }},
+      {"server engine id", false,
+       [](ControlMessage& m) {
+         if (auto* ack = std::get_if<HelloAckMsg>(&m)) ack->hello.engine_id = "prefill-9";
+       }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<std::string> checked_payloads;
+    std::vector<std::string> checked_ids;
+    auto record = [&](const HelloMsg& peer) {
+      checked_payloads.push_back(peer.payload);
+      checked_ids.push_back(peer.engine_id);
+      return absl::OkStatus();
+    };
+    HandshakeOptions co = Options(MakeHello("decode-0", "A"), "secret");
+    HandshakeOptions so = Options(MakeHello("prefill-0", "A"), "secret");
+    co.bind_to_endpoints = false;
+    so.bind_to_endpoints = false;
+    co.check = record;
+    so.check = record;
+    RelayedOutcome out = RunRelayed(co, so, [&](bool from_client, ControlMessage& m) {
+      if (from_client == c.from_client) c.change(m);
+    });
+    ASSERT_FALSE(out.client.ok());
+    EXPECT_EQ(out.client.status().code(), absl::StatusCode::kPermissionDenied)
+        << out.client.status();
+    // A change the client detects reaches the server after it returned, as an ErrorMsg.
+    if (out.server.ok()) {
+      auto next = out.server_conn->Receive(Later());
+      ASSERT_TRUE(next.ok()) << next.status();
+      ASSERT_TRUE(std::holds_alternative<ErrorMsg>(*next));
+      EXPECT_EQ(std::get<ErrorMsg>(*next).status_code,
+                static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
+    } else {
+      EXPECT_EQ(out.server.status().code(), absl::StatusCode::kPermissionDenied)
+          << out.server.status();
+    }
+    for (const std::string& payload : checked_payloads) EXPECT_EQ(payload, LayoutPayload("A"));
+    for (const std::string& id : checked_ids) EXPECT_THAT(id, EndsWith("-0"));
+  }
+}
+
+TEST(HandshakeTest, AnIntroductionOverTheLimitIsRefusedBeforeTheCheck) {
+  for (const std::string secret : {"", "secret"}) {
+    SCOPED_TRACE(secret);
+    bool checked = false;
+    HandshakeOptions s = Options(MakeHello("prefill-0", "d"), secret);
+    s.max_peer_payload_bytes = 16;
+    s.check = [&checked](const HelloMsg&) {
+      checked = true;
+      return absl::OkStatus();
+    };
+    Outcome out = RunHandshake(Options(MakeHello("decode-0", std::string(10, 'x')), secret), s);
+    ExpectRejectedOnBothSides(out, absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(Msg(out.server.status()), HasSubstr("more than this side accepts (16)"));
+    EXPECT_FALSE(checked);
+  }
+}
+
+// Captures what is logged while it lives.
+class CapturedLog {
+ public:
+  CapturedLog() {
+    previous_ = SetLogSink([this](LogLevel, absl::string_view line) {
+      absl::MutexLock lock(&mu_);
+      lines_.emplace_back(line);
+    });
+  }
+  ~CapturedLog() { SetLogSink(previous_); }
+  std::vector<std::string> lines() {
+    absl::MutexLock lock(&mu_);
+    return lines_;
+  }
+
+ private:
+  LogSink previous_;
+  absl::Mutex mu_;
+  std::vector<std::string> lines_;
+};
+
+TEST(HandshakeTest, PeerStringsAreEscapedInTheLogAndInStatuses) {
+  const std::string forged = "x\n[kvstream W] forged line\r";
+  CapturedLog log;
+  // A peer's engine id, in our own rejection.
+  Outcome wrong = RunHandshake(Options(MakeHello(forged, "d"), "wrong"),
+                               Options(MakeHello("prefill-0", "d"), "secret"));
+  EXPECT_EQ(wrong.server.status().code(), absl::StatusCode::kPermissionDenied);
+  // A careless check quoting the peer's engine id as it came, and a refusal whose text the
+  // client turns into its status.
+  HandshakeOptions s = Options(MakeHello("prefill-0", "d"));
+  s.check = [](const HelloMsg& peer) {
+    return absl::FailedPreconditionError(absl::StrCat("no room for ", peer.engine_id));
+  };
+  Outcome careless = RunHandshake(Options(MakeHello(forged, "d")), s);
+  EXPECT_EQ(careless.server.status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_FALSE(careless.client.ok());
+  EXPECT_THAT(Msg(careless.client.status()), Not(HasSubstr("\n")));
+  EXPECT_THAT(Msg(careless.client.status()), HasSubstr(absl::CHexEscape(forged)));
+
+  const std::vector<std::string> lines = log.lines();
+  ASSERT_FALSE(lines.empty());
+  int quoting = 0;
+  for (const std::string& line : lines) {
+    SCOPED_TRACE(absl::CHexEscape(line));
+    EXPECT_THAT(line, Not(HasSubstr("\n")));
+    EXPECT_THAT(line, Not(HasSubstr("\r")));
+    if (absl::StrContains(line, "forged line")) ++quoting;
+  }
+  EXPECT_GE(quoting, 2);  // both rejections were logged, escaped
 }
 
 TEST(HandshakeTest, HmacSha256MatchesRfc4231) {

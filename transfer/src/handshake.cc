@@ -150,17 +150,21 @@ absl::Status VerifyTag(const ControlConnection& connection, const HandshakeOptio
       ")"));
 }
 
-// Runs the caller's check (which decodes the peer's opaque payload and says what differed),
-// after the bound on the payload's size.
-absl::Status RunCheck(const ControlConnection& connection, const HandshakeOptions& options,
-                      const HelloMsg& peer) {
+// Bounds the peer's payload, then runs the caller's check (which decodes it and says what
+// differed); a refusal is told to the peer, and the connection closed.
+absl::Status AcceptPeer(ControlConnection& connection, const HandshakeOptions& options,
+                        const HelloMsg& peer) {
   if (peer.payload.size() > options.max_peer_payload_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the introduction from ", PeerName(connection, &peer), " is ", peer.payload.size(),
-        " bytes, more than this side accepts (", options.max_peer_payload_bytes, ")"));
+    return Reject(connection, options.deadline,
+                  absl::ResourceExhaustedError(absl::StrCat(
+                      "the introduction from ", PeerName(connection, &peer), " is ",
+                      peer.payload.size(), " bytes, more than this side accepts (",
+                      options.max_peer_payload_bytes, ")")));
   }
   if (!options.check) return absl::OkStatus();
-  return options.check(peer);
+  absl::Status status = options.check(peer);
+  if (!status.ok()) return Reject(connection, options.deadline, std::move(status), Words::kCheck);
+  return absl::OkStatus();
 }
 
 HandshakeBinding Binding(const ControlConnection& connection, const HandshakeOptions& options,
@@ -181,9 +185,7 @@ absl::StatusOr<HelloMsg> ServerOpen(ControlConnection& connection, const Handsha
   if (absl::Status s = RequireNoTag(connection, peer); !s.ok()) {
     return Reject(connection, deadline, std::move(s));
   }
-  if (absl::Status s = RunCheck(connection, options, peer); !s.ok()) {
-    return Reject(connection, deadline, std::move(s), Words::kCheck);
-  }
+  RETURN_IF_ERROR(AcceptPeer(connection, options, peer));
   HelloAckMsg ack;
   ack.hello = options.local;
   ack.hello.nonce = our_nonce;
@@ -208,9 +210,7 @@ absl::StatusOr<HelloMsg> ClientOpen(ControlConnection& connection,
   if (absl::Status s = RequireNoTag(connection, ack.hello); !s.ok()) {
     return Reject(connection, deadline, std::move(s));
   }
-  if (absl::Status s = RunCheck(connection, options, ack.hello); !s.ok()) {
-    return Reject(connection, deadline, std::move(s), Words::kCheck);
-  }
+  RETURN_IF_ERROR(AcceptPeer(connection, options, ack.hello));
   return std::move(ack.hello);
 }
 
@@ -266,9 +266,7 @@ absl::StatusOr<HelloMsg> ServerSecret(ControlConnection& connection,
   }
   peer.payload = std::move(intro.payload);
   // The peer has proved the secret: from here on the check may say what differed.
-  if (absl::Status s = RunCheck(connection, options, peer); !s.ok()) {
-    return Reject(connection, deadline, std::move(s), Words::kCheck);
-  }
+  RETURN_IF_ERROR(AcceptPeer(connection, options, peer));
   IntroMsg ours;
   ours.payload = options.local.payload;
   ours.auth_tag = HandshakeTag(options.secret, HandshakeStep::kServerIntro, binding, ours.payload);
@@ -325,9 +323,7 @@ absl::StatusOr<HelloMsg> ClientSecret(ControlConnection& connection,
     return Reject(connection, deadline, std::move(s));
   }
   peer.payload = std::move(intro.payload);
-  if (absl::Status s = RunCheck(connection, options, peer); !s.ok()) {
-    return Reject(connection, deadline, std::move(s), Words::kCheck);
-  }
+  RETURN_IF_ERROR(AcceptPeer(connection, options, peer));
   return peer;
 }
 

@@ -17,8 +17,8 @@
 // Memory: what a peer can make us hold is bounded. A connection receives one frame at a
 // time (Receive is serialised), so each peer has at most one frame in flight; its buffer
 // grows only as the bytes arrive (never to the announced length up front: at most twice
-// what arrived, plus 64 KiB), and a frame costs at most twice its payload while it is
-// decoded. Frames larger than ReceiveBudgetLimits::free_frame_bytes are charged to a
+// what arrived or 64 KiB, three times for the moment it grows), and a frame costs at most
+// twice its payload while it is decoded. Frames larger than ReceiveBudgetLimits::free_frame_bytes are charged to a
 // ReceiveBudget shared by connections (by default one for the whole process); a frame that
 // does not fit in what is left of it, or that announces more than the connection's
 // max_frame_bytes, closes that connection with ResourceExhausted, never the process.
@@ -230,9 +230,10 @@ enum class HandshakeStep : uint8_t {
   kServerIntro = 4,
 };
 
-// HMAC-SHA256(secret, "kvstream handshake v3" || step || each field of `binding` and then
-// `payload`, each as u32 length + bytes). `payload` is empty for the Hello steps. Exposed
-// for tests (hand-played peers). An empty result (never a valid tag) if HMAC fails.
+// HMAC-SHA256(secret, label "kvstream handshake v3", step (one byte), the fields of
+// `binding` in declaration order, `payload`), every string as u32 length + bytes. `payload`
+// is empty for the Hello steps. Exposed for tests (hand-played peers). An empty result
+// (never a valid tag) if HMAC fails.
 std::string HandshakeTag(absl::string_view secret, HandshakeStep step,
                          const HandshakeBinding& binding, absl::string_view payload);
 
