@@ -24,7 +24,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The first byte picks a type; the rest is tried as that type's payload, so the payload
   // decoders are reached without the fuzzer having to discover a valid header first.
   if (size >= 1) {
-    const auto type = static_cast<kvstream::MessageType>(1 + data[0] % 5);
+    const auto type = static_cast<kvstream::MessageType>(1 + data[0] % 6);
     const absl::string_view payload = input.substr(1);
     absl::StatusOr<kvstream::ControlMessage> message = kvstream::DecodePayload(type, payload);
     if (message.ok()) {

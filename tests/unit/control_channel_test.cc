@@ -33,6 +33,8 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/synchronization/mutex.h"
+#include "kvstream/common/logging.h"
 #include "kvstream/transfer/wire.h"
 
 namespace kvstream {
@@ -102,6 +104,7 @@ class RawPeer {
     tv.tv_sec = 20;
     tv.tv_usec = 0;
     ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
     sockaddr_in addr;
     std::memset(&addr, 0, sizeof(addr));
     addr.sin_family = AF_INET;
@@ -121,6 +124,17 @@ class RawPeer {
       ASSERT_GT(n, 0) << std::strerror(errno);
       done += static_cast<size_t>(n);
     }
+  }
+  // Like Write, but false (instead of a test failure) once the other side is gone.
+  bool TryWrite(absl::string_view bytes) {
+    size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::send(fd_, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      done += static_cast<size_t>(n);
+    }
+    return true;
   }
   // True when the other side closed: end of stream or reset (anything it sent first is
   // skipped). False on timeout.
@@ -463,6 +477,163 @@ TEST_F(HostilePeerTest, AFrameTrickledByteByByteIsReceived) {
   EXPECT_EQ(std::get<ErrorMsg>(*got).message, "slowly");
 }
 
+// ---- Receive memory ----
+
+// Waits (bounded) until `done` holds; false if it never does.
+bool AwaitTrue(const std::function<bool()>& done) {
+  const absl::Time deadline = Later();
+  while (!done()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
+}
+
+std::shared_ptr<ReceiveBudget> Budget(size_t total) {
+  ReceiveBudgetLimits limits;
+  limits.max_total_bytes = total;
+  limits.free_frame_bytes = size_t{64} << 10;
+  return std::make_shared<ReceiveBudget>(limits);
+}
+
+TEST(ReceiveBudgetTest, ChargesWithinTheLimitAndCountsRefusals) {
+  std::shared_ptr<ReceiveBudget> budget = Budget(100);
+  EXPECT_TRUE(budget->TryAcquire(60));
+  EXPECT_FALSE(budget->TryAcquire(41));
+  EXPECT_TRUE(budget->TryAcquire(40));
+  EXPECT_FALSE(budget->TryAcquire(1));
+  EXPECT_FALSE(budget->TryAcquire(~size_t{0}));  // no overflow past the limit
+  EXPECT_EQ(budget->in_use_bytes(), 100u);
+  budget->Release(60);
+  budget->Release(40);
+  EXPECT_EQ(budget->in_use_bytes(), 0u);
+  EXPECT_EQ(budget->peak_bytes(), 100u);
+  EXPECT_EQ(budget->refusals(), 3u);
+  EXPECT_EQ(ReceiveBudget::Process()->limits().max_total_bytes, size_t{64} << 20);
+}
+
+TEST(ReceiveMemoryTest, TheBufferGrowsWithTheBytesThatArriveNotWithTheAnnouncedLength) {
+  std::shared_ptr<ReceiveBudget> budget = Budget(size_t{64} << 20);
+  ControlChannelOptions options;
+  options.budget = budget;
+  auto listener = ControlListener::Listen("127.0.0.1", 0, options);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  RawPeer raw((*listener)->port());
+  ASSERT_TRUE(raw.connected());
+  auto conn = (*listener)->Accept(Later());
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  // The maximum announced, 100 KiB sent, then a stall.
+  constexpr size_t kSent = size_t{100} << 10;
+  raw.Write(HeaderBytes(static_cast<uint16_t>(MessageType::kData), kMaxPayloadBytes) +
+            std::string(kSent, 'x'));
+  absl::StatusOr<ControlMessage> got = absl::UnknownError("not run");
+  std::thread receiver([&] { got = (*conn)->Receive(Later()); });
+  // 64 KiB filled, then doubled once: 128 KiB held for 100 KiB received.
+  EXPECT_TRUE(AwaitTrue([&] { return budget->in_use_bytes() == (size_t{128} << 10); }))
+      << budget->in_use_bytes();
+  EXPECT_LE(budget->in_use_bytes(), 2 * kSent);
+  EXPECT_LE(budget->peak_bytes(), 3 * kSent);  // old and new buffer while it grows
+  (*conn)->Close();
+  receiver.join();
+  EXPECT_FALSE(got.ok());
+  EXPECT_EQ(budget->in_use_bytes(), 0u);
+}
+
+TEST(ReceiveMemoryTest, AFrameOverTheConnectionsLimitIsResourceExhausted) {
+  ControlChannelOptions options;
+  options.budget = Budget(size_t{64} << 20);
+  options.max_frame_bytes = 1u << 20;
+  auto listener = ControlListener::Listen("127.0.0.1", 0, options);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  auto client = ConnectControl("127.0.0.1", (*listener)->port(), Later());
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto server = (*listener)->Accept(Later());
+  ASSERT_TRUE(server.ok()) << server.status();
+  // At the limit: received (and charged: 1 MiB is over the free size).
+  ASSERT_TRUE((*client)->Send(Data(std::string(options.max_frame_bytes - 4, 'a')), Later()).ok());
+  auto at_limit = (*server)->Receive(Later());
+  ASSERT_TRUE(at_limit.ok()) << at_limit.status();
+  EXPECT_GE(options.budget->peak_bytes(), size_t{2} << 20);
+  EXPECT_EQ(options.budget->in_use_bytes(), 0u);
+  // One byte over: refused from the header alone, and the connection closed.
+  ASSERT_TRUE((*client)->Send(Data(std::string(options.max_frame_bytes - 3, 'a')), Later()).ok());
+  auto over = (*server)->Receive(Later());
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_THAT(Msg(over.status()), HasSubstr("this connection's limit"));
+  EXPECT_TRUE((*server)->closed());
+  EXPECT_EQ(options.budget->in_use_bytes(), 0u);
+}
+
+TEST(ReceiveMemoryTest, ThirtyTwoTricklersOfMaximalFramesAreRefusedAndOthersServed) {
+  // 32 peers each announce a maximal frame (16 MiB) and trickle it in 64 KiB pieces. The
+  // budget (8 MiB for all connections) can never hold one of them, so every one of them
+  // must end in ResourceExhausted with its connection closed, while the budget never went
+  // over its limit and a well-behaved connection on the same listener is served.
+  constexpr size_t kTotal = size_t{8} << 20;
+  constexpr int kPeers = 32;
+  std::shared_ptr<ReceiveBudget> budget = Budget(kTotal);
+  ControlChannelOptions options;
+  options.budget = budget;
+  auto listener = ControlListener::Listen("127.0.0.1", 0, options);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  auto good_client = ConnectControl("127.0.0.1", (*listener)->port(), Later());
+  ASSERT_TRUE(good_client.ok()) << good_client.status();
+  auto good_server = (*listener)->Accept(Later());
+  ASSERT_TRUE(good_server.ok()) << good_server.status();
+
+  std::vector<std::unique_ptr<RawPeer>> peers;
+  std::vector<std::unique_ptr<ControlConnection>> conns;
+  for (int i = 0; i < kPeers; ++i) {
+    peers.push_back(std::make_unique<RawPeer>((*listener)->port()));
+    ASSERT_TRUE(peers.back()->connected());
+    auto conn = (*listener)->Accept(Later());
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    conns.push_back(std::move(*conn));
+  }
+  std::vector<absl::Status> results(kPeers, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kPeers; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = conns[i]->Receive(Later()).status();
+      conns[i].reset();  // unread bytes: the peer's blocked send sees a reset
+    });
+    threads.emplace_back([&, i] {
+      const std::string piece(size_t{64} << 10, static_cast<char>('a' + i % 26));
+      if (!peers[i]->TryWrite(
+              HeaderBytes(static_cast<uint16_t>(MessageType::kData), kMaxPayloadBytes))) {
+        return;
+      }
+      for (size_t sent = 0; sent < kMaxPayloadBytes; sent += piece.size()) {
+        if (!peers[i]->TryWrite(piece)) return;
+      }
+    });
+  }
+  // Meanwhile a small frame (not charged) is served.
+  ASSERT_TRUE((*good_client)->Send(Data("small"), Later()).ok());
+  auto small = (*good_server)->Receive(Later());
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(std::get<DataMsg>(*small).payload, "small");
+
+  for (int i = 0; i < kPeers; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(results[i].code(), absl::StatusCode::kResourceExhausted) << results[i];
+    EXPECT_THAT(Msg(results[i]), HasSubstr("receive budget"));
+  }
+  EXPECT_GE(budget->refusals(), static_cast<uint64_t>(kPeers));
+  EXPECT_LE(budget->peak_bytes(), kTotal);
+  EXPECT_GT(budget->peak_bytes(), size_t{64} << 10);  // the tricklers were charged
+  EXPECT_EQ(budget->in_use_bytes(), 0u);              // and all of it given back
+  // Once they are gone, a large frame fits again.
+  const std::string large = Pattern(size_t{1} << 20, 4);
+  ASSERT_TRUE((*good_client)->Send(Data(large), Later()).ok());
+  auto got = (*good_server)->Receive(Later());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(std::get<DataMsg>(*got).payload == large);
+  EXPECT_EQ(budget->in_use_bytes(), 0u);
+}
+
 // ---- Concurrency ----
 
 TEST(ControlConnectionTest, ConcurrentSendAndReceiveOnBothEnds) {
@@ -641,16 +812,56 @@ TEST(HandshakeTest, SucceedsWithoutSecretAndChecksSeeThePeersFields) {
   EXPECT_FALSE(out.pair.client->closed());
 }
 
-TEST(HandshakeTest, SucceedsWithTheSameSecretAndTagsAnswerTheNonces) {
-  Outcome out = RunHandshake(Options(MakeHello("decode-0", "d"), "s3cret"),
-                             Options(MakeHello("prefill-0", "d"), "s3cret"));
+// The binding of the connection `client` as both of its ends see it.
+HandshakeBinding BindingOf(const ControlConnection& client, std::string server_nonce,
+                           std::string client_nonce, std::string client_id,
+                           std::string server_id) {
+  HandshakeBinding b;
+  b.server_nonce = std::move(server_nonce);
+  b.client_nonce = std::move(client_nonce);
+  b.client_engine_id = std::move(client_id);
+  b.server_engine_id = std::move(server_id);
+  b.client_endpoint = client.local_address();
+  b.server_endpoint = client.peer_address();
+  return b;
+}
+
+TEST(HandshakeTest, SucceedsWithTheSameSecretAndTagsCoverTheWholeExchange) {
+  const HelloMsg client_hello = MakeHello("decode-0", "d");
+  const HelloMsg server_hello = MakeHello("prefill-0", "d");
+  Outcome out = RunHandshake(Options(client_hello, "s3cret"), Options(server_hello, "s3cret"));
   ASSERT_TRUE(out.client.ok()) << out.client.status();
   ASSERT_TRUE(out.server.ok()) << out.server.status();
-  // The server's hello carries its challenge nonce; the client's tag answers it, and the
-  // server's tag answers the client's nonce.
-  EXPECT_EQ(out.server->auth_tag, AuthTag("s3cret", out.client->nonce, "decode-0"));
-  EXPECT_EQ(out.client->auth_tag, AuthTag("s3cret", out.server->nonce, "prefill-0"));
+  // The payloads arrive (in the Intros, after authentication).
+  ExpectSameHello(server_hello, *out.client);
+  ExpectSameHello(client_hello, *out.server);
+  // Both ends agree on the endpoints the tags cover.
+  EXPECT_EQ(out.pair.client->local_address(), out.pair.server->peer_address());
+  EXPECT_EQ(out.pair.client->peer_address(), out.pair.server->local_address());
+  // The client's result holds the server's nonce, the server's the client's.
+  const HandshakeBinding b = BindingOf(*out.pair.client, out.client->nonce, out.server->nonce,
+                                       "decode-0", "prefill-0");
+  EXPECT_EQ(out.server->auth_tag, HandshakeTag("s3cret", HandshakeStep::kClientHello, b, ""));
+  EXPECT_EQ(out.client->auth_tag, HandshakeTag("s3cret", HandshakeStep::kServerHello, b, ""));
   EXPECT_EQ(out.client->auth_tag.size(), 32u);
+  // Every input changes the tag: the step, each field, the payload.
+  const std::string base = HandshakeTag("s3cret", HandshakeStep::kClientIntro, b, "p");
+  EXPECT_NE(base, HandshakeTag("s3cret", HandshakeStep::kServerIntro, b, "p"));
+  EXPECT_NE(base, HandshakeTag("s3cret", HandshakeStep::kClientIntro, b, "q"));
+  EXPECT_NE(base, HandshakeTag("other", HandshakeStep::kClientIntro, b, "p"));
+  for (std::string HandshakeBinding::*field :
+       {&HandshakeBinding::server_nonce, &HandshakeBinding::client_nonce,
+        &HandshakeBinding::client_engine_id, &HandshakeBinding::server_engine_id,
+        &HandshakeBinding::client_endpoint, &HandshakeBinding::server_endpoint}) {
+    HandshakeBinding changed = b;
+    changed.*field += "x";
+    EXPECT_NE(base, HandshakeTag("s3cret", HandshakeStep::kClientIntro, changed, "p"));
+  }
+  // Fields are length-prefixed: moving a byte from one to the next changes the tag.
+  HandshakeBinding shifted = b;
+  shifted.client_engine_id = "decode-";
+  shifted.server_engine_id = "0prefill-0";
+  EXPECT_NE(base, HandshakeTag("s3cret", HandshakeStep::kClientIntro, shifted, "p"));
 }
 
 TEST(HandshakeTest, DataMessagesRoundTripAfterTheHandshake) {
@@ -725,10 +936,12 @@ TEST(HandshakeTest, PayloadMismatchRefusedByTheChecksNamesBothLayoutsOnBothSides
   Outcome out = RunHandshake(c, s);
   // The server checks first and refuses; the client reports the server's refusal.
   ExpectRejectedOnBothSides(out, absl::StatusCode::kFailedPrecondition);
-  for (const absl::Status& status : {out.client.status(), out.server.status()}) {
-    EXPECT_THAT(Msg(status), HasSubstr("incompatible KV cache layout: this side has 'HND fp8 "
-                                       "block 32', the peer has 'NHD bf16 block 16'"));
-  }
+  const std::string words =
+      "incompatible KV cache layout: this side has 'HND fp8 block 32', the peer has 'NHD "
+      "bf16 block 16'";
+  EXPECT_THAT(Msg(out.server.status()), HasSubstr(words));
+  // The peer's words, escaped: they came over the wire.
+  EXPECT_THAT(Msg(out.client.status()), HasSubstr(absl::CHexEscape(words)));
 }
 
 TEST(HandshakeTest, TheChecksOwnErrorReachesBothEndsWithNothingAdded) {
@@ -746,7 +959,9 @@ TEST(HandshakeTest, TheChecksOwnErrorReachesBothEndsWithNothingAdded) {
   ExpectRejectedOnBothSides(out, absl::StatusCode::kOutOfRange);
   EXPECT_EQ(absl::BytesToHexString(seen_payload), absl::BytesToHexString(client_hello.payload));
   EXPECT_EQ(Msg(out.server.status()), "the check's own words");
-  EXPECT_THAT(Msg(out.client.status()), EndsWith("rejected the handshake: the check's own words"));
+  EXPECT_THAT(Msg(out.client.status()),
+              EndsWith(absl::StrCat("rejected the handshake: ",
+                                    absl::CHexEscape("the check's own words"))));
   for (const absl::Status& status : {out.client.status(), out.server.status()}) {
     EXPECT_THAT(Msg(status), Not(HasSubstr("desc-of")));
   }
@@ -870,12 +1085,36 @@ TEST(HandshakeTest, ServerRejectsATagWithoutNonce) {
     server = HandshakeAsServer(*p.server, Options(MakeHello("prefill-0", "d"), "secret"));
   });
   const ChallengeMsg challenge = ExpectChallenge(*p.client);
-  HelloMsg hello = MakeHello("decode-0", "d");
-  hello.auth_tag = AuthTag("secret", challenge.nonce, "decode-0");
+  HelloMsg hello;
+  hello.engine_id = "decode-0";
+  hello.auth_tag = HandshakeTag("secret", HandshakeStep::kClientHello,
+                                BindingOf(*p.client, challenge.nonce, "", "decode-0", ""), "");
   ASSERT_TRUE(p.client->Send(hello, Later()).ok());
   ExpectErrorFrom(*p.client, absl::StatusCode::kPermissionDenied);
   t.join();
   EXPECT_EQ(server.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(Msg(server.status()), HasSubstr("sent no nonce"));
+}
+
+TEST(HandshakeTest, ServerRejectsAnIntroductionBeforeAuthentication) {
+  // A correct tag, but the payload in the Hello: with a secret it must wait for the Intro.
+  Pair p = Connect();
+  ASSERT_TRUE(p.server && p.client);
+  absl::StatusOr<HelloMsg> server = absl::UnknownError("not run");
+  std::thread t([&] {
+    server = HandshakeAsServer(*p.server, Options(MakeHello("prefill-0", "d"), "secret"));
+  });
+  const ChallengeMsg challenge = ExpectChallenge(*p.client);
+  HelloMsg hello = MakeHello("decode-0", "d");
+  hello.nonce.assign(32, 'n');
+  hello.auth_tag = HandshakeTag(
+      "secret", HandshakeStep::kClientHello,
+      BindingOf(*p.client, challenge.nonce, hello.nonce, "decode-0", ""), "");
+  ASSERT_TRUE(p.client->Send(hello, Later()).ok());
+  ExpectErrorFrom(*p.client, absl::StatusCode::kInvalidArgument);
+  t.join();
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(server.status()), HasSubstr("before authentication"));
 }
 
 TEST(HandshakeTest, ServerRejectsAnUnexpectedMessage) {
@@ -894,16 +1133,20 @@ TEST(HandshakeTest, ServerRejectsAnUnexpectedMessage) {
   EXPECT_TRUE(p.server->closed());
 }
 
-// Plays the server up to its HelloAck, built by `make_ack` from the client's hello and the
-// challenge nonce; returns the client's result and what the client sent afterwards.
+// Plays the server: a challenge (nonce "ccc..."), then the HelloAck that `make_ack` builds
+// from the client's hello and the binding as the server sees it (server_engine_id still
+// empty); then, if the client sends an Intro and `make_intro` is given, the Intro it
+// builds. Returns the client's result and the first message the client sent after the ack.
 struct FakeServerRun {
   absl::StatusOr<HelloMsg> client = absl::UnknownError("not run");
   absl::StatusOr<ControlMessage> after = absl::UnknownError("not run");
 };
 
-FakeServerRun PlayServer(
-    const HandshakeOptions& client_options,
-    const std::function<HelloAckMsg(const HelloMsg&, const std::string&)>& make_ack) {
+using AckMaker = std::function<HelloAckMsg(const HelloMsg&, const HandshakeBinding&)>;
+using IntroMaker = std::function<IntroMsg(const IntroMsg&, const HandshakeBinding&)>;
+
+FakeServerRun PlayServer(const HandshakeOptions& client_options, const AckMaker& make_ack,
+                         const IntroMaker& make_intro = nullptr) {
   FakeServerRun run;
   Pair p = Connect();
   if (!p.server || !p.client) return run;
@@ -913,10 +1156,21 @@ FakeServerRun PlayServer(
     if (!p.server->Send(challenge, Later()).ok()) return;
     auto hello = p.server->Receive(Later());
     if (!hello.ok() || !std::holds_alternative<HelloMsg>(*hello)) return;
-    if (!p.server->Send(make_ack(std::get<HelloMsg>(*hello), challenge.nonce), Later()).ok()) {
-      return;
-    }
+    const HelloMsg& h = std::get<HelloMsg>(*hello);
+    HandshakeBinding b;
+    b.server_nonce = challenge.nonce;
+    b.client_nonce = h.nonce;
+    b.client_engine_id = h.engine_id;
+    b.client_endpoint = p.server->peer_address();
+    b.server_endpoint = p.server->local_address();
+    const HelloAckMsg ack = make_ack(h, b);
+    if (!p.server->Send(ack, Later()).ok()) return;
     run.after = p.server->Receive(Later());
+    if (make_intro && run.after.ok() && std::holds_alternative<IntroMsg>(*run.after)) {
+      b.server_engine_id = ack.hello.engine_id;
+      if (!p.server->Send(make_intro(std::get<IntroMsg>(*run.after), b), Later()).ok()) return;
+      auto ignored = p.server->Receive(Later());  // until the client is done
+    }
   });
   run.client = HandshakeAsClient(*p.client, client_options);
   // A failed handshake closes its connection; a successful one leaves it open.
@@ -926,12 +1180,22 @@ FakeServerRun PlayServer(
   return run;
 }
 
+// The HelloAck of a server that knows `secret`.
+HelloAckMsg GoodAck(const std::string& secret, HandshakeBinding b) {
+  HelloAckMsg ack;
+  ack.hello.engine_id = "prefill-0";
+  ack.hello.nonce = b.server_nonce;
+  b.server_engine_id = ack.hello.engine_id;
+  ack.hello.auth_tag = HandshakeTag(secret, HandshakeStep::kServerHello, b, "");
+  return ack;
+}
+
 TEST(HandshakeTest, ClientRejectsAnAckWithoutTag) {
   FakeServerRun run = PlayServer(Options(MakeHello("decode-0", "d"), "secret"),
-                                 [](const HelloMsg&, const std::string& nonce) {
+                                 [](const HelloMsg&, const HandshakeBinding& b) {
                                    HelloAckMsg ack;
-                                   ack.hello = MakeHello("prefill-0", "d");
-                                   ack.hello.nonce = nonce;
+                                   ack.hello.engine_id = "prefill-0";
+                                   ack.hello.nonce = b.server_nonce;
                                    return ack;
                                  });
   ASSERT_FALSE(run.client.ok());
@@ -941,14 +1205,26 @@ TEST(HandshakeTest, ClientRejectsAnAckWithoutTag) {
             static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
 }
 
-TEST(HandshakeTest, ClientRejectsATagThatAnswersTheWrongNonce) {
-  // A server replaying the client's own answer (a tag over its challenge, not over the
-  // client's nonce) must not pass.
+TEST(HandshakeTest, ClientRejectsItsOwnTagReflectedBack) {
+  // A server without the secret that hands the client's own answer back (the same
+  // nonces, the same engine id): the step in the tag tells the directions apart.
   FakeServerRun run = PlayServer(Options(MakeHello("decode-0", "d"), "secret"),
-                                 [](const HelloMsg& client, const std::string& nonce) {
+                                 [](const HelloMsg& client, const HandshakeBinding& b) {
                                    HelloAckMsg ack;
-                                   ack.hello = MakeHello("prefill-0", "d");
-                                   ack.hello.auth_tag = AuthTag("secret", nonce, "prefill-0");
+                                   ack.hello.engine_id = "";
+                                   ack.hello.nonce = b.server_nonce;
+                                   ack.hello.auth_tag = client.auth_tag;
+                                   return ack;
+                                 });
+  ASSERT_FALSE(run.client.ok());
+  EXPECT_EQ(run.client.status().code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST(HandshakeTest, ClientRejectsATagOverTheWrongNonce) {
+  FakeServerRun run = PlayServer(Options(MakeHello("decode-0", "d"), "secret"),
+                                 [](const HelloMsg&, HandshakeBinding b) {
+                                   b.client_nonce.assign(32, 'z');
+                                   HelloAckMsg ack = GoodAck("secret", b);
                                    return ack;
                                  });
   ASSERT_FALSE(run.client.ok());
@@ -956,18 +1232,25 @@ TEST(HandshakeTest, ClientRejectsATagThatAnswersTheWrongNonce) {
 }
 
 TEST(HandshakeTest, ClientAcceptsACorrectFakeServerAndReportsAnAckStatus) {
-  FakeServerRun ok = PlayServer(Options(MakeHello("decode-0", "d"), "secret"),
-                                [](const HelloMsg& client, const std::string&) {
-                                  HelloAckMsg ack;
-                                  ack.hello = MakeHello("prefill-0", "d");
-                                  ack.hello.auth_tag = AuthTag("secret", client.nonce, "prefill-0");
-                                  return ack;
-                                });
+  const HelloMsg client_hello = MakeHello("decode-0", "d");
+  FakeServerRun ok = PlayServer(
+      Options(client_hello, "secret"),
+      [](const HelloMsg&, const HandshakeBinding& b) { return GoodAck("secret", b); },
+      [&](const IntroMsg& theirs, const HandshakeBinding& b) {
+        EXPECT_EQ(theirs.payload, client_hello.payload);
+        EXPECT_EQ(theirs.auth_tag,
+                  HandshakeTag("secret", HandshakeStep::kClientIntro, b, theirs.payload));
+        IntroMsg intro;
+        intro.payload = "server payload";
+        intro.auth_tag = HandshakeTag("secret", HandshakeStep::kServerIntro, b, intro.payload);
+        return intro;
+      });
   ASSERT_TRUE(ok.client.ok()) << ok.client.status();
   EXPECT_EQ(ok.client->engine_id, "prefill-0");
+  EXPECT_EQ(ok.client->payload, "server payload");
 
   FakeServerRun refused =
-      PlayServer(Options(MakeHello("decode-0", "d")), [](const HelloMsg&, const std::string&) {
+      PlayServer(Options(MakeHello("decode-0", "d")), [](const HelloMsg&, const HandshakeBinding&) {
         HelloAckMsg ack;
         ack.status_code = static_cast<int32_t>(absl::StatusCode::kResourceExhausted);
         ack.message = "too many peers";
@@ -1010,14 +1293,384 @@ TEST(HandshakeTest, ClientRejectsAnUnexpectedMessage) {
   }
 }
 
-TEST(HandshakeTest, AuthTagIsHmacSha256OfNonceThenEngineId) {
+// ---- Hostile middles and eavesdroppers ----
+
+// A middle process: accepts one connection on its own port, connects on to `target_port`
+// and forwards every frame both ways, after `edit` has seen (and possibly changed) it.
+class Relay {
+ public:
+  using Edit = std::function<void(bool from_client, ControlMessage& message)>;
+
+  Relay(uint16_t target_port, Edit edit) : target_port_(target_port), edit_(std::move(edit)) {
+    auto listener = ControlListener::Listen("127.0.0.1", 0);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    if (!listener.ok()) return;
+    listener_ = std::move(*listener);
+    acceptor_ = std::thread([this] {
+      auto from_client = listener_->Accept(Later());
+      if (!from_client.ok()) return;
+      auto to_server = ConnectControl("127.0.0.1", target_port_, Later());
+      if (!to_server.ok()) return;
+      client_side_ = std::move(*from_client);
+      server_side_ = std::move(*to_server);
+      pumps_.emplace_back([this] { Pump(*client_side_, *server_side_, true); });
+      pumps_.emplace_back([this] { Pump(*server_side_, *client_side_, false); });
+    });
+  }
+  ~Relay() {
+    if (acceptor_.joinable()) acceptor_.join();
+    if (client_side_) client_side_->Close();
+    if (server_side_) server_side_->Close();
+    for (auto& t : pumps_) t.join();
+  }
+  uint16_t port() const { return listener_ ? listener_->port() : 0; }
+
+ private:
+  void Pump(ControlConnection& from, ControlConnection& to, bool from_client) {
+    for (;;) {
+      auto m = from.Receive(Later());
+      if (!m.ok()) break;
+      if (edit_) edit_(from_client, *m);
+      if (!to.Send(*m, Later()).ok()) break;
+    }
+    from.Close();
+    to.Close();
+  }
+
+  const uint16_t target_port_;
+  const Edit edit_;
+  std::unique_ptr<ControlListener> listener_;
+  std::unique_ptr<ControlConnection> client_side_;
+  std::unique_ptr<ControlConnection> server_side_;
+  std::thread acceptor_;
+  std::vector<std::thread> pumps_;
+};
+
+struct RelayedOutcome {
+  absl::StatusOr<HelloMsg> client = absl::UnknownError("not run");
+  absl::StatusOr<HelloMsg> server = absl::UnknownError("not run");
+  // The server's connection, for what the client sent after the handshake.
+  std::unique_ptr<ControlConnection> server_conn;
+};
+
+// A client and a server whose connection goes through a Relay with `edit`.
+RelayedOutcome RunRelayed(const HandshakeOptions& client_options,
+                          const HandshakeOptions& server_options, Relay::Edit edit) {
+  RelayedOutcome out;
+  auto listener = ControlListener::Listen("127.0.0.1", 0);
+  EXPECT_TRUE(listener.ok()) << listener.status();
+  if (!listener.ok()) return out;
+  std::thread server([&] {
+    auto conn = (*listener)->Accept(Later());
+    if (!conn.ok()) return;
+    out.server_conn = std::move(*conn);
+    out.server = HandshakeAsServer(*out.server_conn, server_options);
+  });
+  {
+    Relay relay((*listener)->port(), std::move(edit));
+    auto conn = ConnectControl("127.0.0.1", relay.port(), Later());
+    EXPECT_TRUE(conn.ok()) << conn.status();
+    if (conn.ok()) out.client = HandshakeAsClient(**conn, client_options);
+    server.join();
+  }
+  return out;
+}
+
+// True if `needle` occurs in the encoding of any of `messages`.
+bool AnyContains(const std::vector<ControlMessage>& messages, absl::string_view needle) {
+  for (const ControlMessage& m : messages) {
+    absl::StatusOr<std::string> bytes = EncodeFrame(m);
+    EXPECT_TRUE(bytes.ok()) << bytes.status();
+    if (bytes.ok() && absl::StrContains(*bytes, needle)) return true;
+  }
+  return false;
+}
+
+TEST(HandshakeAttackTest, ARelayedHandshakeFailsWithASecret) {
+  // The relay forwards every byte faithfully: all it changes is that the two sides are
+  // on two different TCP connections.
+  const HelloMsg client_hello = MakeHello("decode-0", "d");
+  const HelloMsg server_hello = MakeHello("prefill-0", "d");
+  RelayedOutcome out = RunRelayed(Options(client_hello, "secret"),
+                                  Options(server_hello, "secret"), nullptr);
+  ASSERT_FALSE(out.server.ok());
+  EXPECT_EQ(out.server.status().code(), absl::StatusCode::kPermissionDenied) << out.server.status();
+  EXPECT_THAT(Msg(out.server.status()), HasSubstr("relayed"));
+  ASSERT_FALSE(out.client.ok());
+  EXPECT_EQ(out.client.status().code(), absl::StatusCode::kPermissionDenied) << out.client.status();
+
+  // The same relay passes without a secret (nothing can be authenticated then) and with
+  // the endpoint binding turned off on both sides: it is the binding that refused it.
+  RelayedOutcome open = RunRelayed(Options(client_hello), Options(server_hello), nullptr);
+  EXPECT_TRUE(open.client.ok()) << open.client.status();
+  EXPECT_TRUE(open.server.ok()) << open.server.status();
+  HandshakeOptions c = Options(client_hello, "secret");
+  HandshakeOptions s = Options(server_hello, "secret");
+  c.bind_to_endpoints = false;
+  s.bind_to_endpoints = false;
+  RelayedOutcome unbound = RunRelayed(c, s, nullptr);
+  EXPECT_TRUE(unbound.client.ok()) << unbound.client.status();
+  EXPECT_TRUE(unbound.server.ok()) << unbound.server.status();
+}
+
+TEST(HandshakeAttackTest, AReplayedHelloFailsOnANewConnection) {
+  // Record a real client's Hello and Intro (through a relay, with the endpoint binding off
+  // so that the recorded handshake succeeds and only the nonces defend), then replay them
+  // on a connection of our own.
+  HandshakeOptions c = Options(MakeHello("decode-0", "d"), "secret");
+  HandshakeOptions s = Options(MakeHello("prefill-0", "SERVER-CACHE-DESCRIPTION"), "secret");
+  c.bind_to_endpoints = false;
+  s.bind_to_endpoints = false;
+  std::vector<ControlMessage> recorded;
+  RelayedOutcome real = RunRelayed(c, s, [&](bool from_client, ControlMessage& m) {
+    if (from_client) recorded.push_back(m);
+  });
+  ASSERT_TRUE(real.client.ok()) << real.client.status();
+  ASSERT_TRUE(real.server.ok()) << real.server.status();
+  ASSERT_EQ(recorded.size(), 2u);
+  ASSERT_TRUE(std::holds_alternative<HelloMsg>(recorded[0]));
+
+  Pair p = Connect();
+  ASSERT_TRUE(p.server && p.client);
+  bool checked = false;
+  s.check = [&checked](const HelloMsg&) {
+    checked = true;
+    return absl::OkStatus();
+  };
+  absl::StatusOr<HelloMsg> server = absl::UnknownError("not run");
+  std::thread t([&] { server = HandshakeAsServer(*p.server, s); });
+  ExpectChallenge(*p.client);
+  ASSERT_TRUE(p.client->Send(recorded[0], Later()).ok());
+  std::vector<ControlMessage> received;
+  for (;;) {
+    auto m = p.client->Receive(Later());
+    if (!m.ok()) break;
+    received.push_back(*m);
+    if (std::holds_alternative<HelloAckMsg>(*m)) {
+      ASSERT_TRUE(p.client->Send(recorded[1], Later()).ok());  // the Intro, in case
+    }
+  }
+  t.join();
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kPermissionDenied) << server.status();
+  EXPECT_FALSE(checked);
+  ASSERT_EQ(received.size(), 1u);
+  ASSERT_TRUE(std::holds_alternative<ErrorMsg>(received[0]));
+  EXPECT_THAT(std::get<ErrorMsg>(received[0]).message, StartsWith("authentication failed"));
+  EXPECT_FALSE(AnyContains(received, "SERVER-CACHE-DESCRIPTION"));
+}
+
+TEST(HandshakeAttackTest, APeerWithoutTheSecretLearnsNothingOfTheServersPayload) {
+  // A server whose check would describe its cache in a refusal. Whatever a client without
+  // the secret tries, the check never runs and nothing of the description reaches it.
+  const std::string kDescription = "SERVER-CACHE-DESCRIPTION";
+  HandshakeOptions s = Options(MakeHello("prefill-0", kDescription), "secret");
+  s.bind_to_endpoints = false;  // the eavesdropping relay is not what is tested here
+  std::atomic<int> checks{0};
+  s.check = [&](const HelloMsg&) {
+    ++checks;
+    return absl::FailedPreconditionError(absl::StrCat("this side has ", kDescription));
+  };
+  std::vector<HandshakeOptions> clients;
+  clients.push_back(Options(MakeHello("no-secret", "d")));
+  clients.push_back(Options(MakeHello("wrong-secret", "d"), "wrong"));
+  for (const HandshakeOptions& c : clients) {
+    SCOPED_TRACE(c.local.engine_id);
+    std::vector<ControlMessage> to_client;
+    RelayedOutcome out = RunRelayed(c, s, [&](bool from_client, ControlMessage& m) {
+      if (!from_client) to_client.push_back(m);
+    });
+    ASSERT_FALSE(out.client.ok());
+    EXPECT_EQ(out.client.status().code(), absl::StatusCode::kPermissionDenied)
+        << out.client.status();
+    EXPECT_FALSE(AnyContains(to_client, kDescription));
+    EXPECT_THAT(Msg(out.client.status()), Not(HasSubstr(kDescription)));
+  }
+  // Hand-played: a Hello with a nonce and a made-up tag.
+  Pair p = Connect();
+  ASSERT_TRUE(p.server && p.client);
+  absl::StatusOr<HelloMsg> server = absl::UnknownError("not run");
+  std::thread t([&] { server = HandshakeAsServer(*p.server, s); });
+  ExpectChallenge(*p.client);
+  HelloMsg hello;
+  hello.engine_id = "guesser";
+  hello.nonce.assign(32, 'n');
+  hello.auth_tag.assign(32, 't');
+  ASSERT_TRUE(p.client->Send(hello, Later()).ok());
+  std::vector<ControlMessage> received;
+  for (auto m = p.client->Receive(Later()); m.ok(); m = p.client->Receive(Later())) {
+    received.push_back(*m);
+  }
+  t.join();
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kPermissionDenied) << server.status();
+  EXPECT_FALSE(AnyContains(received, kDescription));
+  EXPECT_EQ(checks.load(), 0);
+}
+
+TEST(HandshakeAttackTest, AClientWithASecretSaysNothingToAServerWithoutIt) {
+  // A fake server that does not know the secret: it sees the client's engine id and
+  // nonce, never its payload.
+  const HelloMsg client_hello = MakeHello("decode-0", "CLIENT-CACHE-DESCRIPTION");
+  HelloMsg seen;
+  FakeServerRun run = PlayServer(Options(client_hello, "secret"),
+                                 [&](const HelloMsg& h, const HandshakeBinding& b) {
+                                   seen = h;
+                                   HelloAckMsg ack;
+                                   ack.hello.engine_id = "prefill-0";
+                                   ack.hello.nonce = b.server_nonce;
+                                   ack.hello.auth_tag.assign(32, 't');
+                                   return ack;
+                                 });
+  ASSERT_FALSE(run.client.ok());
+  EXPECT_EQ(run.client.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(seen.engine_id, "decode-0");
+  EXPECT_TRUE(seen.payload.empty()) << seen.payload;
+  ASSERT_TRUE(run.after.ok()) << run.after.status();
+  ASSERT_TRUE(std::holds_alternative<ErrorMsg>(*run.after));
+  EXPECT_FALSE(AnyContains({*run.after}, "CLIENT-CACHE-DESCRIPTION"));
+}
+
+TEST(HandshakeAttackTest, AnythingChangedInTransitIsDetected) {
+  // An on-path middle that passes the authentication (binding off, so that the relay
+  // itself is allowed) and then changes one field: each change fails verification, and
+  // neither check ever sees the changed value.
+  struct Case {
+    const char* name;
+    bool from_client;
+    std::function<void(ControlMessage&)> change;
+  };
+  const std::vector<Case> cases = {
+      {"client payload", true,
+       [](ControlMessage& m) {
+         if (auto* intro = std::get_if<IntroMsg>(&m)) intro->payload = LayoutPayload("X");
+       }},
+      {"server payload", false,
+       [](ControlMessage& m) {
+         if (auto* intro = std::get_if<IntroMsg>(&m)) intro->payload = LayoutPayload("X");
+       }},
+      {"client engine id", true,
+       [](ControlMessage& m) {
+         if (auto* hello = std::get_if<HelloMsg>(&m)) hello->engine_id = "decode-9";
+       }},
+      {"server engine id", false,
+       [](ControlMessage& m) {
+         if (auto* ack = std::get_if<HelloAckMsg>(&m)) ack->hello.engine_id = "prefill-9";
+       }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<std::string> checked_payloads;
+    std::vector<std::string> checked_ids;
+    auto record = [&](const HelloMsg& peer) {
+      checked_payloads.push_back(peer.payload);
+      checked_ids.push_back(peer.engine_id);
+      return absl::OkStatus();
+    };
+    HandshakeOptions co = Options(MakeHello("decode-0", "A"), "secret");
+    HandshakeOptions so = Options(MakeHello("prefill-0", "A"), "secret");
+    co.bind_to_endpoints = false;
+    so.bind_to_endpoints = false;
+    co.check = record;
+    so.check = record;
+    RelayedOutcome out = RunRelayed(co, so, [&](bool from_client, ControlMessage& m) {
+      if (from_client == c.from_client) c.change(m);
+    });
+    ASSERT_FALSE(out.client.ok());
+    EXPECT_EQ(out.client.status().code(), absl::StatusCode::kPermissionDenied)
+        << out.client.status();
+    // A change the client detects reaches the server after it returned, as an ErrorMsg.
+    if (out.server.ok()) {
+      auto next = out.server_conn->Receive(Later());
+      ASSERT_TRUE(next.ok()) << next.status();
+      ASSERT_TRUE(std::holds_alternative<ErrorMsg>(*next));
+      EXPECT_EQ(std::get<ErrorMsg>(*next).status_code,
+                static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
+    } else {
+      EXPECT_EQ(out.server.status().code(), absl::StatusCode::kPermissionDenied)
+          << out.server.status();
+    }
+    for (const std::string& payload : checked_payloads) EXPECT_EQ(payload, LayoutPayload("A"));
+    for (const std::string& id : checked_ids) EXPECT_THAT(id, EndsWith("-0"));
+  }
+}
+
+TEST(HandshakeTest, AnIntroductionOverTheLimitIsRefusedBeforeTheCheck) {
+  for (const std::string secret : {"", "secret"}) {
+    SCOPED_TRACE(secret);
+    bool checked = false;
+    HandshakeOptions s = Options(MakeHello("prefill-0", "d"), secret);
+    s.max_peer_payload_bytes = 16;
+    s.check = [&checked](const HelloMsg&) {
+      checked = true;
+      return absl::OkStatus();
+    };
+    Outcome out = RunHandshake(Options(MakeHello("decode-0", std::string(10, 'x')), secret), s);
+    ExpectRejectedOnBothSides(out, absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(Msg(out.server.status()), HasSubstr("more than this side accepts (16)"));
+    EXPECT_FALSE(checked);
+  }
+}
+
+// Captures what is logged while it lives.
+class CapturedLog {
+ public:
+  CapturedLog() {
+    previous_ = SetLogSink([this](LogLevel, absl::string_view line) {
+      absl::MutexLock lock(&mu_);
+      lines_.emplace_back(line);
+    });
+  }
+  ~CapturedLog() { SetLogSink(previous_); }
+  std::vector<std::string> lines() {
+    absl::MutexLock lock(&mu_);
+    return lines_;
+  }
+
+ private:
+  LogSink previous_;
+  absl::Mutex mu_;
+  std::vector<std::string> lines_;
+};
+
+TEST(HandshakeTest, PeerStringsAreEscapedInTheLogAndInStatuses) {
+  const std::string forged = "x\n[kvstream W] forged line\r";
+  CapturedLog log;
+  // A peer's engine id, in our own rejection.
+  Outcome wrong = RunHandshake(Options(MakeHello(forged, "d"), "wrong"),
+                               Options(MakeHello("prefill-0", "d"), "secret"));
+  EXPECT_EQ(wrong.server.status().code(), absl::StatusCode::kPermissionDenied);
+  // A careless check quoting the peer's engine id as it came, and a refusal whose text the
+  // client turns into its status.
+  HandshakeOptions s = Options(MakeHello("prefill-0", "d"));
+  s.check = [](const HelloMsg& peer) {
+    return absl::FailedPreconditionError(absl::StrCat("no room for ", peer.engine_id));
+  };
+  Outcome careless = RunHandshake(Options(MakeHello(forged, "d")), s);
+  EXPECT_EQ(careless.server.status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_FALSE(careless.client.ok());
+  EXPECT_THAT(Msg(careless.client.status()), Not(HasSubstr("\n")));
+  EXPECT_THAT(Msg(careless.client.status()), HasSubstr(absl::CHexEscape(forged)));
+
+  const std::vector<std::string> lines = log.lines();
+  ASSERT_FALSE(lines.empty());
+  int quoting = 0;
+  for (const std::string& line : lines) {
+    SCOPED_TRACE(absl::CHexEscape(line));
+    EXPECT_THAT(line, Not(HasSubstr("\n")));
+    EXPECT_THAT(line, Not(HasSubstr("\r")));
+    if (absl::StrContains(line, "forged line")) ++quoting;
+  }
+  EXPECT_GE(quoting, 2);  // both rejections were logged, escaped
+}
+
+TEST(HandshakeTest, HmacSha256MatchesRfc4231) {
   // RFC 4231 test case 2: key "Jefe", data "what do ya want for nothing?".
-  const std::string tag = AuthTag("Jefe", "what do ya want ", "for nothing?");
+  const std::string tag = HmacSha256("Jefe", "what do ya want for nothing?");
   std::string hex;
   for (unsigned char c : tag) absl::StrAppend(&hex, absl::Hex(c, absl::kZeroPad2));
   EXPECT_EQ(hex, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
-  EXPECT_EQ(AuthTag("", "n", "e").size(), 32u);
-  EXPECT_NE(AuthTag("a", "n", "e"), AuthTag("b", "n", "e"));
+  EXPECT_EQ(HmacSha256("", "").size(), 32u);
+  EXPECT_NE(HmacSha256("a", "n"), HmacSha256("b", "n"));
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Tests of the control channel's wire format (version 2): the byte layout of every frame
+// Tests of the control channel's wire format (version 3): the byte layout of every frame
 // type, round trips of every message with edge values (opaque Hello and Data payloads at
 // their bounds, binary bytes included), every class of decode error, encoder-side bounds,
 // and a deterministic mutation test (the in-tree counterpart of the libFuzzer target in
@@ -101,6 +101,11 @@ void ExpectSame(const ControlMessage& a, const ControlMessage& b) {
     const auto& other = std::get<DataMsg>(b);
     EXPECT_EQ(data->payload.size(), other.payload.size());
     EXPECT_TRUE(data->payload == other.payload);
+  } else if (auto* intro = std::get_if<IntroMsg>(&a)) {
+    const auto& other = std::get<IntroMsg>(b);
+    EXPECT_EQ(intro->payload.size(), other.payload.size());
+    EXPECT_TRUE(intro->payload == other.payload);
+    EXPECT_EQ(intro->auth_tag, other.auth_tag);
   } else {
     const auto& x_err = std::get<ErrorMsg>(a);
     const auto& y_err = std::get<ErrorMsg>(b);
@@ -137,6 +142,13 @@ DataMsg Data(std::string payload) {
   return d;
 }
 
+IntroMsg Intro(std::string payload) {
+  IntroMsg m;
+  m.payload = std::move(payload);
+  m.auth_tag = Pattern(32, 6);
+  return m;
+}
+
 // Small messages of every type (truncation and mutation loops are quadratic in size).
 std::vector<ControlMessage> SmallSamples() {
   std::vector<ControlMessage> out;
@@ -155,6 +167,8 @@ std::vector<ControlMessage> SmallSamples() {
   ErrorMsg error;
   error.status_code = 0;
   out.push_back(error);
+  out.push_back(Intro(std::string("v3\0NHD\xff", 7)));
+  out.push_back(Intro(""));
   return out;
 }
 
@@ -172,6 +186,7 @@ std::vector<ControlMessage> EdgeSamples() {
   error.status_code = 16;
   error.message = Pattern(kMaxMessageBytes);
   out.push_back(error);
+  out.push_back(Intro(Pattern(kMaxHelloPayloadBytes, 7)));
   return out;
 }
 
@@ -188,7 +203,7 @@ TEST(WireTest, ErrorFrameHasTheDocumentedLayout) {
   error.status_code = 3;
   error.message = "x";
   const std::string expected(
-      "KVSC\x02\x00\x05\x00\x09\x00\x00\x00"  // header: version 2, type 5, 9 payload bytes
+      "KVSC\x03\x00\x05\x00\x09\x00\x00\x00"  // header: version 3, type 5, 9 payload bytes
       "\x03\x00\x00\x00"                      // status_code
       "\x01\x00\x00\x00x",                    // message
       21);
@@ -197,7 +212,7 @@ TEST(WireTest, ErrorFrameHasTheDocumentedLayout) {
 
 TEST(WireTest, DataFrameHasTheDocumentedLayout) {
   const std::string expected(
-      "KVSC\x02\x00\x04\x00\x09\x00\x00\x00"  // header: version 2, type 4, 9 payload bytes
+      "KVSC\x03\x00\x04\x00\x09\x00\x00\x00"  // header: version 3, type 4, 9 payload bytes
       "\x05\x00\x00\x00"                      // payload length
       "a\0\xff\0b",                           // payload, as it is
       21);
@@ -245,18 +260,27 @@ TEST(WireTest, HelloAckFrameHasTheDocumentedLayout) {
             absl::BytesToHexString(Frame(MessageType::kHelloAck, payload)));
 }
 
+TEST(WireTest, IntroFrameHasTheDocumentedLayout) {
+  const IntroMsg m = Intro(std::string("desc\0", 5));
+  EXPECT_EQ(absl::BytesToHexString(Encode(m)),
+            absl::BytesToHexString(
+                Frame(MessageType::kIntro, Bytes().Str(m.payload).Str(m.auth_tag).str())));
+}
+
 TEST(WireTest, TypeOfAndNames) {
   const std::vector<ControlMessage> samples = {ChallengeMsg(), HelloMsg(), HelloAckMsg(),
-                                               DataMsg(), ErrorMsg()};
-  const std::vector<std::string> names = {"Challenge", "Hello", "HelloAck", "Data", "Error"};
+                                               DataMsg(),      ErrorMsg(), IntroMsg()};
+  const std::vector<std::string> names = {"Challenge", "Hello", "HelloAck",
+                                          "Data",      "Error", "Intro"};
   for (size_t i = 0; i < samples.size(); ++i) {
     EXPECT_EQ(static_cast<uint16_t>(TypeOf(samples[i])), i + 1);
     EXPECT_EQ(MessageTypeName(TypeOf(samples[i])), names[i]);
   }
   EXPECT_EQ(static_cast<uint16_t>(MessageType::kData), 4);
   EXPECT_EQ(static_cast<uint16_t>(MessageType::kError), 5);
-  EXPECT_EQ(kWireVersion, 2);
-  EXPECT_EQ(MessageTypeName(static_cast<MessageType>(6)), "Unknown");
+  EXPECT_EQ(static_cast<uint16_t>(MessageType::kIntro), 6);
+  EXPECT_EQ(kWireVersion, 3);
+  EXPECT_EQ(MessageTypeName(static_cast<MessageType>(7)), "Unknown");
   EXPECT_EQ(MessageTypeName(static_cast<MessageType>(99)), "Unknown");
 }
 
@@ -342,8 +366,8 @@ TEST(WireTest, BadMagicIsRejected) {
 }
 
 TEST(WireTest, UnknownVersionIsRejected) {
-  // Version 1 is the previous format: a peer speaking it must be refused, not misread.
-  for (uint16_t version : {uint16_t{0}, uint16_t{1}, uint16_t{3}, uint16_t{0x0200},
+  // Versions 1 and 2 are earlier formats: a peer speaking one must be refused, not misread.
+  for (uint16_t version : {uint16_t{0}, uint16_t{1}, uint16_t{2}, uint16_t{4}, uint16_t{0x0300},
                            uint16_t{0xffff}}) {
     SCOPED_TRACE(version);
     absl::StatusOr<FrameHeader> header =
@@ -358,8 +382,7 @@ TEST(WireTest, UnknownVersionIsRejected) {
 }
 
 TEST(WireTest, UnknownTypeIsRejected) {
-  // 6 and 7 were message types of the previous format.
-  for (uint16_t type : {uint16_t{0}, uint16_t{6}, uint16_t{7}, uint16_t{0x0100},
+  for (uint16_t type : {uint16_t{0}, uint16_t{7}, uint16_t{8}, uint16_t{0x0100},
                         uint16_t{0xffff}}) {
     SCOPED_TRACE(type);
     const std::string payload = Bytes().I32(1).Str("").str();
@@ -534,6 +557,12 @@ TEST(WireTest, NonceAndAuthTagMustBeEmptyOr32Bytes) {
                 "Challenge.nonce");
   ExpectInvalid(DecodePayload(MessageType::kChallenge, Bytes().Str(Pattern(33)).str()),
                 "Challenge.nonce");
+  // An introduction is only ever sent under a tag.
+  EXPECT_TRUE(DecodePayload(MessageType::kIntro, Bytes().Str("p").Str(Pattern(32)).str()).ok());
+  for (size_t n : {0, 1, 31, 33}) {
+    ExpectInvalid(DecodePayload(MessageType::kIntro, Bytes().Str("p").Str(Pattern(n)).str()),
+                  "Intro.auth_tag");
+  }
 }
 
 // ---- Encoder bounds: whatever we send, the peer accepts ----
@@ -588,6 +617,13 @@ TEST(WireTest, EncoderEnforcesTheSameBounds) {
   ExpectEncodeInvalid(ack, "Hello.payload");
 
   ExpectEncodeInvalid(Data(std::string(kMaxDataPayloadBytes + 1, 'd')), "Data.payload");
+  IntroMsg intro = Intro("p");
+  intro.auth_tag.clear();
+  ExpectEncodeInvalid(intro, "Intro.auth_tag");
+  intro.auth_tag.assign(33, 't');
+  ExpectEncodeInvalid(intro, "Intro.auth_tag");
+  intro = Intro(std::string(kMaxHelloPayloadBytes + 1, 'p'));
+  ExpectEncodeInvalid(intro, "Intro.payload");
 }
 
 // ---- Deterministic mutation test ----
@@ -677,7 +713,7 @@ TEST(WireMutationTest, MutatedFramesDecodeToAValueOrAnErrorNeverACrash) {
     // The payload decoder under every type, so one type's bytes are tried as another's.
     if (input.size() >= kFrameHeaderBytes) {
       const absl::string_view payload = absl::string_view(input).substr(kFrameHeaderBytes);
-      const MessageType type = static_cast<MessageType>(1 + rng() % 5);
+      const MessageType type = static_cast<MessageType>(1 + rng() % 6);
       absl::StatusOr<ControlMessage> as_type = DecodePayload(type, payload);
       if (as_type.ok()) {
         absl::StatusOr<std::string> again = EncodeFrame(*as_type);

@@ -82,6 +82,20 @@ absl::Status Encode(const ErrorMsg& m, ByteWriter& w) {
   return w.Bytes("Error.message", m.message, kMaxMessageBytes);
 }
 
+absl::Status CheckIntroTag(const std::string& tag) {
+  if (tag.size() != kAuthTagBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Intro.auth_tag is ", tag.size(), " bytes; must be ", kAuthTagBytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Encode(const IntroMsg& m, ByteWriter& w) {
+  RETURN_IF_ERROR(w.Bytes("Intro.payload", m.payload, kMaxHelloPayloadBytes));
+  RETURN_IF_ERROR(CheckIntroTag(m.auth_tag));
+  return w.Bytes("Intro.auth_tag", m.auth_tag, kAuthTagBytes);
+}
+
 // ---- Decoders ----
 
 absl::Status Decode(ByteReader& r, ChallengeMsg* m) {
@@ -119,6 +133,12 @@ absl::Status Decode(ByteReader& r, ErrorMsg* m) {
   return r.Bytes("Error.message", kMaxMessageBytes, &m->message);
 }
 
+absl::Status Decode(ByteReader& r, IntroMsg* m) {
+  RETURN_IF_ERROR(r.Bytes("Intro.payload", kMaxHelloPayloadBytes, &m->payload));
+  RETURN_IF_ERROR(r.Bytes("Intro.auth_tag", kAuthTagBytes, &m->auth_tag));
+  return CheckIntroTag(m->auth_tag);
+}
+
 template <typename Msg>
 absl::StatusOr<ControlMessage> DecodeAs(MessageType type, absl::string_view payload) {
   ByteReader reader(payload);
@@ -130,7 +150,7 @@ absl::StatusOr<ControlMessage> DecodeAs(MessageType type, absl::string_view payl
 
 bool IsKnownType(uint16_t type) {
   return type >= static_cast<uint16_t>(MessageType::kChallenge) &&
-         type <= static_cast<uint16_t>(MessageType::kError);
+         type <= static_cast<uint16_t>(MessageType::kIntro);
 }
 
 }  // namespace
@@ -139,6 +159,8 @@ MessageType TypeOf(const ControlMessage& message) {
   // The variant's alternatives are declared in MessageType order, starting at 1.
   static_assert(std::is_same_v<std::variant_alternative_t<0, ControlMessage>, ChallengeMsg>);
   static_assert(std::is_same_v<std::variant_alternative_t<4, ControlMessage>, ErrorMsg>);
+  static_assert(std::is_same_v<std::variant_alternative_t<5, ControlMessage>, IntroMsg>);
+  static_assert(std::variant_size_v<ControlMessage> == 6);
   return static_cast<MessageType>(message.index() + 1);
 }
 
@@ -154,6 +176,8 @@ absl::string_view MessageTypeName(MessageType type) {
       return "Data";
     case MessageType::kError:
       return "Error";
+    case MessageType::kIntro:
+      return "Intro";
   }
   return "Unknown";
 }
@@ -229,6 +253,8 @@ absl::StatusOr<ControlMessage> DecodePayload(MessageType type, absl::string_view
       return DecodeAs<DataMsg>(type, payload);
     case MessageType::kError:
       return DecodeAs<ErrorMsg>(type, payload);
+    case MessageType::kIntro:
+      return DecodeAs<IntroMsg>(type, payload);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown message type ", static_cast<uint16_t>(type)));

@@ -15,11 +15,16 @@
 // Value rules, enforced by the encoder and the decoder alike (so whatever we send, the peer
 // accepts, and every accepted frame re-encodes to the same bytes): strings and blobs within
 // the k*Bytes bound of their kind; Challenge nonce exactly 32 bytes; Hello nonce and
-// auth_tag empty or exactly 32 bytes; status codes 0..16 (absl::StatusCode).
+// auth_tag empty or exactly 32 bytes; Intro auth_tag exactly 32 bytes; status codes 0..16
+// (absl::StatusCode).
 //
 // The channel knows frames, peers and the handshake, not what its users say: a Hello's
 // `payload` and a Data message's `payload` are opaque bytes that the layer above (the
-// connector) encodes and decodes itself.
+// connector) encodes and decodes itself. How the handshake uses the messages (which
+// fields are empty when, what the tags cover) is written in control_channel.h.
+//
+// Version 3 (this one) added Intro and changed what the handshake's tags cover; a peer of
+// another version is refused at its first frame header.
 #ifndef KVSTREAM_TRANSFER_WIRE_H_
 #define KVSTREAM_TRANSFER_WIRE_H_
 
@@ -35,7 +40,7 @@
 namespace kvstream {
 
 inline constexpr uint32_t kWireMagic = 0x4353564B;  // bytes "KVSC"
-inline constexpr uint16_t kWireVersion = 2;
+inline constexpr uint16_t kWireVersion = 3;
 inline constexpr size_t kFrameHeaderBytes = 12;
 inline constexpr uint32_t kMaxPayloadBytes = 16u << 20;
 // Bounds on individual fields (beyond the payload bound).
@@ -51,6 +56,7 @@ enum class MessageType : uint16_t {
   kHelloAck = 3,
   kData = 4,
   kError = 5,
+  kIntro = 6,
 };
 
 // Sent by the accepting side first: a fresh nonce the connecting side must answer.
@@ -61,9 +67,11 @@ struct ChallengeMsg {
 // The connecting side's introduction (and, in HelloAck, the accepting side's).
 struct HelloMsg {
   std::string engine_id;
-  std::string payload;   // the user's introduction (opaque here), checked by its own check
+  // The user's introduction (opaque here), checked by its own check. Empty on the wire
+  // when a secret is set: it then travels in an Intro, after both sides proved the secret.
+  std::string payload;
   std::string nonce;     // the sender's own challenge to the other side (may be empty)
-  std::string auth_tag;  // HMAC-SHA256(secret, other side's nonce || engine_id); empty = none
+  std::string auth_tag;  // HandshakeTag (control_channel.h); empty = no secret
 };
 
 struct HelloAckMsg {
@@ -82,7 +90,14 @@ struct ErrorMsg {
   std::string message;
 };
 
-using ControlMessage = std::variant<ChallengeMsg, HelloMsg, HelloAckMsg, DataMsg, ErrorMsg>;
+// With a secret, each side's introduction, sent once both sides have proved the secret.
+struct IntroMsg {
+  std::string payload;   // the user's introduction (opaque here), at most kMaxHelloPayloadBytes
+  std::string auth_tag;  // HandshakeTag over the handshake and `payload`: exactly 32 bytes
+};
+
+using ControlMessage =
+    std::variant<ChallengeMsg, HelloMsg, HelloAckMsg, DataMsg, ErrorMsg, IntroMsg>;
 
 MessageType TypeOf(const ControlMessage& message);
 absl::string_view MessageTypeName(MessageType type);
