@@ -4,7 +4,9 @@
 // scattered writes land byte for byte before their notification in both directions, into
 // registered heap memory and into memory from Transport::AllocateMemory, and that
 // a peer killed with SIGKILL mid-stream makes every outstanding transfer fail (before a
-// generous deadline: no hang) with an error naming the peer.
+// generous deadline: no hang) with an error naming the peer. A hostile receiver whose
+// descriptor claims more memory than it registered is refused where this process would
+// write into the mapping itself, and cannot crash this process elsewhere.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -112,6 +114,10 @@ class UcxMultiProcessTest : public ::testing::TestWithParam<std::string> {
 
   void ScatteredLayersLandBeforeTheirNotifications(const std::string& memory);
   void ChildWritesAndNotifiesAfterItsData(bool allocate);
+  void WriteAndCheck(const RemoteMemory& remote, const std::vector<Segment>& segments,
+                     const std::vector<char>& src, std::vector<char>& expected,
+                     const std::string& tag);
+  void ForgedRegionClaim(const std::string& memory);
 
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<ChildProcess> child_;
@@ -333,6 +339,115 @@ TEST_P(UcxMultiProcessTest, PeerKilledMidStreamFailsOutstandingTransfers) {
   for (int i = 0; i < 100; ++i) ASSERT_TRUE(transport_->Progress().ok());
   EXPECT_EQ(transport_->PeerStatus(peer_).code(), absl::StatusCode::kNotFound);
 }
+
+// Writes `segments` from the local registration into `remote` with a "dump" notification
+// and checks the receiver's whole region (as it dumps it) against `expected`, updated here.
+void UcxMultiProcessTest::WriteAndCheck(const RemoteMemory& remote,
+                                        const std::vector<Segment>& segments,
+                                        const std::vector<char>& src, std::vector<char>& expected,
+                                        const std::string& tag) {
+  for (const Segment& s : segments) {
+    std::memcpy(expected.data() + s.remote_offset, src.data() + s.local_offset, s.length);
+  }
+  auto id = transport_->PostWrite(peer_, *reg_, remote, segments, "dump " + tag);
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto line = ReadLineProgressing();
+  ASSERT_TRUE(line.ok()) << line.status();
+  ASSERT_EQ(*line, absl::StrCat("DUMP dump ", tag, " ", expected.size()));
+  std::vector<char> snapshot(expected.size());
+  ASSERT_TRUE(child_->reader().ReadExactly(snapshot.data(), snapshot.size(), Deadline()).ok());
+  EXPECT_TRUE(snapshot == expected) << "the receiver's region does not hold what was written";
+  auto state = WaitForTransfer(*transport_, *id, Deadline());
+  ASSERT_TRUE(state.ok()) << state.status();
+  transport_->Release(*id);
+}
+
+// A hostile receiver registers kBytes (`memory`: "transport", from AllocateMemory, which
+// over shm this process maps and writes into itself; "guarded", a buffer followed by
+// inaccessible pages, which UCX reaches through the kernel or the network) and hands out a
+// descriptor claiming four times as much. Where this process would write into the mapping
+// itself, the import is refused, naming the peer and the sizes. Elsewhere the claim cannot
+// be checked here (UCX places the bytes on the receiver's side): a write into the
+// claimed-but-unregistered part must still end (done, or with an error naming the peer)
+// without crashing this process; the lying receiver may crash itself.
+// Either way writes within the real region (through the forged descriptor where it was
+// accepted, and through the real one) land byte for byte.
+void UcxMultiProcessTest::ForgedRegionClaim(const std::string& memory) {
+  constexpr size_t kBlock = 16 << 10;
+  constexpr size_t kBlocks = 64;
+  constexpr size_t kBytes = kBlock * kBlocks;
+  constexpr size_t kClaim = 4 * kBytes;
+  Spawn({"--role=receiver", absl::StrCat("--bytes=", kBytes), "--memory=" + memory,
+         absl::StrCat("--claim-bytes=", kClaim)});
+  const std::string info = ReadHex("INFO");
+  const std::string forged = ReadHex("DESC");
+  const std::string real = ReadHex("REAL");
+  auto ready = child_->reader().ReadLine(Deadline());
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  ASSERT_EQ(*ready, "READY");
+  auto peer = transport_->Connect(info);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  peer_ = *peer;
+  std::vector<char> src(kClaim);
+  FillPattern(src.data(), src.size(), 31);
+  ASSERT_NO_FATAL_FAILURE(RegisterLocal(src));
+  std::vector<char> expected(kBytes, 0);
+
+  auto imported = transport_->ImportRemote(peer_, forged);
+  // Over shm, AllocateMemory's segment is mapped here; a heap or mmap'd buffer never is.
+  if (Tls() == "shm" && memory == "transport") {
+    ASSERT_FALSE(imported.ok()) << "a region claiming more than its key maps was imported";
+    EXPECT_EQ(imported.status().code(), absl::StatusCode::kInvalidArgument) << imported.status();
+    EXPECT_THAT(imported.status().message(), HasSubstr(absl::StrCat("peer ", peer_)));
+    EXPECT_THAT(imported.status().message(), HasSubstr(absl::StrCat("claims ", kClaim, " bytes")));
+    // The peer's real descriptor still imports, and writes through it land.
+    auto honest = transport_->ImportRemote(peer_, real);
+    ASSERT_TRUE(honest.ok()) << honest.status();
+    remote_ = std::move(honest).value();
+    EXPECT_EQ(UcxWritesAreCopied(*remote_), Copying());
+    ASSERT_NO_FATAL_FAILURE(WriteAndCheck(*remote_, ScatteredSegments(24, kBlock, kBlocks, 5),
+                                          src, expected, "real"));
+    auto bye = transport_->PostNotification(peer_, "exit");
+    ASSERT_TRUE(bye.ok()) << bye.status();
+    auto line = ReadLineProgressing();
+    ASSERT_TRUE(line.ok()) << line.status();
+    EXPECT_EQ(*line, "BYE");
+    auto exit_code = child_->Wait(Deadline());
+    ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+    EXPECT_EQ(*exit_code, 0);
+    return;
+  }
+  // Nothing maps the region here, so nothing can check the claim here: it is accepted.
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  remote_ = std::move(imported).value();
+  ASSERT_FALSE(UcxWritesAreCopied(*remote_));
+  ASSERT_NO_FATAL_FAILURE(WriteAndCheck(*remote_, ScatteredSegments(24, kBlock, kBlocks, 5),
+                                        src, expected, "in"));
+  // One block inside the claimed range, past the registration: UCX places it in the
+  // receiver's address space on the receiver's side (software RMA, TCP), where the lie
+  // may bring the liar down. This process must stay up and the transfer must end, done (the
+  // bytes left before the receiver failed) or with an error naming the peer; never hang.
+  const std::vector<Segment> beyond = {{0, kBytes + 2 * kBlock, kBlock}};
+  auto id = transport_->PostWrite(peer_, *reg_, *remote_, beyond, "dump beyond");
+  ASSERT_TRUE(id.ok()) << id.status();
+  const absl::Time deadline = Deadline();
+  absl::StatusOr<TransferState> state = TransferState::kInProgress;
+  while (state.ok() && *state == TransferState::kInProgress) {
+    ASSERT_LT(absl::Now(), deadline) << "the write past the registration never ended";
+    ASSERT_TRUE(transport_->Progress().ok());
+    state = transport_->Test(*id);
+    // A receiver that died is reaped, as its parent would: UCX tells a dead peer from a live
+    // one only once its process is gone.
+    (void)child_->Wait(absl::Now());
+  }
+  if (!state.ok()) {
+    EXPECT_THAT(state.status().message(), HasSubstr(absl::StrCat("peer ", peer_)));
+  }
+  transport_->Release(*id);
+}
+
+TEST_P(UcxMultiProcessTest, ForgedClaimOnAllocatedMemory) { ForgedRegionClaim("transport"); }
+TEST_P(UcxMultiProcessTest, ForgedClaimOnGuardedMemory) { ForgedRegionClaim("guarded"); }
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxMultiProcessTest, ::testing::Values("shm", "shm_copy", "tcp"),
                          [](const ::testing::TestParamInfo<std::string>& param) {

@@ -1,12 +1,17 @@
 // The peer process of the multi-process UCX transport test (ucx_transport_multiprocess_test).
 //
-//   kvstream_ucx_transport_peer --role=receiver --tls=shm --bytes=N [--memory=heap|transport]
-//     Registers N zeroed bytes (a heap buffer, or with --memory=transport memory from
-//     Transport::AllocateMemory) and writes "INFO <hex worker info>", "DESC <hex descriptor>",
+//   kvstream_ucx_transport_peer --role=receiver --tls=shm --bytes=N
+//                               [--memory=heap|transport|guarded] [--claim-bytes=M]
+//     Registers N zeroed bytes (a heap buffer; with --memory=transport memory from
+//     Transport::AllocateMemory; with --memory=guarded an mmap'd buffer followed by 3N bytes
+//     of inaccessible pages) and writes "INFO <hex worker info>", "DESC <hex descriptor>",
 //     "READY" to fd 3. Then progresses and, for each notification: "dump..." -> writes
 //     "DUMP <payload> <N>" and the N bytes of its buffer as they are at that moment; "exit"
 //     -> writes "BYE" and exits 0; "stall" -> writes "STALLED" and never progresses again
 //     (a peer that stops reading, for the test to kill); anything else -> "NOTE <payload>".
+//     With --claim-bytes=M the descriptor handed out is forged: the real one re-encoded
+//     (ucx/ucx_wire.h) with length M, a hostile peer claiming memory it did not register;
+//     the real one follows as "REAL <hex descriptor>" before "READY".
 //
 //   kvstream_ucx_transport_peer --role=writer --tls=shm --bytes=N --block=B --count=C --seed=S
 //     Reads "INFO <hex>" and "DESC <hex>" lines from stdin, fills N bytes with the seed's
@@ -18,11 +23,13 @@
 //
 // Exits non-zero with a message on stderr on any error. Lives only as long as its parent.
 #include <poll.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -34,6 +41,7 @@
 #include "kvstream/transfer/transport.h"
 #include "kvstream/transfer/ucx_transport.h"
 #include "tests/integration/ucx_transport_peer.h"
+#include "transfer/src/ucx/ucx_wire.h"
 
 namespace kvstream {
 namespace test {
@@ -79,16 +87,50 @@ bool StdinClosedOrSays(const std::string& word) {
   return absl::StrContains(absl::string_view(buffer, static_cast<size_t>(n)), word);
 }
 
-int RunReceiver(Transport& transport, size_t bytes, bool allocate) {
-  std::vector<char> buffer(allocate ? 0 : bytes, 0);
-  auto reg = allocate ? transport.AllocateMemory(bytes, MemoryKind::kHost)
-                      : transport.RegisterMemory(buffer.data(), buffer.size(), MemoryKind::kHost);
+// `bytes` of zeroed read-write memory followed by 3 * `bytes` of inaccessible pages (never
+// unmapped: the process exits).
+absl::StatusOr<char*> GuardedBuffer(size_t bytes) {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  if (bytes % page != 0) return absl::InvalidArgumentError("--bytes must be whole pages");
+  void* p = ::mmap(nullptr, 4 * bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return absl::InternalError("mmap failed");
+  if (::mprotect(p, bytes, PROT_READ | PROT_WRITE) != 0) {
+    return absl::InternalError("mprotect failed");
+  }
+  return static_cast<char*>(p);
+}
+
+// The registration's descriptor with its length replaced by `claim` (0: unchanged).
+absl::StatusOr<std::string> HandedOutDescriptor(const MemoryRegistration& reg, uint64_t claim) {
+  if (claim == 0) return reg.descriptor();
+  auto decoded = internal::DecodeMemoryDescriptor(reg.descriptor());
+  if (!decoded.ok()) return decoded.status();
+  decoded->length = claim;
+  return internal::EncodeMemoryDescriptor(*decoded);
+}
+
+int RunReceiver(Transport& transport, size_t bytes, const std::string& memory, uint64_t claim) {
+  std::vector<char> buffer(memory == "heap" ? bytes : 0, 0);
+  absl::StatusOr<std::unique_ptr<MemoryRegistration>> reg;
+  if (memory == "transport") {
+    reg = transport.AllocateMemory(bytes, MemoryKind::kHost);
+  } else if (memory == "guarded") {
+    auto guarded = GuardedBuffer(bytes);
+    if (!guarded.ok()) return Fail(guarded.status().ToString());
+    reg = transport.RegisterMemory(*guarded, bytes, MemoryKind::kHost);
+  } else {
+    reg = transport.RegisterMemory(buffer.data(), buffer.size(), MemoryKind::kHost);
+  }
   if (!reg.ok()) return Fail(reg.status().ToString());
   const char* data = static_cast<const char*>((*reg)->base());
   auto info = transport.LocalInfo();
   if (!info.ok()) return Fail(info.status().ToString());
+  auto descriptor = HandedOutDescriptor(**reg, claim);
+  if (!descriptor.ok()) return Fail(descriptor.status().ToString());
   if (!WriteLine(kPeerOutFd, "INFO " + absl::BytesToHexString(*info)).ok() ||
-      !WriteLine(kPeerOutFd, "DESC " + absl::BytesToHexString((*reg)->descriptor())).ok() ||
+      !WriteLine(kPeerOutFd, "DESC " + absl::BytesToHexString(*descriptor)).ok() ||
+      (claim != 0 &&
+       !WriteLine(kPeerOutFd, "REAL " + absl::BytesToHexString((*reg)->descriptor())).ok()) ||
       !WriteLine(kPeerOutFd, "READY").ok()) {
     return Fail("cannot write to the parent");
   }
@@ -167,8 +209,11 @@ int Main(int argc, char** argv) {
   if (!transport.ok()) return Fail(transport.status().ToString());
   const size_t bytes = Number(flags, "bytes");
   const std::string memory = flags.count("memory") ? flags["memory"] : "heap";
-  if (memory != "heap" && memory != "transport") return Fail("--memory must be heap or transport");
-  if (flags["role"] == "receiver") return RunReceiver(**transport, bytes, memory == "transport");
+  if (memory != "heap" && memory != "transport" && memory != "guarded") {
+    return Fail("--memory must be heap, transport or guarded");
+  }
+  const uint64_t claim = flags.count("claim-bytes") ? Number(flags, "claim-bytes") : 0;
+  if (flags["role"] == "receiver") return RunReceiver(**transport, bytes, memory, claim);
   if (flags["role"] == "writer") {
     return RunWriter(**transport, bytes, Number(flags, "block"), Number(flags, "count"),
                      static_cast<uint32_t>(Number(flags, "seed")));

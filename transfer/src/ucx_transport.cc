@@ -131,14 +131,17 @@ class UcxTransport final : public Transport {
       // example from a transport with other memory domains): still the caller's input.
       return absl::InvalidArgumentError(status.message());
     }
+    UcxRkey rkey(NoOwner{}, raw_rkey);  // destroyed (under mu) if the region is refused
+    // Where the key maps the region here, this process writes into it itself (UCX's
+    // shared-memory puts, or the copy threads): every byte the descriptor claims must lie in
+    // what the key really mapped, or a write would run off the peer's segment.
+    ASSIGN_OR_RETURN(char* mapped,
+                     MapPeerRegion(core_.get(), *peer, rkey.get(), d.address, d.length,
+                                   "ImportRemote: the host region"));
     // With copy threads, writes go straight into the region where the key maps it here.
-    void* mapped = nullptr;
-    if (pool_ != nullptr && ucp_rkey_ptr(raw_rkey, d.address, &mapped) != UCS_OK) {
-      mapped = nullptr;
-    }
-    return std::unique_ptr<RemoteMemory>(new UcxRemote(core_, peer_id, d.address, d.length,
-                                                       UcxRkey(NoOwner{}, raw_rkey),
-                                                       static_cast<char*>(mapped)));
+    if (pool_ == nullptr) mapped = nullptr;
+    return std::unique_ptr<RemoteMemory>(
+        new UcxRemote(core_, peer_id, d.address, d.length, std::move(rkey), mapped));
   }
 
   absl::StatusOr<TransferId> PostWrite(PeerId peer_id, const MemoryRegistration& local,

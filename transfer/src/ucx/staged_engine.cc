@@ -257,8 +257,11 @@ absl::Status AcceptWelcome(UcxCore* core, UcxPeer* peer, const StagedWelcome& we
   out.slot_bytes = welcome.slot_bytes;
   CudaDeviceScope scope(core->staged->device);
   RETURN_IF_ERROR(scope.status());
-  void* mapped = nullptr;
-  if (ucp_rkey_ptr(raw_rkey, landing.address, &mapped) == UCS_OK && mapped != nullptr) {
+  // The receiver's slot sizes are its claim: the sender copies into the mapped area itself,
+  // so all of it must lie in what the key really mapped here.
+  ASSIGN_OR_RETURN(char* mapped, MapPeerRegion(core, *peer, raw_rkey, landing.address,
+                                               landing.length, "staged welcome: the landing area"));
+  if (mapped != nullptr) {
     absl::Status locked = HostRegister(mapped, landing.length, "staged landing area, mapped");
     if (locked.ok()) {
       out.mapped = static_cast<char*>(mapped);

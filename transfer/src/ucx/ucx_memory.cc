@@ -12,10 +12,12 @@
 
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/status_macros.h"
+#include "ucx/remote_mapping.h"
 #include "ucx/staged_cuda.h"
 #include "ucx/staged_engine.h"
 #include "ucx/ucx_status.h"
@@ -194,6 +196,20 @@ absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateUcxMemory(
   core->allocations[address] = std::move(allocation);
   return std::unique_ptr<MemoryRegistration>(new UcxRegistration(
       core, std::move(memh), base, length, kind, std::move(descriptor), /*allocated=*/true));
+}
+
+absl::StatusOr<char*> MapPeerRegion(UcxCore* core, const UcxPeer& peer, ucp_rkey_h rkey,
+                                    uint64_t address, uint64_t length, absl::string_view what)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::vector<OwnRange> own;
+  for (const auto& [base, allocation] : core->allocations) own.emplace_back(base, allocation.length);
+  for (const auto& [id, p] : core->peers) {
+    if (p->in != nullptr && p->in->landing != nullptr) {
+      own.emplace_back(reinterpret_cast<uintptr_t>(p->in->landing),
+                       uint64_t{p->in->slots.size()} * p->in->slot_bytes);
+    }
+  }
+  return MapRemoteRegion(rkey, address, length, own, what, peer.label);
 }
 
 }  // namespace internal

@@ -103,6 +103,15 @@ absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterUcxMemory(
 absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateUcxMemory(
     const std::shared_ptr<UcxCore>& core, size_t length, MemoryKind kind);
 
+// Where the peer's host region [address, address + length), unpacked into `rkey`, is mapped
+// into this process: null when the key does not map it (writes go through UCX), its first
+// byte when all of it lies in memory this process mapped for it and in none of the core's
+// own shared memory (AllocateMemory allocations, staged landing areas); InvalidArgument
+// naming `what`, the peer and the sizes when the descriptor claims more than the key maps
+// (ucx/remote_mapping.h). REQUIRES core->mu.
+absl::StatusOr<char*> MapPeerRegion(UcxCore* core, const UcxPeer& peer, ucp_rkey_h rkey,
+                                    uint64_t address, uint64_t length, absl::string_view what);
+
 }  // namespace internal
 }  // namespace kvstream
 

@@ -35,6 +35,20 @@
 //   after which the caller should Disconnect(). Once connected, a dead peer is detected by
 //   keepalive (keepalive_interval) or by its closed socket.
 //
+// A peer's memory descriptor is only its claim. Where the descriptor's remote key maps the
+// peer's memory into this process (a shared-memory segment: this process then stores into
+// it itself, by UCX's shared-memory puts or the copy threads), ImportRemote refuses
+// (InvalidArgument, naming the peer and the sizes) a host region unless every byte it claims
+// lies in what the key mapped here and in none of this transport's own shared memory; the
+// staged path checks a receiver's landing area the same way. So no descriptor makes this
+// process store outside memory it mapped for the peer. Where the key maps nothing here
+// (emulated puts, TCP) the writer cannot check the claim, and UCX 1.13 places the bytes on
+// the receiver's side at the address the writer names without checking the receiver's
+// registrations (observed: a receiver whose descriptor claims more than it registered
+// crashes itself when written past its registration). A receiver that lies hurts only
+// itself; but a hostile *writer* can likewise place bytes anywhere in a receiver that takes
+// emulated puts.
+//
 // Thread safety: as Transport (every method from any thread); internally one mutex
 // serialises every UCX call and the worker runs in UCS_THREAD_MODE_SERIALIZED. With
 // copy_threads, those threads copy without the mutex and take it to hand a finished write
