@@ -249,6 +249,8 @@ absl::Status ProducerSide::AcceptHandOff(const HandOffMsg& m,
   }
   SendRequest& s = existing->second;
   s.dests.push_back({link, m.dest_block_ids});
+  ++link->active_requests;
+  link->active_tokens += static_cast<int64_t>(s.prompt.size());
   for (int32_t l : link->layers) s.route[l] = s.dests.size() - 1;
   if (s.route.size() == table->indices().size()) {
     s.state = SendState::kQueued;
@@ -265,6 +267,44 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
                                         const SendRequest* other) const {
   std::shared_ptr<const LayerTable> table = shared_.layers();
   const int32_t block_size = table->block_size();
+  // What the model and this producer's cache can ever serve: a request beyond it would be
+  // queued for good (or fail the engine), so it is refused here, alone.
+  const KvModelInfo& model = table->model();
+  const int64_t prompt = static_cast<int64_t>(m.prompt_token_ids.size());
+  if (model.max_model_len > 0 && prompt > model.max_model_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request ", m.request_id, ": a prompt of ", prompt,
+        " tokens is longer than the prefill model's maximum of ", model.max_model_len));
+  }
+  if (prompt > table->num_blocks() * block_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request ", m.request_id, ": a prompt of ", prompt, " tokens needs ",
+        CeilDiv(prompt, block_size), " blocks, more than the prefill worker's whole cache of ",
+        table->num_blocks(), " blocks of ", block_size, " tokens"));
+  }
+  if (model.vocab_size > 0) {
+    for (size_t i = 0; i < m.prompt_token_ids.size(); ++i) {
+      if (m.prompt_token_ids[i] >= model.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "request ", m.request_id, ": prompt token ", i, " is ", m.prompt_token_ids[i],
+            ", outside the prefill model's vocabulary [0, ", model.vocab_size, ")"));
+      }
+    }
+  }
+  // What one consumer may have in flight.
+  const KvstreamSettings& k = shared_.config.kvstream;
+  if (link.active_requests >= k.max_requests_per_consumer) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request ", m.request_id, ": consumer ", link.engine_id, " already has ",
+        link.active_requests, " requests in flight (max_requests_per_consumer ",
+        k.max_requests_per_consumer, ")"));
+  }
+  if (link.active_tokens + prompt > k.max_tokens_per_consumer) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request ", m.request_id, ": its ", prompt, " prompt tokens and the ",
+        link.active_tokens, " of consumer ", link.engine_id,
+        "'s requests in flight exceed max_tokens_per_consumer ", k.max_tokens_per_consumer));
+  }
   if (m.num_tokens == 0 || m.num_tokens > m.prompt_token_ids.size()) {
     return absl::InvalidArgumentError(absl::StrCat("request ", m.request_id, " asks for ",
                                                    m.num_tokens, " tokens of a ",
@@ -356,6 +396,15 @@ void ProducerSide::Fail(SendRequest& s, const absl::Status& why) {
   s.stop_reason = why.ToString();
   Log(LogLevel::kWarning, absl::StrCat("send of request ", s.id, " failed: ", s.stop_reason));
   for (TransferId t : s.pending) (void)shared_.transport->Cancel(t);
+}
+
+void ProducerSide::Settle(SendRequest& s) {
+  if (s.settled) return;
+  s.settled = true;
+  for (const Destination& d : s.dests) {
+    --d.link->active_requests;
+    d.link->active_tokens -= static_cast<int64_t>(s.prompt.size());
+  }
 }
 
 // ---- the step ----
@@ -490,6 +539,7 @@ bool ProducerSide::Poll() {
       if (s.state == SendState::kSending) {
         if (s.pending.empty() && static_cast<int32_t>(s.layers_posted.size()) == layer_count) {
           s.state = SendState::kDone;
+          Settle(s);
         } else if (!s.pending.empty() && now > s.deadline) {
           // Only transfers in flight can be late: while none is, the engine is still
           // computing the next layer (the consumer's own deadlines cover a producer that
@@ -514,6 +564,7 @@ bool ProducerSide::Poll() {
       // A failed request whose transfers all ended: tell its consumers once.
       if (s.state == SendState::kFailed && s.pending.empty()) {
         s.state = SendState::kStopped;
+        Settle(s);
         for (const Destination& d : s.dests) {
           if (d.link->alive) notify.push_back({d.link, AbortMsg{s.id, s.stop_reason}});
         }

@@ -93,6 +93,11 @@ class ProducerSide {
         regions;
     std::shared_ptr<ControlConnection> conn;
     std::atomic<bool> alive{true};
+    // Requests handed over on this link and not yet done or stopped, and their prompt
+    // tokens (bounded by max_requests_per_consumer / max_tokens_per_consumer). Guarded
+    // by the producer's mu_.
+    int64_t active_requests = 0;
+    int64_t active_tokens = 0;
   };
 
   struct Destination {
@@ -116,6 +121,7 @@ class ProducerSide {
     absl::Time deadline = absl::InfiniteFuture();
     std::string stop_reason;
     bool released = false;  // given to the engine (reported incoming)
+    bool settled = false;   // done or stopped: no longer counted against its consumers
   };
 
   // What a completed V transfer (the one with the notice) means for the stats.
@@ -134,6 +140,8 @@ class ProducerSide {
   bool HandleAbort(const AbortMsg& m, const std::shared_ptr<ConsumerLink>& link);
   void ConsumerLost(const std::shared_ptr<ConsumerLink>& link, const absl::Status& why);
   void Fail(SendRequest& s, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Once a request is done or stopped: it no longer counts against its consumers' bounds.
+  void Settle(SendRequest& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string DestinationNames(const SendRequest& s);
   static bool HasDestination(const SendRequest& s, const std::shared_ptr<ConsumerLink>& link);
 

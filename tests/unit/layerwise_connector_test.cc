@@ -194,6 +194,14 @@ struct NodeOptions {
   int pipeline_rank = 0;
   std::string pipeline_layers;  // e.g. "0,1-2"
   bool register_may_fail = false;
+  int64_t num_blocks = 16;
+  // Told to the worker with SetModelInfo when any is set.
+  KvModelInfo model;
+  int32_t max_connections = 256;
+  int32_t max_requests_per_consumer = 1024;
+  int64_t max_tokens_per_consumer = int64_t{1} << 22;
+  std::string pipeline_group;
+  int64_t handshake_timeout_ms = 2000;
 };
 
 // One worker: a connector and its layers' caches (null for layers it does not own).
@@ -215,7 +223,11 @@ std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
   c.kvstream.secret = o.secret;
   c.kvstream.load_timeout_ms = o.load_timeout_ms;
   c.kvstream.send_timeout_ms = o.send_timeout_ms;
-  c.kvstream.handshake_timeout_ms = 2000;
+  c.kvstream.handshake_timeout_ms = o.handshake_timeout_ms;
+  c.kvstream.max_connections = o.max_connections;
+  c.kvstream.max_requests_per_consumer = o.max_requests_per_consumer;
+  c.kvstream.max_tokens_per_consumer = o.max_tokens_per_consumer;
+  c.kvstream.pipeline_group = o.pipeline_group;
   c.kvstream.pipeline_parallel_size = o.pipeline_parallel_size;
   c.kvstream.pipeline_rank = o.pipeline_rank;
   if (!o.pipeline_layers.empty()) {
@@ -245,10 +257,13 @@ std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
     if (!o.layers.empty() && std::find(o.layers.begin(), o.layers.end(), l) == o.layers.end()) {
       continue;
     }
-    auto cache = KvCache::Create({spec, o.layout, 16});
+    auto cache = KvCache::Create({spec, o.layout, o.num_blocks});
     EXPECT_TRUE(cache.ok());
     by_name[LayerName(l)] = cache->get();
     node->caches[l] = std::move(cache).value();
+  }
+  if (o.model.vocab_size != 0 || o.model.max_model_len != 0 || !o.model.fingerprint.empty()) {
+    EXPECT_TRUE(node->connector->worker().SetModelInfo(o.model).ok());
   }
   node->register_status = node->connector->RegisterKvCaches(by_name);
   if (!o.register_may_fail) {
@@ -667,6 +682,141 @@ TEST_P(LayerwiseConnectorTest, DestinationBlocksOutsideTheCacheRejected) {
   EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kOutOfRange);
   EXPECT_THAT(errors[0].status.message(), HasSubstr("999"));
   EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+}
+
+// A prompt token outside the prefill model's vocabulary fails that request alone (its
+// consumer gets the producer's InvalidArgument); the producer's engine never sees it and
+// the next request on the same link streams.
+TEST_P(LayerwiseConnectorTest, TokenOutsideTheVocabularyFailsOnlyItsRequest) {
+  NodeOptions producer, consumer;
+  producer.model.vocab_size = consumer.model.vocab_size = 1010;  // prompts are 1000, 1001, ...
+  Start(producer, consumer);
+  ConsumerAdmit("bad", 12, {1, 2, 3});  // token 1010 at position 10
+  ConsumerAdmit("good", 9, {4, 5, 6});
+  ConsumerStep({{"bad", 0, 12}, {"good", 0, 9}});
+  std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].request_id, "bad");
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("vocabulary [0, 1010)"));
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  EXPECT_EQ(incoming[0].prompt_token_ids.size(), 9u);
+  ProducerPrefill(incoming[0], {7, 8, 9}, kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], {7, 8, 9}, *d_->caches[l], {4, 5, 6}, 8)) << l;
+  }
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_TRUE(PollFinished(*d_->connector, "bad", false).finished_recving.count("bad"));
+}
+
+// The vocabulary and the model's fingerprint are in the compatibility hash.
+TEST_P(LayerwiseConnectorTest, OtherVocabularyOrModelRejectedAtHandshake) {
+  for (const bool vocabulary : {true, false}) {
+    SCOPED_TRACE(vocabulary ? "larger vocabulary" : "other model");
+    NodeOptions producer, consumer;
+    producer.model = {32000, 0, "weights A"};
+    consumer.model = vocabulary ? KvModelInfo{128256, 0, "weights A"}
+                                : KvModelInfo{32000, 0, "weights B"};
+    Start(producer, consumer);
+    ConsumerAdmit("x", 9, {1, 2, 3});
+    ConsumerStep({{"x", 0, 9}});
+    std::vector<LoadError> errors = d_->connector->TakeLoadErrors();
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(errors[0].status.message(), HasSubstr("compatibility mismatch"));
+    EXPECT_THAT(errors[0].status.message(),
+                HasSubstr(vocabulary ? "vocabulary 128256" : "weights B"));
+    EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+    d_.reset();
+    p_.reset();
+  }
+}
+
+// A prompt that the producer could never prefill (longer than its model allows, or than its
+// whole cache holds) is refused at hand-off instead of being queued for good; a prompt that
+// fits still goes through.
+TEST_P(LayerwiseConnectorTest, PromptsBeyondTheModelOrTheCacheRejectedAtHandOff) {
+  for (const bool model_limit : {true, false}) {
+    SCOPED_TRACE(model_limit ? "max_model_len" : "cache size");
+    NodeOptions producer, consumer;
+    consumer.num_blocks = 64;
+    if (model_limit) {
+      producer.model.max_model_len = 16;
+    } else {
+      producer.num_blocks = 4;  // 16 tokens of block size 4
+    }
+    Start(producer, consumer);
+    ConsumerAdmit("huge", 17, {1, 2, 3, 4, 5});
+    ConsumerAdmit("fits", 16, {6, 7, 8, 9});
+    ConsumerStep({{"huge", 0, 17}, {"fits", 0, 16}});
+    std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].request_id, "huge");
+    EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(errors[0].status.message(),
+                HasSubstr(model_limit ? "longer than the prefill model's maximum of 16"
+                                      : "more than the prefill worker's whole cache of 4 blocks"));
+    auto incoming = ProducerTake(1);
+    ASSERT_EQ(incoming.size(), 1u);
+    EXPECT_EQ(incoming[0].prompt_token_ids.size(), 16u);
+    EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+    d_.reset();
+    p_.reset();
+  }
+}
+
+// One consumer's requests (or prompt tokens) in flight are bounded: beyond, a hand-off is
+// refused with ResourceExhausted; once requests finished, there is room again.
+TEST_P(LayerwiseConnectorTest, RequestsInFlightPerConsumerBounded) {
+  for (const bool by_requests : {true, false}) {
+    SCOPED_TRACE(by_requests ? "max_requests_per_consumer" : "max_tokens_per_consumer");
+    NodeOptions producer;
+    if (by_requests) {
+      producer.max_requests_per_consumer = 2;
+    } else {
+      producer.max_tokens_per_consumer = 12;  // two 5-token prompts, not three
+    }
+    Start(producer, {});
+    ConsumerAdmit("r0", 5, {0, 1});
+    ConsumerAdmit("r1", 5, {2, 3});
+    ConsumerAdmit("r2", 5, {4, 5});
+    ConsumerStep({{"r0", 0, 5}, {"r1", 0, 5}, {"r2", 0, 5}});
+    std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].request_id, "r2");
+    EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(errors[0].status.message(),
+                HasSubstr(by_requests ? "max_requests_per_consumer 2"
+                                      : "max_tokens_per_consumer 12"));
+    auto incoming = ProducerTake(2);
+    ASSERT_EQ(incoming.size(), 2u);
+    int next_block = 8;
+    for (const KvRequest& r : incoming) {
+      ProducerPrefill(r, {next_block, next_block + 1}, kLayers);
+      next_block += 2;
+    }
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    }
+    d_->connector->ClearConnectorMetadata();
+    for (const KvRequest& r : incoming) {
+      auto delay = p_->connector->RequestFinished(r.request_id);
+      ASSERT_TRUE(delay.ok());
+      if (*delay) {
+        EXPECT_TRUE(
+            PollFinished(*p_->connector, r.request_id, true).finished_sending.count(r.request_id));
+      }
+    }
+    // Both done: a new request is accepted.
+    ConsumerAdmit("r3", 5, {6, 7});
+    ConsumerStep({{"r3", 0, 5}});
+    EXPECT_EQ(ProducerTake(1).size(), 1u);
+    EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+    d_.reset();
+    p_.reset();
+  }
 }
 
 // Pipeline-parallel decode: stage 0 owns layer 0, stage 1 layers 1-2 (of kLayers = 3).
