@@ -4,9 +4,12 @@
 #include <algorithm>
 #include <utility>
 
+#include <xxhash.h>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "kvstream/common/int_math.h"
 #include "kvstream/common/logging.h"
@@ -88,7 +91,11 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
     RETURN_IF_ERROR(
         CheckCompatible(*table, shared_.config.engine_id, transport, theirs, peer.engine_id));
     link->engine_id = peer.engine_id;
-    return ImportConsumer(peer, *link);
+    link->name = absl::StrCat("'", absl::CHexEscape(peer.engine_id), "'");
+    RETURN_IF_ERROR(ImportConsumer(peer, *link));
+    // A group is a pipeline stage's: a consumer of every layer keeps its own namespace.
+    if (link->layers.size() < table->indices().size()) link->group = theirs.group;
+    return absl::OkStatus();
   };
   auto peer = HandshakeAsServer(*conn, *hs);
   if (!peer.ok()) {
@@ -100,6 +107,7 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
   }
   {
     absl::MutexLock lock(&mu_);
+    link->scope = ScopeFor(*link);
     links_.push_back(link);
   }
   while (!shared_.stopping) {
@@ -136,6 +144,40 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
       return;
     }
   }
+}
+
+namespace {
+
+// Text without '/' (so that the first '/' of a scoped id ends its scope) and escaped.
+std::string ScopeText(absl::string_view name) {
+  return absl::StrReplaceAll(absl::CHexEscape(name), {{"/", "\\x2f"}});
+}
+
+}  // namespace
+
+std::string ProducerSide::ScopedRequestId(absl::string_view scope, absl::string_view request_id) {
+  std::string id = absl::StrCat(scope, "/", absl::CHexEscape(request_id));
+  if (id.size() <= kMaxIdBytes) return id;
+  // Too long for the engine's ids: a prefix and a hash of the whole.
+  const uint64_t h = XXH3_64bits(id.data(), id.size());
+  id.resize(kMaxIdBytes - 17);
+  absl::StrAppend(&id, "~", absl::Hex(h, absl::kZeroPad16));
+  return id;
+}
+
+std::string ProducerSide::ScopeFor(const ConsumerLink& link) {
+  if (!link.group.empty()) return ScopeText(link.group);
+  // Two live consumers of one engine id still get their own namespaces.
+  const std::string base = ScopeText(link.engine_id);
+  std::string scope = base;
+  auto taken = [&](const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& other : links_) {
+      if (other->scope == name) return true;
+    }
+    return false;
+  };
+  while (taken(scope)) scope = absl::StrCat(base, "#", link_serial_++);
+  return scope;
 }
 
 // The consumer's cache regions. It may have all of our layers or, as one stage of a
@@ -195,28 +237,32 @@ absl::Status ProducerSide::AcceptHandOff(const HandOffMsg& m,
   if (m.request_id.empty()) return absl::InvalidArgumentError("empty request id");
   std::shared_ptr<const LayerTable> table = shared_.layers();
   const int64_t send_timeout_ms = shared_.config.kvstream.send_timeout_ms;
+  const std::string rid = absl::CHexEscape(m.request_id);
+  // The consumer's id is its own: the engine gets one scoped by the consumer (or by the
+  // pipeline group whose stages hand the request over together).
+  const std::string key = ScopedRequestId(link->scope, m.request_id);
   absl::MutexLock lock(&mu_);
-  auto existing = send_.find(m.request_id);
+  auto existing = send_.find(key);
   if (existing != send_.end()) {
     SendRequest& s = existing->second;
     if (HasDestination(s, link)) {
-      return absl::AlreadyExistsError(absl::StrCat("request ", m.request_id, " already handed over"));
+      return absl::AlreadyExistsError(absl::StrCat("request ", rid, " already handed over"));
     }
     if (s.state == SendState::kFailed || s.state == SendState::kStopped) {
       return absl::AbortedError(
-          absl::StrCat("request ", m.request_id, " was already stopped: ", s.stop_reason));
+          absl::StrCat("request ", rid, " was already stopped: ", s.stop_reason));
     }
     if (s.state != SendState::kGathering) {
-      return absl::AlreadyExistsError(absl::StrCat("request ", m.request_id,
+      return absl::AlreadyExistsError(absl::StrCat("request ", rid,
                                                    " already handed over by ",
                                                    DestinationNames(s),
                                                    ", which receive all its layers"));
     }
   }
   const bool pipeline_stage = link->layers.size() < table->indices().size();
-  auto rejected = rejected_stages_.find(m.request_id);
+  auto rejected = rejected_stages_.find(key);
   if (rejected != rejected_stages_.end() && pipeline_stage) {
-    return absl::AbortedError(absl::StrCat("request ", m.request_id,
+    return absl::AbortedError(absl::StrCat("request ", rid,
                                            ": the hand-off from another pipeline stage was "
                                            "rejected: ",
                                            rejected->second.why));
@@ -228,18 +274,19 @@ absl::Status ProducerSide::AcceptHandOff(const HandOffMsg& m,
     // fails for those already here, and is refused to those still to come.
     if (existing != send_.end()) {
       Fail(existing->second, absl::AbortedError(absl::StrCat(
-                                 "the hand-off from ", link->engine_id,
+                                 "the hand-off from ", link->name,
                                  " was rejected: ", verdict.message())));
     } else if (pipeline_stage) {
-      rejected_stages_[m.request_id] =
-          RejectedStage{absl::StrCat(link->engine_id, ": ", verdict.message()),
+      rejected_stages_[key] =
+          RejectedStage{absl::StrCat(link->name, ": ", verdict.message()),
                         absl::Now() + absl::Milliseconds(send_timeout_ms)};
     }
     return verdict;
   }
   if (existing == send_.end()) {
     SendRequest s;
-    s.id = m.request_id;
+    s.id = key;
+    s.consumer_id = m.request_id;
     s.prompt = m.prompt_token_ids;
     s.num_tokens = static_cast<int32_t>(m.num_tokens);
     // The other stages of a pipeline hand the request over independently; wait for them
@@ -266,6 +313,7 @@ absl::Status ProducerSide::AcceptHandOff(const HandOffMsg& m,
 absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink& link,
                                         const SendRequest* other) const {
   std::shared_ptr<const LayerTable> table = shared_.layers();
+  const std::string rid = absl::CHexEscape(m.request_id);
   const int32_t block_size = table->block_size();
   // What the model and this producer's cache can ever serve: a request beyond it would be
   // queued for good (or fail the engine), so it is refused here, alone.
@@ -273,12 +321,12 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
   const int64_t prompt = static_cast<int64_t>(m.prompt_token_ids.size());
   if (model.max_model_len > 0 && prompt > model.max_model_len) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "request ", m.request_id, ": a prompt of ", prompt,
+        "request ", rid, ": a prompt of ", prompt,
         " tokens is longer than the prefill model's maximum of ", model.max_model_len));
   }
   if (prompt > table->num_blocks() * block_size) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "request ", m.request_id, ": a prompt of ", prompt, " tokens needs ",
+        "request ", rid, ": a prompt of ", prompt, " tokens needs ",
         CeilDiv(prompt, block_size), " blocks, more than the prefill worker's whole cache of ",
         table->num_blocks(), " blocks of ", block_size, " tokens"));
   }
@@ -286,7 +334,7 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
     for (size_t i = 0; i < m.prompt_token_ids.size(); ++i) {
       if (m.prompt_token_ids[i] >= model.vocab_size) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "request ", m.request_id, ": prompt token ", i, " is ", m.prompt_token_ids[i],
+            "request ", rid, ": prompt token ", i, " is ", m.prompt_token_ids[i],
             ", outside the prefill model's vocabulary [0, ", model.vocab_size, ")"));
       }
     }
@@ -295,24 +343,24 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
   const KvstreamSettings& k = shared_.config.kvstream;
   if (link.active_requests >= k.max_requests_per_consumer) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "request ", m.request_id, ": consumer ", link.engine_id, " already has ",
+        "request ", rid, ": consumer ", link.name, " already has ",
         link.active_requests, " requests in flight (max_requests_per_consumer ",
         k.max_requests_per_consumer, ")"));
   }
   if (link.active_tokens + prompt > k.max_tokens_per_consumer) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "request ", m.request_id, ": its ", prompt, " prompt tokens and the ",
-        link.active_tokens, " of consumer ", link.engine_id,
+        "request ", rid, ": its ", prompt, " prompt tokens and the ",
+        link.active_tokens, " of consumer ", link.name,
         "'s requests in flight exceed max_tokens_per_consumer ", k.max_tokens_per_consumer));
   }
   if (m.num_tokens == 0 || m.num_tokens > m.prompt_token_ids.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("request ", m.request_id, " asks for ",
+    return absl::InvalidArgumentError(absl::StrCat("request ", rid, " asks for ",
                                                    m.num_tokens, " tokens of a ",
                                                    m.prompt_token_ids.size(), "-token prompt"));
   }
   const int64_t need = CeilDiv(m.num_tokens, block_size);
   if (static_cast<int64_t>(m.dest_block_ids.size()) < need) {
-    return absl::InvalidArgumentError(absl::StrCat("request ", m.request_id, ": ",
+    return absl::InvalidArgumentError(absl::StrCat("request ", rid, ": ",
                                                    m.dest_block_ids.size(),
                                                    " destination blocks for ", m.num_tokens,
                                                    " tokens of block size ", block_size));
@@ -320,14 +368,14 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
   for (int64_t i = 0; i < need; ++i) {
     const int32_t b = m.dest_block_ids[i];
     if (b < 0 || b >= link.remote_num_blocks) {
-      return absl::OutOfRangeError(absl::StrCat("request ", m.request_id, ": destination block ",
+      return absl::OutOfRangeError(absl::StrCat("request ", rid, ": destination block ",
                                                 b, " outside [0, ", link.remote_num_blocks, ")"));
     }
   }
   if (other == nullptr) return absl::OkStatus();
   if (other->prompt != m.prompt_token_ids || other->num_tokens != static_cast<int32_t>(m.num_tokens)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "request ", m.request_id, " handed over by ", link.engine_id,
+        "request ", rid, " handed over by ", link.name,
         " has another prompt or token count than the same request handed over by ",
         DestinationNames(*other)));
   }
@@ -335,9 +383,9 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
     auto owner = other->route.find(l);
     if (owner != other->route.end()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "request ", m.request_id, ": consumer ", link.engine_id, " asks for layers ",
+          "request ", rid, ": consumer ", link.name, " asks for layers ",
           FormatLayerSet(link.layers), " but layer ", l, " already goes to consumer ",
-          other->dests[owner->second].link->engine_id,
+          other->dests[owner->second].link->name,
           " (the pipeline stages' layer ranges overlap)"));
     }
   }
@@ -345,15 +393,16 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
 }
 
 bool ProducerSide::HandleAbort(const AbortMsg& m, const std::shared_ptr<ConsumerLink>& link) {
+  const std::string rid = absl::CHexEscape(m.request_id);
   absl::MutexLock lock(&mu_);
-  auto it = send_.find(m.request_id);
+  auto it = send_.find(ScopedRequestId(link->scope, m.request_id));
   if (it == send_.end() || !HasDestination(it->second, link)) return false;
   if (it->second.state == SendState::kDone || it->second.state == SendState::kStopped) {
     return false;
   }
   // Poll confirms once its transfers have ended.
-  Fail(it->second, absl::CancelledError(absl::StrCat("consumer aborted request ", m.request_id,
-                                                     ": ", m.reason)));
+  Fail(it->second, absl::CancelledError(absl::StrCat("consumer aborted request ", rid,
+                                                     ": ", absl::CHexEscape(m.reason))));
   return true;
 }
 
@@ -364,7 +413,7 @@ void ProducerSide::ConsumerLost(const std::shared_ptr<ConsumerLink>& link,
   for (auto& [id, s] : send_) {
     if (HasDestination(s, link)) {
       Fail(s, absl::UnavailableError(
-                  absl::StrCat("lost consumer ", link->engine_id, ": ", why.message())));
+                  absl::StrCat("lost consumer ", link->name, ": ", why.message())));
     }
   }
   links_.erase(std::remove(links_.begin(), links_.end(), link), links_.end());
@@ -372,7 +421,7 @@ void ProducerSide::ConsumerLost(const std::shared_ptr<ConsumerLink>& link,
 
 std::string ProducerSide::DestinationNames(const SendRequest& s) {
   return absl::StrJoin(s.dests, ", ", [](std::string* out, const Destination& d) {
-    absl::StrAppend(out, d.link->engine_id, " (layers ", FormatLayerSet(d.link->layers), ")");
+    absl::StrAppend(out, d.link->name, " (layers ", FormatLayerSet(d.link->layers), ")");
   });
 }
 
@@ -470,7 +519,7 @@ absl::Status ProducerSide::PostLayer(absl::string_view layer_name, const KvCache
     absl::StatusOr<LayerPost> post =
         region == dest.link->regions.end()
             ? absl::InternalError(absl::StrCat("no consumer region for layer ", layer->index))
-            : sender_->Post(*layer, s.id, dest.link->peer, *region->second.first,
+            : sender_->Post(*layer, s.consumer_id, dest.link->peer, *region->second.first,
                             *region->second.second, s.local_blocks, dest.dest_blocks,
                             s.num_tokens, stream, &posted_k);
     if (posted_k != 0) s.pending.push_back(posted_k);
@@ -566,7 +615,7 @@ bool ProducerSide::Poll() {
         s.state = SendState::kStopped;
         Settle(s);
         for (const Destination& d : s.dests) {
-          if (d.link->alive) notify.push_back({d.link, AbortMsg{s.id, s.stop_reason}});
+          if (d.link->alive) notify.push_back({d.link, AbortMsg{s.consumer_id, s.stop_reason}});
         }
       }
       if (!s.pending.empty() || s.state == SendState::kSending) outstanding = true;

@@ -5,6 +5,12 @@
 // the consumer (or pipeline stage) that owns the layer. For device caches the posts are
 // ordered after the layer's work on its stream by an event; the host never waits for it.
 //
+// Request ids are the consumers': each consumer's (each pipeline group's) are their own
+// namespace, and the engine knows a request by an id scoped by it (ScopedRequestId), so
+// two consumers may both hand over "req-0". The stages of one pipeline-parallel decode
+// group name the group in their hello and share its namespace: their hand-offs of one
+// request id are one request.
+//
 // A request's lifecycle (SendState):
 //   kGathering -> kQueued   every layer has a destination (all stages of a pipeline handed
 //                           it over); the engine is given it to prefill
@@ -83,6 +89,12 @@ class ProducerSide {
   // One connected consumer.
   struct ConsumerLink {
     std::string engine_id;
+    std::string name;   // the engine id escaped and quoted, for messages and logs
+    std::string group;  // its hello's pipeline group (empty: none)
+    // The namespace of its request ids (ScopedRequestId): its pipeline group's when it is
+    // a pipeline stage (the stages of one group hand a request over together), else its
+    // own (its engine id, made unique among the live links).
+    std::string scope;
     PeerId peer = 0;
     int64_t remote_num_blocks = 0;
     // The layers it registered, which are the layers it receives: all of ours, or one
@@ -109,7 +121,8 @@ class ProducerSide {
 
   struct SendRequest {
     SendState state = SendState::kGathering;
-    std::string id;
+    std::string id;           // the engine's: ScopedRequestId(scope, consumer_id)
+    std::string consumer_id;  // the consumers' own, in every message and notice to them
     std::vector<Destination> dests;
     std::map<int32_t, size_t> route;  // layer index -> index in dests
     absl::Time gather_deadline = absl::InfiniteFuture();  // for the hand-offs still missing
@@ -130,6 +143,12 @@ class ProducerSide {
     uint64_t post_ns = 0;
     std::string peer;  // the consumer's engine id
   };
+
+  // The id the engine knows a consumer's request by: "<scope>/<escaped request id>"
+  // (hashed where that would exceed kMaxIdBytes). Distinct scopes never give one id.
+  static std::string ScopedRequestId(absl::string_view scope, absl::string_view request_id);
+  // The scope of a link that just passed its handshake.
+  std::string ScopeFor(const ConsumerLink& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   void AcceptLoop();
   void ConsumerLoop(std::shared_ptr<ControlConnection> conn);
@@ -155,6 +174,7 @@ class ProducerSide {
   mutable absl::Mutex mu_;
   std::map<std::string, SendRequest> send_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<ConsumerLink>> links_ ABSL_GUARDED_BY(mu_);
+  uint64_t link_serial_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::string> step_saves_ ABSL_GUARDED_BY(mu_);
   absl::Status step_error_ ABSL_GUARDED_BY(mu_);
   // Requests a pipeline stage's hand-off was rejected for before any other stage handed

@@ -437,7 +437,8 @@ TEST_P(LayerwiseConnectorTest, StreamsEveryLayerIntoScatteredBlocks) {
 
   auto incoming = ProducerTake(1);
   ASSERT_EQ(incoming.size(), 1u);
-  EXPECT_EQ(incoming[0].request_id, "req-1");
+  // The engine knows it by an id scoped by its consumer.
+  EXPECT_EQ(incoming[0].request_id, "d/req-1");
   EXPECT_EQ(incoming[0].prompt_token_ids, r.prompt_token_ids);
   ProducerPrefill(incoming[0], p_blocks, kLayers);
 
@@ -465,11 +466,11 @@ TEST_P(LayerwiseConnectorTest, StreamsEveryLayerIntoScatteredBlocks) {
   FinishedRequests df = PollFinished(*d_->connector, "req-1", false);
   EXPECT_TRUE(df.finished_recving.count("req-1"));
 
-  auto delay = p_->connector->RequestFinished("req-1");
+  auto delay = p_->connector->RequestFinished("d/req-1");
   ASSERT_TRUE(delay.ok());
   if (*delay) {
-    FinishedRequests pf = PollFinished(*p_->connector, "req-1", true);
-    EXPECT_TRUE(pf.finished_sending.count("req-1"));
+    FinishedRequests pf = PollFinished(*p_->connector, "d/req-1", true);
+    EXPECT_TRUE(pf.finished_sending.count("d/req-1"));
   }
   EXPECT_EQ(p_->connector->stats().bytes_sent, expected_bytes);
   EXPECT_EQ(p_->connector->stats().layers_sent, static_cast<uint64_t>(kLayers));
@@ -489,7 +490,7 @@ TEST_P(LayerwiseConnectorTest, SeveralRequestsInFlight) {
   EXPECT_EQ(dm.waits.size(), 3u);
   auto incoming = ProducerTake(3);
   ASSERT_EQ(incoming.size(), 3u);
-  std::map<std::string, int> index = {{"r0", 0}, {"r1", 1}, {"r2", 2}};
+  std::map<std::string, int> index = {{"d/r0", 0}, {"d/r1", 1}, {"d/r2", 2}};
   std::vector<ScheduledRequest> psched;
   for (const KvRequest& r : incoming) {
     ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(r, p_blocks[index[r.request_id]], 0).ok());
@@ -523,7 +524,7 @@ TEST_P(LayerwiseConnectorTest, PrefillSlowerThanTheSendTimeoutStillStreams) {
   auto incoming = ProducerTake(1);
   ASSERT_EQ(incoming.size(), 1u);
   ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], p_blocks, 0).ok());
-  auto meta = p_->connector->BuildConnectorMeta({{"slow-prefill", 0, 10}});
+  auto meta = p_->connector->BuildConnectorMeta({{"d/slow-prefill", 0, 10}});
   ASSERT_TRUE(meta.ok());
   ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
   AttentionMetadata unused;
@@ -561,10 +562,10 @@ TEST_P(LayerwiseConnectorTest, LayerThatNeverArrivesIsALoadErrorAtTheDeadline) {
   EXPECT_TRUE(d_->connector->BeforeAttention(LayerName(1), nullptr).ok());
   // The consumer aborted; the producer stops and confirms, so both sides can free blocks.
   EXPECT_TRUE(PollFinished(*d_->connector, "slow", false).finished_recving.count("slow"));
-  auto delay = p_->connector->RequestFinished("slow");
+  auto delay = p_->connector->RequestFinished("d/slow");
   ASSERT_TRUE(delay.ok());
   if (*delay) {
-    EXPECT_TRUE(PollFinished(*p_->connector, "slow", true).finished_sending.count("slow"));
+    EXPECT_TRUE(PollFinished(*p_->connector, "d/slow", true).finished_sending.count("d/slow"));
   }
 }
 
@@ -575,7 +576,7 @@ TEST_P(LayerwiseConnectorTest, LostProducerFailsTheRequestFast) {
   auto incoming = ProducerTake(1);
   ASSERT_EQ(incoming.size(), 1u);
   ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], {4, 5, 6}, 0).ok());
-  auto meta = p_->connector->BuildConnectorMeta({{"orphan", 0, 9}});
+  auto meta = p_->connector->BuildConnectorMeta({{"d/orphan", 0, 9}});
   ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
   AttentionMetadata unused;
   ASSERT_TRUE(p_->connector->AfterAttention(LayerName(0), *p_->caches[0], unused, nullptr).ok());
@@ -620,13 +621,13 @@ TEST_P(LayerwiseConnectorTest, CorruptRequestFailsAloneAndTheLinkSurvives) {
   ConsumerStep({{"bad", 0, 5}, {"good", 0, 5}});
   auto incoming = ProducerTake(2);
   ASSERT_EQ(incoming.size(), 2u);
-  const KvRequest& bad = incoming[0].request_id == "bad" ? incoming[0] : incoming[1];
-  const KvRequest& good = incoming[0].request_id == "bad" ? incoming[1] : incoming[0];
+  const KvRequest& bad = incoming[0].request_id == "d/bad" ? incoming[0] : incoming[1];
+  const KvRequest& good = incoming[0].request_id == "d/bad" ? incoming[1] : incoming[0];
   ProducerPrefill(bad, {1, 2}, kLayers);
-  auto delay = p_->connector->RequestFinished("bad");
+  auto delay = p_->connector->RequestFinished("d/bad");
   ASSERT_TRUE(delay.ok());
   if (*delay) {
-    ASSERT_TRUE(PollFinished(*p_->connector, "bad", true).finished_sending.count("bad"));
+    ASSERT_TRUE(PollFinished(*p_->connector, "d/bad", true).finished_sending.count("d/bad"));
   }
   auto errors = AwaitLoadErrors(*d_->connector);
   ASSERT_EQ(errors.size(), 1u);
@@ -819,6 +820,95 @@ TEST_P(LayerwiseConnectorTest, RequestsInFlightPerConsumerBounded) {
   }
 }
 
+// Request ids are each consumer's own: two consumers handing over "req-0" at once both get
+// their own KV, and every message back to each uses its own id.
+TEST_P(LayerwiseConnectorTest, TwoConsumersMayUseTheSameRequestId) {
+  Start({}, {});
+  NodeOptions other;
+  other.layout = GetParam();
+  auto d2 = MakeNode(fabric_, "d2", other);
+  const std::vector<int32_t> b1 = {9, 2, 14}, b2 = {4, 11, 7};
+  AdmitOn(*d_, "req-0", 12, b1);
+  AdmitOn(*d2, "req-0", 10, b2);  // another prompt under the same id
+  StepOn(*d_, {{"req-0", 0, 12}});
+  StepOn(*d2, {{"req-0", 0, 10}});
+  auto incoming = ProducerTake(2);
+  ASSERT_EQ(incoming.size(), 2u);
+  std::sort(incoming.begin(), incoming.end(),
+            [](const KvRequest& a, const KvRequest& b) { return a.request_id < b.request_id; });
+  EXPECT_EQ(incoming[0].request_id, "d/req-0");
+  EXPECT_EQ(incoming[0].prompt_token_ids.size(), 12u);
+  EXPECT_EQ(incoming[1].request_id, "d2/req-0");
+  EXPECT_EQ(incoming[1].prompt_token_ids.size(), 10u);
+  // Distinct source blocks, so that each consumer's data is its own request's.
+  const std::vector<int32_t> p1 = {5, 6, 0}, p2 = {1, 3, 8};
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], p1, 0).ok());
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[1], p2, 0).ok());
+  auto meta = p_->connector->BuildConnectorMeta({{"d/req-0", 0, 12}, {"d2/req-0", 0, 10}});
+  ASSERT_TRUE(meta.ok());
+  ASSERT_EQ(meta->saves.size(), 2u);
+  ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
+  AttentionMetadata unused;
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused, nullptr).ok());
+  }
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    ASSERT_TRUE(d2->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p1, *d_->caches[l], b1, 11)) << l;
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p2, *d2->caches[l], b2, 9)) << l;
+  }
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_TRUE(d2->connector->TakeLoadErrors().empty());
+  EXPECT_TRUE(PollFinished(*d_->connector, "req-0", false).finished_recving.count("req-0"));
+  EXPECT_TRUE(PollFinished(*d2->connector, "req-0", false).finished_recving.count("req-0"));
+  for (const KvRequest& r : incoming) {
+    auto delay = p_->connector->RequestFinished(r.request_id);
+    ASSERT_TRUE(delay.ok());
+    if (*delay) {
+      EXPECT_TRUE(
+          PollFinished(*p_->connector, r.request_id, true).finished_sending.count(r.request_id));
+    }
+  }
+}
+
+TEST_P(LayerwiseConnectorTest, AbortOfOneConsumersRequestLeavesTheOthersSameId) {
+  NodeOptions consumer;
+  consumer.load_timeout_ms = 200;
+  Start({}, consumer);
+  NodeOptions other;
+  other.layout = GetParam();
+  auto d2 = MakeNode(fabric_, "d2", other);
+  AdmitOn(*d_, "req-0", 9, {1, 2, 3});
+  AdmitOn(*d2, "req-0", 9, {4, 5, 6});
+  StepOn(*d_, {{"req-0", 0, 9}});
+  StepOn(*d2, {{"req-0", 0, 9}});
+  auto incoming = ProducerTake(2);
+  ASSERT_EQ(incoming.size(), 2u);
+  // d gives up on its req-0 (its wait times out, it aborts): d2's req-0 still streams.
+  EXPECT_TRUE(d_->connector->BeforeAttention(LayerName(0), nullptr).ok());
+  ASSERT_EQ(d_->connector->TakeLoadErrors().size(), 1u);
+  ASSERT_TRUE(PollFinished(*d_->connector, "req-0", false).finished_recving.count("req-0"));
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], {7, 8, 9}, 0).ok());
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[1], {10, 11, 12}, 0).ok());
+  auto meta = p_->connector->BuildConnectorMeta({{"d2/req-0", 0, 9}});
+  ASSERT_TRUE(meta.ok());
+  ASSERT_EQ(meta->saves.size(), 1u);
+  ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
+  AttentionMetadata unused;
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused, nullptr).ok());
+  }
+  const std::vector<int32_t> p2 = incoming[0].request_id == "d2/req-0"
+                                      ? std::vector<int32_t>{7, 8, 9}
+                                      : std::vector<int32_t>{10, 11, 12};
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d2->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p2, *d2->caches[l], {4, 5, 6}, 8)) << l;
+  }
+  EXPECT_TRUE(d2->connector->TakeLoadErrors().empty());
+}
+
 // Pipeline-parallel decode: stage 0 owns layer 0, stage 1 layers 1-2 (of kLayers = 3).
 NodeOptions Stage(int rank, const std::string& partition, std::vector<int> layers) {
   NodeOptions o;
@@ -826,6 +916,7 @@ NodeOptions Stage(int rank, const std::string& partition, std::vector<int> layer
   o.pipeline_rank = rank;
   o.pipeline_layers = partition;
   o.layers = std::move(layers);
+  o.pipeline_group = "dgroup";  // the stages' engine ids are "d" and "d1"
   return o;
 }
 
@@ -863,10 +954,13 @@ TEST_P(LayerwiseConnectorTest, PipelineStagesReceiveOnlyTheirLayers) {
   EXPECT_TRUE(PollFinished(*d_->connector, "req", false).finished_recving.count("req"));
   EXPECT_TRUE(PollFinished(*d1->connector, "req", false).finished_recving.count("req"));
 
-  auto delay = p_->connector->RequestFinished("req");
+  // One request of the group's namespace.
+  EXPECT_EQ(incoming[0].request_id, "dgroup/req");
+  auto delay = p_->connector->RequestFinished("dgroup/req");
   ASSERT_TRUE(delay.ok());
   if (*delay) {
-    EXPECT_TRUE(PollFinished(*p_->connector, "req", true).finished_sending.count("req"));
+    EXPECT_TRUE(
+        PollFinished(*p_->connector, "dgroup/req", true).finished_sending.count("dgroup/req"));
   }
   // The producer's counters per consumer, and each consumer's for the producer.
   std::vector<PeerConnectorStats> peers = p_->connector->peer_stats();
