@@ -30,12 +30,12 @@ std::set<int32_t> HelloLayers(const ConnectorHello& hello) {
 }  // namespace
 
 void ConsumerSide::Stop() {
-  std::vector<std::thread> readers;
+  std::vector<ReaderThread> readers;
   {
     absl::MutexLock lock(&threads_mu_);
     readers = std::move(readers_);
   }
-  for (std::thread& t : readers) t.join();
+  for (ReaderThread& t : readers) t.thread.join();
   absl::MutexLock lock(&mu_);
   recv_.clear();
   producers_.clear();
@@ -128,6 +128,16 @@ absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::Produc
     auto it = producers_.find(key);
     if (it != producers_.end() && it->second->alive) return it->second;
   }
+  {
+    absl::MutexLock lock(&threads_mu_);
+    JoinFinished();
+    const size_t max_connections = static_cast<size_t>(shared_.config.kvstream.max_connections);
+    if (readers_.size() >= max_connections) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot connect to producer ", absl::CHexEscape(key), ": links to ", readers_.size(),
+          " producers are open (max_connections ", max_connections, ")"));
+    }
+  }
   std::shared_ptr<const LayerTable> table = shared_.layers();
   ASSIGN_OR_RETURN(HandshakeOptions hs, shared_.Handshake(table.get()));
   ASSIGN_OR_RETURN(auto conn,
@@ -155,8 +165,37 @@ absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::Produc
     producers_[key] = link;
   }
   absl::MutexLock lock(&threads_mu_);
-  readers_.emplace_back([this, link] { ReaderLoop(link); });
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  readers_.push_back({std::thread([this, link, done] {
+                        ReaderLoop(link);
+                        done->store(true);
+                      }),
+                      done});
   return link;
+}
+
+void ConsumerSide::JoinFinished() {
+  bool joined = false;
+  for (auto it = readers_.begin(); it != readers_.end();) {
+    if (it->done->load()) {
+      it->thread.join();
+      it = readers_.erase(it);
+      joined = true;
+    } else {
+      ++it;
+    }
+  }
+  if (!joined) return;
+  // Lost links are no use any more: a request of theirs finds none, as if lost.
+  absl::MutexLock lock(&mu_);
+  for (auto it = producers_.begin(); it != producers_.end();) {
+    it = it->second->alive ? std::next(it) : producers_.erase(it);
+  }
+}
+
+int64_t ConsumerSide::connections() const {
+  absl::MutexLock lock(&threads_mu_);
+  return static_cast<int64_t>(readers_.size());
 }
 
 absl::Status ConsumerSide::HandOff(const KvConnectorMetadata::Load& load) {

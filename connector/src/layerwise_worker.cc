@@ -148,6 +148,10 @@ class LayerwiseWorker final : public KvConnectorWorker {
     s.blocks_in_flight = 0;
     if (producer_) s.blocks_in_flight += producer_->BlocksInFlight(nullptr);
     if (consumer_) s.blocks_in_flight += consumer_->BlocksInFlight(nullptr);
+    s.control_connections = 0;
+    if (producer_) s.control_connections += producer_->connections();
+    if (consumer_) s.control_connections += consumer_->connections();
+    s.connections_refused = producer_ ? producer_->connections_refused() : 0;
     return s;
   }
 

@@ -30,12 +30,12 @@ absl::Status ProducerSide::Start() {
 
 void ProducerSide::Stop() {
   if (accept_thread_.joinable()) accept_thread_.join();
-  std::vector<std::thread> readers;
+  std::vector<ConnectionThread> readers;
   {
     absl::MutexLock lock(&threads_mu_);
     readers = std::move(readers_);
   }
-  for (std::thread& t : readers) t.join();
+  for (ConnectionThread& t : readers) t.thread.join();
   absl::MutexLock lock(&mu_);
   for (auto& [id, s] : send_) {
     for (TransferId t : s.pending) shared_.transport->Release(t);
@@ -60,13 +60,59 @@ absl::Status ProducerSide::Prepare(const LayerTable& table) {
 
 // ---- control ----
 
+void ProducerSide::JoinFinished() {
+  for (auto it = readers_.begin(); it != readers_.end();) {
+    if (it->done->load()) {
+      it->thread.join();  // it has returned from its work: at most a moment
+      it = readers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+int64_t ProducerSide::connections() const {
+  absl::MutexLock lock(&threads_mu_);
+  return static_cast<int64_t>(readers_.size());
+}
+
 void ProducerSide::AcceptLoop() {
+  const size_t max_connections = static_cast<size_t>(shared_.config.kvstream.max_connections);
+  // Refusals are logged at most once a second (with the count since), so that a flood of
+  // connections cannot flood the log too.
+  absl::Time last_report = absl::InfinitePast();
+  uint64_t unreported = 0;
   while (!shared_.stopping) {
+    {
+      absl::MutexLock lock(&threads_mu_);
+      JoinFinished();
+    }
     auto conn = listener_->Accept(absl::Now() + absl::Milliseconds(100));
     if (!conn.ok()) continue;
     std::shared_ptr<ControlConnection> shared(std::move(*conn));
     absl::MutexLock lock(&threads_mu_);
-    readers_.emplace_back([this, shared] { ConsumerLoop(shared); });
+    JoinFinished();
+    if (readers_.size() >= max_connections) {
+      shared->Close();
+      refused_.fetch_add(1);
+      ++unreported;
+      if (absl::Now() - last_report >= absl::Seconds(1)) {
+        Log(LogLevel::kWarning,
+            absl::StrCat("refused control connection from ",
+                         absl::CHexEscape(shared->peer_address()), ": ", readers_.size(),
+                         " connections are being served (max_connections ", max_connections,
+                         "); ", unreported, " refused since the last report"));
+        last_report = absl::Now();
+        unreported = 0;
+      }
+      continue;
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    readers_.push_back({std::thread([this, shared, done] {
+                          ConsumerLoop(shared);
+                          done->store(true);
+                        }),
+                        done});
   }
 }
 

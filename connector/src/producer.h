@@ -83,6 +83,10 @@ class ProducerSide {
   bool Poll();
 
   void TakeOutput(KvConnectorOutput& out);
+  // Control connections served now (threads not yet joined), and those refused so far
+  // because max_connections were being served.
+  int64_t connections() const;
+  uint64_t connections_refused() const { return refused_.load(); }
   int64_t BlocksInFlight(std::map<std::string, int64_t>* by_peer) const;
 
  private:
@@ -168,8 +172,16 @@ class ProducerSide {
   std::unique_ptr<LayerSender> sender_;  // made by Prepare
   std::unique_ptr<ControlListener> listener_;
   std::thread accept_thread_;
-  absl::Mutex threads_mu_;
-  std::vector<std::thread> readers_ ABSL_GUARDED_BY(threads_mu_);
+  // One thread per control connection, joined by the accept loop once it is done, so
+  // that a connection's resources (its stack above all) go with it.
+  struct ConnectionThread {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  void JoinFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(threads_mu_);
+  mutable absl::Mutex threads_mu_;
+  std::vector<ConnectionThread> readers_ ABSL_GUARDED_BY(threads_mu_);
+  std::atomic<uint64_t> refused_{0};
 
   mutable absl::Mutex mu_;
   std::map<std::string, SendRequest> send_ ABSL_GUARDED_BY(mu_);

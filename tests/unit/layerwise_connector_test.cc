@@ -22,6 +22,7 @@
 #include "kvstream/connector/connector_metadata.h"
 #include "kvstream/connector/factory.h"
 #include "kvstream/connector/layer_routing.h"
+#include "kvstream/transfer/control_channel.h"
 #include "kvstream/transfer/loopback_transport.h"
 
 namespace kvstream {
@@ -907,6 +908,130 @@ TEST_P(LayerwiseConnectorTest, AbortOfOneConsumersRequestLeavesTheOthersSameId) 
     EXPECT_TRUE(TokensEqual(*p_->caches[l], p2, *d2->caches[l], {4, 5, 6}, 8)) << l;
   }
   EXPECT_TRUE(d2->connector->TakeLoadErrors().empty());
+}
+
+// Waits (up to 20 s) until the worker serves `n` control connections; returns the last count.
+int64_t AwaitConnections(TestConnector& c, int64_t n) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  int64_t now = c.stats().control_connections;
+  while (now != n && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+    now = c.stats().control_connections;
+  }
+  return now;
+}
+
+// Connections that come and go leave nothing behind (each one's thread is joined once it
+// is done), and no more than max_connections are served at once: beyond, a connection is
+// closed at once; stalled handshakes end at the handshake deadline. The producer still
+// serves a real consumer afterwards.
+TEST_P(LayerwiseConnectorTest, ConnectionsAreBoundedAndReleasedOnClose) {
+  NodeOptions producer;
+  producer.max_connections = 8;
+  producer.handshake_timeout_ms = 2000;
+  Start(producer, {});
+  int64_t most = 0;
+  for (int i = 0; i < 3000; ++i) {
+    auto conn = ConnectControl(remote_.host, static_cast<uint16_t>(remote_.port),
+                               absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    (*conn)->Close();
+    if (i % 100 == 0) most = std::max(most, p_->connector->stats().control_connections);
+  }
+  EXPECT_LE(most, 8);
+  EXPECT_EQ(AwaitConnections(*p_->connector, 0), 0);
+
+  // 40 peers that connect and never say hello, all at once.
+  std::vector<std::unique_ptr<ControlConnection>> stalled;
+  for (int i = 0; i < 40; ++i) {
+    auto conn = ConnectControl(remote_.host, static_cast<uint16_t>(remote_.port),
+                               absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    stalled.push_back(std::move(conn).value());
+  }
+  int challenged = 0, closed = 0;
+  for (auto& conn : stalled) {
+    // A served one gets the handshake's challenge; a refused one is closed at once.
+    auto frame = conn->Receive(absl::Now() + absl::Seconds(5));
+    if (frame.ok()) {
+      ++challenged;
+    } else if (absl::IsUnavailable(frame.status())) {
+      ++closed;
+    }
+  }
+  EXPECT_LE(challenged, 8);
+  EXPECT_EQ(challenged + closed, 40);
+  EXPECT_LE(p_->connector->stats().control_connections, 8);
+  EXPECT_GE(p_->connector->stats().connections_refused, 32u);
+  // The served ones end at the handshake deadline.
+  EXPECT_EQ(AwaitConnections(*p_->connector, 0), 0);
+  stalled.clear();
+
+  const std::vector<int32_t> d_blocks = {9, 2, 14}, p_blocks = {5, 6, 0};
+  ConsumerAdmit("after", 12, d_blocks);
+  ConsumerStep({{"after", 0, 12}});
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  ProducerPrefill(incoming[0], p_blocks, kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p_blocks, *d_->caches[l], d_blocks, 11)) << l;
+  }
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_EQ(d_->connector->stats().control_connections, 1);
+}
+
+// A consumer's links to producers are bounded too, and a lost link's reader is joined: with
+// max_connections 1, a second producer is refused while the first link lives and reached
+// once it is gone.
+TEST_P(LayerwiseConnectorTest, ConsumerLinksAreBoundedAndReleased) {
+  NodeOptions consumer;
+  consumer.max_connections = 1;
+  Start({}, consumer);
+  NodeOptions second;
+  second.role = KvRole::kProducer;
+  second.layout = GetParam();
+  auto p2 = MakeNode(fabric_, "p2", second);
+  const std::string addr = p2->connector->control_address();
+  RemotePrefill remote2;
+  remote2.host = addr.substr(0, addr.rfind(':'));
+  remote2.port = std::stoi(addr.substr(addr.rfind(':') + 1));
+
+  ConsumerAdmit("first", 5, {1, 2});
+  ConsumerStep({{"first", 0, 5}});
+  ASSERT_EQ(ProducerTake(1).size(), 1u);
+  EXPECT_EQ(d_->connector->stats().control_connections, 1);
+  auto admit2 = [&](const std::string& id) {
+    KvRequest r;
+    r.request_id = id;
+    for (int i = 0; i < 5; ++i) r.prompt_token_ids.push_back(i);
+    r.remote_prefill = remote2;
+    ASSERT_TRUE(d_->connector->UpdateStateAfterAlloc(r, {3, 4}, 4).ok());
+    ConsumerStep({{id, 0, 5}});
+  };
+  admit2("second");
+  std::vector<LoadError> errors = d_->connector->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("max_connections 1"));
+  ASSERT_TRUE(PollFinished(*d_->connector, "second", false).finished_recving.count("second"));
+
+  p_.reset();  // the first producer goes: its link is lost, its reader ends
+  std::vector<LoadError> lost = AwaitLoadErrors(*d_->connector);
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].status.code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(PollFinished(*d_->connector, "first", false).finished_recving.count("first"));
+  admit2("third");
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  std::vector<KvRequest> got;
+  while (got.empty() && absl::Now() < deadline) {
+    got = p2->connector->TakeIncomingRequests();
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].request_id, "d/third");
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_EQ(d_->connector->stats().control_connections, 1);
 }
 
 // Pipeline-parallel decode: stage 0 owns layer 0, stage 1 layers 1-2 (of kLayers = 3).
