@@ -3,6 +3,7 @@
 
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "kvstream/common/byte_io.h"
 #include "kvstream/common/status_macros.h"
@@ -254,7 +255,7 @@ absl::StatusOr<ConnectorMessage> ReceiveConnectorMessage(ControlConnection& conn
                                                             ? int(absl::StatusCode::kUnknown)
                                                             : error->status_code),
                           absl::StrCat(connection.peer_address(), " sent an error: ",
-                                       error->message));
+                                       absl::CHexEscape(error->message)));
     }
     return absl::InvalidArgumentError(absl::StrCat(connection.peer_address(),
                                                    " sent an unexpected ",

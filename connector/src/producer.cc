@@ -122,7 +122,8 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
   std::shared_ptr<const LayerTable> table = shared_.layers();
   absl::StatusOr<HandshakeOptions> hs = shared_.Handshake(table.get());
   if (!hs.ok()) {
-    Log(LogLevel::kWarning, absl::StrCat("cannot answer consumer ", conn->peer_address(), ": ",
+    Log(LogLevel::kWarning, absl::StrCat("cannot answer consumer ",
+                                         absl::CHexEscape(conn->peer_address()), ": ",
                                          hs.status().ToString()));
     conn->Close();
     return;
@@ -147,7 +148,8 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
   if (!peer.ok()) {
     // A peer that closes before saying hello is a liveness probe, not an attack.
     Log(absl::IsUnavailable(peer.status()) ? LogLevel::kInfo : LogLevel::kWarning,
-        absl::StrCat("rejected consumer ", conn->peer_address(), ": ", peer.status().ToString()));
+        absl::StrCat("rejected consumer ", absl::CHexEscape(conn->peer_address()), ": ",
+                     peer.status().ToString()));
     conn->Close();
     return;
   }
@@ -181,7 +183,7 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
         sent = SendConnectorMessage(*conn, confirm, absl::Now() + absl::Seconds(1));
       }
     } else {
-      Log(LogLevel::kWarning, absl::StrCat("consumer ", link->engine_id, " sent an unexpected ",
+      Log(LogLevel::kWarning, absl::StrCat("consumer ", link->name, " sent an unexpected ",
                                            ConnectorMessageName(*msg), " message"));
     }
     if (!sent.ok()) {
@@ -368,20 +370,21 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
   if (model.max_model_len > 0 && prompt > model.max_model_len) {
     return absl::InvalidArgumentError(absl::StrCat(
         "request ", rid, ": a prompt of ", prompt,
-        " tokens is longer than the prefill model's maximum of ", model.max_model_len));
+        " tokens is longer than the maximum model length of the prefill worker, ",
+        model.max_model_len));
   }
   if (prompt > table->num_blocks() * block_size) {
     return absl::InvalidArgumentError(absl::StrCat(
         "request ", rid, ": a prompt of ", prompt, " tokens needs ",
-        CeilDiv(prompt, block_size), " blocks, more than the prefill worker's whole cache of ",
-        table->num_blocks(), " blocks of ", block_size, " tokens"));
+        CeilDiv(prompt, block_size), " blocks, more than the whole cache of the prefill worker (",
+        table->num_blocks(), " blocks of ", block_size, " tokens)"));
   }
   if (model.vocab_size > 0) {
     for (size_t i = 0; i < m.prompt_token_ids.size(); ++i) {
       if (m.prompt_token_ids[i] >= model.vocab_size) {
         return absl::InvalidArgumentError(absl::StrCat(
             "request ", rid, ": prompt token ", i, " is ", m.prompt_token_ids[i],
-            ", outside the prefill model's vocabulary [0, ", model.vocab_size, ")"));
+            ", outside the vocabulary of the prefill model, [0, ", model.vocab_size, ")"));
       }
     }
   }
@@ -395,9 +398,9 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
   }
   if (link.active_tokens + prompt > k.max_tokens_per_consumer) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "request ", rid, ": its ", prompt, " prompt tokens and the ",
-        link.active_tokens, " of consumer ", link.name,
-        "'s requests in flight exceed max_tokens_per_consumer ", k.max_tokens_per_consumer));
+        "request ", rid, ": its ", prompt, " prompt tokens and the ", link.active_tokens,
+        " of the requests in flight from consumer ", link.name,
+        " exceed max_tokens_per_consumer ", k.max_tokens_per_consumer));
   }
   if (m.num_tokens == 0 || m.num_tokens > m.prompt_token_ids.size()) {
     return absl::InvalidArgumentError(absl::StrCat("request ", rid, " asks for ",

@@ -14,9 +14,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kvstream/cache/kv_cache.h"
+#include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
 #include "kvstream/connector/block_copy_plan.h"
 #include "kvstream/connector/connector_metadata.h"
@@ -700,7 +703,7 @@ TEST_P(LayerwiseConnectorTest, TokenOutsideTheVocabularyFailsOnlyItsRequest) {
   ASSERT_EQ(errors.size(), 1u);
   EXPECT_EQ(errors[0].request_id, "bad");
   EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(errors[0].status.message(), HasSubstr("vocabulary [0, 1010)"));
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("outside the vocabulary of the prefill model, [0, 1010)"));
   auto incoming = ProducerTake(1);
   ASSERT_EQ(incoming.size(), 1u);
   EXPECT_EQ(incoming[0].prompt_token_ids.size(), 9u);
@@ -758,8 +761,8 @@ TEST_P(LayerwiseConnectorTest, PromptsBeyondTheModelOrTheCacheRejectedAtHandOff)
     EXPECT_EQ(errors[0].request_id, "huge");
     EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(errors[0].status.message(),
-                HasSubstr(model_limit ? "longer than the prefill model's maximum of 16"
-                                      : "more than the prefill worker's whole cache of 4 blocks"));
+                HasSubstr(model_limit ? "longer than the maximum model length of the prefill worker, 16"
+                                      : "more than the whole cache of the prefill worker (4 blocks"));
     auto incoming = ProducerTake(1);
     ASSERT_EQ(incoming.size(), 1u);
     EXPECT_EQ(incoming[0].prompt_token_ids.size(), 16u);
@@ -1032,6 +1035,46 @@ TEST_P(LayerwiseConnectorTest, ConsumerLinksAreBoundedAndReleased) {
   EXPECT_EQ(got[0].request_id, "d/third");
   EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
   EXPECT_EQ(d_->connector->stats().control_connections, 1);
+}
+
+// Strings from peers (engine ids, request ids, reasons) reach the log escaped: a peer cannot
+// write lines that look like the worker's own.
+TEST_P(LayerwiseConnectorTest, PeerStringsAreEscapedInTheLog) {
+  absl::Mutex mu;
+  std::vector<std::string> lines;
+  LogSink previous = SetLogSink([&](LogLevel, absl::string_view message) {
+    absl::MutexLock lock(&mu);
+    lines.emplace_back(message);
+  });
+  NodeOptions consumer;
+  consumer.load_timeout_ms = 200;
+  Start({}, consumer);
+  const std::string forged = "\n[kvstream E] forged\r\x1b[2J";
+  NodeOptions hostile_options = consumer;
+  hostile_options.layout = GetParam();
+  auto hostile = MakeNode(fabric_, "h" + forged, hostile_options);
+  // Refused by the producer (a destination block outside the cache), then one that the
+  // consumer gives up on and aborts.
+  AdmitOn(*hostile, "r1" + forged, 5, {999, 1});
+  StepOn(*hostile, {{"r1" + forged, 0, 5}});
+  ASSERT_EQ(AwaitLoadErrors(*hostile->connector).size(), 1u);
+  AdmitOn(*hostile, "r2" + forged, 5, {2, 3});
+  StepOn(*hostile, {{"r2" + forged, 0, 5}});
+  ASSERT_EQ(ProducerTake(1).size(), 1u);
+  ASSERT_TRUE(hostile->connector->BeforeAttention(LayerName(0), nullptr).ok());
+  ASSERT_EQ(hostile->connector->TakeLoadErrors().size(), 1u);
+  ASSERT_TRUE(PollFinished(*hostile->connector, "r2" + forged, false)
+                  .finished_recving.count("r2" + forged));
+  hostile.reset();  // the producer loses it
+  absl::SleepFor(absl::Milliseconds(200));
+  SetLogSink(previous);
+  absl::MutexLock lock(&mu);
+  int forged_lines = 0;
+  for (const std::string& line : lines) {
+    EXPECT_EQ(line.find_first_of("\n\r\x1b"), std::string::npos) << absl::CHexEscape(line);
+    if (line.find("forged") != std::string::npos) ++forged_lines;
+  }
+  EXPECT_GE(forged_lines, 3);  // the refusal, the timeout and the producer's side of the abort
 }
 
 // Pipeline-parallel decode: stage 0 owns layer 0, stage 1 layers 1-2 (of kLayers = 3).
