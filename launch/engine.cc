@@ -85,6 +85,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     for (int l = e->model_->layers().begin; l < e->model_->layers().end; ++l) {
       caches[options.model.LayerName(l)] = e->model_->cache(l);
     }
+    // What hand-offs from peers are checked against (a request this engine could never
+    // run is refused alone), and what must match for peers to exchange KV.
+    const ToyModelConfig& m = options.model;
+    KvModelInfo info;
+    info.vocab_size = m.vocab_size;
+    info.max_model_len = options.num_blocks * m.block_size - 1;  // and one token to generate
+    info.fingerprint = absl::StrCat("toy layers ", m.num_layers, " heads ", m.num_heads, " hidden ",
+                                    m.hidden_size(), " mlp ", m.intermediate_size, " rope ",
+                                    m.rope_theta, " seed ", m.seed);
+    RETURN_IF_ERROR(options.worker->SetModelInfo(info));
     RETURN_IF_ERROR(options.worker->RegisterKvCaches(caches));
     e->registry_.SetTransferHook(options.hook != nullptr ? options.hook : options.worker);
   }

@@ -87,6 +87,15 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
       has_pp_size = true;
     } else if (it.key() == "pipeline_rank") {
       RETURN_IF_ERROR(GetInt32(v, key, 0, 1023, s.pipeline_rank));
+    } else if (it.key() == "pipeline_group") {
+      RETURN_IF_ERROR(GetString(v, key, s.pipeline_group));
+      if (s.pipeline_group.size() > 200) return KeyError(key, v, "at most 200 characters");
+    } else if (it.key() == "max_connections") {
+      RETURN_IF_ERROR(GetInt32(v, key, 1, 65536, s.max_connections));
+    } else if (it.key() == "max_requests_per_consumer") {
+      RETURN_IF_ERROR(GetInt32(v, key, 1, 1 << 24, s.max_requests_per_consumer));
+    } else if (it.key() == "max_tokens_per_consumer") {
+      RETURN_IF_ERROR(GetInt(v, key, 1, int64_t{1} << 40, s.max_tokens_per_consumer));
     } else if (it.key() == "pipeline_layers") {
       std::string text;
       RETURN_IF_ERROR(GetString(v, key, text));
@@ -103,7 +112,8 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
           " (known: transport, cuda_device, ucx_tls, ucx_net_devices, ucx_copy_threads, load_timeout_ms, "
           "send_timeout_ms, "
           "handshake_timeout_ms, verify_checksum, secret, pipeline_parallel_size, "
-          "pipeline_rank, pipeline_layers)"));
+          "pipeline_rank, pipeline_layers, pipeline_group, max_connections, "
+          "max_requests_per_consumer, max_tokens_per_consumer)"));
     }
   }
   // pipeline_layers alone gives the number of stages.
@@ -180,8 +190,39 @@ absl::string_view LoadFailurePolicyName(LoadFailurePolicy policy) {
   return policy == LoadFailurePolicy::kFail ? "fail" : "recompute";
 }
 
+std::string PipelineGroup(const KvTransferConfig& config) {
+  const KvstreamSettings& k = config.kvstream;
+  if (k.pipeline_parallel_size <= 1) return std::string();
+  if (!k.pipeline_group.empty()) return k.pipeline_group;
+  // "decode0-pp1" -> "decode0": the launcher names a group's stages so.
+  const std::string& id = config.engine_id;
+  size_t digits = id.size();
+  while (digits > 0 && id[digits - 1] >= '0' && id[digits - 1] <= '9') --digits;
+  if (digits < id.size() && digits >= 3 && id.compare(digits - 3, 3, "-pp") == 0 && digits > 3) {
+    return id.substr(0, digits - 3);
+  }
+  return id;
+}
+
 absl::StatusOr<KvTransferConfig> ParseKvTransferConfig(absl::string_view text) {
-  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  // Values are built recursively (and destroyed so), so deep nesting would exhaust the
+  // stack: the callback refuses it as soon as the parser opens a value too deep, and the
+  // parse stops there (the callback's discard ends it with is_discarded()).
+  bool too_deep = false;
+  const json::parser_callback_t depth_guard = [&too_deep](int depth, json::parse_event_t event,
+                                                          json& /*parsed*/) {
+    if ((event == json::parse_event_t::object_start ||
+         event == json::parse_event_t::array_start) &&
+        depth >= kMaxConfigDepth) {
+      too_deep = true;
+    }
+    return !too_deep;
+  };
+  json j = json::parse(text.begin(), text.end(), depth_guard, /*allow_exceptions=*/false);
+  if (too_deep) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_transfer_config: nested deeper than ", kMaxConfigDepth, " levels"));
+  }
   if (j.is_discarded()) {
     // Re-parse with exceptions off is silent about the position; ask the SAX parser.
     try {

@@ -30,12 +30,12 @@ std::set<int32_t> HelloLayers(const ConnectorHello& hello) {
 }  // namespace
 
 void ConsumerSide::Stop() {
-  std::vector<std::thread> readers;
+  std::vector<ReaderThread> readers;
   {
     absl::MutexLock lock(&threads_mu_);
     readers = std::move(readers_);
   }
-  for (std::thread& t : readers) t.join();
+  for (ReaderThread& t : readers) t.thread.join();
   absl::MutexLock lock(&mu_);
   recv_.clear();
   producers_.clear();
@@ -62,7 +62,7 @@ absl::Status ConsumerSide::Bind(const KvConnectorMetadata& meta) {
       if (recv_.count(load.request_id) != 0) {
         if (status.ok()) {
           status = absl::AlreadyExistsError(absl::StrCat(
-              "request ", load.request_id, " is already loading; its second load is ignored"));
+              "request ", absl::CHexEscape(load.request_id), " is already loading; its second load is ignored"));
         }
         continue;
       }
@@ -70,7 +70,7 @@ absl::Status ConsumerSide::Bind(const KvConnectorMetadata& meta) {
       if (load.num_tokens <= 0 || static_cast<int64_t>(load.block_ids.size()) < need) {
         if (status.ok()) {
           status = absl::InvalidArgumentError(absl::StrCat(
-              "request ", load.request_id, ": ", load.block_ids.size(), " blocks for ",
+              "request ", absl::CHexEscape(load.request_id), ": ", load.block_ids.size(), " blocks for ",
               load.num_tokens, " remote tokens of block size ", table->block_size()));
         }
         continue;
@@ -128,6 +128,16 @@ absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::Produc
     auto it = producers_.find(key);
     if (it != producers_.end() && it->second->alive) return it->second;
   }
+  {
+    absl::MutexLock lock(&threads_mu_);
+    JoinFinished();
+    const size_t max_connections = static_cast<size_t>(shared_.config.kvstream.max_connections);
+    if (readers_.size() >= max_connections) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot connect to producer ", absl::CHexEscape(key), ": links to ", readers_.size(),
+          " producers are open (max_connections ", max_connections, ")"));
+    }
+  }
   std::shared_ptr<const LayerTable> table = shared_.layers();
   ASSIGN_OR_RETURN(HandshakeOptions hs, shared_.Handshake(table.get()));
   ASSIGN_OR_RETURN(auto conn,
@@ -143,8 +153,10 @@ absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::Produc
   };
   auto peer = HandshakeAsClient(*conn, hs);
   if (!peer.ok()) {
-    return absl::Status(peer.status().code(), absl::StrCat("handshake with producer ", key,
-                                                           ": ", peer.status().message()));
+    // The message may quote the producer's own words: escaped, as every peer string.
+    return absl::Status(peer.status().code(),
+                        absl::StrCat("handshake with producer ", absl::CHexEscape(key), ": ",
+                                     absl::CHexEscape(peer.status().message())));
   }
   auto link = std::make_shared<ProducerLink>();
   link->conn = std::move(conn);
@@ -155,8 +167,37 @@ absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::Produc
     producers_[key] = link;
   }
   absl::MutexLock lock(&threads_mu_);
-  readers_.emplace_back([this, link] { ReaderLoop(link); });
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  readers_.push_back({std::thread([this, link, done] {
+                        ReaderLoop(link);
+                        done->store(true);
+                      }),
+                      done});
   return link;
+}
+
+void ConsumerSide::JoinFinished() {
+  bool joined = false;
+  for (auto it = readers_.begin(); it != readers_.end();) {
+    if (it->done->load()) {
+      it->thread.join();
+      it = readers_.erase(it);
+      joined = true;
+    } else {
+      ++it;
+    }
+  }
+  if (!joined) return;
+  // Lost links are no use any more: a request of theirs finds none, as if lost.
+  absl::MutexLock lock(&mu_);
+  for (auto it = producers_.begin(); it != producers_.end();) {
+    it = it->second->alive ? std::next(it) : producers_.erase(it);
+  }
+}
+
+int64_t ConsumerSide::connections() const {
+  absl::MutexLock lock(&threads_mu_);
+  return static_cast<int64_t>(readers_.size());
 }
 
 absl::Status ConsumerSide::HandOff(const KvConnectorMetadata::Load& load) {
@@ -181,9 +222,10 @@ absl::Status ConsumerSide::HandOff(const KvConnectorMetadata::Load& load) {
   shared_.Wake();
   absl::Status s = SendConnectorMessage(*link->conn, m, absl::Now() + absl::Seconds(5));
   if (!s.ok()) {
-    return absl::UnavailableError(absl::StrCat("sending request ", load.request_id,
-                                               " to producer ", link->address, ": ",
-                                               s.message()));
+    return absl::UnavailableError(absl::StrCat("sending request ",
+                                               absl::CHexEscape(load.request_id),
+                                               " to producer ", absl::CHexEscape(link->address),
+                                               ": ", s.message()));
   }
   return absl::OkStatus();
 }
@@ -201,19 +243,23 @@ void ConsumerSide::ReaderLoop(std::shared_ptr<ProducerLink> link) {
       if (ack->status_code == 0) continue;
       auto it = recv_.find(ack->request_id);
       if (it == recv_.end()) continue;
-      Fail(it->second, StatusFromCode(ack->status_code,
-                                      absl::StrCat("producer ", link->address, " rejected request ",
-                                                   ack->request_id, ": ", ack->message)));
+      Fail(it->second,
+           StatusFromCode(ack->status_code,
+                          absl::StrCat("producer ", absl::CHexEscape(link->address),
+                                       " rejected request ", absl::CHexEscape(ack->request_id),
+                                       ": ", absl::CHexEscape(ack->message))));
       MarkStopped(it->second);  // refused: nothing of it is written
     } else if (auto* abort = std::get_if<AbortMsg>(&*msg)) {
       auto it = recv_.find(abort->request_id);
       if (it == recv_.end()) continue;
-      Fail(it->second,
-           absl::AbortedError(absl::StrCat("producer ", link->address, " stopped sending request ",
-                                           abort->request_id, ": ", abort->reason)));
+      Fail(it->second, absl::AbortedError(absl::StrCat(
+                           "producer ", absl::CHexEscape(link->address),
+                           " stopped sending request ", absl::CHexEscape(abort->request_id), ": ",
+                           absl::CHexEscape(abort->reason))));
       MarkStopped(it->second);
     } else {
-      Log(LogLevel::kWarning, absl::StrCat("producer ", link->address, " sent an unexpected ",
+      Log(LogLevel::kWarning, absl::StrCat("producer ", absl::CHexEscape(link->address),
+                                           " sent an unexpected ",
                                            ConnectorMessageName(*msg), " message"));
     }
   }
@@ -227,7 +273,8 @@ void ConsumerSide::LinkLost(ProducerLink& link, const absl::Status& why) {
     if (r.producer != link.address) continue;
     if (r.state == RecvState::kLoading) {
       Fail(r, absl::UnavailableError(
-                  absl::StrCat("lost producer ", link.address, ": ", why.message())));
+                  absl::StrCat("lost producer ", absl::CHexEscape(link.address), ": ",
+                               why.message())));
     }
     MarkStopped(r);
   }
@@ -334,7 +381,8 @@ absl::Status ConsumerSide::WaitForLayer(absl::string_view layer_name) {
         continue;
       }
       Fail(it->second, absl::DeadlineExceededError(absl::StrCat(
-                           "layer '", layer_name, "' of request ", id, " did not arrive within ",
+                           "layer '", layer_name, "' of request ", absl::CHexEscape(id),
+                           " did not arrive within ",
                            timeout_ms, " ms")));
       QueueAbort(it->second, aborts);
     }
@@ -387,7 +435,7 @@ void ConsumerSide::OnNotice(const Notification& n) {
   if (!runs.ok()) {
     verdict = runs.status();
   } else if (runs->bytes != notice->bytes) {
-    verdict = absl::DataLossError(absl::StrCat("request ", notice->request_id, " layer ",
+    verdict = absl::DataLossError(absl::StrCat("request ", absl::CHexEscape(notice->request_id), " layer ",
                                                notice->layer, ": producer sent ", notice->bytes,
                                                " bytes, expected ", runs->bytes));
   } else if (shared_.config.kvstream.verify_checksum &&
@@ -406,12 +454,12 @@ void ConsumerSide::OnNotice(const Notification& n) {
       }
       if (sum != notice->checksum) {
         verdict = absl::DataLossError(absl::StrCat(
-            "request ", notice->request_id, " layer ", notice->layer, ": checksum mismatch (got ",
+            "request ", absl::CHexEscape(notice->request_id), " layer ", notice->layer, ": checksum mismatch (got ",
             absl::Hex(sum), ", producer sent ", absl::Hex(notice->checksum), ")"));
       }
     } else {
       verdict = absl::DataLossError(absl::StrCat(
-          "request ", notice->request_id, " layer ", notice->layer,
+          "request ", absl::CHexEscape(notice->request_id), " layer ", notice->layer,
           ": a device cache cannot check a checksum of kind ",
           static_cast<int>(notice->checksum_kind)));
     }
@@ -481,7 +529,7 @@ bool ConsumerSide::Poll() {
     }
   }
   for (auto& link : close) {
-    Log(LogLevel::kWarning, absl::StrCat("producer ", link->address,
+    Log(LogLevel::kWarning, absl::StrCat("producer ", absl::CHexEscape(link->address),
                                          " did not confirm an abort; closing the link"));
     LinkLost(*link, absl::DeadlineExceededError("abort not confirmed"));
   }

@@ -24,6 +24,7 @@
 #ifndef KVSTREAM_CONNECTOR_SRC_CONSUMER_H_
 #define KVSTREAM_CONNECTOR_SRC_CONSUMER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -81,6 +82,8 @@ class ConsumerSide {
   // Blocks of requests whose producer may still write, in total and by producer.
   int64_t BlocksInFlight(std::map<std::string, int64_t>* by_peer) const;
   std::vector<RequestTransferStats> TakeRequestStats();
+  // Producer links with a reader thread not yet joined.
+  int64_t connections() const;
 
  private:
   struct ProducerLink {
@@ -134,8 +137,15 @@ class ConsumerSide {
   // Device caches with checksums: set by Prepare, used by the progress thread only.
   std::unique_ptr<DeviceVerifier> device_verifier_;
 
-  absl::Mutex threads_mu_;
-  std::vector<std::thread> readers_ ABSL_GUARDED_BY(threads_mu_);
+  // One reader per producer link, joined once it is done (its link lost), so that links
+  // that come and go do not pile up threads; at most max_connections at once.
+  struct ReaderThread {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  void JoinFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(threads_mu_);
+  mutable absl::Mutex threads_mu_;
+  std::vector<ReaderThread> readers_ ABSL_GUARDED_BY(threads_mu_);
 
   mutable absl::Mutex mu_;
   std::map<std::string, RecvRequest> recv_ ABSL_GUARDED_BY(mu_);

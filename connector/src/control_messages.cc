@@ -3,6 +3,7 @@
 
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "kvstream/common/byte_io.h"
 #include "kvstream/common/status_macros.h"
@@ -157,6 +158,7 @@ absl::StatusOr<std::string> EncodeConnectorHello(const ConnectorHello& h) {
   RETURN_IF_ERROR(w.Bytes("Hello.compat_description", h.compat_description, kMaxMessageBytes));
   RETURN_IF_ERROR(w.Bytes("Hello.transport", h.transport, kMaxIdBytes));
   RETURN_IF_ERROR(w.Bytes("Hello.transport_info", h.transport_info, kMaxBlobBytes));
+  RETURN_IF_ERROR(w.Bytes("Hello.group", h.group, kMaxIdBytes));
   RETURN_IF_ERROR(EncodeCount("Hello.regions", h.regions.size(), w));
   for (const RegionDescriptor& region : h.regions) {
     RETURN_IF_ERROR(CheckRegion(region));
@@ -192,6 +194,7 @@ absl::StatusOr<ConnectorHello> DecodeConnectorHello(absl::string_view payload) {
   RETURN_IF_ERROR(r.Bytes("Hello.compat_description", kMaxMessageBytes, &h.compat_description));
   RETURN_IF_ERROR(r.Bytes("Hello.transport", kMaxIdBytes, &h.transport));
   RETURN_IF_ERROR(r.Bytes("Hello.transport_info", kMaxBlobBytes, &h.transport_info));
+  RETURN_IF_ERROR(r.Bytes("Hello.group", kMaxIdBytes, &h.group));
   uint32_t count = 0;
   RETURN_IF_ERROR(r.Count("Hello.regions", kMaxListEntries, kMinRegionBytes, &count));
   h.regions.reserve(count);  // bounded by the bytes actually present
@@ -252,7 +255,7 @@ absl::StatusOr<ConnectorMessage> ReceiveConnectorMessage(ControlConnection& conn
                                                             ? int(absl::StatusCode::kUnknown)
                                                             : error->status_code),
                           absl::StrCat(connection.peer_address(), " sent an error: ",
-                                       error->message));
+                                       absl::CHexEscape(error->message)));
     }
     return absl::InvalidArgumentError(absl::StrCat(connection.peer_address(),
                                                    " sent an unexpected ",

@@ -6,7 +6,7 @@
 // Hello payload (all integers little-endian; strings and blobs u32 length + bytes; lists u32
 // count + elements):
 //   u32 magic "KVCH"   u16 kConnectorWireVersion   u32 protocol_version   u64 compat_hash
-//   str compat_description   str transport   blob transport_info
+//   str compat_description   str transport   blob transport_info   str group
 //   list of regions: i32 layer, u8 tensor (0 K, 1 V), blob descriptor
 // Data payload: u16 kind, then
 //   kind 1 hand-off:  str request_id, list i32 prompt_token_ids, list i32 dest_block_ids,
@@ -36,7 +36,7 @@
 namespace kvstream {
 namespace internal {
 
-inline constexpr uint16_t kConnectorWireVersion = 1;
+inline constexpr uint16_t kConnectorWireVersion = 2;  // 2: the hello's group
 inline constexpr uint32_t kMaxBlobBytes = 1u << 20;    // transport info, memory descriptors
 inline constexpr uint32_t kMaxListEntries = 1u << 22;  // tokens, blocks, regions
 
@@ -54,6 +54,9 @@ struct ConnectorHello {
   std::string compat_description;  // what was hashed, human-readable, for error messages
   std::string transport;           // transport name, e.g. "ucx"
   std::string transport_info;      // Transport::LocalInfo()
+  // A pipeline stage's decode group (PipelineGroup): the stages of one group share it, and
+  // the producer joins their hand-offs of one request id. Empty: not a pipeline stage.
+  std::string group;
   std::vector<RegionDescriptor> regions;
 };
 

@@ -19,7 +19,7 @@ namespace internal {
 
 absl::StatusOr<std::unique_ptr<LayerTable>> LayerTable::Create(
     const std::map<std::string, KvCache*>& caches, const KvstreamSettings& settings,
-    Transport& transport) {
+    const KvModelInfo& model, Transport& transport) {
   if (caches.empty()) return absl::InvalidArgumentError("no KV caches to register");
   std::unique_ptr<LayerTable> t(new LayerTable());
   const KvCache* first = nullptr;
@@ -67,11 +67,19 @@ absl::StatusOr<std::unique_ptr<LayerTable>> LayerTable::Create(
   t->block_size_ = v.spec.block_size;
   t->memory_ = v.memory;
   t->slots_ = t->layers_.back().index + 1;
+  t->num_blocks_ = v.num_blocks;
+  t->model_ = model;
+  // The model's part: what changes the numbers (max_model_len does not: it only bounds).
+  const std::string model_part =
+      model.vocab_size > 0 || !model.fingerprint.empty()
+          ? absl::StrCat(", vocabulary ", model.vocab_size, ", model [",
+                         absl::CHexEscape(model.fingerprint), "]")
+          : std::string(", model unknown");
   t->compat_description_ = absl::StrCat(
       "protocol ", kLayerwiseProtocolVersion, ", ", v.spec.DebugString(), ", K strides ",
       v.k_strides.block, "/", v.k_strides.token, "/", v.k_strides.head, "/", v.k_strides.dim,
       ", V strides ", v.v_strides.block, "/", v.v_strides.token, "/", v.v_strides.head, "/",
-      v.v_strides.dim, ", ", MemoryKindName(v.memory), " memory");
+      v.v_strides.dim, ", ", MemoryKindName(v.memory), " memory", model_part);
   const uint64_t seed = XXH3_64bits_withSeed("kvstream-layerwise", 18, kLayerwiseProtocolVersion);
   t->compat_hash_ =
       XXH3_64bits_withSeed(t->compat_description_.data(), t->compat_description_.size(), seed);
@@ -130,19 +138,20 @@ absl::Status CheckCompatible(const LayerTable& mine, absl::string_view my_engine
   const std::string peer = absl::StrCat("'", absl::CHexEscape(their_engine_id), "'");
   if (theirs.protocol_version != kLayerwiseProtocolVersion) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "peer ", peer, " speaks protocol ", theirs.protocol_version, ", engine '", my_engine_id,
+        "peer ", peer, " speaks protocol ", theirs.protocol_version, ", engine '",
+        absl::CHexEscape(my_engine_id),
         "' speaks ", kLayerwiseProtocolVersion));
   }
   if (theirs.compat_hash != mine.compat_hash()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "KV cache compatibility mismatch between engine '", my_engine_id, "' [",
+        "KV cache compatibility mismatch between engine '", absl::CHexEscape(my_engine_id), "' [",
         mine.compat_description(), "] and peer ", peer, " [",
         absl::CHexEscape(theirs.compat_description), "]"));
   }
   if (theirs.transport != my_transport) {
     return absl::FailedPreconditionError(absl::StrCat(
         "peer ", peer, " uses transport '", absl::CHexEscape(theirs.transport), "', engine '",
-        my_engine_id, "' uses '", my_transport, "'"));
+        absl::CHexEscape(my_engine_id), "' uses '", my_transport, "'"));
   }
   return absl::OkStatus();
 }

@@ -6,8 +6,9 @@
 // consumer sides share it without a lock (through a shared_ptr<const LayerTable>).
 //
 // The compatibility hash covers the protocol version, the cache spec (block size, heads,
-// head sizes, dtype, quantisation), the K and V strides and the cache's memory kind: two
-// workers whose hashes differ must not exchange KV. Which layers each side has is checked
+// head sizes, dtype, quantisation), the K and V strides, the cache's memory kind and what
+// the engine said of its model (vocabulary size and fingerprint, KvModelInfo): two workers
+// whose hashes differ must not exchange KV. Which layers each side has is checked
 // separately (pipeline stages have some of the producer's layers).
 #ifndef KVSTREAM_CONNECTOR_SRC_LAYER_TABLE_H_
 #define KVSTREAM_CONNECTOR_SRC_LAYER_TABLE_H_
@@ -25,6 +26,7 @@
 #include "control_messages.h"
 #include "kvstream/cache/kv_cache.h"
 #include "kvstream/connector/config.h"
+#include "kvstream/connector/kv_connector_worker.h"
 #include "kvstream/transfer/transport.h"
 
 namespace kvstream {
@@ -46,10 +48,11 @@ class LayerTable {
   // block count for all, one memory kind; a pipeline stage with an explicit partition owns
   // every layer it registers) and registers their memory with `transport`. InvalidArgument
   // naming the layer at fault; the transport's error when it cannot register the memory.
+  // `model` goes into the compatibility hash and bounds what hand-offs may ask.
   // REQUIRES: `transport` outlives the table.
   static absl::StatusOr<std::unique_ptr<LayerTable>> Create(
       const std::map<std::string, KvCache*>& caches, const KvstreamSettings& settings,
-      Transport& transport);
+      const KvModelInfo& model, Transport& transport);
 
   const std::vector<LayerEntry>& layers() const { return layers_; }
   const LayerEntry* ByName(absl::string_view name) const;
@@ -60,6 +63,10 @@ class LayerTable {
   int32_t slots() const { return slots_; }
   int32_t block_size() const { return block_size_; }
   MemoryKind memory() const { return memory_; }
+  // Blocks of every layer's cache: no request can ever hold more tokens than
+  // num_blocks() * block_size().
+  int64_t num_blocks() const { return num_blocks_; }
+  const KvModelInfo& model() const { return model_; }
   // Any layer's view (they share spec and strides).
   KvCacheView view() const { return layers_.front().cache->view(); }
 
@@ -78,6 +85,8 @@ class LayerTable {
   int32_t slots_ = 0;
   int32_t block_size_ = 0;
   MemoryKind memory_ = MemoryKind::kHost;
+  int64_t num_blocks_ = 0;
+  KvModelInfo model_;
   uint64_t compat_hash_ = 0;
   std::string compat_description_;
 };

@@ -65,13 +65,35 @@ class LayerwiseWorker final : public KvConnectorWorker {
     return std::shared_ptr<void>(base, [owner](void*) mutable { owner.reset(); });
   }
 
+  absl::Status SetModelInfo(const KvModelInfo& info) override {
+    absl::MutexLock lock(&register_mu_);
+    if (shared_.layers() != nullptr) {
+      return absl::FailedPreconditionError(
+          "SetModelInfo after RegisterKvCaches: the model goes into the compatibility hash");
+    }
+    if (info.vocab_size < 0 || info.max_model_len < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("model info: vocab_size ", info.vocab_size,
+                                                     " and max_model_len ", info.max_model_len,
+                                                     " must not be negative"));
+    }
+    if (info.fingerprint.size() > kMaxModelFingerprintBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("model info: the fingerprint is ",
+                                                     info.fingerprint.size(),
+                                                     " bytes, more than the limit of ",
+                                                     kMaxModelFingerprintBytes));
+    }
+    model_ = info;
+    return absl::OkStatus();
+  }
+
   absl::Status RegisterKvCaches(const std::map<std::string, KvCache*>& caches) override {
     absl::MutexLock lock(&register_mu_);
     if (shared_.layers() != nullptr) {
       return absl::FailedPreconditionError("KV caches already registered");
     }
     ASSIGN_OR_RETURN(std::unique_ptr<LayerTable> table,
-                     LayerTable::Create(caches, shared_.config.kvstream, *shared_.transport));
+                     LayerTable::Create(caches, shared_.config.kvstream, model_,
+                                        *shared_.transport));
     if (producer_) RETURN_IF_ERROR(producer_->Prepare(*table));
     if (consumer_) RETURN_IF_ERROR(consumer_->Prepare(*table));
     shared_.PublishLayers(std::move(table));
@@ -126,6 +148,10 @@ class LayerwiseWorker final : public KvConnectorWorker {
     s.blocks_in_flight = 0;
     if (producer_) s.blocks_in_flight += producer_->BlocksInFlight(nullptr);
     if (consumer_) s.blocks_in_flight += consumer_->BlocksInFlight(nullptr);
+    s.control_connections = 0;
+    if (producer_) s.control_connections += producer_->connections();
+    if (consumer_) s.control_connections += consumer_->connections();
+    s.connections_refused = producer_ ? producer_->connections_refused() : 0;
     return s;
   }
 
@@ -175,6 +201,7 @@ class LayerwiseWorker final : public KvConnectorWorker {
   std::unique_ptr<ConsumerSide> consumer_;
   std::thread progress_thread_;
   absl::Mutex register_mu_;
+  KvModelInfo model_ ABSL_GUARDED_BY(register_mu_);
 };
 
 }  // namespace
@@ -197,6 +224,13 @@ absl::Status ValidateLayerwiseConfig(const KvTransferConfig& config) {
           k.pipeline_parallel_size));
     }
     RETURN_IF_ERROR(ValidatePipelinePartition(k.pipeline_layers));
+  }
+  if (k.max_connections < 1 || k.max_requests_per_consumer < 1 ||
+      k.max_tokens_per_consumer < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LayerwiseConnector: max_connections ", k.max_connections,
+        ", max_requests_per_consumer ", k.max_requests_per_consumer,
+        " and max_tokens_per_consumer ", k.max_tokens_per_consumer, " must be at least 1"));
   }
   if (k.pipeline_parallel_size > 1 && config.kv_role != KvRole::kConsumer) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -4,9 +4,12 @@
 #include <algorithm>
 #include <utility>
 
+#include <xxhash.h>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "kvstream/common/int_math.h"
 #include "kvstream/common/logging.h"
@@ -27,12 +30,12 @@ absl::Status ProducerSide::Start() {
 
 void ProducerSide::Stop() {
   if (accept_thread_.joinable()) accept_thread_.join();
-  std::vector<std::thread> readers;
+  std::vector<ConnectionThread> readers;
   {
     absl::MutexLock lock(&threads_mu_);
     readers = std::move(readers_);
   }
-  for (std::thread& t : readers) t.join();
+  for (ConnectionThread& t : readers) t.thread.join();
   absl::MutexLock lock(&mu_);
   for (auto& [id, s] : send_) {
     for (TransferId t : s.pending) shared_.transport->Release(t);
@@ -57,13 +60,59 @@ absl::Status ProducerSide::Prepare(const LayerTable& table) {
 
 // ---- control ----
 
+void ProducerSide::JoinFinished() {
+  for (auto it = readers_.begin(); it != readers_.end();) {
+    if (it->done->load()) {
+      it->thread.join();  // it has returned from its work: at most a moment
+      it = readers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+int64_t ProducerSide::connections() const {
+  absl::MutexLock lock(&threads_mu_);
+  return static_cast<int64_t>(readers_.size());
+}
+
 void ProducerSide::AcceptLoop() {
+  const size_t max_connections = static_cast<size_t>(shared_.config.kvstream.max_connections);
+  // Refusals are logged at most once a second (with the count since), so that a flood of
+  // connections cannot flood the log too.
+  absl::Time last_report = absl::InfinitePast();
+  uint64_t unreported = 0;
   while (!shared_.stopping) {
+    {
+      absl::MutexLock lock(&threads_mu_);
+      JoinFinished();
+    }
     auto conn = listener_->Accept(absl::Now() + absl::Milliseconds(100));
     if (!conn.ok()) continue;
     std::shared_ptr<ControlConnection> shared(std::move(*conn));
     absl::MutexLock lock(&threads_mu_);
-    readers_.emplace_back([this, shared] { ConsumerLoop(shared); });
+    JoinFinished();
+    if (readers_.size() >= max_connections) {
+      shared->Close();
+      refused_.fetch_add(1);
+      ++unreported;
+      if (absl::Now() - last_report >= absl::Seconds(1)) {
+        Log(LogLevel::kWarning,
+            absl::StrCat("refused control connection from ",
+                         absl::CHexEscape(shared->peer_address()), ": ", readers_.size(),
+                         " connections are being served (max_connections ", max_connections,
+                         "); ", unreported, " refused since the last report"));
+        last_report = absl::Now();
+        unreported = 0;
+      }
+      continue;
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    readers_.push_back({std::thread([this, shared, done] {
+                          ConsumerLoop(shared);
+                          done->store(true);
+                        }),
+                        done});
   }
 }
 
@@ -73,7 +122,8 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
   std::shared_ptr<const LayerTable> table = shared_.layers();
   absl::StatusOr<HandshakeOptions> hs = shared_.Handshake(table.get());
   if (!hs.ok()) {
-    Log(LogLevel::kWarning, absl::StrCat("cannot answer consumer ", conn->peer_address(), ": ",
+    Log(LogLevel::kWarning, absl::StrCat("cannot answer consumer ",
+                                         absl::CHexEscape(conn->peer_address()), ": ",
                                          hs.status().ToString()));
     conn->Close();
     return;
@@ -88,18 +138,24 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
     RETURN_IF_ERROR(
         CheckCompatible(*table, shared_.config.engine_id, transport, theirs, peer.engine_id));
     link->engine_id = peer.engine_id;
-    return ImportConsumer(peer, *link);
+    link->name = absl::StrCat("'", absl::CHexEscape(peer.engine_id), "'");
+    RETURN_IF_ERROR(ImportConsumer(peer, *link));
+    // A group is a pipeline stage's: a consumer of every layer keeps its own namespace.
+    if (link->layers.size() < table->indices().size()) link->group = theirs.group;
+    return absl::OkStatus();
   };
   auto peer = HandshakeAsServer(*conn, *hs);
   if (!peer.ok()) {
     // A peer that closes before saying hello is a liveness probe, not an attack.
     Log(absl::IsUnavailable(peer.status()) ? LogLevel::kInfo : LogLevel::kWarning,
-        absl::StrCat("rejected consumer ", conn->peer_address(), ": ", peer.status().ToString()));
+        absl::StrCat("rejected consumer ", absl::CHexEscape(conn->peer_address()), ": ",
+                     peer.status().ToString()));
     conn->Close();
     return;
   }
   {
     absl::MutexLock lock(&mu_);
+    link->scope = ScopeFor(*link);
     links_.push_back(link);
   }
   while (!shared_.stopping) {
@@ -127,7 +183,7 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
         sent = SendConnectorMessage(*conn, confirm, absl::Now() + absl::Seconds(1));
       }
     } else {
-      Log(LogLevel::kWarning, absl::StrCat("consumer ", link->engine_id, " sent an unexpected ",
+      Log(LogLevel::kWarning, absl::StrCat("consumer ", link->name, " sent an unexpected ",
                                            ConnectorMessageName(*msg), " message"));
     }
     if (!sent.ok()) {
@@ -136,6 +192,40 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
       return;
     }
   }
+}
+
+namespace {
+
+// Text without '/' (so that the first '/' of a scoped id ends its scope) and escaped.
+std::string ScopeText(absl::string_view name) {
+  return absl::StrReplaceAll(absl::CHexEscape(name), {{"/", "\\x2f"}});
+}
+
+}  // namespace
+
+std::string ProducerSide::ScopedRequestId(absl::string_view scope, absl::string_view request_id) {
+  std::string id = absl::StrCat(scope, "/", absl::CHexEscape(request_id));
+  if (id.size() <= kMaxIdBytes) return id;
+  // Too long for the engine's ids: a prefix and a hash of the whole.
+  const uint64_t h = XXH3_64bits(id.data(), id.size());
+  id.resize(kMaxIdBytes - 17);
+  absl::StrAppend(&id, "~", absl::Hex(h, absl::kZeroPad16));
+  return id;
+}
+
+std::string ProducerSide::ScopeFor(const ConsumerLink& link) {
+  if (!link.group.empty()) return ScopeText(link.group);
+  // Two live consumers of one engine id still get their own namespaces.
+  const std::string base = ScopeText(link.engine_id);
+  std::string scope = base;
+  auto taken = [&](const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& other : links_) {
+      if (other->scope == name) return true;
+    }
+    return false;
+  };
+  while (taken(scope)) scope = absl::StrCat(base, "#", link_serial_++);
+  return scope;
 }
 
 // The consumer's cache regions. It may have all of our layers or, as one stage of a
@@ -195,28 +285,32 @@ absl::Status ProducerSide::AcceptHandOff(const HandOffMsg& m,
   if (m.request_id.empty()) return absl::InvalidArgumentError("empty request id");
   std::shared_ptr<const LayerTable> table = shared_.layers();
   const int64_t send_timeout_ms = shared_.config.kvstream.send_timeout_ms;
+  const std::string rid = absl::CHexEscape(m.request_id);
+  // The consumer's id is its own: the engine gets one scoped by the consumer (or by the
+  // pipeline group whose stages hand the request over together).
+  const std::string key = ScopedRequestId(link->scope, m.request_id);
   absl::MutexLock lock(&mu_);
-  auto existing = send_.find(m.request_id);
+  auto existing = send_.find(key);
   if (existing != send_.end()) {
     SendRequest& s = existing->second;
     if (HasDestination(s, link)) {
-      return absl::AlreadyExistsError(absl::StrCat("request ", m.request_id, " already handed over"));
+      return absl::AlreadyExistsError(absl::StrCat("request ", rid, " already handed over"));
     }
     if (s.state == SendState::kFailed || s.state == SendState::kStopped) {
       return absl::AbortedError(
-          absl::StrCat("request ", m.request_id, " was already stopped: ", s.stop_reason));
+          absl::StrCat("request ", rid, " was already stopped: ", s.stop_reason));
     }
     if (s.state != SendState::kGathering) {
-      return absl::AlreadyExistsError(absl::StrCat("request ", m.request_id,
+      return absl::AlreadyExistsError(absl::StrCat("request ", rid,
                                                    " already handed over by ",
                                                    DestinationNames(s),
                                                    ", which receive all its layers"));
     }
   }
   const bool pipeline_stage = link->layers.size() < table->indices().size();
-  auto rejected = rejected_stages_.find(m.request_id);
+  auto rejected = rejected_stages_.find(key);
   if (rejected != rejected_stages_.end() && pipeline_stage) {
-    return absl::AbortedError(absl::StrCat("request ", m.request_id,
+    return absl::AbortedError(absl::StrCat("request ", rid,
                                            ": the hand-off from another pipeline stage was "
                                            "rejected: ",
                                            rejected->second.why));
@@ -228,18 +322,19 @@ absl::Status ProducerSide::AcceptHandOff(const HandOffMsg& m,
     // fails for those already here, and is refused to those still to come.
     if (existing != send_.end()) {
       Fail(existing->second, absl::AbortedError(absl::StrCat(
-                                 "the hand-off from ", link->engine_id,
+                                 "the hand-off from ", link->name,
                                  " was rejected: ", verdict.message())));
     } else if (pipeline_stage) {
-      rejected_stages_[m.request_id] =
-          RejectedStage{absl::StrCat(link->engine_id, ": ", verdict.message()),
+      rejected_stages_[key] =
+          RejectedStage{absl::StrCat(link->name, ": ", verdict.message()),
                         absl::Now() + absl::Milliseconds(send_timeout_ms)};
     }
     return verdict;
   }
   if (existing == send_.end()) {
     SendRequest s;
-    s.id = m.request_id;
+    s.id = key;
+    s.consumer_id = m.request_id;
     s.prompt = m.prompt_token_ids;
     s.num_tokens = static_cast<int32_t>(m.num_tokens);
     // The other stages of a pipeline hand the request over independently; wait for them
@@ -249,6 +344,8 @@ absl::Status ProducerSide::AcceptHandOff(const HandOffMsg& m,
   }
   SendRequest& s = existing->second;
   s.dests.push_back({link, m.dest_block_ids});
+  ++link->active_requests;
+  link->active_tokens += static_cast<int64_t>(s.prompt.size());
   for (int32_t l : link->layers) s.route[l] = s.dests.size() - 1;
   if (s.route.size() == table->indices().size()) {
     s.state = SendState::kQueued;
@@ -264,15 +361,55 @@ absl::Status ProducerSide::AcceptHandOff(const HandOffMsg& m,
 absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink& link,
                                         const SendRequest* other) const {
   std::shared_ptr<const LayerTable> table = shared_.layers();
+  const std::string rid = absl::CHexEscape(m.request_id);
   const int32_t block_size = table->block_size();
+  // What the model and this producer's cache can ever serve: a request beyond it would be
+  // queued for good (or fail the engine), so it is refused here, alone.
+  const KvModelInfo& model = table->model();
+  const int64_t prompt = static_cast<int64_t>(m.prompt_token_ids.size());
+  if (model.max_model_len > 0 && prompt > model.max_model_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request ", rid, ": a prompt of ", prompt,
+        " tokens is longer than the maximum model length of the prefill worker, ",
+        model.max_model_len));
+  }
+  if (prompt > table->num_blocks() * block_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request ", rid, ": a prompt of ", prompt, " tokens needs ",
+        CeilDiv(prompt, block_size), " blocks, more than the whole cache of the prefill worker (",
+        table->num_blocks(), " blocks of ", block_size, " tokens)"));
+  }
+  if (model.vocab_size > 0) {
+    for (size_t i = 0; i < m.prompt_token_ids.size(); ++i) {
+      if (m.prompt_token_ids[i] >= model.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "request ", rid, ": prompt token ", i, " is ", m.prompt_token_ids[i],
+            ", outside the vocabulary of the prefill model, [0, ", model.vocab_size, ")"));
+      }
+    }
+  }
+  // What one consumer may have in flight.
+  const KvstreamSettings& k = shared_.config.kvstream;
+  if (link.active_requests >= k.max_requests_per_consumer) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request ", rid, ": consumer ", link.name, " already has ",
+        link.active_requests, " requests in flight (max_requests_per_consumer ",
+        k.max_requests_per_consumer, ")"));
+  }
+  if (link.active_tokens + prompt > k.max_tokens_per_consumer) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request ", rid, ": its ", prompt, " prompt tokens and the ", link.active_tokens,
+        " of the requests in flight from consumer ", link.name,
+        " exceed max_tokens_per_consumer ", k.max_tokens_per_consumer));
+  }
   if (m.num_tokens == 0 || m.num_tokens > m.prompt_token_ids.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("request ", m.request_id, " asks for ",
+    return absl::InvalidArgumentError(absl::StrCat("request ", rid, " asks for ",
                                                    m.num_tokens, " tokens of a ",
                                                    m.prompt_token_ids.size(), "-token prompt"));
   }
   const int64_t need = CeilDiv(m.num_tokens, block_size);
   if (static_cast<int64_t>(m.dest_block_ids.size()) < need) {
-    return absl::InvalidArgumentError(absl::StrCat("request ", m.request_id, ": ",
+    return absl::InvalidArgumentError(absl::StrCat("request ", rid, ": ",
                                                    m.dest_block_ids.size(),
                                                    " destination blocks for ", m.num_tokens,
                                                    " tokens of block size ", block_size));
@@ -280,14 +417,14 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
   for (int64_t i = 0; i < need; ++i) {
     const int32_t b = m.dest_block_ids[i];
     if (b < 0 || b >= link.remote_num_blocks) {
-      return absl::OutOfRangeError(absl::StrCat("request ", m.request_id, ": destination block ",
+      return absl::OutOfRangeError(absl::StrCat("request ", rid, ": destination block ",
                                                 b, " outside [0, ", link.remote_num_blocks, ")"));
     }
   }
   if (other == nullptr) return absl::OkStatus();
   if (other->prompt != m.prompt_token_ids || other->num_tokens != static_cast<int32_t>(m.num_tokens)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "request ", m.request_id, " handed over by ", link.engine_id,
+        "request ", rid, " handed over by ", link.name,
         " has another prompt or token count than the same request handed over by ",
         DestinationNames(*other)));
   }
@@ -295,9 +432,9 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
     auto owner = other->route.find(l);
     if (owner != other->route.end()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "request ", m.request_id, ": consumer ", link.engine_id, " asks for layers ",
+          "request ", rid, ": consumer ", link.name, " asks for layers ",
           FormatLayerSet(link.layers), " but layer ", l, " already goes to consumer ",
-          other->dests[owner->second].link->engine_id,
+          other->dests[owner->second].link->name,
           " (the pipeline stages' layer ranges overlap)"));
     }
   }
@@ -305,15 +442,16 @@ absl::Status ProducerSide::CheckHandOff(const HandOffMsg& m, const ConsumerLink&
 }
 
 bool ProducerSide::HandleAbort(const AbortMsg& m, const std::shared_ptr<ConsumerLink>& link) {
+  const std::string rid = absl::CHexEscape(m.request_id);
   absl::MutexLock lock(&mu_);
-  auto it = send_.find(m.request_id);
+  auto it = send_.find(ScopedRequestId(link->scope, m.request_id));
   if (it == send_.end() || !HasDestination(it->second, link)) return false;
   if (it->second.state == SendState::kDone || it->second.state == SendState::kStopped) {
     return false;
   }
   // Poll confirms once its transfers have ended.
-  Fail(it->second, absl::CancelledError(absl::StrCat("consumer aborted request ", m.request_id,
-                                                     ": ", m.reason)));
+  Fail(it->second, absl::CancelledError(absl::StrCat("consumer aborted request ", rid,
+                                                     ": ", absl::CHexEscape(m.reason))));
   return true;
 }
 
@@ -324,7 +462,7 @@ void ProducerSide::ConsumerLost(const std::shared_ptr<ConsumerLink>& link,
   for (auto& [id, s] : send_) {
     if (HasDestination(s, link)) {
       Fail(s, absl::UnavailableError(
-                  absl::StrCat("lost consumer ", link->engine_id, ": ", why.message())));
+                  absl::StrCat("lost consumer ", link->name, ": ", why.message())));
     }
   }
   links_.erase(std::remove(links_.begin(), links_.end(), link), links_.end());
@@ -332,7 +470,7 @@ void ProducerSide::ConsumerLost(const std::shared_ptr<ConsumerLink>& link,
 
 std::string ProducerSide::DestinationNames(const SendRequest& s) {
   return absl::StrJoin(s.dests, ", ", [](std::string* out, const Destination& d) {
-    absl::StrAppend(out, d.link->engine_id, " (layers ", FormatLayerSet(d.link->layers), ")");
+    absl::StrAppend(out, d.link->name, " (layers ", FormatLayerSet(d.link->layers), ")");
   });
 }
 
@@ -356,6 +494,15 @@ void ProducerSide::Fail(SendRequest& s, const absl::Status& why) {
   s.stop_reason = why.ToString();
   Log(LogLevel::kWarning, absl::StrCat("send of request ", s.id, " failed: ", s.stop_reason));
   for (TransferId t : s.pending) (void)shared_.transport->Cancel(t);
+}
+
+void ProducerSide::Settle(SendRequest& s) {
+  if (s.settled) return;
+  s.settled = true;
+  for (const Destination& d : s.dests) {
+    --d.link->active_requests;
+    d.link->active_tokens -= static_cast<int64_t>(s.prompt.size());
+  }
 }
 
 // ---- the step ----
@@ -421,7 +568,7 @@ absl::Status ProducerSide::PostLayer(absl::string_view layer_name, const KvCache
     absl::StatusOr<LayerPost> post =
         region == dest.link->regions.end()
             ? absl::InternalError(absl::StrCat("no consumer region for layer ", layer->index))
-            : sender_->Post(*layer, s.id, dest.link->peer, *region->second.first,
+            : sender_->Post(*layer, s.consumer_id, dest.link->peer, *region->second.first,
                             *region->second.second, s.local_blocks, dest.dest_blocks,
                             s.num_tokens, stream, &posted_k);
     if (posted_k != 0) s.pending.push_back(posted_k);
@@ -490,6 +637,7 @@ bool ProducerSide::Poll() {
       if (s.state == SendState::kSending) {
         if (s.pending.empty() && static_cast<int32_t>(s.layers_posted.size()) == layer_count) {
           s.state = SendState::kDone;
+          Settle(s);
         } else if (!s.pending.empty() && now > s.deadline) {
           // Only transfers in flight can be late: while none is, the engine is still
           // computing the next layer (the consumer's own deadlines cover a producer that
@@ -514,8 +662,9 @@ bool ProducerSide::Poll() {
       // A failed request whose transfers all ended: tell its consumers once.
       if (s.state == SendState::kFailed && s.pending.empty()) {
         s.state = SendState::kStopped;
+        Settle(s);
         for (const Destination& d : s.dests) {
-          if (d.link->alive) notify.push_back({d.link, AbortMsg{s.id, s.stop_reason}});
+          if (d.link->alive) notify.push_back({d.link, AbortMsg{s.consumer_id, s.stop_reason}});
         }
       }
       if (!s.pending.empty() || s.state == SendState::kSending) outstanding = true;

@@ -5,6 +5,12 @@
 // the consumer (or pipeline stage) that owns the layer. For device caches the posts are
 // ordered after the layer's work on its stream by an event; the host never waits for it.
 //
+// Request ids are the consumers': each consumer's (each pipeline group's) are their own
+// namespace, and the engine knows a request by an id scoped by it (ScopedRequestId), so
+// two consumers may both hand over "req-0". The stages of one pipeline-parallel decode
+// group name the group in their hello and share its namespace: their hand-offs of one
+// request id are one request.
+//
 // A request's lifecycle (SendState):
 //   kGathering -> kQueued   every layer has a destination (all stages of a pipeline handed
 //                           it over); the engine is given it to prefill
@@ -77,12 +83,22 @@ class ProducerSide {
   bool Poll();
 
   void TakeOutput(KvConnectorOutput& out);
+  // Control connections served now (threads not yet joined), and those refused so far
+  // because max_connections were being served.
+  int64_t connections() const;
+  uint64_t connections_refused() const { return refused_.load(); }
   int64_t BlocksInFlight(std::map<std::string, int64_t>* by_peer) const;
 
  private:
   // One connected consumer.
   struct ConsumerLink {
     std::string engine_id;
+    std::string name;   // the engine id escaped and quoted, for messages and logs
+    std::string group;  // its hello's pipeline group (empty: none)
+    // The namespace of its request ids (ScopedRequestId): its pipeline group's when it is
+    // a pipeline stage (the stages of one group hand a request over together), else its
+    // own (its engine id, made unique among the live links).
+    std::string scope;
     PeerId peer = 0;
     int64_t remote_num_blocks = 0;
     // The layers it registered, which are the layers it receives: all of ours, or one
@@ -93,6 +109,11 @@ class ProducerSide {
         regions;
     std::shared_ptr<ControlConnection> conn;
     std::atomic<bool> alive{true};
+    // Requests handed over on this link and not yet done or stopped, and their prompt
+    // tokens (bounded by max_requests_per_consumer / max_tokens_per_consumer). Guarded
+    // by the producer's mu_.
+    int64_t active_requests = 0;
+    int64_t active_tokens = 0;
   };
 
   struct Destination {
@@ -104,7 +125,8 @@ class ProducerSide {
 
   struct SendRequest {
     SendState state = SendState::kGathering;
-    std::string id;
+    std::string id;           // the engine's: ScopedRequestId(scope, consumer_id)
+    std::string consumer_id;  // the consumers' own, in every message and notice to them
     std::vector<Destination> dests;
     std::map<int32_t, size_t> route;  // layer index -> index in dests
     absl::Time gather_deadline = absl::InfiniteFuture();  // for the hand-offs still missing
@@ -116,6 +138,7 @@ class ProducerSide {
     absl::Time deadline = absl::InfiniteFuture();
     std::string stop_reason;
     bool released = false;  // given to the engine (reported incoming)
+    bool settled = false;   // done or stopped: no longer counted against its consumers
   };
 
   // What a completed V transfer (the one with the notice) means for the stats.
@@ -124,6 +147,12 @@ class ProducerSide {
     uint64_t post_ns = 0;
     std::string peer;  // the consumer's engine id
   };
+
+  // The id the engine knows a consumer's request by: "<scope>/<escaped request id>"
+  // (hashed where that would exceed kMaxIdBytes). Distinct scopes never give one id.
+  static std::string ScopedRequestId(absl::string_view scope, absl::string_view request_id);
+  // The scope of a link that just passed its handshake.
+  std::string ScopeFor(const ConsumerLink& link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   void AcceptLoop();
   void ConsumerLoop(std::shared_ptr<ControlConnection> conn);
@@ -134,6 +163,8 @@ class ProducerSide {
   bool HandleAbort(const AbortMsg& m, const std::shared_ptr<ConsumerLink>& link);
   void ConsumerLost(const std::shared_ptr<ConsumerLink>& link, const absl::Status& why);
   void Fail(SendRequest& s, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Once a request is done or stopped: it no longer counts against its consumers' bounds.
+  void Settle(SendRequest& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string DestinationNames(const SendRequest& s);
   static bool HasDestination(const SendRequest& s, const std::shared_ptr<ConsumerLink>& link);
 
@@ -141,12 +172,21 @@ class ProducerSide {
   std::unique_ptr<LayerSender> sender_;  // made by Prepare
   std::unique_ptr<ControlListener> listener_;
   std::thread accept_thread_;
-  absl::Mutex threads_mu_;
-  std::vector<std::thread> readers_ ABSL_GUARDED_BY(threads_mu_);
+  // One thread per control connection, joined by the accept loop once it is done, so
+  // that a connection's resources (its stack above all) go with it.
+  struct ConnectionThread {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  void JoinFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(threads_mu_);
+  mutable absl::Mutex threads_mu_;
+  std::vector<ConnectionThread> readers_ ABSL_GUARDED_BY(threads_mu_);
+  std::atomic<uint64_t> refused_{0};
 
   mutable absl::Mutex mu_;
   std::map<std::string, SendRequest> send_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<ConsumerLink>> links_ ABSL_GUARDED_BY(mu_);
+  uint64_t link_serial_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::string> step_saves_ ABSL_GUARDED_BY(mu_);
   absl::Status step_error_ ABSL_GUARDED_BY(mu_);
   // Requests a pipeline stage's hand-off was rejected for before any other stage handed

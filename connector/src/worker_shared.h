@@ -43,6 +43,7 @@ struct WorkerShared {
     HandshakeOptions hs;
     hs.local.engine_id = config.engine_id;
     ASSIGN_OR_RETURN(ConnectorHello hello, LocalHello(table, *transport));
+    hello.group = PipelineGroup(config);
     ASSIGN_OR_RETURN(hs.local.payload, EncodeConnectorHello(hello));
     hs.secret = config.kvstream.secret;
     hs.deadline = absl::Now() + absl::Milliseconds(config.kvstream.handshake_timeout_ms);

@@ -272,6 +272,7 @@ TEST(ControlMessagesTest, HelloRoundTripsAndRefusesBadRegions) {
   h.compat_description = "bf16 NHD";
   h.transport = "ucx";
   h.transport_info = std::string("\0\1\2", 3);
+  h.group = "decode-0";
   h.regions = {{0, 0, "k0"}, {0, 1, "v0"}, {31, 1, std::string(300, 'd')}};
   auto bytes = internal::EncodeConnectorHello(h);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
@@ -279,6 +280,7 @@ TEST(ControlMessagesTest, HelloRoundTripsAndRefusesBadRegions) {
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->compat_hash, h.compat_hash);
   EXPECT_EQ(back->transport_info, h.transport_info);
+  EXPECT_EQ(back->group, "decode-0");
   ASSERT_EQ(back->regions.size(), 3u);
   EXPECT_EQ(back->regions[2].layer, 31);
   EXPECT_EQ(back->regions[2].descriptor, h.regions[2].descriptor);

@@ -128,6 +128,61 @@ TEST(KvTransferConfigTest, PipelineKeys) {
   EXPECT_TRUE(e->kvstream.pipeline_layers.empty());
 }
 
+TEST(KvTransferConfigTest, PipelineGroupAndPeerBounds) {
+  auto c = ParseKvTransferConfig(R"({"engine_id": "decode0-pp1", "kv_connector_extra_config":
+      {"pipeline_parallel_size": 2, "pipeline_rank": 1, "max_connections": 8,
+       "max_requests_per_consumer": 3, "max_tokens_per_consumer": 4096}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->kvstream.max_connections, 8);
+  EXPECT_EQ(c->kvstream.max_requests_per_consumer, 3);
+  EXPECT_EQ(c->kvstream.max_tokens_per_consumer, 4096);
+  // The stages of a group "decode0" are named "decode0-pp<rank>" by the launcher.
+  EXPECT_EQ(PipelineGroup(*c), "decode0");
+  c->kvstream.pipeline_group = "group-a";
+  EXPECT_EQ(PipelineGroup(*c), "group-a");
+  c->kvstream.pipeline_group.clear();
+  c->engine_id = "decode-pp";  // no rank digits: the id as it is
+  EXPECT_EQ(PipelineGroup(*c), "decode-pp");
+  c->engine_id = "-pp1";  // nothing before the suffix
+  EXPECT_EQ(PipelineGroup(*c), "-pp1");
+  c->kvstream.pipeline_parallel_size = 1;  // no pipeline: no group
+  EXPECT_EQ(PipelineGroup(*c), "");
+  auto defaults = ParseKvTransferConfig("{}");
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ(defaults->kvstream.max_connections, 256);
+  EXPECT_EQ(defaults->kvstream.max_requests_per_consumer, 1024);
+  EXPECT_EQ(defaults->kvstream.max_tokens_per_consumer, int64_t{1} << 22);
+  for (const char* bad : {R"({"kv_connector_extra_config": {"max_connections": 0}})",
+                          R"({"kv_connector_extra_config": {"max_requests_per_consumer": -1}})",
+                          R"({"kv_connector_extra_config": {"max_tokens_per_consumer": 0}})"}) {
+    EXPECT_EQ(ParseKvTransferConfig(bad).status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+}
+
+// Deep nesting is refused with an error, not a stack overflow: 60,000 levels inside a known
+// key and at the top, in arrays and objects; 64 levels are still parsed (and then refused
+// for what they are, a value of the wrong type).
+TEST(KvTransferConfigTest, DeepNestingIsAnError) {
+  const int kDeep = 60000;
+  std::string arrays = R"({"kv_connector_extra_config": {"transport": )";
+  arrays += std::string(kDeep, '[') + std::string(kDeep, ']') + "}}";
+  std::string objects;
+  for (int i = 0; i < kDeep; ++i) objects += R"({"a":)";
+  objects += "1" + std::string(kDeep, '}');
+  std::string unterminated(kDeep, '[');
+  for (const std::string* text : {&arrays, &objects, &unterminated}) {
+    auto r = ParseKvTransferConfig(*text);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.status().message(), HasSubstr("nested deeper than 64 levels"));
+  }
+  std::string shallow = R"({"kv_connector_extra_config": {"transport": )";
+  shallow += std::string(kMaxConfigDepth - 2, '[') + std::string(kMaxConfigDepth - 2, ']') + "}}";
+  auto r = ParseKvTransferConfig(shallow);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("is not a string"));
+}
+
 TEST(PipelineStageLayersTest, EvenSplitExplicitPartitionAndErrors) {
   KvstreamSettings s;
   EXPECT_EQ(*PipelineStageLayers(s, 32), (LayerRange{0, 32}));  // no pipeline: every layer

@@ -14,14 +14,18 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kvstream/cache/kv_cache.h"
+#include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
 #include "kvstream/connector/block_copy_plan.h"
 #include "kvstream/connector/connector_metadata.h"
 #include "kvstream/connector/factory.h"
 #include "kvstream/connector/layer_routing.h"
+#include "kvstream/transfer/control_channel.h"
 #include "kvstream/transfer/loopback_transport.h"
 
 namespace kvstream {
@@ -194,6 +198,14 @@ struct NodeOptions {
   int pipeline_rank = 0;
   std::string pipeline_layers;  // e.g. "0,1-2"
   bool register_may_fail = false;
+  int64_t num_blocks = 16;
+  // Told to the worker with SetModelInfo when any is set.
+  KvModelInfo model;
+  int32_t max_connections = 256;
+  int32_t max_requests_per_consumer = 1024;
+  int64_t max_tokens_per_consumer = int64_t{1} << 22;
+  std::string pipeline_group;
+  int64_t handshake_timeout_ms = 2000;
 };
 
 // One worker: a connector and its layers' caches (null for layers it does not own).
@@ -215,7 +227,11 @@ std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
   c.kvstream.secret = o.secret;
   c.kvstream.load_timeout_ms = o.load_timeout_ms;
   c.kvstream.send_timeout_ms = o.send_timeout_ms;
-  c.kvstream.handshake_timeout_ms = 2000;
+  c.kvstream.handshake_timeout_ms = o.handshake_timeout_ms;
+  c.kvstream.max_connections = o.max_connections;
+  c.kvstream.max_requests_per_consumer = o.max_requests_per_consumer;
+  c.kvstream.max_tokens_per_consumer = o.max_tokens_per_consumer;
+  c.kvstream.pipeline_group = o.pipeline_group;
   c.kvstream.pipeline_parallel_size = o.pipeline_parallel_size;
   c.kvstream.pipeline_rank = o.pipeline_rank;
   if (!o.pipeline_layers.empty()) {
@@ -245,10 +261,13 @@ std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
     if (!o.layers.empty() && std::find(o.layers.begin(), o.layers.end(), l) == o.layers.end()) {
       continue;
     }
-    auto cache = KvCache::Create({spec, o.layout, 16});
+    auto cache = KvCache::Create({spec, o.layout, o.num_blocks});
     EXPECT_TRUE(cache.ok());
     by_name[LayerName(l)] = cache->get();
     node->caches[l] = std::move(cache).value();
+  }
+  if (o.model.vocab_size != 0 || o.model.max_model_len != 0 || !o.model.fingerprint.empty()) {
+    EXPECT_TRUE(node->connector->worker().SetModelInfo(o.model).ok());
   }
   node->register_status = node->connector->RegisterKvCaches(by_name);
   if (!o.register_may_fail) {
@@ -422,7 +441,8 @@ TEST_P(LayerwiseConnectorTest, StreamsEveryLayerIntoScatteredBlocks) {
 
   auto incoming = ProducerTake(1);
   ASSERT_EQ(incoming.size(), 1u);
-  EXPECT_EQ(incoming[0].request_id, "req-1");
+  // The engine knows it by an id scoped by its consumer.
+  EXPECT_EQ(incoming[0].request_id, "d/req-1");
   EXPECT_EQ(incoming[0].prompt_token_ids, r.prompt_token_ids);
   ProducerPrefill(incoming[0], p_blocks, kLayers);
 
@@ -450,11 +470,11 @@ TEST_P(LayerwiseConnectorTest, StreamsEveryLayerIntoScatteredBlocks) {
   FinishedRequests df = PollFinished(*d_->connector, "req-1", false);
   EXPECT_TRUE(df.finished_recving.count("req-1"));
 
-  auto delay = p_->connector->RequestFinished("req-1");
+  auto delay = p_->connector->RequestFinished("d/req-1");
   ASSERT_TRUE(delay.ok());
   if (*delay) {
-    FinishedRequests pf = PollFinished(*p_->connector, "req-1", true);
-    EXPECT_TRUE(pf.finished_sending.count("req-1"));
+    FinishedRequests pf = PollFinished(*p_->connector, "d/req-1", true);
+    EXPECT_TRUE(pf.finished_sending.count("d/req-1"));
   }
   EXPECT_EQ(p_->connector->stats().bytes_sent, expected_bytes);
   EXPECT_EQ(p_->connector->stats().layers_sent, static_cast<uint64_t>(kLayers));
@@ -474,7 +494,7 @@ TEST_P(LayerwiseConnectorTest, SeveralRequestsInFlight) {
   EXPECT_EQ(dm.waits.size(), 3u);
   auto incoming = ProducerTake(3);
   ASSERT_EQ(incoming.size(), 3u);
-  std::map<std::string, int> index = {{"r0", 0}, {"r1", 1}, {"r2", 2}};
+  std::map<std::string, int> index = {{"d/r0", 0}, {"d/r1", 1}, {"d/r2", 2}};
   std::vector<ScheduledRequest> psched;
   for (const KvRequest& r : incoming) {
     ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(r, p_blocks[index[r.request_id]], 0).ok());
@@ -508,7 +528,7 @@ TEST_P(LayerwiseConnectorTest, PrefillSlowerThanTheSendTimeoutStillStreams) {
   auto incoming = ProducerTake(1);
   ASSERT_EQ(incoming.size(), 1u);
   ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], p_blocks, 0).ok());
-  auto meta = p_->connector->BuildConnectorMeta({{"slow-prefill", 0, 10}});
+  auto meta = p_->connector->BuildConnectorMeta({{"d/slow-prefill", 0, 10}});
   ASSERT_TRUE(meta.ok());
   ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
   AttentionMetadata unused;
@@ -546,10 +566,10 @@ TEST_P(LayerwiseConnectorTest, LayerThatNeverArrivesIsALoadErrorAtTheDeadline) {
   EXPECT_TRUE(d_->connector->BeforeAttention(LayerName(1), nullptr).ok());
   // The consumer aborted; the producer stops and confirms, so both sides can free blocks.
   EXPECT_TRUE(PollFinished(*d_->connector, "slow", false).finished_recving.count("slow"));
-  auto delay = p_->connector->RequestFinished("slow");
+  auto delay = p_->connector->RequestFinished("d/slow");
   ASSERT_TRUE(delay.ok());
   if (*delay) {
-    EXPECT_TRUE(PollFinished(*p_->connector, "slow", true).finished_sending.count("slow"));
+    EXPECT_TRUE(PollFinished(*p_->connector, "d/slow", true).finished_sending.count("d/slow"));
   }
 }
 
@@ -560,7 +580,7 @@ TEST_P(LayerwiseConnectorTest, LostProducerFailsTheRequestFast) {
   auto incoming = ProducerTake(1);
   ASSERT_EQ(incoming.size(), 1u);
   ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], {4, 5, 6}, 0).ok());
-  auto meta = p_->connector->BuildConnectorMeta({{"orphan", 0, 9}});
+  auto meta = p_->connector->BuildConnectorMeta({{"d/orphan", 0, 9}});
   ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
   AttentionMetadata unused;
   ASSERT_TRUE(p_->connector->AfterAttention(LayerName(0), *p_->caches[0], unused, nullptr).ok());
@@ -605,13 +625,13 @@ TEST_P(LayerwiseConnectorTest, CorruptRequestFailsAloneAndTheLinkSurvives) {
   ConsumerStep({{"bad", 0, 5}, {"good", 0, 5}});
   auto incoming = ProducerTake(2);
   ASSERT_EQ(incoming.size(), 2u);
-  const KvRequest& bad = incoming[0].request_id == "bad" ? incoming[0] : incoming[1];
-  const KvRequest& good = incoming[0].request_id == "bad" ? incoming[1] : incoming[0];
+  const KvRequest& bad = incoming[0].request_id == "d/bad" ? incoming[0] : incoming[1];
+  const KvRequest& good = incoming[0].request_id == "d/bad" ? incoming[1] : incoming[0];
   ProducerPrefill(bad, {1, 2}, kLayers);
-  auto delay = p_->connector->RequestFinished("bad");
+  auto delay = p_->connector->RequestFinished("d/bad");
   ASSERT_TRUE(delay.ok());
   if (*delay) {
-    ASSERT_TRUE(PollFinished(*p_->connector, "bad", true).finished_sending.count("bad"));
+    ASSERT_TRUE(PollFinished(*p_->connector, "d/bad", true).finished_sending.count("d/bad"));
   }
   auto errors = AwaitLoadErrors(*d_->connector);
   ASSERT_EQ(errors.size(), 1u);
@@ -669,6 +689,394 @@ TEST_P(LayerwiseConnectorTest, DestinationBlocksOutsideTheCacheRejected) {
   EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
 }
 
+// A prompt token outside the prefill model's vocabulary fails that request alone (its
+// consumer gets the producer's InvalidArgument); the producer's engine never sees it and
+// the next request on the same link streams.
+TEST_P(LayerwiseConnectorTest, TokenOutsideTheVocabularyFailsOnlyItsRequest) {
+  NodeOptions producer, consumer;
+  producer.model.vocab_size = consumer.model.vocab_size = 1010;  // prompts are 1000, 1001, ...
+  Start(producer, consumer);
+  ConsumerAdmit("bad", 12, {1, 2, 3});  // token 1010 at position 10
+  ConsumerAdmit("good", 9, {4, 5, 6});
+  ConsumerStep({{"bad", 0, 12}, {"good", 0, 9}});
+  std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].request_id, "bad");
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("outside the vocabulary of the prefill model, [0, 1010)"));
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  EXPECT_EQ(incoming[0].prompt_token_ids.size(), 9u);
+  ProducerPrefill(incoming[0], {7, 8, 9}, kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], {7, 8, 9}, *d_->caches[l], {4, 5, 6}, 8)) << l;
+  }
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_TRUE(PollFinished(*d_->connector, "bad", false).finished_recving.count("bad"));
+}
+
+// The vocabulary and the model's fingerprint are in the compatibility hash.
+TEST_P(LayerwiseConnectorTest, OtherVocabularyOrModelRejectedAtHandshake) {
+  for (const bool vocabulary : {true, false}) {
+    SCOPED_TRACE(vocabulary ? "larger vocabulary" : "other model");
+    NodeOptions producer, consumer;
+    producer.model = {32000, 0, "weights A"};
+    consumer.model = vocabulary ? KvModelInfo{128256, 0, "weights A"}
+                                : KvModelInfo{32000, 0, "weights B"};
+    Start(producer, consumer);
+    ConsumerAdmit("x", 9, {1, 2, 3});
+    ConsumerStep({{"x", 0, 9}});
+    std::vector<LoadError> errors = d_->connector->TakeLoadErrors();
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(errors[0].status.message(), HasSubstr("compatibility mismatch"));
+    EXPECT_THAT(errors[0].status.message(),
+                HasSubstr(vocabulary ? "vocabulary 128256" : "weights B"));
+    EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+    d_.reset();
+    p_.reset();
+  }
+}
+
+// A prompt that the producer could never prefill (longer than its model allows, or than its
+// whole cache holds) is refused at hand-off instead of being queued for good; a prompt that
+// fits still goes through.
+TEST_P(LayerwiseConnectorTest, PromptsBeyondTheModelOrTheCacheRejectedAtHandOff) {
+  for (const bool model_limit : {true, false}) {
+    SCOPED_TRACE(model_limit ? "max_model_len" : "cache size");
+    NodeOptions producer, consumer;
+    consumer.num_blocks = 64;
+    if (model_limit) {
+      producer.model.max_model_len = 16;
+    } else {
+      producer.num_blocks = 4;  // 16 tokens of block size 4
+    }
+    Start(producer, consumer);
+    ConsumerAdmit("huge", 17, {1, 2, 3, 4, 5});
+    ConsumerAdmit("fits", 16, {6, 7, 8, 9});
+    ConsumerStep({{"huge", 0, 17}, {"fits", 0, 16}});
+    std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].request_id, "huge");
+    EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(errors[0].status.message(),
+                HasSubstr(model_limit ? "longer than the maximum model length of the prefill worker, 16"
+                                      : "more than the whole cache of the prefill worker (4 blocks"));
+    auto incoming = ProducerTake(1);
+    ASSERT_EQ(incoming.size(), 1u);
+    EXPECT_EQ(incoming[0].prompt_token_ids.size(), 16u);
+    EXPECT_TRUE(p_->connector->TakeIncomingRequests().empty());
+    d_.reset();
+    p_.reset();
+  }
+}
+
+// One consumer's requests (or prompt tokens) in flight are bounded: beyond, a hand-off is
+// refused with ResourceExhausted; once requests finished, there is room again.
+TEST_P(LayerwiseConnectorTest, RequestsInFlightPerConsumerBounded) {
+  for (const bool by_requests : {true, false}) {
+    SCOPED_TRACE(by_requests ? "max_requests_per_consumer" : "max_tokens_per_consumer");
+    NodeOptions producer;
+    if (by_requests) {
+      producer.max_requests_per_consumer = 2;
+    } else {
+      producer.max_tokens_per_consumer = 12;  // two 5-token prompts, not three
+    }
+    Start(producer, {});
+    ConsumerAdmit("r0", 5, {0, 1});
+    ConsumerAdmit("r1", 5, {2, 3});
+    ConsumerAdmit("r2", 5, {4, 5});
+    ConsumerStep({{"r0", 0, 5}, {"r1", 0, 5}, {"r2", 0, 5}});
+    std::vector<LoadError> errors = AwaitLoadErrors(*d_->connector);
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].request_id, "r2");
+    EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(errors[0].status.message(),
+                HasSubstr(by_requests ? "max_requests_per_consumer 2"
+                                      : "max_tokens_per_consumer 12"));
+    auto incoming = ProducerTake(2);
+    ASSERT_EQ(incoming.size(), 2u);
+    int next_block = 8;
+    for (const KvRequest& r : incoming) {
+      ProducerPrefill(r, {next_block, next_block + 1}, kLayers);
+      next_block += 2;
+    }
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    }
+    d_->connector->ClearConnectorMetadata();
+    for (const KvRequest& r : incoming) {
+      auto delay = p_->connector->RequestFinished(r.request_id);
+      ASSERT_TRUE(delay.ok());
+      if (*delay) {
+        EXPECT_TRUE(
+            PollFinished(*p_->connector, r.request_id, true).finished_sending.count(r.request_id));
+      }
+    }
+    // Both done: a new request is accepted.
+    ConsumerAdmit("r3", 5, {6, 7});
+    ConsumerStep({{"r3", 0, 5}});
+    EXPECT_EQ(ProducerTake(1).size(), 1u);
+    EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+    d_.reset();
+    p_.reset();
+  }
+}
+
+// Request ids are each consumer's own: two consumers handing over "req-0" at once both get
+// their own KV, and every message back to each uses its own id.
+TEST_P(LayerwiseConnectorTest, TwoConsumersMayUseTheSameRequestId) {
+  Start({}, {});
+  NodeOptions other;
+  other.layout = GetParam();
+  auto d2 = MakeNode(fabric_, "d2", other);
+  const std::vector<int32_t> b1 = {9, 2, 14}, b2 = {4, 11, 7};
+  AdmitOn(*d_, "req-0", 12, b1);
+  AdmitOn(*d2, "req-0", 10, b2);  // another prompt under the same id
+  StepOn(*d_, {{"req-0", 0, 12}});
+  StepOn(*d2, {{"req-0", 0, 10}});
+  auto incoming = ProducerTake(2);
+  ASSERT_EQ(incoming.size(), 2u);
+  std::sort(incoming.begin(), incoming.end(),
+            [](const KvRequest& a, const KvRequest& b) { return a.request_id < b.request_id; });
+  EXPECT_EQ(incoming[0].request_id, "d/req-0");
+  EXPECT_EQ(incoming[0].prompt_token_ids.size(), 12u);
+  EXPECT_EQ(incoming[1].request_id, "d2/req-0");
+  EXPECT_EQ(incoming[1].prompt_token_ids.size(), 10u);
+  // Distinct source blocks, so that each consumer's data is its own request's.
+  const std::vector<int32_t> p1 = {5, 6, 0}, p2 = {1, 3, 8};
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], p1, 0).ok());
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[1], p2, 0).ok());
+  auto meta = p_->connector->BuildConnectorMeta({{"d/req-0", 0, 12}, {"d2/req-0", 0, 10}});
+  ASSERT_TRUE(meta.ok());
+  ASSERT_EQ(meta->saves.size(), 2u);
+  ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
+  AttentionMetadata unused;
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused, nullptr).ok());
+  }
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    ASSERT_TRUE(d2->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p1, *d_->caches[l], b1, 11)) << l;
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p2, *d2->caches[l], b2, 9)) << l;
+  }
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_TRUE(d2->connector->TakeLoadErrors().empty());
+  EXPECT_TRUE(PollFinished(*d_->connector, "req-0", false).finished_recving.count("req-0"));
+  EXPECT_TRUE(PollFinished(*d2->connector, "req-0", false).finished_recving.count("req-0"));
+  for (const KvRequest& r : incoming) {
+    auto delay = p_->connector->RequestFinished(r.request_id);
+    ASSERT_TRUE(delay.ok());
+    if (*delay) {
+      EXPECT_TRUE(
+          PollFinished(*p_->connector, r.request_id, true).finished_sending.count(r.request_id));
+    }
+  }
+}
+
+TEST_P(LayerwiseConnectorTest, AbortOfOneConsumersRequestLeavesTheOthersSameId) {
+  NodeOptions consumer;
+  consumer.load_timeout_ms = 200;
+  Start({}, consumer);
+  NodeOptions other;
+  other.layout = GetParam();
+  auto d2 = MakeNode(fabric_, "d2", other);
+  AdmitOn(*d_, "req-0", 9, {1, 2, 3});
+  AdmitOn(*d2, "req-0", 9, {4, 5, 6});
+  StepOn(*d_, {{"req-0", 0, 9}});
+  StepOn(*d2, {{"req-0", 0, 9}});
+  auto incoming = ProducerTake(2);
+  ASSERT_EQ(incoming.size(), 2u);
+  // d gives up on its req-0 (its wait times out, it aborts): d2's req-0 still streams.
+  EXPECT_TRUE(d_->connector->BeforeAttention(LayerName(0), nullptr).ok());
+  ASSERT_EQ(d_->connector->TakeLoadErrors().size(), 1u);
+  ASSERT_TRUE(PollFinished(*d_->connector, "req-0", false).finished_recving.count("req-0"));
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[0], {7, 8, 9}, 0).ok());
+  ASSERT_TRUE(p_->connector->UpdateStateAfterAlloc(incoming[1], {10, 11, 12}, 0).ok());
+  auto meta = p_->connector->BuildConnectorMeta({{"d2/req-0", 0, 9}});
+  ASSERT_TRUE(meta.ok());
+  ASSERT_EQ(meta->saves.size(), 1u);
+  ASSERT_TRUE(p_->connector->BindConnectorMetadata(*meta).ok());
+  AttentionMetadata unused;
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(p_->connector->AfterAttention(LayerName(l), *p_->caches[l], unused, nullptr).ok());
+  }
+  const std::vector<int32_t> p2 = incoming[0].request_id == "d2/req-0"
+                                      ? std::vector<int32_t>{7, 8, 9}
+                                      : std::vector<int32_t>{10, 11, 12};
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d2->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p2, *d2->caches[l], {4, 5, 6}, 8)) << l;
+  }
+  EXPECT_TRUE(d2->connector->TakeLoadErrors().empty());
+}
+
+// Waits (up to 20 s) until the worker serves `n` control connections; returns the last count.
+int64_t AwaitConnections(TestConnector& c, int64_t n) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  int64_t now = c.stats().control_connections;
+  while (now != n && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+    now = c.stats().control_connections;
+  }
+  return now;
+}
+
+// Connections that come and go leave nothing behind (each one's thread is joined once it
+// is done), and no more than max_connections are served at once: beyond, a connection is
+// closed at once; stalled handshakes end at the handshake deadline. The producer still
+// serves a real consumer afterwards.
+TEST_P(LayerwiseConnectorTest, ConnectionsAreBoundedAndReleasedOnClose) {
+  NodeOptions producer;
+  producer.max_connections = 8;
+  producer.handshake_timeout_ms = 2000;
+  Start(producer, {});
+  int64_t most = 0;
+  for (int i = 0; i < 3000; ++i) {
+    auto conn = ConnectControl(remote_.host, static_cast<uint16_t>(remote_.port),
+                               absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    (*conn)->Close();
+    if (i % 100 == 0) most = std::max(most, p_->connector->stats().control_connections);
+  }
+  EXPECT_LE(most, 8);
+  EXPECT_EQ(AwaitConnections(*p_->connector, 0), 0);
+
+  // 40 peers that connect and never say hello, all at once.
+  std::vector<std::unique_ptr<ControlConnection>> stalled;
+  for (int i = 0; i < 40; ++i) {
+    auto conn = ConnectControl(remote_.host, static_cast<uint16_t>(remote_.port),
+                               absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    stalled.push_back(std::move(conn).value());
+  }
+  int challenged = 0, closed = 0;
+  for (auto& conn : stalled) {
+    // A served one gets the handshake's challenge; a refused one is closed at once.
+    auto frame = conn->Receive(absl::Now() + absl::Seconds(5));
+    if (frame.ok()) {
+      ++challenged;
+    } else if (absl::IsUnavailable(frame.status())) {
+      ++closed;
+    }
+  }
+  EXPECT_LE(challenged, 8);
+  EXPECT_EQ(challenged + closed, 40);
+  EXPECT_LE(p_->connector->stats().control_connections, 8);
+  EXPECT_GE(p_->connector->stats().connections_refused, 32u);
+  // The served ones end at the handshake deadline.
+  EXPECT_EQ(AwaitConnections(*p_->connector, 0), 0);
+  stalled.clear();
+
+  const std::vector<int32_t> d_blocks = {9, 2, 14}, p_blocks = {5, 6, 0};
+  ConsumerAdmit("after", 12, d_blocks);
+  ConsumerStep({{"after", 0, 12}});
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  ProducerPrefill(incoming[0], p_blocks, kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p_blocks, *d_->caches[l], d_blocks, 11)) << l;
+  }
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_EQ(d_->connector->stats().control_connections, 1);
+}
+
+// A consumer's links to producers are bounded too, and a lost link's reader is joined: with
+// max_connections 1, a second producer is refused while the first link lives and reached
+// once it is gone.
+TEST_P(LayerwiseConnectorTest, ConsumerLinksAreBoundedAndReleased) {
+  NodeOptions consumer;
+  consumer.max_connections = 1;
+  Start({}, consumer);
+  NodeOptions second;
+  second.role = KvRole::kProducer;
+  second.layout = GetParam();
+  auto p2 = MakeNode(fabric_, "p2", second);
+  const std::string addr = p2->connector->control_address();
+  RemotePrefill remote2;
+  remote2.host = addr.substr(0, addr.rfind(':'));
+  remote2.port = std::stoi(addr.substr(addr.rfind(':') + 1));
+
+  ConsumerAdmit("first", 5, {1, 2});
+  ConsumerStep({{"first", 0, 5}});
+  ASSERT_EQ(ProducerTake(1).size(), 1u);
+  EXPECT_EQ(d_->connector->stats().control_connections, 1);
+  auto admit2 = [&](const std::string& id) {
+    KvRequest r;
+    r.request_id = id;
+    for (int i = 0; i < 5; ++i) r.prompt_token_ids.push_back(i);
+    r.remote_prefill = remote2;
+    ASSERT_TRUE(d_->connector->UpdateStateAfterAlloc(r, {3, 4}, 4).ok());
+    ConsumerStep({{id, 0, 5}});
+  };
+  admit2("second");
+  std::vector<LoadError> errors = d_->connector->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("max_connections 1"));
+  ASSERT_TRUE(PollFinished(*d_->connector, "second", false).finished_recving.count("second"));
+
+  p_.reset();  // the first producer goes: its link is lost, its reader ends
+  std::vector<LoadError> lost = AwaitLoadErrors(*d_->connector);
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].status.code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(PollFinished(*d_->connector, "first", false).finished_recving.count("first"));
+  admit2("third");
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  std::vector<KvRequest> got;
+  while (got.empty() && absl::Now() < deadline) {
+    got = p2->connector->TakeIncomingRequests();
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].request_id, "d/third");
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_EQ(d_->connector->stats().control_connections, 1);
+}
+
+// Strings from peers (engine ids, request ids, reasons) reach the log escaped: a peer cannot
+// write lines that look like the worker's own.
+TEST_P(LayerwiseConnectorTest, PeerStringsAreEscapedInTheLog) {
+  absl::Mutex mu;
+  std::vector<std::string> lines;
+  LogSink previous = SetLogSink([&](LogLevel, absl::string_view message) {
+    absl::MutexLock lock(&mu);
+    lines.emplace_back(message);
+  });
+  NodeOptions consumer;
+  consumer.load_timeout_ms = 200;
+  Start({}, consumer);
+  const std::string forged = "\n[kvstream E] forged\r\x1b[2J";
+  NodeOptions hostile_options = consumer;
+  hostile_options.layout = GetParam();
+  auto hostile = MakeNode(fabric_, "h" + forged, hostile_options);
+  // Refused by the producer (a destination block outside the cache), then one that the
+  // consumer gives up on and aborts.
+  AdmitOn(*hostile, "r1" + forged, 5, {999, 1});
+  StepOn(*hostile, {{"r1" + forged, 0, 5}});
+  ASSERT_EQ(AwaitLoadErrors(*hostile->connector).size(), 1u);
+  AdmitOn(*hostile, "r2" + forged, 5, {2, 3});
+  StepOn(*hostile, {{"r2" + forged, 0, 5}});
+  ASSERT_EQ(ProducerTake(1).size(), 1u);
+  ASSERT_TRUE(hostile->connector->BeforeAttention(LayerName(0), nullptr).ok());
+  ASSERT_EQ(hostile->connector->TakeLoadErrors().size(), 1u);
+  ASSERT_TRUE(PollFinished(*hostile->connector, "r2" + forged, false)
+                  .finished_recving.count("r2" + forged));
+  hostile.reset();  // the producer loses it
+  absl::SleepFor(absl::Milliseconds(200));
+  SetLogSink(previous);
+  absl::MutexLock lock(&mu);
+  int forged_lines = 0;
+  for (const std::string& line : lines) {
+    EXPECT_EQ(line.find_first_of("\n\r\x1b"), std::string::npos) << absl::CHexEscape(line);
+    if (line.find("forged") != std::string::npos) ++forged_lines;
+  }
+  EXPECT_GE(forged_lines, 3);  // the refusal, the timeout and the producer's side of the abort
+}
+
 // Pipeline-parallel decode: stage 0 owns layer 0, stage 1 layers 1-2 (of kLayers = 3).
 NodeOptions Stage(int rank, const std::string& partition, std::vector<int> layers) {
   NodeOptions o;
@@ -676,6 +1084,7 @@ NodeOptions Stage(int rank, const std::string& partition, std::vector<int> layer
   o.pipeline_rank = rank;
   o.pipeline_layers = partition;
   o.layers = std::move(layers);
+  o.pipeline_group = "dgroup";  // the stages' engine ids are "d" and "d1"
   return o;
 }
 
@@ -713,10 +1122,13 @@ TEST_P(LayerwiseConnectorTest, PipelineStagesReceiveOnlyTheirLayers) {
   EXPECT_TRUE(PollFinished(*d_->connector, "req", false).finished_recving.count("req"));
   EXPECT_TRUE(PollFinished(*d1->connector, "req", false).finished_recving.count("req"));
 
-  auto delay = p_->connector->RequestFinished("req");
+  // One request of the group's namespace.
+  EXPECT_EQ(incoming[0].request_id, "dgroup/req");
+  auto delay = p_->connector->RequestFinished("dgroup/req");
   ASSERT_TRUE(delay.ok());
   if (*delay) {
-    EXPECT_TRUE(PollFinished(*p_->connector, "req", true).finished_sending.count("req"));
+    EXPECT_TRUE(
+        PollFinished(*p_->connector, "dgroup/req", true).finished_sending.count("dgroup/req"));
   }
   // The producer's counters per consumer, and each consumer's for the producer.
   std::vector<PeerConnectorStats> peers = p_->connector->peer_stats();

@@ -53,6 +53,17 @@ struct KvstreamSettings {
   int32_t pipeline_parallel_size = 1;
   int32_t pipeline_rank = 0;
   std::vector<LayerRange> pipeline_layers;
+  // Consumers only: the key that the stages of one decode group share, which the producer
+  // uses to join their hand-offs of one request id into one request (request ids are scoped
+  // by it there). Empty: the engine id without a trailing "-pp<rank>" (PipelineGroup).
+  std::string pipeline_group;
+  // Bounds a producer keeps against its peers (a consumer keeps max_connections too):
+  // control connections served at once (beyond: refused at accept, logged), and per
+  // consumer, requests and prompt tokens handed over and not yet finished (beyond: the
+  // hand-off is refused with ResourceExhausted).
+  int32_t max_connections = 256;
+  int32_t max_requests_per_consumer = 1024;
+  int64_t max_tokens_per_consumer = int64_t{1} << 22;
 };
 
 struct KvTransferConfig {
@@ -71,8 +82,14 @@ struct KvTransferConfig {
 };
 
 // Parses the JSON text. InvalidArgument for malformed JSON (with the parser's position),
-// unknown keys (named), wrong types and bad values (named, with the value).
+// unknown keys (named), wrong types and bad values (named, with the value), and for
+// nesting deeper than kMaxConfigDepth (refused while parsing, before it costs stack).
+inline constexpr int kMaxConfigDepth = 64;
 absl::StatusOr<KvTransferConfig> ParseKvTransferConfig(absl::string_view json);
+
+// The pipeline group a consumer's hello names: empty without pipeline parallelism, else
+// pipeline_group, else the engine id with a trailing "-pp<digits>" removed.
+std::string PipelineGroup(const KvTransferConfig& config);
 
 // The layers this worker's pipeline stage owns in a model of `num_layers` layers: all of
 // them without pipeline parallelism, else stage pipeline_rank of pipeline_layers or of the

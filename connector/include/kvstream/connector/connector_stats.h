@@ -18,6 +18,10 @@ struct ConnectorStats {
   double wait_ms = 0;            // consumer: time BeforeAttention blocked
   double exposed_ms = 0;         // consumer: of which layers were already in flight
   int64_t blocks_in_flight = 0;  // blocks of requests still being sent or received
+  // Control connections served right now (one thread each; totals only, 0 per peer) and
+  // those refused because max_connections were being served.
+  int64_t control_connections = 0;
+  uint64_t connections_refused = 0;
   // Per-layer transfer latency (producer: post to completion; consumer: post to verified
   // arrival, same-host clocks), as a histogram over kLatencyBucketsMs (+Inf last).
   static constexpr double kLatencyBucketsMs[] = {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000};

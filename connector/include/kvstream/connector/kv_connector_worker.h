@@ -30,6 +30,19 @@
 
 namespace kvstream {
 
+inline constexpr size_t kMaxModelFingerprintBytes = 512;
+
+// What the engine's model allows, for the producer's checks of every hand-off and for the
+// compatibility hash. Zero / empty: unknown (not checked).
+struct KvModelInfo {
+  int32_t vocab_size = 0;     // token ids must lie in [0, vocab_size); hashed
+  int64_t max_model_len = 0;  // the longest prompt a request may have
+  // Anything else that changes the numbers (weights, shapes, positional encoding), as free
+  // text; hashed and shown to peers in the compatibility description. At most
+  // kMaxModelFingerprintBytes.
+  std::string fingerprint;
+};
+
 class KvConnectorWorker : public TransferHook {
  public:
   ~KvConnectorWorker() override = default;
@@ -44,6 +57,12 @@ class KvConnectorWorker : public TransferHook {
   // InvalidArgument for a kind the transport cannot allocate.
   virtual absl::StatusOr<std::shared_ptr<void>> AllocateCacheMemory(size_t bytes,
                                                                     MemoryKind kind) = 0;
+
+  // The engine's model. Call before RegisterKvCaches (it goes into the compatibility hash);
+  // FailedPrecondition after, InvalidArgument for negative limits or a fingerprint over
+  // kMaxModelFingerprintBytes. Without it nothing is checked against the model, and both
+  // peers must leave it unset to be compatible.
+  virtual absl::Status SetModelInfo(const KvModelInfo& info) = 0;
 
   // The layers' caches by layer name (each name must hold exactly one layer index; every
   // cache the same spec, block count and memory kind). Registers their memory with the

@@ -5,8 +5,8 @@
 //
 // Control: the producer listens on kv_ip:kv_port (TCP); a consumer connects on first use,
 // handshakes (engine ids, protocol version, compatibility hash over layout / dtype / block
-// size / heads / head sizes / layer count, its registered cache regions, optional shared
-// secret) and then hands requests over (id, prompt tokens, destination blocks).
+// size / heads / head sizes / the model's vocabulary and fingerprint, its registered cache
+// regions, optional shared secret) and then hands requests over (id, prompt tokens, destination blocks).
 //
 // Routing by layer (pipeline-parallel decode): a consumer registers the layers it owns, and
 // its hello carries them. Each stage of a decode group hands every request over with its
@@ -31,8 +31,17 @@
 // between them (connector/src/: producer, consumer, layer_table, stats_book).
 //
 // Threads (worker side): one progress thread drives the transport and hands notifications
-// to the consumer side; the producer side has an accept thread and a reader per consumer;
-// the consumer side a reader per producer. Each side has its own lock.
+// to the consumer side; the producer side has an accept thread and a reader per control
+// connection; the consumer side a reader per producer. A reader is joined once its
+// connection is done, and at most max_connections are served at once on each side (the
+// producer closes the connections beyond at once; a consumer fails the loads to producers
+// beyond with ResourceExhausted). Each side has its own lock.
+//
+// Bounds against peers: every hand-off is checked against the producer's model and cache
+// (KvModelInfo: token ids in the vocabulary, the prompt within max_model_len and within
+// what its whole cache holds), and each consumer's requests and prompt tokens in flight are
+// bounded; a hand-off that fails a check fails that request alone. Request ids are scoped
+// by the consumer that sent them (producer.h).
 #ifndef KVSTREAM_CONNECTOR_LAYERWISE_CONNECTOR_H_
 #define KVSTREAM_CONNECTOR_LAYERWISE_CONNECTOR_H_
 
