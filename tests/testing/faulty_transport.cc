@@ -59,9 +59,10 @@ absl::Status CheckPlan(const FaultPlan& plan) {
   for (const KindInfo& k : kKindInfo) {
     const FaultRate& r = plan.*k.rate;
     if (!(r.probability >= 0 && r.probability <= 1) || r.every_nth < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "FaultPlan: the rate of ", k.name, " needs a probability in [0, 1] and every_nth >= 0, got ",
-          r.probability, " and ", r.every_nth));
+      return absl::InvalidArgumentError(
+          absl::StrCat("FaultPlan: the rate of ", k.name,
+                       " needs a probability in [0, 1] and every_nth >= 0, got ", r.probability,
+                       " and ", r.every_nth));
     }
   }
   if (plan.max_delay < absl::ZeroDuration() || plan.max_hold < absl::ZeroDuration()) {
@@ -102,7 +103,9 @@ absl::StatusOr<std::unique_ptr<FaultyTransport>> FaultyTransport::Create(
 }
 
 FaultyTransport::FaultyTransport(std::unique_ptr<Transport> target, const FaultPlan& plan)
-    : TransportWrapper(std::move(target)), plan_(plan), rng_(plan.seed), seen_(kKinds, 0) {}
+    : TransportWrapper(std::move(target)), plan_(plan), rng_(plan.seed), seen_(kKinds, 0) {
+  static_assert(sizeof(kKindInfo) / sizeof(kKindInfo[0]) == kKinds, "one KindInfo per Kind");
+}
 
 absl::Status FaultyTransport::SetPlan(const FaultPlan& plan) {
   if (absl::Status s = CheckPlan(plan); !s.ok()) return s;
@@ -271,17 +274,34 @@ void FaultyTransport::Release(TransferId id) {
   TransportWrapper::Release(id);
 }
 
+void FaultyTransport::HoldNotifications(bool hold) {
+  absl::MutexLock lock(&mu_);
+  hold_all_ = hold;
+  if (hold) return;
+  const absl::Time now = absl::Now();
+  for (Held& h : held_) {
+    if (!h.paused) continue;
+    h.paused = false;
+    h.due = now;  // due order is arrival order: stable_sort keeps it
+  }
+}
+
 void FaultyTransport::Route(Notification n, uint64_t seq, absl::Time now,
                             std::vector<Notification>& out, uint64_t& newest_out) {
+  if (hold_all_) {
+    ++counts_.delayed_notifications;
+    held_.push_back({std::move(n), seq, absl::InfiniteFuture(), false, true});
+    return;
+  }
   if (Strike(kDelay)) {
     const int64_t max_us = absl::ToInt64Microseconds(plan_.max_delay);
     const absl::Duration delay =
         absl::Microseconds(static_cast<int64_t>(Uniform(0, static_cast<uint64_t>(max_us))));
-    held_.push_back({std::move(n), seq, now + delay, false});
+    held_.push_back({std::move(n), seq, now + delay, false, false});
     return;
   }
   if (Strike(kReorder)) {
-    held_.push_back({std::move(n), seq, now + plan_.max_hold, true});
+    held_.push_back({std::move(n), seq, now + plan_.max_hold, true, false});
     return;
   }
   newest_out = std::max(newest_out, seq);

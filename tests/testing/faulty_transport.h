@@ -21,39 +21,40 @@
 // delivery, so the data has landed whatever happens to the notice. A fault that changes what
 // is SENT, or what the sender is told, is made on the sending side:
 //
-//   fault                   side      call                effect
-//   fail_post               sender    PostWrite/PostNotification  returns Unavailable; nothing posted
-//   fail_posts_after        sender    PostWrite/PostNotification  every post after the first N
-//                                                          fails so (a link that died)
-//   fail_completion         sender    PostWrite/Test      posted, then cancelled at once in the
-//                                                          wrapped transport (which may already
-//                                                          have moved it: its data and
-//                                                          notification may or may not land);
-//                                                          once it ended, Test reports Internal
-//   stall_completion        sender    Test                posted normally, but Test reports
-//                                                          kInProgress until the transfer is
-//                                                          cancelled (then Cancelled), as a link
-//                                                          that stopped completing would
-//   flip_source_byte        sender    PostWrite           XORs one byte of the local source
-//                                                          inside a posted segment, just before
-//                                                          posting (after any checksum the
-//                                                          caller computed); the byte stays
-//                                                          flipped, as a memory fault would
-//   truncate_write          sender    PostWrite           cuts 1..all bytes off the end of the
-//                                                          batch; the notification still goes
-//   drop_notification       receiver  PollNotifications   never delivered
-//   truncate_notification   receiver  PollNotifications   a non-empty prefix is delivered
-//   flip_notification_byte  receiver  PollNotifications   one byte XORed
-//   duplicate_notification  receiver  PollNotifications   delivered twice
-//   delay_notification      receiver  PollNotifications   held for up to max_delay, delivered by
-//                                                          the first PollNotifications after that
-//   reorder_notification    receiver  PollNotifications   held until a notification received
-//                                                          after it was delivered (or max_hold
-//                                                          passed), then delivered after it
+//   fault                   side / call          effect
+//   fail_post               sender / PostWrite,  returns Unavailable; nothing is posted
+//                           PostNotification
+//   fail_posts_after        sender / the same    every post after the first N fails so (a
+//                                                link that died)
+//   fail_completion         sender / PostWrite,  posted, then cancelled at once in the wrapped
+//                           Test                 transport (which may already have moved it:
+//                                                its data and notification may or may not
+//                                                land); once it ended, Test reports Internal
+//   stall_completion        sender / Test        posted normally, but Test reports kInProgress
+//                                                until the transfer is cancelled (then
+//                                                Cancelled), as a link that stopped completing
+//   flip_source_byte        sender / PostWrite   XORs one byte of the local source inside a
+//                                                posted segment just before posting (after any
+//                                                checksum the caller computed); the byte stays
+//                                                flipped, as after a memory fault
+//   truncate_write          sender / PostWrite   cuts 1..all bytes off the end of the batch;
+//                                                the notification still goes
+//   drop_notification       receiver / Poll      never delivered
+//   truncate_notification   receiver / Poll      a non-empty prefix is delivered
+//   flip_notification_byte  receiver / Poll      one byte XORed
+//   duplicate_notification  receiver / Poll      delivered twice
+//   delay_notification      receiver / Poll      held for up to max_delay, then delivered by
+//                                                the first PollNotifications after that
+//   reorder_notification    receiver / Poll      held until a notification received after it
+//                                                was delivered (or max_hold passed), then
+//                                                delivered after it
+//   HoldNotifications()     receiver / Poll      every notification held until released (for
+//                                                a fault placed at a chosen moment)
 //
-// A fault on notifications acts on each copy a duplicate makes (a duplicate may come late).
-// flip_source_byte acts only on host memory (a device byte cannot be written from here) and
-// only inside segments that fit the local registration.
+// Drop, truncate and flip act on a notification as received; delay and reorder then act on
+// each copy a duplicate makes (so a duplicate may come late). flip_source_byte acts only on
+// host memory (a device byte cannot be written from here) and only inside segments that fit
+// the local registration, so a batch the wrapped transport refuses is never a stray write.
 //
 // Determinism: decisions come from one generator seeded by FaultPlan::seed, drawn in the
 // order the calls reach the wrapper; with several threads calling (the connector's progress
@@ -146,6 +147,11 @@ class FaultyTransport final : public TransportWrapper {
   // held are kept). InvalidArgument as Create, leaving the plan unchanged.
   absl::Status SetPlan(const FaultPlan& plan);
 
+  // Receiver side, for tests that place a fault at a chosen moment: while held, every
+  // notification received is kept back (counted as delayed); HoldNotifications(false)
+  // delivers those kept, in arrival order, with the next PollNotifications.
+  void HoldNotifications(bool hold);
+
   FaultCounts counts() const;
   // Notifications held back by delay_notification or reorder_notification, not yet delivered.
   size_t held_notifications() const;
@@ -169,6 +175,7 @@ class FaultyTransport final : public TransportWrapper {
     uint64_t seq = 0;  // reorder: released once a later one went out
     absl::Time due;    // delivered by the first poll at or after this time
     bool reorder = false;
+    bool paused = false;  // kept by HoldNotifications
   };
 
   FaultyTransport(std::unique_ptr<Transport> target, const FaultPlan& plan);
@@ -194,6 +201,7 @@ class FaultyTransport final : public TransportWrapper {
   std::set<TransferId> cancelled_ ABSL_GUARDED_BY(mu_);  // stalled ones cancelled since
   std::vector<Held> held_ ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
+  bool hold_all_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace kvstream

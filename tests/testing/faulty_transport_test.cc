@@ -285,6 +285,20 @@ TEST_F(FaultyTransportTest, ReorderedNotificationIsReleasedAfterMaxHold) {
   EXPECT_EQ(Receive(60), std::vector<std::string>{"only"});
 }
 
+TEST_F(FaultyTransportTest, HeldNotificationsComeInOrderWhenReleased) {
+  Start({}, {});
+  receiver_->HoldNotifications(true);
+  ASSERT_TRUE(Write("a").ok());
+  ASSERT_TRUE(Write("b").ok());
+  EXPECT_TRUE(Receive(10).empty());
+  EXPECT_EQ(std::memcmp(src_, dst_, kBytes), 0);  // the data landed all the same
+  EXPECT_EQ(receiver_->held_notifications(), 2u);
+  receiver_->HoldNotifications(false);
+  ASSERT_TRUE(Write("c").ok());
+  EXPECT_EQ(Receive(10), (std::vector<std::string>{"c", "a", "b"}));
+  EXPECT_EQ(receiver_->held_notifications(), 0u);
+}
+
 TEST(FaultCountsTest, SumsAndPrints) {
   FaultCounts a;
   a.posts = 3;

@@ -128,6 +128,12 @@ class TestConnector {
     for (const std::string& id : out->finished_sending) ++sending_reports_[id];
     for (const std::string& id : out->finished_recving) ++recving_reports_[id];
   }
+  // Starts the counts of `id` afresh (a retried request id).
+  void Forget(const std::string& id) {
+    errors_.erase(id);
+    sending_reports_.erase(id);
+    recving_reports_.erase(id);
+  }
   const std::map<std::string, std::vector<absl::Status>>& errors() const { return errors_; }
   int sending_reports(const std::string& id) const { return Count(sending_reports_, id); }
   int recving_reports(const std::string& id) const { return Count(recving_reports_, id); }
@@ -253,6 +259,12 @@ struct Scenario {
   // Faults of this scenario always fail the request they strike: when any was injected,
   // some request must have failed.
   bool strikes_fail = false;
+  // Every round reuses the request ids of the first, each with the same prompt length and
+  // the same consumer blocks (as an engine that retries a failed request under its id).
+  bool reuse_ids = false;
+  // The producer's compute time per layer (slows the prefill, widening the windows in which
+  // a late notice meets a request still loading).
+  absl::Duration layer_compute = absl::ZeroDuration();
 };
 
 // gtest prints a failed test's parameter: the name says it all.
@@ -326,17 +338,24 @@ void ConnectorFaultTest::RunRound(int round, std::mt19937_64& rng, Watchdog& wat
   std::vector<ScheduledRequest> dsched;
   for (int i = 0; i < n; ++i) {
     Request& r = reqs[i];
-    r.id = absl::StrCat("r", round, "-", i);
-    r.prompt_len = std::uniform_int_distribution<int>(2, kMaxPromptTokens + 1)(rng);
+    r.id = sc.reuse_ids ? absl::StrCat("q-", i) : absl::StrCat("r", round, "-", i);
+    r.prompt_len = sc.reuse_ids ? kMaxPromptTokens + 1 - i
+                                : std::uniform_int_distribution<int>(2, kMaxPromptTokens + 1)(rng);
     r.tokens = r.prompt_len - 1;
     const int blocks = (r.tokens + kBlockSize - 1) / kBlockSize;
     for (int b = 0; b < blocks; ++b) {
-      r.consumer_blocks.push_back(dfree.back());
-      dfree.pop_back();
+      if (sc.reuse_ids) {
+        r.consumer_blocks.push_back(i * kMaxPromptTokens / kBlockSize + b);
+      } else {
+        r.consumer_blocks.push_back(dfree.back());
+        dfree.pop_back();
+      }
       r.producer_blocks.push_back(pfree.back());
       pfree.pop_back();
     }
     by_id[r.id] = &r;
+    dc.Forget(r.id);
+    pc.Forget(r.id);
     KvRequest kr;
     kr.request_id = r.id;
     for (int t = 0; t < r.prompt_len; ++t) kr.prompt_token_ids.push_back(100 + round + t);
@@ -356,10 +375,16 @@ void ConnectorFaultTest::RunRound(int round, std::mt19937_64& rng, Watchdog& wat
   ASSERT_TRUE(dmeta.ok()) << dmeta.status();
   ASSERT_TRUE(dc.worker().BindConnectorMetadata(*dmeta).ok());
   ASSERT_TRUE(dc.worker().StartLoadKv().ok());
+  // read[i][l]: what request i's layer l held when BeforeAttention(l) returned, which is
+  // what the engine's attention would read.
+  std::vector<std::vector<std::string>> read(n);
   std::atomic<bool> forward_ok{true};
   std::thread forward([&] {
     for (int l = 0; l < kLayers; ++l) {
       if (!dc.worker().BeforeAttention(LayerName(l), nullptr).ok()) forward_ok = false;
+      for (int i = 0; i < n; ++i) {
+        read[i].push_back(TokenBytes(*d_->caches[l], reqs[i].consumer_blocks, reqs[i].tokens));
+      }
     }
     dc.worker().ClearConnectorMetadata();
   });
@@ -396,6 +421,7 @@ void ConnectorFaultTest::RunRound(int round, std::mt19937_64& rng, Watchdog& wat
     ASSERT_TRUE(pc.worker().BindConnectorMetadata(*pmeta).ok());
     AttentionMetadata unused;
     for (int l = 0; l < kLayers; ++l) {
+      absl::SleepFor(sc.layer_compute);
       absl::Status s = pc.worker().AfterAttention(LayerName(l), *p_->caches[l], unused, nullptr);
       EXPECT_TRUE(s.ok()) << s;  // a post that fails fails its request, not the hook
     }
@@ -440,7 +466,8 @@ void ConnectorFaultTest::RunRound(int round, std::mt19937_64& rng, Watchdog& wat
   dc.Pump();
   pc.Pump();
 
-  for (Request& r : reqs) {
+  for (int i = 0; i < n; ++i) {
+    Request& r = reqs[i];
     SCOPED_TRACE(r.id);
     EXPECT_EQ(dc.recving_reports(r.id), 1);
     if (r.prefilled) {
@@ -452,6 +479,8 @@ void ConnectorFaultTest::RunRound(int round, std::mt19937_64& rng, Watchdog& wat
     if (n_errors == 0) {
       ASSERT_TRUE(r.prefilled) << "loaded without a prefill";
       for (int l = 0; l < kLayers; ++l) {
+        EXPECT_TRUE(read[i][l] == r.expected[l])
+            << "layer " << l << " was not the producer's when its attention ran";
         EXPECT_TRUE(TokenBytes(*d_->caches[l], r.consumer_blocks, r.tokens) == r.expected[l])
             << "layer " << l << " was taken but differs from the producer's";
       }
@@ -502,6 +531,132 @@ TEST_P(ConnectorFaultTest, EveryRequestLoadsExactlyOrFailsCleanly) {
   if (sc.strikes_fail && injected.injected() > 0) {
     EXPECT_GT(failed, 0) << "faults were injected but no request failed";
   }
+}
+
+// ---- faults placed at chosen moments ----
+
+// A notice that arrives after its request failed must not count for a later request of the
+// same id (an engine retrying a request under its id, or a restarted client reusing ids).
+// Attempt 1's notices are held back until its load failed at the deadline; they are let go
+// once attempt 2 (same id, same blocks, same length) was handed over, before the producer
+// has run attempt 2's prefill. Attempt 1's bytes are still in the blocks, so the stale
+// notices verify, and the consumer must not take them for attempt 2's layers.
+//
+// DISABLED: fails today. The consumer matches a layer notice to a request by request id
+// and layer alone (ConsumerSide::OnNotice in connector/src/consumer.cc); nothing in the
+// notice tells one attempt from the next. Attempt 2 is reported loaded with attempt 1's KV
+// (its attention reads attempt 1's bytes) before the producer wrote anything, is reported
+// finished receiving (its blocks may be freed), and attempt 2's real writes land afterwards.
+// The randomized DelayedNoticesOfRetriedRequestIds scenario shows the milder case (a stale
+// notice checked after the retry's bytes landed fails a healthy retry with DataLoss).
+TEST(DirectedFaultTest, DISABLED_LateNoticeOfAFailedRequestDoesNotCountForItsRetry) {
+  LoopbackFabric fabric;
+  const Timeouts timeouts{300, 500};
+  auto p = MakeNode(fabric, "p", KvRole::kProducer, {}, timeouts, KvLayout::kNHD);
+  auto d = MakeNode(fabric, "d", KvRole::kConsumer, {}, timeouts, KvLayout::kNHD);
+  ASSERT_TRUE(p != nullptr && d != nullptr);
+  TestConnector& pc = *p->connector;
+  TestConnector& dc = *d->connector;
+  const std::string addr = pc.worker().control_address();
+  RemotePrefill remote;
+  remote.host = addr.substr(0, addr.rfind(':'));
+  remote.port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  const std::vector<int32_t> dblocks = {3, 4}, pblocks = {7, 8};
+  const int prompt_len = 8, tokens = 7;
+  std::mt19937_64 rng(5);
+  AttentionMetadata unused;
+
+  // One attempt: admit and hand over; wait for the producer to have it.
+  auto hand_over = [&] {
+    KvRequest kr;
+    kr.request_id = "x";
+    for (int t = 0; t < prompt_len; ++t) kr.prompt_token_ids.push_back(100 + t);
+    kr.remote_prefill = remote;
+    ASSERT_TRUE(dc.scheduler().UpdateStateAfterAlloc(kr, dblocks, tokens).ok());
+    auto meta = dc.BuildConnectorMeta({{"x", 0, prompt_len}});
+    ASSERT_TRUE(meta.ok());
+    ASSERT_TRUE(dc.worker().BindConnectorMetadata(*meta).ok());
+    ASSERT_TRUE(dc.worker().StartLoadKv().ok());
+    std::vector<KvRequest> incoming;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (incoming.empty() && absl::Now() < deadline) {
+      incoming = pc.TakeIncomingRequests();
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    ASSERT_EQ(incoming.size(), 1u);
+    ASSERT_TRUE(pc.scheduler().UpdateStateAfterAlloc(incoming[0], pblocks, 0).ok());
+  };
+  // The producer's prefill of the attempt, with fresh bytes; returns them by layer.
+  auto prefill = [&] {
+    std::vector<std::string> bytes;
+    for (int l = 0; l < kLayers; ++l) {
+      FillRandom(*p->caches[l], pblocks, tokens, rng);
+      bytes.push_back(TokenBytes(*p->caches[l], pblocks, tokens));
+    }
+    auto meta = pc.BuildConnectorMeta({{"x", 0, prompt_len}});
+    EXPECT_TRUE(meta.ok());
+    EXPECT_TRUE(pc.worker().BindConnectorMetadata(*meta).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_TRUE(pc.worker().AfterAttention(LayerName(l), *p->caches[l], unused, nullptr).ok());
+    }
+    (void)pc.worker().WaitForSave();
+    pc.worker().ClearConnectorMetadata();
+    EXPECT_TRUE(pc.RequestFinished("x").ok());
+    return bytes;
+  };
+  auto finished_both = [&] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      dc.Pump();
+      pc.Pump();
+      if (dc.recving_reports("x") > 0 && pc.sending_reports("x") > 0) return true;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return false;
+  };
+
+  // Attempt 1: its notices never come in time; its load fails at the deadline.
+  d->faults->HoldNotifications(true);
+  hand_over();
+  const std::vector<std::string> first = prefill();
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(dc.worker().BeforeAttention(LayerName(l), nullptr).ok());
+  }
+  dc.worker().ClearConnectorMetadata();
+  ASSERT_TRUE(finished_both());
+  ASSERT_EQ(dc.errors().at("x").size(), 1u);
+  ASSERT_EQ(dc.errors().at("x")[0].code(), absl::StatusCode::kDeadlineExceeded);
+
+  // Attempt 2: handed over; attempt 1's notices are let go before the producer prefills.
+  dc.Forget("x");
+  pc.Forget("x");
+  hand_over();
+  d->faults->HoldNotifications(false);
+  absl::SleepFor(absl::Milliseconds(50));  // the consumer's progress thread takes them in
+  std::vector<std::string> read;
+  std::thread forward([&] {
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_TRUE(dc.worker().BeforeAttention(LayerName(l), nullptr).ok());
+      read.push_back(TokenBytes(*d->caches[l], dblocks, tokens));
+    }
+    dc.worker().ClearConnectorMetadata();
+  });
+  absl::SleepFor(absl::Milliseconds(100));  // the producer's compute before the first layer
+  const std::vector<std::string> expected = prefill();
+  forward.join();
+  ASSERT_TRUE(finished_both());
+  auto e = dc.errors().find("x");
+  if (e != dc.errors().end() && !e->second.empty()) {
+    EXPECT_EQ(e->second.size(), 1u);  // failing the retry is safe
+  } else {
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_TRUE(read[l] == expected[l])
+          << "layer " << l << ": attention read bytes that are not the producer's for this attempt"
+          << (read[l] == first[l] ? " (they are attempt 1's)" : "");
+    }
+  }
+  EXPECT_EQ(dc.worker().stats().blocks_in_flight, 0);
+  EXPECT_EQ(pc.worker().stats().blocks_in_flight, 0);
 }
 
 // ---- the scenarios ----
@@ -572,15 +727,19 @@ std::vector<Scenario> Scenarios() {
     sc.strikes_fail = true;
     sc.timeouts = generous;
   });
+  // A failed post fails its request: the producer cancels the request's writes still in
+  // flight and says it stopped (Aborted). It cancels a layer's K and V writes one by one, so
+  // the V write (with the notice) can still go out after its K write was cancelled: that
+  // layer then fails its checksum (DataLoss) first.
   add("FailPosts", 11, [&](Scenario& sc) {
     sc.producer.fail_post = Probability(0.1);
-    sc.allowed = {C::kAborted};  // the producer stops the request and says so
+    sc.allowed = {C::kAborted, C::kDataLoss};
     sc.strikes_fail = true;
     sc.timeouts = generous;
   });
   add("FailEveryFifthPost", 12, [&](Scenario& sc) {
     sc.producer.fail_post.every_nth = 5;
-    sc.allowed = {C::kAborted};
+    sc.allowed = {C::kAborted, C::kDataLoss};
     sc.strikes_fail = true;
     sc.timeouts = generous;
   });
@@ -595,16 +754,29 @@ std::vector<Scenario> Scenarios() {
   add("StallCompletions", 16, [&](Scenario& sc) {
     // The data lands but its completion never comes: the producer's send deadline stops the
     // request and cancels the stalled transfers. The consumer already has what it needs,
-    // unless the producer's stop overtakes the last notice.
+    // unless the producer's stop overtakes the last notice (or, as under FailPosts, a
+    // layer's K write is cancelled before its V write).
     sc.producer.stall_completion = Probability(0.1);
     sc.timeouts = {5000, 300};
-    sc.allowed = {C::kAborted};
+    sc.allowed = {C::kAborted, C::kDataLoss};
   });
   add("LinkDiesAfterTwentyPosts", 14, [&](Scenario& sc) {
     sc.producer.fail_posts_after = 20;
-    sc.allowed = {C::kAborted};
+    sc.allowed = {C::kAborted, C::kDataLoss};
     sc.strikes_fail = true;
     sc.timeouts = generous;
+  });
+  add("DelayedNoticesOfRetriedRequestIds", 17, [&](Scenario& sc) {
+    // A notice held past its request's end must not count for the next request of that id.
+    sc.consumer.delay_notification = Probability(0.3);
+    sc.consumer.max_delay = absl::Milliseconds(600);
+    sc.reuse_ids = true;
+    sc.layer_compute = absl::Milliseconds(40);
+    sc.rounds = 20;
+    // A late notice of the previous request of the same id, checked against the retry's
+    // blocks once the retry's own bytes landed there, fails the retry's checksum (a healthy
+    // request lost, though no KV is taken). DirectedFaultTest shows the worse case.
+    sc.allowed = {C::kDeadlineExceeded, C::kDataLoss};
   });
   add("EverythingAtOnce", 15, [&](Scenario& sc) {
     for (FaultPlan* plan : {&sc.producer, &sc.consumer}) {
@@ -621,6 +793,7 @@ std::vector<Scenario> Scenarios() {
       plan->max_delay = absl::Milliseconds(400);
       plan->reorder_notification = Probability(0.1);
     }
+    sc.layer_compute = absl::Milliseconds(5);
     sc.rounds = 20;
     sc.allowed = {C::kDeadlineExceeded, C::kDataLoss, C::kAborted};
   });
