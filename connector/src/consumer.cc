@@ -2,6 +2,7 @@
 #include "consumer.h"
 
 #include <algorithm>
+#include <random>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -140,8 +141,12 @@ absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::Produc
   }
   std::shared_ptr<const LayerTable> table = shared_.layers();
   ASSIGN_OR_RETURN(HandshakeOptions hs, shared_.Handshake(table.get()));
-  ASSIGN_OR_RETURN(auto conn,
-                   ConnectControl(remote.host, static_cast<uint16_t>(remote.port), hs.deadline));
+  auto connected = ConnectControl(remote.host, static_cast<uint16_t>(remote.port), hs.deadline);
+  if (!connected.ok()) {
+    shared_.stats.Handshake(key, false);
+    return connected.status();
+  }
+  std::unique_ptr<ControlConnection> conn = std::move(*connected);
   const KvTransferConfig& config = shared_.config;
   const std::string transport(shared_.transport->name());
   hs.check = [&](const HelloMsg& peer) -> absl::Status {
@@ -152,6 +157,7 @@ absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::Produc
                             absl::StrCat("'", absl::CHexEscape(peer.engine_id), "'"));
   };
   auto peer = HandshakeAsClient(*conn, hs);
+  shared_.stats.Handshake(peer.ok() ? peer->engine_id : key, peer.ok());
   if (!peer.ok()) {
     // The message may quote the producer's own words: escaped, as every peer string.
     return absl::Status(peer.status().code(),
@@ -214,6 +220,11 @@ absl::Status ConsumerSide::HandOff(const KvConnectorMetadata::Load& load) {
       return absl::OkStatus();  // finished meanwhile
     }
     RecvRequest& r = it->second;
+    if (next_attempt_ == 0) {
+      std::random_device rd;
+      next_attempt_ = (static_cast<uint64_t>(rd()) << 32 | rd()) | 1;
+    }
+    m.attempt = r.attempt = next_attempt_++;
     r.state = RecvState::kLoading;
     r.handoff_time = absl::Now();
     r.producer = link->address;
@@ -309,19 +320,6 @@ void ConsumerSide::SendAborts(const std::vector<Abort>& aborts) {
     absl::Status s = SendConnectorMessage(*link->conn, msg, absl::Now() + absl::Seconds(1));
     if (!s.ok()) LinkLost(*link, s);
   }
-}
-
-absl::Status ConsumerSide::FailAndAbort(const std::string& id, absl::Status status) {
-  std::vector<Abort> aborts;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = recv_.find(id);
-    if (it == recv_.end()) return absl::OkStatus();
-    Fail(it->second, std::move(status));
-    QueueAbort(it->second, aborts);
-  }
-  SendAborts(aborts);
-  return absl::OkStatus();
 }
 
 absl::Status ConsumerSide::WaitForLayer(absl::string_view layer_name) {
@@ -422,8 +420,9 @@ void ConsumerSide::OnNotice(const Notification& n) {
     absl::MutexLock lock(&mu_);
     auto r = recv_.find(notice->request_id);
     if (r == recv_.end() || r->second.state != RecvState::kLoading ||
+        r->second.attempt != notice->attempt ||
         r->second.layers[notice->layer] != LayerState::kMissing) {
-      return;  // late (aborted) or duplicate; nothing to do
+      return;  // late (aborted, or of an earlier attempt of this id) or duplicate
     }
     r->second.layers[notice->layer] = LayerState::kVerifying;
     load = r->second.load;
@@ -470,15 +469,27 @@ void ConsumerSide::OnNotice(const Notification& n) {
 void ConsumerSide::Arrived(const std::string& id, const LayerNotice& notice,
                            const absl::Status& verdict) {
   if (!verdict.ok()) {
-    // A corrupt layer fails the request; the producer is told to stop (its confirmation
-    // lets the blocks go without waiting for the deadline that closes the whole link).
-    FailAndAbort(id, verdict).IgnoreError();
+    // A corrupt layer fails the request (this attempt of it); the producer is told to stop
+    // (its confirmation lets the blocks go without waiting for the deadline that closes the
+    // whole link).
+    std::vector<Abort> aborts;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = recv_.find(id);
+      if (it == recv_.end() || it->second.attempt != notice.attempt) return;
+      Fail(it->second, verdict);
+      QueueAbort(it->second, aborts);
+    }
+    SendAborts(aborts);
     return;
   }
   std::shared_ptr<const LayerTable> table = shared_.layers();
   absl::MutexLock lock(&mu_);
   auto it = recv_.find(id);
-  if (it == recv_.end() || it->second.state != RecvState::kLoading) return;
+  if (it == recv_.end() || it->second.state != RecvState::kLoading ||
+      it->second.attempt != notice.attempt) {
+    return;
+  }
   RecvRequest& r = it->second;
   const size_t l = notice.layer;
   r.layers[l] = LayerState::kArrived;

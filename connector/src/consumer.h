@@ -101,6 +101,7 @@ class ConsumerSide {
     KvConnectorMetadata::Load load;
     std::string producer;     // address key of the ProducerLink
     std::string producer_id;  // its engine id once handed off (metrics label)
+    uint64_t attempt = 0;     // this hand-off's (HandOffMsg::attempt); notices must match
     std::vector<LayerState> layers;  // by layer index
     int32_t arrived = 0;
     absl::Status error;
@@ -131,7 +132,6 @@ class ConsumerSide {
   void QueueAbort(RecvRequest& r, std::vector<Abort>& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendAborts(const std::vector<Abort>& aborts);
   void Arrived(const std::string& id, const LayerNotice& notice, const absl::Status& verdict);
-  absl::Status FailAndAbort(const std::string& id, absl::Status status);
 
   WorkerShared& shared_;
   // Device caches with checksums: set by Prepare, used by the progress thread only.
@@ -154,6 +154,9 @@ class ConsumerSide {
   std::vector<std::string> waits_ ABSL_GUARDED_BY(mu_);
   std::vector<LoadError> errors_ ABSL_GUARDED_BY(mu_);  // not yet reported
   std::vector<RequestTransferStats> finished_stats_ ABSL_GUARDED_BY(mu_);
+  // Hand-off attempts: a random start (so that a restarted worker's attempts differ from
+  // its predecessor's) and a counter.
+  uint64_t next_attempt_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace internal

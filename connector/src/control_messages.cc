@@ -96,6 +96,7 @@ absl::Status Encode(const HandOffMsg& m, ByteWriter& w) {
   RETURN_IF_ERROR(EncodeInt32List("HandOff.prompt_token_ids", m.prompt_token_ids, w));
   RETURN_IF_ERROR(EncodeInt32List("HandOff.dest_block_ids", m.dest_block_ids, w));
   w.U32(m.num_tokens);
+  w.U64(m.attempt);
   return absl::OkStatus();
 }
 
@@ -118,6 +119,7 @@ absl::Status Decode(ByteReader& r, HandOffMsg* m) {
   RETURN_IF_ERROR(DecodeInt32List("HandOff.prompt_token_ids", r, &m->prompt_token_ids));
   RETURN_IF_ERROR(DecodeInt32List("HandOff.dest_block_ids", r, &m->dest_block_ids));
   RETURN_IF_ERROR(r.U32("HandOff.num_tokens", &m->num_tokens));
+  RETURN_IF_ERROR(r.U64("HandOff.attempt", &m->attempt));
   return CheckHandOff(*m);
 }
 

@@ -10,7 +10,7 @@
 //   list of regions: i32 layer, u8 tensor (0 K, 1 V), blob descriptor
 // Data payload: u16 kind, then
 //   kind 1 hand-off:  str request_id, list i32 prompt_token_ids, list i32 dest_block_ids,
-//                     u32 num_tokens
+//                     u32 num_tokens, u64 attempt
 //   kind 2 ack:       str request_id, i32 status_code, str message
 //   kind 3 abort:     str request_id, str reason
 //
@@ -36,7 +36,7 @@
 namespace kvstream {
 namespace internal {
 
-inline constexpr uint16_t kConnectorWireVersion = 2;  // 2: the hello's group
+inline constexpr uint16_t kConnectorWireVersion = 3;  // 2: the hello's group; 3: attempts
 inline constexpr uint32_t kMaxBlobBytes = 1u << 20;    // transport info, memory descriptors
 inline constexpr uint32_t kMaxListEntries = 1u << 22;  // tokens, blocks, regions
 
@@ -66,6 +66,9 @@ struct HandOffMsg {
   std::vector<int32_t> prompt_token_ids;
   std::vector<int32_t> dest_block_ids;  // the receiver's blocks, in token order
   uint32_t num_tokens = 0;              // tokens whose KV the receiver expects (prefix)
+  // Names this hand-off among the request's attempts (a retry reuses the id): the producer
+  // carries it in every layer notice, and a notice of another attempt is ignored.
+  uint64_t attempt = 0;
 };
 
 // The prefill side's verdict on a hand-off (status_code 0: accepted).

@@ -12,7 +12,7 @@ namespace kvstream {
 namespace internal {
 namespace {
 
-constexpr uint32_t kNoticeMagic = 0x324E564B;  // bytes "KVN2"
+constexpr uint32_t kNoticeMagic = 0x334E564B;  // bytes "KVN3"
 
 }  // namespace
 
@@ -27,6 +27,7 @@ absl::StatusOr<std::string> EncodeLayerNoticeHead(const LayerNotice& n) {
   ByteWriter w(&out);
   w.U32(kNoticeMagic);
   RETURN_IF_ERROR(w.Bytes("layer notice request id", n.request_id, kMaxIdBytes));
+  w.U64(n.attempt);
   w.U32(n.layer);
   w.U64(n.bytes);
   w.U8(static_cast<uint8_t>(n.checksum_kind));
@@ -49,6 +50,7 @@ absl::StatusOr<LayerNotice> DecodeLayerNotice(absl::string_view payload) {
   }
   LayerNotice n;
   RETURN_IF_ERROR(r.Bytes("layer notice request id", kMaxIdBytes, &n.request_id));
+  RETURN_IF_ERROR(r.U64("layer notice attempt", &n.attempt));
   RETURN_IF_ERROR(r.U32("layer notice layer", &n.layer));
   RETURN_IF_ERROR(r.U64("layer notice bytes", &n.bytes));
   uint8_t kind = 0;

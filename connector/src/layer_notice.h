@@ -1,9 +1,11 @@
 // The layer notice: the notification a producer's layer write carries, which the consumer
 // receives only after that layer's bytes are in place (transport.h's ordering).
 //
-//   u32 magic "KVN2"   str request_id (u32 length, at most kMaxIdBytes)   u32 layer
-//   u64 bytes   u8 checksum kind   u64 post time (ns, CLOCK_MONOTONIC: comparable between
-//   processes of one host)   u64 checksum
+//   u32 magic "KVN3"   str request_id (u32 length, at most kMaxIdBytes)   u64 attempt
+//   u32 layer   u64 bytes   u8 checksum kind   u64 post time (ns, CLOCK_MONOTONIC:
+//   comparable between processes of one host)   u64 checksum
+// `attempt` is the hand-off's (HandOffMsg::attempt): a late notice of an earlier attempt of
+// the same request id must not count for a retry.
 // little-endian. The checksum is last so that, for a device cache, the GPU can supply it:
 // the producer posts the notice without it (EncodeLayerNoticeHead) and hands the transport
 // the 8 bytes a kernel writes as the notification's tail (WriteOrder::notification_tail).
@@ -30,6 +32,7 @@ enum class ChecksumKind : uint8_t {
 
 struct LayerNotice {
   std::string request_id;
+  uint64_t attempt = 0;
   uint32_t layer = 0;
   uint64_t bytes = 0;
   ChecksumKind checksum_kind = ChecksumKind::kNone;

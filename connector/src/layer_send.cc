@@ -53,7 +53,7 @@ void LayerSender::Done(TransferId v) {
 
 
 absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::string& request_id,
-                                            PeerId peer, const RemoteMemory& k_remote,
+                                            uint64_t attempt, PeerId peer, const RemoteMemory& k_remote,
                                             const RemoteMemory& v_remote,
                                             absl::Span<const int32_t> local_blocks,
                                             absl::Span<const int32_t> dest_blocks,
@@ -64,6 +64,7 @@ absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::
   ASSIGN_OR_RETURN(LayerRuns runs, PlanLayerRuns(cv, local_blocks, dest_blocks, num_tokens));
   LayerNotice notice;
   notice.request_id = request_id;
+  notice.attempt = attempt;
   notice.layer = static_cast<uint32_t>(layer.index);
   notice.bytes = runs.bytes;
   WriteOrder order;

@@ -53,7 +53,7 @@ class LayerSender {
   // when the K write fails (a failed V write leaves the K write posted: its id is returned
   // in the error path through `posted_k`).
   absl::StatusOr<LayerPost> Post(const LayerEntry& layer, const std::string& request_id,
-                                 PeerId peer, const RemoteMemory& k_remote,
+                                 uint64_t attempt, PeerId peer, const RemoteMemory& k_remote,
                                  const RemoteMemory& v_remote,
                                  absl::Span<const int32_t> local_blocks,
                                  absl::Span<const int32_t> dest_blocks, int32_t num_tokens,

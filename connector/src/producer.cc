@@ -343,7 +343,7 @@ absl::Status ProducerSide::AcceptHandOff(const HandOffMsg& m,
     existing = send_.emplace(s.id, std::move(s)).first;
   }
   SendRequest& s = existing->second;
-  s.dests.push_back({link, m.dest_block_ids});
+  s.dests.push_back({link, m.dest_block_ids, m.attempt});
   ++link->active_requests;
   link->active_tokens += static_cast<int64_t>(s.prompt.size());
   for (int32_t l : link->layers) s.route[l] = s.dests.size() - 1;
@@ -568,7 +568,7 @@ absl::Status ProducerSide::PostLayer(absl::string_view layer_name, const KvCache
     absl::StatusOr<LayerPost> post =
         region == dest.link->regions.end()
             ? absl::InternalError(absl::StrCat("no consumer region for layer ", layer->index))
-            : sender_->Post(*layer, s.consumer_id, dest.link->peer, *region->second.first,
+            : sender_->Post(*layer, s.consumer_id, dest.attempt, dest.link->peer, *region->second.first,
                             *region->second.second, s.local_blocks, dest.dest_blocks,
                             s.num_tokens, stream, &posted_k);
     if (posted_k != 0) s.pending.push_back(posted_k);

@@ -119,6 +119,7 @@ class ProducerSide {
   struct Destination {
     std::shared_ptr<ConsumerLink> link;
     std::vector<int32_t> dest_blocks;
+    uint64_t attempt = 0;  // the consumer's hand-off, echoed in every layer notice
   };
 
   enum class SendState { kGathering, kQueued, kSending, kDone, kFailed, kStopped };

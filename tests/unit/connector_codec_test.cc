@@ -262,6 +262,7 @@ TEST(ControlMessagesTest, ValueRulesHoldBothWays) {
   w.I32(5);
   w.U32(0);
   w.U32(2);
+  w.U64(1);  // attempt
   EXPECT_THAT(internal::DecodeConnectorMessage(b).status().message(), HasSubstr("num_tokens"));
 }
 

@@ -90,7 +90,9 @@ class Watchdog {
 // TestConnector): scheduler calls to the scheduler side, hooks to the worker side, the
 // metadata and the worker's output crossing as bytes, the output fed to the scheduler
 // whenever the test looks at what happened. It also counts how often each request was
-// reported finished, which must be once.
+// reported finished, which must be once. A producer's scheduler side names requests by the
+// consumer's id scoped by the consumer ("d/x"); this driver speaks the consumer's ids ("x")
+// on both sides and maps them.
 class TestConnector {
  public:
   TestConnector(std::unique_ptr<KvConnectorScheduler> scheduler,
@@ -101,18 +103,38 @@ class TestConnector {
   KvConnectorWorker& worker() { return *worker_; }
 
   absl::StatusOr<KvConnectorMetadata> BuildConnectorMeta(absl::Span<const ScheduledRequest> s) {
-    ASSIGN_OR_RETURN(KvConnectorMetadata meta, scheduler_->BuildConnectorMeta(s));
+    std::vector<ScheduledRequest> scheduled(s.begin(), s.end());
+    for (ScheduledRequest& r : scheduled) r.request_id = Scoped(r.request_id);
+    ASSIGN_OR_RETURN(KvConnectorMetadata meta, scheduler_->BuildConnectorMeta(scheduled));
     ASSIGN_OR_RETURN(std::string bytes, EncodeConnectorMetadata(meta));
     return DecodeConnectorMetadata(bytes);
   }
+  // Incoming requests, with the ids of the consumers that sent them.
   std::vector<KvRequest> TakeIncomingRequests() {
     Pump();
-    return scheduler_->TakeIncomingRequests();
+    std::vector<KvRequest> in = scheduler_->TakeIncomingRequests();
+    for (KvRequest& r : in) {
+      const std::string own = Unscoped(r.request_id);
+      scoped_[own] = r.request_id;
+      r.request_id = own;
+    }
+    return in;
   }
   absl::StatusOr<bool> RequestFinished(const std::string& id) {
     Pump();
-    return scheduler_->RequestFinished(id);
+    return scheduler_->RequestFinished(Scoped(id));
   }
+  absl::Status UpdateStateAfterAlloc(KvRequest r, absl::Span<const int32_t> blocks,
+                                     int32_t external) {
+    r.request_id = Scoped(r.request_id);
+    return scheduler_->UpdateStateAfterAlloc(r, blocks, external);
+  }
+  // The scheduler side's id of a consumer's request (itself on a consumer).
+  std::string Scoped(const std::string& id) const {
+    auto it = scoped_.find(id);
+    return it == scoped_.end() ? id : it->second;
+  }
+  static std::string Unscoped(const std::string& id) { return id.substr(id.find('/') + 1); }
 
   // What the worker reported so far, accumulated.
   void Pump() {
@@ -125,7 +147,7 @@ class TestConnector {
     absl::Status s = scheduler_->UpdateConnectorOutput(*out);
     ASSERT_TRUE(s.ok()) << s;
     for (LoadError& e : out->load_errors) errors_[e.request_id].push_back(e.status);
-    for (const std::string& id : out->finished_sending) ++sending_reports_[id];
+    for (const std::string& id : out->finished_sending) ++sending_reports_[Unscoped(id)];
     for (const std::string& id : out->finished_recving) ++recving_reports_[id];
   }
   // Starts the counts of `id` afresh (a retried request id).
@@ -149,6 +171,7 @@ class TestConnector {
   std::map<std::string, std::vector<absl::Status>> errors_;
   std::map<std::string, int> sending_reports_;
   std::map<std::string, int> recving_reports_;
+  std::map<std::string, std::string> scoped_;  // consumer's id -> the scheduler side's
 };
 
 struct Node {
@@ -407,7 +430,7 @@ void ConnectorFaultTest::RunRound(int round, std::mt19937_64& rng, Watchdog& wat
       ASSERT_NE(it, by_id.end()) << "unknown request " << kr.request_id;
       Request& r = *it->second;
       ASSERT_EQ(static_cast<int>(kr.prompt_token_ids.size()), r.prompt_len);
-      absl::Status s = pc.scheduler().UpdateStateAfterAlloc(kr, r.producer_blocks, 0);
+      absl::Status s = pc.UpdateStateAfterAlloc(kr, r.producer_blocks, 0);
       ASSERT_TRUE(s.ok()) << s;
       for (int l = 0; l < kLayers; ++l) {
         FillRandom(*p_->caches[l], r.producer_blocks, r.tokens, rng);
@@ -542,14 +565,9 @@ TEST_P(ConnectorFaultTest, EveryRequestLoadsExactlyOrFailsCleanly) {
 // has run attempt 2's prefill. Attempt 1's bytes are still in the blocks, so the stale
 // notices verify, and the consumer must not take them for attempt 2's layers.
 //
-// DISABLED: fails today. The consumer matches a layer notice to a request by request id
-// and layer alone (ConsumerSide::OnNotice in connector/src/consumer.cc); nothing in the
-// notice tells one attempt from the next. Attempt 2 is reported loaded with attempt 1's KV
-// (its attention reads attempt 1's bytes) before the producer wrote anything, is reported
-// finished receiving (its blocks may be freed), and attempt 2's real writes land afterwards.
-// The randomized DelayedNoticesOfRetriedRequestIds scenario shows the milder case (a stale
-// notice checked after the retry's bytes landed fails a healthy retry with DataLoss).
-TEST(DirectedFaultTest, DISABLED_LateNoticeOfAFailedRequestDoesNotCountForItsRetry) {
+// Every hand-off carries an attempt number that the producer echoes in each layer notice
+// (HandOffMsg::attempt); the consumer ignores notices of another attempt.
+TEST(DirectedFaultTest, LateNoticeOfAFailedRequestDoesNotCountForItsRetry) {
   LoopbackFabric fabric;
   const Timeouts timeouts{300, 500};
   auto p = MakeNode(fabric, "p", KvRole::kProducer, {}, timeouts, KvLayout::kNHD);
@@ -584,7 +602,7 @@ TEST(DirectedFaultTest, DISABLED_LateNoticeOfAFailedRequestDoesNotCountForItsRet
       absl::SleepFor(absl::Milliseconds(1));
     }
     ASSERT_EQ(incoming.size(), 1u);
-    ASSERT_TRUE(pc.scheduler().UpdateStateAfterAlloc(incoming[0], pblocks, 0).ok());
+    ASSERT_TRUE(pc.UpdateStateAfterAlloc(incoming[0], pblocks, 0).ok());
   };
   // The producer's prefill of the attempt, with fresh bytes; returns them by layer.
   auto prefill = [&] {
