@@ -146,6 +146,17 @@ std::string RenderConnectorMetrics(const std::vector<PeerConnectorStats>& peers,
     absl::StrAppend(&out, "kvstream_load_errors_total{", labels[i], "} ",
                     peers[i].stats.load_errors, "\n");
   }
+  metric("kvstream_handshake_failures_total", "counter",
+         "Links to a producer that could not be made (no answer, refused, rejected, incompatible)");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    absl::StrAppend(&out, "kvstream_handshake_failures_total{", labels[i], "} ",
+                    peers[i].stats.handshake_failures, "\n");
+  }
+  metric("kvstream_handshakes_total", "counter", "Links to a producer made");
+  for (size_t i = 0; i < peers.size(); ++i) {
+    absl::StrAppend(&out, "kvstream_handshakes_total{", labels[i], "} ",
+                    peers[i].stats.handshakes, "\n");
+  }
   metric("kvstream_send_failures_total", "counter", "Requests whose KV sends failed");
   for (size_t i = 0; i < peers.size(); ++i) {
     absl::StrAppend(&out, "kvstream_send_failures_total{", labels[i], "} ",

@@ -85,6 +85,8 @@ nlohmann::json ConnectorStatsJson(const ConnectorStats& s,
                       {"layers_sent", s.layers_sent},
                       {"layers_received", s.layers_received},
                       {"load_errors", s.load_errors},
+                      {"handshakes", s.handshakes},
+                      {"handshake_failures", s.handshake_failures},
                       {"send_failures", s.send_failures},
                       {"wait_ms", s.wait_ms},
                       {"exposed_transfer_ms", s.exposed_ms},
@@ -558,6 +560,13 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   }
   if (!all_ok) return 3;
   if (!all_match) return 2;
+  // Every request may have been recomputed correctly, but if no producer could ever be
+  // reached or accepted us, nothing was disaggregated: a monitor must see that.
+  if (stats.handshakes == 0 && !results.empty()) {
+    err << "kvstream worker: no KV came from any prefill worker: " << stats.handshake_failures
+        << " attempt(s) to reach one failed (see the load errors above)\n";
+    return kExitNotDisaggregated;
+  }
   return 0;
 }
 

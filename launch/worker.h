@@ -82,7 +82,10 @@ struct DecodeReport {
 };
 
 // Exit codes: 0 success; 1 error; 2 outputs differ from the colocated run; 3 a request
-// failed; 4 blocks leaked. A decode worker fills `report` when it is not null.
+// failed; 4 blocks leaked; kExitNotDisaggregated (5) a decode worker whose requests all ran
+// (recomputed) although no prefill worker could be reached or accepted it (so nothing was
+// disaggregated). A decode worker fills `report` when it is not null.
+inline constexpr int kExitNotDisaggregated = 5;
 int RunWorker(const WorkerOptions& options, std::ostream& out, std::ostream& err,
               DecodeReport* report = nullptr);
 

@@ -46,6 +46,11 @@ void StatsBook::Exposed(const std::string& peer, double ms) {
   by_peer_[peer].exposed_ms += ms;
 }
 
+void StatsBook::Handshake(const std::string& peer, bool ok) {
+  absl::MutexLock lock(&mu_);
+  for (ConnectorStats* s : {&totals_, &by_peer_[peer]}) ++(ok ? s->handshakes : s->handshake_failures);
+}
+
 ConnectorStats StatsBook::Totals() const {
   absl::MutexLock lock(&mu_);
   return totals_;

@@ -30,6 +30,8 @@ class StatsBook {
   // BeforeAttention blocked `ms`, while `peers` still owed the layer (each is charged).
   void Waited(const std::set<std::string>& peers, double ms);
   void Exposed(const std::string& peer, double ms);
+  // Consumer: a link to `peer` was made (`ok`) or could not be.
+  void Handshake(const std::string& peer, bool ok);
 
   ConnectorStats Totals() const;
   std::map<std::string, ConnectorStats> ByPeer() const;

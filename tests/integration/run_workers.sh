@@ -11,6 +11,9 @@
 #                      pipeline stages (layers 0 and 1-3): bit-identical outputs, and each
 #                      stage received exactly its layers' bytes
 #   mismatch           different block sizes: rejected at handshake, requests fail clearly
+#   not-disaggregated  the decode worker has the wrong shared secret, under the recompute
+#                      policy: every request is recomputed correctly, but the worker says that
+#                      no KV came from a prefill worker and exits 5
 #   mismatch-pp        two pipeline stages of one decode worker built with different model
 #                      seeds: they refuse each other at the stage hello and both exit non-zero
 #   kill-producer      the prefill worker dies mid-stream: load errors, recompute, correct
@@ -216,6 +219,17 @@ case "$scenario" in
       grep -q "\"connector\":{\"blocks_in_flight\":0,\"bytes_received\":$((layers * layer_bytes))," "$work/flat.json" || fail "stage $s received other than its layers' $((layers * layer_bytes)) bytes"
       grep -q "\"layers_received\":$((4 * layers))," "$work/flat.json" || fail "stage $s did not receive $((4 * layers)) layer transfers"
     done
+    ;;
+  not-disaggregated)
+    "$bin" worker --role=prefill --kv-transfer-config="$(cfg prefill ', "secret": "right"')" \
+        $model $prompts --address-file="$addr" --idle-timeout=5 >"$work/prefill.out" 2>&1 &
+    ppid=$!
+    "$bin" worker --role=decode --kv-transfer-config="$(cfg decode ', "secret": "wrong"')" $model $prompts \
+        --address-file="$addr" >"$work/decode.out" 2>&1
+    drc=$?
+    [ $drc -eq 5 ] || fail "decode worker exited $drc, expected 5 (not disaggregated)"
+    grep -q "no KV came from any prefill worker" "$work/decode.out" || fail "no not-disaggregated error"
+    grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "recompute wrong"
     ;;
   mismatch)
     policy=fail

@@ -22,6 +22,11 @@ struct ConnectorStats {
   // those refused because max_connections were being served.
   int64_t control_connections = 0;
   uint64_t connections_refused = 0;
+  // Consumer: links to producers made (connect and handshake succeeded), and attempts that
+  // failed (no answer, refused, rejected handshake, incompatible peer). Failures with no
+  // success at all mean disaggregation is not happening.
+  uint64_t handshakes = 0;
+  uint64_t handshake_failures = 0;
   // Per-layer transfer latency (producer: post to completion; consumer: post to verified
   // arrival, same-host clocks), as a histogram over kLatencyBucketsMs (+Inf last).
   static constexpr double kLatencyBucketsMs[] = {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000};
