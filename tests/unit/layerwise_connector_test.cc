@@ -27,6 +27,7 @@
 #include "kvstream/connector/layer_routing.h"
 #include "kvstream/transfer/control_channel.h"
 #include "kvstream/transfer/loopback_transport.h"
+#include "tests/testing/transport_wrapper.h"
 
 namespace kvstream {
 namespace {
@@ -39,22 +40,11 @@ std::string LayerName(int i) { return absl::StrCat("model.layers.", i, ".self_at
 
 // Flips one byte of the source before a write is posted (after the connector computed its
 // checksum), to check that the consumer notices: every write, or only the first `limit`.
-class CorruptingTransport : public Transport {
+class CorruptingTransport : public TransportWrapper {
  public:
   explicit CorruptingTransport(std::unique_ptr<Transport> inner, int limit = -1)
-      : inner_(std::move(inner)), left_(limit) {}
-  absl::string_view name() const override { return inner_->name(); }
-  TransportCapabilities capabilities() const override { return inner_->capabilities(); }
-  absl::StatusOr<std::string> LocalInfo() override { return inner_->LocalInfo(); }
-  absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* base, size_t length,
-                                                                      MemoryKind kind) override {
-    return inner_->RegisterMemory(base, length, kind);
-  }
-  absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateMemory(size_t n, MemoryKind k) override { return inner_->AllocateMemory(n, k); }
-  absl::StatusOr<PeerId> Connect(absl::string_view info) override { return inner_->Connect(info); }
-  absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(PeerId p, absl::string_view d) override {
-    return inner_->ImportRemote(p, d);
-  }
+      : TransportWrapper(std::move(inner)), left_(limit) {}
+  using Transport::PostWrite;
   absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
                                        const RemoteMemory& remote,
                                        absl::Span<const Segment> segments,
@@ -64,22 +54,10 @@ class CorruptingTransport : public Transport {
       if (left_.load() > 0) --left_;
       static_cast<uint8_t*>(local.base())[segments[0].local_offset] ^= 0x5a;
     }
-    return inner_->PostWrite(peer, local, remote, segments, notification, order);
+    return TransportWrapper::PostWrite(peer, local, remote, segments, notification, order);
   }
-  absl::StatusOr<TransferId> PostNotification(PeerId p, absl::string_view n) override {
-    return inner_->PostNotification(p, n);
-  }
-  absl::StatusOr<TransferState> Test(TransferId id) override { return inner_->Test(id); }
-  absl::Status Cancel(TransferId id) override { return inner_->Cancel(id); }
-  void Release(TransferId id) override { inner_->Release(id); }
-  absl::Status Progress() override { return inner_->Progress(); }
-  std::vector<Notification> PollNotifications() override { return inner_->PollNotifications(); }
-  absl::Status Disconnect(PeerId p) override { return inner_->Disconnect(p); }
-  absl::Status PeerStatus(PeerId p) override { return inner_->PeerStatus(p); }
-  void SetPeerErrorCallback(PeerErrorCallback cb) override { inner_->SetPeerErrorCallback(std::move(cb)); }
 
  private:
-  std::unique_ptr<Transport> inner_;
   std::atomic<int> left_;  // writes still to corrupt; < 0: all
 };
 
