@@ -78,6 +78,21 @@ int Run(const std::string& root) {
   Write(wire, "hello", 0, *EncodeFrame(hello), false);
   Write(wire, "data", 0, *EncodeFrame(DataMsg{"bytes"}), false);
   Write(wire, "error", 0, *EncodeFrame(ErrorMsg{9, "refused"}), false);
+
+  // The handshake as the peer plays it (no secret): to a client, a challenge then the
+  // server's answer; to a server, the client's hello. The payload is a connector hello.
+  const std::string hs = root + "/handshake";
+  HelloMsg peer;
+  peer.engine_id = "peer-0";
+  peer.payload = *internal::EncodeConnectorHello(h);
+  HelloAckMsg ack;
+  ack.hello = peer;
+  Write(hs, "client_no_secret", 0,
+        *EncodeFrame(ChallengeMsg{std::string(32, 'n')}) + *EncodeFrame(ack));
+  Write(hs, "server_no_secret", 1, *EncodeFrame(peer));
+  Write(hs, "client_secret", 2, *EncodeFrame(ChallengeMsg{std::string(32, 'n')}) + *EncodeFrame(ack));
+  Write(hs, "client_refused", 0,
+        *EncodeFrame(ChallengeMsg{std::string(32, 'n')}) + *EncodeFrame(ErrorMsg{9, "no"}));
   std::printf("seeds written under %s\n", root.c_str());
   return 0;
 }
