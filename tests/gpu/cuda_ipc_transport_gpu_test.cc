@@ -130,13 +130,7 @@ class CudaIpcGpuTest : public ::testing::Test {
   // A line from the child, progressing this side meanwhile (what the child waits for may
   // be a notification this side has yet to send).
   absl::StatusOr<std::string> ReadLineProgressing() {
-    const absl::Time deadline = Deadline();
-    while (!child_->reader().Readable()) {
-      absl::Status progress = transport_->Progress();
-      if (!progress.ok()) return progress;
-      if (absl::Now() >= deadline) return absl::DeadlineExceededError("no line from the child");
-    }
-    return child_->reader().ReadLine(deadline);
+    return test::ReadLineProgressing(child_->reader(), *transport_, Deadline());
   }
 
   // The receiver's next "NOTE <hex> <bytes>" and its snapshot.

@@ -97,13 +97,7 @@ class UcxMultiProcessTest : public ::testing::TestWithParam<std::string> {
   // Reads a line from the child, progressing this side meanwhile (what the child waits for
   // may need this side's progress, e.g. an active message queued over TCP).
   absl::StatusOr<std::string> ReadLineProgressing() {
-    const absl::Time deadline = Deadline();
-    while (!child_->reader().Readable()) {
-      absl::Status progress = transport_->Progress();
-      if (!progress.ok()) return progress;
-      if (absl::Now() >= deadline) return absl::DeadlineExceededError("no line from the child");
-    }
-    return child_->reader().ReadLine(deadline);
+    return test::ReadLineProgressing(child_->reader(), *transport_, Deadline());
   }
 
   void RegisterLocal(std::vector<char>& buffer) {

@@ -149,6 +149,19 @@ class PipeReader {
 
 // A child process running `argv` with its stdin fed by `to_child` and its kPeerOutFd read
 // through `from_child`. Killed (SIGKILL) and reaped on destruction if still running.
+// A line from `reader`, progressing `transport` meanwhile (what the other process waits for
+// may need this side's progress, e.g. a notification still to be sent); DeadlineExceeded
+// when no line came by `deadline`.
+inline absl::StatusOr<std::string> ReadLineProgressing(PipeReader& reader, Transport& transport,
+                                                       absl::Time deadline) {
+  while (!reader.Readable()) {
+    absl::Status progress = transport.Progress();
+    if (!progress.ok()) return progress;
+    if (absl::Now() >= deadline) return absl::DeadlineExceededError("no line from the child");
+  }
+  return reader.ReadLine(deadline);
+}
+
 class ChildProcess {
  public:
   static absl::StatusOr<std::unique_ptr<ChildProcess>> Spawn(const std::vector<std::string>& argv) {
