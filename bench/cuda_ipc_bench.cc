@@ -2,7 +2,7 @@
 // the cuda_ipc transport, beside one contiguous device-to-device cudaMemcpyAsync of the same
 // bytes in this process, measured in the same run.
 //
-//   kvstream_bench_cuda_ipc [--device=N] [--layers=N] [--sweep] [--post-cost]
+//   kvstream_bench_cuda_ipc [--device=N] [--layers=N] [--sweep[=SUBSTRING]] [--post-cost]
 //
 // The program spawns itself as the receiver (--role=receiver: a 256 MiB pool from
 // AllocateMemory, progressed until told to stop). Layers are Llama-3-8B's: 8 KV heads of
@@ -24,7 +24,8 @@
 // --sweep repeats every row (16- and 64-token blocks, 1k, 8k and 32k tokens) for every
 // variant of the copy path (kernel shape, where the table goes, vectors per thread, piece
 // size, grid, copy engine for long segments; CudaIpcTransportOptions) and ends with the
-// best variant per row; --post-cost times the PostWrite call alone (median of 50, each
+// best variant per row (--sweep=SUBSTRING: only the variants whose label contains it);
+// --post-cost times the PostWrite call alone (median of 50, each
 // after the previous write completed) for 64 to 16384 segments of 8 KiB, which should stay
 // flat per call apart from writing the table.
 #include <cuda_runtime.h>
@@ -72,6 +73,7 @@ struct Flags {
   int device = 0;
   int layers = 20;
   bool sweep = false;
+  std::string sweep_filter;  // empty: every variant
   bool post_cost = false;
 };
 
@@ -356,26 +358,43 @@ std::vector<Variant> SweepVariants(const CudaIpcTransportOptions& defaults) {
     o.kernel = K::kChunked; o.table = T::kZeroCopy; o.vectors_per_thread = 4;
   });
   // Whole entries per CTA: every table placement.
-  add("cta v8 params (default)", [](auto&) {});
-  add("cta v8 zero-copy", [](auto& o) { o.table = T::kZeroCopy; });
+  add("cta v8 params", [](auto& o) { o.table = T::kParams; });
+  add("cta v8 zero-copy (default)", [](auto&) {});
   add("cta v8 stream-copy", [](auto& o) { o.table = T::kStreamCopy; });
   add("cta v8 side-copy", [](auto& o) { o.table = T::kSideStreamCopy; });
   // Shapes around the default.
-  add("cta v4 params", [](auto& o) { o.vectors_per_thread = 4; });
-  add("cta v8 params 1 cta/SM", [](auto& o) { o.ctas_per_sm = 1; });
-  add("cta v8 params 2 cta/SM", [](auto& o) { o.ctas_per_sm = 2; });
-  add("cta v8 params piece 32K", [](auto& o) { o.max_piece_bytes = 32 << 10; });
-  add("cta v8 params piece 256K", [](auto& o) { o.max_piece_bytes = 256 << 10; });
-  add("cta v8 params unit/entry", [](auto& o) { o.unit_per_entry = true; });
-  add("cta v8 zero-copy unit/entry", [](auto& o) {
-    o.table = T::kZeroCopy; o.unit_per_entry = true;
+  add("cta v4 zero-copy", [](auto& o) { o.vectors_per_thread = 4; });
+  add("cta v8 zero-copy 1 cta/SM", [](auto& o) { o.ctas_per_sm = 1; });
+  add("cta v8 zero-copy 2 cta/SM", [](auto& o) { o.ctas_per_sm = 2; });
+  add("cta v8 zero-copy piece 32K", [](auto& o) { o.max_piece_bytes = 32 << 10; });
+  add("cta v8 zero-copy piece 1M", [](auto& o) { o.max_piece_bytes = 1 << 20; });
+  add("cta v8 zero-copy unit/entry", [](auto& o) { o.unit_per_entry = true; });
+  add("cta v8 params unit/entry", [](auto& o) {
+    o.table = T::kParams; o.unit_per_entry = true;
   });
-  add("cta v8 params CE>=64K", [](auto& o) { o.copy_engine_min_bytes = 64 << 10; });
+  add("cta v8 zero-copy CE>=64K", [](auto& o) { o.copy_engine_min_bytes = 64 << 10; });
+  // Whole entries per 1024-thread CTA.
+  for (int v : {2, 4}) {
+    add(absl::StrCat("wide v", v, " zero-copy"), [v](auto& o) {
+      o.kernel = K::kWideCtaPerSegment; o.vectors_per_thread = v;
+    });
+    add(absl::StrCat("wide v", v, " zero-copy unit/entry"), [v](auto& o) {
+      o.kernel = K::kWideCtaPerSegment; o.vectors_per_thread = v; o.unit_per_entry = true;
+    });
+    add(absl::StrCat("wide v", v, " params"), [v](auto& o) {
+      o.kernel = K::kWideCtaPerSegment; o.vectors_per_thread = v; o.table = T::kParams;
+    });
+    add(absl::StrCat("wide v", v, " stream-copy"), [v](auto& o) {
+      o.kernel = K::kWideCtaPerSegment; o.vectors_per_thread = v; o.table = T::kStreamCopy;
+    });
+  }
   // Whole entries per warp.
-  add("warp v8 params", [](auto& o) { o.kernel = K::kWarpPerSegment; });
-  add("warp v4 params", [](auto& o) { o.kernel = K::kWarpPerSegment; o.vectors_per_thread = 4; });
+  add("warp v8 params", [](auto& o) { o.kernel = K::kWarpPerSegment; o.table = T::kParams; });
+  add("warp v4 params", [](auto& o) {
+    o.kernel = K::kWarpPerSegment; o.vectors_per_thread = 4; o.table = T::kParams;
+  });
   add("warp v8 zero-copy", [](auto& o) { o.kernel = K::kWarpPerSegment; o.table = T::kZeroCopy; });
-  add("warp v8 params piece 16K", [](auto& o) {
+  add("warp v8 zero-copy piece 16K", [](auto& o) {
     o.kernel = K::kWarpPerSegment; o.max_piece_bytes = 16 << 10;
   });
   return out;
@@ -439,6 +458,7 @@ int RunSender(const Flags& f) {
     PrintHeader("variant");
     std::vector<Result> results;
     for (const Variant& v : SweepVariants(defaults)) {
+      if (!absl::StrContains(v.label, f.sweep_filter)) continue;
       Sender t = Connect(receiver, v.options);
       for (const Row& row : rows) {
         // Copy-engine variants differ only where blocks reach the threshold.
@@ -492,6 +512,9 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(arg, &f.layers) && f.layers > 0;
     } else if (arg == "--sweep") {
       f.sweep = true;
+    } else if (absl::ConsumePrefix(&arg, "--sweep=")) {
+      f.sweep = true;
+      f.sweep_filter = std::string(arg);
     } else if (arg == "--post-cost") {
       f.post_cost = true;
     } else {
@@ -499,7 +522,7 @@ int main(int argc, char** argv) {
     }
     if (!ok) {
       kvstream::Die(absl::StrCat("bad flag ", argv[i],
-                                 " (flags: --device=N --layers=N --sweep --post-cost)"));
+                                 " (flags: --device=N --layers=N --sweep[=SUBSTRING] --post-cost)"));
     }
   }
   if (f.role == "receiver") return kvstream::RunReceiver(f);

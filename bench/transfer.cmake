@@ -21,3 +21,11 @@ if(KVSTREAM_HAVE_CUDA)
   target_include_directories(kvstream_bench_ucx_staged PRIVATE ${PROJECT_SOURCE_DIR})
   kvstream_set_warnings(kvstream_bench_ucx_staged)
 endif()
+# Benchmark: the cuda_ipc copy kernel in one process by where the blocks lie (contiguous,
+# shuffled in the layer, drawn from a larger pool, sorted), beside a contiguous memcpy.
+if(KVSTREAM_HAVE_CUDA)
+  add_executable(kvstream_bench_copy_pattern cuda_copy_pattern_bench.cu)
+  target_link_libraries(kvstream_bench_copy_pattern PRIVATE kvstream::transfer CUDA::cudart)
+  target_include_directories(kvstream_bench_copy_pattern PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)
+  kvstream_set_warnings(kvstream_bench_copy_pattern)
+endif()

@@ -249,10 +249,17 @@ std::vector<CopyVariant> CopyVariants() {
       Variant("WarpParams", K::kWarpPerSegment, T::kParams),
       Variant("WarpZeroCopy", K::kWarpPerSegment, T::kZeroCopy, 4),
       Variant("WarpSideCopy", K::kWarpPerSegment, T::kSideStreamCopy, 2),
+      Variant("WideCtaZeroCopyV2", K::kWideCtaPerSegment, T::kZeroCopy, 2),
+      Variant("WideCtaParamsV4", K::kWideCtaPerSegment, T::kParams, 4),
+      Variant("WideCtaStreamCopyV8", K::kWideCtaPerSegment, T::kStreamCopy, 8),
   };
   CopyVariant per_entry{"CtaParamsUnitPerEntry", CudaIpcTransportOptions{}};
   per_entry.options.unit_per_entry = true;
   v.push_back(per_entry);
+  CopyVariant wide_per_entry = Variant("WideCtaZeroCopyUnitPerEntry", K::kWideCtaPerSegment,
+                                       T::kZeroCopy, 2);
+  wide_per_entry.options.unit_per_entry = true;
+  v.push_back(wide_per_entry);
   CopyVariant warp_per_entry = Variant("WarpZeroCopyUnitPerEntry", K::kWarpPerSegment,
                                        T::kZeroCopy);
   warp_per_entry.options.unit_per_entry = true;

@@ -1,6 +1,7 @@
 // Launchers of the cuda_ipc copy kernels (copy_kernel.h): dispatch on the kernel's shape,
 // where its table is, and vectors per thread.
 #include <cstring>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -24,10 +25,9 @@ absl::StatusOr<int> MaxCtas() {
 }
 
 template <typename Kernel>
-absl::StatusOr<int> Occupancy(Kernel kernel) {
+absl::StatusOr<int> Occupancy(Kernel kernel, int threads) {
   int ctas = 0;
-  const cudaError_t e =
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kIpcCopyThreads, 0);
+  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, 0);
   if (e != cudaSuccess) {
     return CudaErrorToStatus(static_cast<int>(e), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   }
@@ -45,7 +45,8 @@ absl::Status Launched(const char* what) {
 
 template <IpcTableSource kSource, IpcCopyUnit kUnit, int kVectors>
 void LaunchRingVariant(const IpcCopySegment* segments, uint32_t n, int grid, cudaStream_t s) {
-  IpcSegmentCopyKernel<kSource, kUnit, kVectors><<<grid, kIpcCopyThreads, 0, s>>>(segments, n);
+  IpcSegmentCopyKernel<kSource, kUnit, kVectors>
+      <<<grid, kIpcUnitCtaThreads<kUnit>, 0, s>>>(segments, n);
 }
 
 template <IpcTableSource kSource, IpcCopyUnit kUnit>
@@ -62,7 +63,8 @@ absl::Status LaunchRing(const IpcCopySegment* segments, uint32_t n, int vectors,
 
 template <uint32_t kCapacity, IpcCopyUnit kUnit, int kVectors>
 void LaunchParamsVariant(const IpcParamTable<kCapacity>& table, int grid, cudaStream_t s) {
-  IpcSegmentCopyParamKernel<kCapacity, kUnit, kVectors><<<grid, kIpcCopyThreads, 0, s>>>(table);
+  IpcSegmentCopyParamKernel<kCapacity, kUnit, kVectors>
+      <<<grid, kIpcUnitCtaThreads<kUnit>, 0, s>>>(table);
 }
 
 template <uint32_t kCapacity, IpcCopyUnit kUnit>
@@ -131,45 +133,52 @@ absl::Status LaunchIpcCopy(const IpcCopyParams& params, int vectors_per_thread, 
   return CudaErrorToStatus(static_cast<int>(cudaGetLastError()), "cuda_ipc copy kernel launch");
 }
 
-absl::StatusOr<int> IpcSegmentCopyMaxCtasPerSm(IpcCopyUnit unit, int vectors_per_thread) {
+template <IpcCopyUnit kUnit>
+absl::StatusOr<int> UnitOccupancy(int vectors_per_thread) {
   constexpr IpcTableSource kDev = IpcTableSource::kDevice;
-  if (unit == IpcCopyUnit::kCta) {
-    switch (vectors_per_thread) {
-      case 2: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kCta, 2>);
-      case 4: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kCta, 4>);
-      case 8: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kCta, 8>);
-      default: break;
-    }
-  } else {
-    switch (vectors_per_thread) {
-      case 2: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kWarp, 2>);
-      case 4: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kWarp, 4>);
-      case 8: return Occupancy(IpcSegmentCopyKernel<kDev, IpcCopyUnit::kWarp, 8>);
-      default: break;
-    }
+  constexpr int kThreads = kIpcUnitCtaThreads<kUnit>;
+  switch (vectors_per_thread) {
+    case 2: return Occupancy(IpcSegmentCopyKernel<kDev, kUnit, 2>, kThreads);
+    case 4: return Occupancy(IpcSegmentCopyKernel<kDev, kUnit, 4>, kThreads);
+    case 8: return Occupancy(IpcSegmentCopyKernel<kDev, kUnit, 8>, kThreads);
+    default: break;
   }
   return NoVariant(vectors_per_thread);
+}
+
+absl::StatusOr<int> IpcSegmentCopyMaxCtasPerSm(IpcCopyUnit unit, int vectors_per_thread) {
+  switch (unit) {
+    case IpcCopyUnit::kCta: return UnitOccupancy<IpcCopyUnit::kCta>(vectors_per_thread);
+    case IpcCopyUnit::kWarp: return UnitOccupancy<IpcCopyUnit::kWarp>(vectors_per_thread);
+    case IpcCopyUnit::kWideCta: return UnitOccupancy<IpcCopyUnit::kWideCta>(vectors_per_thread);
+  }
+  return absl::InvalidArgumentError("cuda_ipc copy kernel: unknown unit");
 }
 
 absl::Status LaunchIpcSegmentCopy(const IpcCopySegment* segments, uint32_t num_segments,
                                   IpcTableSource source, IpcCopyUnit unit,
                                   int vectors_per_thread, int grid, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  constexpr IpcCopyUnit kCta = IpcCopyUnit::kCta;
-  constexpr IpcCopyUnit kWarp = IpcCopyUnit::kWarp;
+  auto launch = [&](auto source_tag) -> absl::Status {
+    constexpr IpcTableSource kSource = decltype(source_tag)::value;
+    switch (unit) {
+      case IpcCopyUnit::kCta:
+        return LaunchRing<kSource, IpcCopyUnit::kCta>(segments, num_segments, vectors_per_thread,
+                                                      grid, s);
+      case IpcCopyUnit::kWarp:
+        return LaunchRing<kSource, IpcCopyUnit::kWarp>(segments, num_segments,
+                                                       vectors_per_thread, grid, s);
+      case IpcCopyUnit::kWideCta:
+        return LaunchRing<kSource, IpcCopyUnit::kWideCta>(segments, num_segments,
+                                                          vectors_per_thread, grid, s);
+    }
+    return absl::InvalidArgumentError("cuda_ipc copy kernel: unknown unit");
+  };
   switch (source) {
     case IpcTableSource::kDevice:
-      return unit == kCta
-                 ? LaunchRing<IpcTableSource::kDevice, kCta>(segments, num_segments,
-                                                             vectors_per_thread, grid, s)
-                 : LaunchRing<IpcTableSource::kDevice, kWarp>(segments, num_segments,
-                                                              vectors_per_thread, grid, s);
+      return launch(std::integral_constant<IpcTableSource, IpcTableSource::kDevice>{});
     case IpcTableSource::kZeroCopy:
-      return unit == kCta
-                 ? LaunchRing<IpcTableSource::kZeroCopy, kCta>(segments, num_segments,
-                                                               vectors_per_thread, grid, s)
-                 : LaunchRing<IpcTableSource::kZeroCopy, kWarp>(segments, num_segments,
-                                                                vectors_per_thread, grid, s);
+      return launch(std::integral_constant<IpcTableSource, IpcTableSource::kZeroCopy>{});
     case IpcTableSource::kParams:
       break;
   }
@@ -186,9 +195,15 @@ absl::Status LaunchIpcSegmentCopyParams(const IpcParamTable<kIpcParamSegments>& 
                                                    kIpcParamSegments));
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return unit == IpcCopyUnit::kCta
-             ? LaunchParamsOfUnit<IpcCopyUnit::kCta>(table, vectors_per_thread, grid, s)
-             : LaunchParamsOfUnit<IpcCopyUnit::kWarp>(table, vectors_per_thread, grid, s);
+  switch (unit) {
+    case IpcCopyUnit::kCta:
+      return LaunchParamsOfUnit<IpcCopyUnit::kCta>(table, vectors_per_thread, grid, s);
+    case IpcCopyUnit::kWarp:
+      return LaunchParamsOfUnit<IpcCopyUnit::kWarp>(table, vectors_per_thread, grid, s);
+    case IpcCopyUnit::kWideCta:
+      return LaunchParamsOfUnit<IpcCopyUnit::kWideCta>(table, vectors_per_thread, grid, s);
+  }
+  return absl::InvalidArgumentError("cuda_ipc copy kernel: unknown unit");
 }
 
 }  // namespace internal

@@ -192,7 +192,8 @@ struct ParamTableView {
 template <IpcCopyUnit kUnit, int kVectors, typename Table>
 __device__ inline void SegmentCopy(const Table& table) {
   const uint32_t n = table.size();
-  if (kUnit == IpcCopyUnit::kCta) {
+  if (kUnit == IpcCopyUnit::kCta || kUnit == IpcCopyUnit::kWideCta) {
+    constexpr int kThreads = kIpcUnitCtaThreads<kUnit>;
     const uint32_t t = threadIdx.x;
     const uint64_t units = gridDim.x;
     uint64_t i = blockIdx.x;
@@ -208,7 +209,7 @@ __device__ inline void SegmentCopy(const Table& table) {
       const bool more = i + units < n;
       uint64_t next = 0;
       if (more && t < 3) next = table.Field(static_cast<uint32_t>(i + units), t);
-      CopyRun<kIpcCopyThreads, kVectors>(src, dst, length, t);
+      CopyRun<kThreads, kVectors>(src, dst, length, t);
       if (more && t < 3) entry[buf ^ 1][t] = next;
       __syncthreads();  // entry[buf ^ 1] written; entry[buf] no longer read
       buf ^= 1;
@@ -232,13 +233,13 @@ __device__ inline void SegmentCopy(const Table& table) {
 }
 
 template <IpcTableSource kSource, IpcCopyUnit kUnit, int kVectors>
-__global__ void __launch_bounds__(kIpcCopyThreads)
+__global__ void __launch_bounds__(kIpcUnitCtaThreads<kUnit>)
     IpcSegmentCopyKernel(const IpcCopySegment* segments, uint32_t num_segments) {
   SegmentCopy<kUnit, kVectors>(RingTable<kSource>{segments, num_segments});
 }
 
 template <uint32_t kCapacity, IpcCopyUnit kUnit, int kVectors>
-__global__ void __launch_bounds__(kIpcCopyThreads)
+__global__ void __launch_bounds__(kIpcUnitCtaThreads<kUnit>)
     IpcSegmentCopyParamKernel(const __grid_constant__ IpcParamTable<kCapacity> table) {
   SegmentCopy<kUnit, kVectors>(ParamTableView<kCapacity>{&table});
 }

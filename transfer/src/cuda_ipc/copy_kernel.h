@@ -11,7 +11,8 @@
 //   segments: [num_segments] IpcCopySegment, lengths > 0, and
 //             segments[i].first_chunk = sum over j < i of ceil(length_j / chunk bytes)
 //
-// Per segment (LaunchIpcSegmentCopy): each unit (a CTA, or a warp) takes whole table entries
+// Per segment (LaunchIpcSegmentCopy): each unit (a CTA, a warp, or a 1024-thread CTA) takes
+// whole table entries
 // in a grid-stride loop (entry u, u + units, ...), loading the next entry while it copies
 // the current one; no search and no prefix sums. The host cuts segments longer than its
 // piece size into several entries, so that a few long segments still spread over the GPU.
@@ -103,9 +104,16 @@ enum class IpcTableSource {
   kParams,    // IpcParamTable in the parameters (see LaunchIpcSegmentCopyParams)
 };
 
-// The unit that takes whole entries: a CTA of kIpcCopyThreads threads, or one warp.
-enum class IpcCopyUnit { kCta, kWarp };
+// The unit that takes whole entries: a CTA of kIpcCopyThreads threads, one warp (of such a
+// CTA), or a wide CTA of kIpcWideCtaThreads threads.
+enum class IpcCopyUnit { kCta, kWarp, kWideCta };
 inline constexpr int kIpcWarpsPerCta = kIpcCopyThreads / 32;
+inline constexpr int kIpcWideCtaThreads = 1024;
+
+// Threads per CTA of a per-segment launch of unit kUnit.
+template <IpcCopyUnit kUnit>
+inline constexpr int kIpcUnitCtaThreads =
+    kUnit == IpcCopyUnit::kWideCta ? kIpcWideCtaThreads : kIpcCopyThreads;
 
 // How many CTAs of a per-segment variant fit on one SM of the current device.
 absl::StatusOr<int> IpcSegmentCopyMaxCtasPerSm(IpcCopyUnit unit, int vectors_per_thread);

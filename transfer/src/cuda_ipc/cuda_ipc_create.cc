@@ -54,7 +54,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
   }
   if (options.kernel != CudaIpcKernel::kChunked &&
       options.kernel != CudaIpcKernel::kCtaPerSegment &&
-      options.kernel != CudaIpcKernel::kWarpPerSegment) {
+      options.kernel != CudaIpcKernel::kWarpPerSegment &&
+      options.kernel != CudaIpcKernel::kWideCtaPerSegment) {
     return absl::InvalidArgumentError("cuda_ipc: unknown kernel");
   }
   if (options.table != CudaIpcTableMode::kStreamCopy &&
@@ -108,10 +109,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
     ASSIGN_OR_RETURN(fit, internal::IpcCopyMaxCtasPerSm(options.vectors_per_thread));
   } else {
     ASSIGN_OR_RETURN(fit, internal::IpcSegmentCopyMaxCtasPerSm(
-                              options.kernel == CudaIpcKernel::kWarpPerSegment
-                                  ? internal::IpcCopyUnit::kWarp
-                                  : internal::IpcCopyUnit::kCta,
-                              options.vectors_per_thread));
+                              internal::IpcUnitOf(options.kernel), options.vectors_per_thread));
   }
   const int per_sm = options.ctas_per_sm == 0 ? fit : std::min(options.ctas_per_sm, fit);
   setup.grid = std::max(1, sms * std::max(1, per_sm));

@@ -295,9 +295,7 @@ absl::StatusOr<InFlightCopy> CudaIpcTransport::EnqueueCopy(absl::Span<const Segm
       if (zero_copy) reader = stream;  // the kernel reads the ring itself
       status = LaunchIpcCopy(params, options_.vectors_per_thread, grid, stream);
     } else {
-      const IpcCopyUnit unit = options_.kernel == CudaIpcKernel::kWarpPerSegment
-                                   ? IpcCopyUnit::kWarp
-                                   : IpcCopyUnit::kCta;
+      const IpcCopyUnit unit = IpcUnitOf(options_.kernel);
       const uint64_t per_cta = unit == IpcCopyUnit::kWarp ? kIpcWarpsPerCta : 1;
       const uint64_t units = (n + per_cta - 1) / per_cta;
       const int grid = static_cast<int>(options_.unit_per_entry ? units : std::min(units, full));

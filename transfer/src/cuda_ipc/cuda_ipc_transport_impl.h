@@ -31,6 +31,15 @@
 namespace kvstream {
 namespace internal {
 
+// The unit of a per-segment kernel (kCta for kChunked, which has none).
+inline IpcCopyUnit IpcUnitOf(CudaIpcKernel kernel) {
+  switch (kernel) {
+    case CudaIpcKernel::kWarpPerSegment: return IpcCopyUnit::kWarp;
+    case CudaIpcKernel::kWideCtaPerSegment: return IpcCopyUnit::kWideCta;
+    default: return IpcCopyUnit::kCta;
+  }
+}
+
 // What Create() settles before the transport exists.
 struct CudaIpcSetup {
   CudaIpcTransportOptions options;

@@ -98,6 +98,8 @@ enum class CudaIpcKernel {
   kCtaPerSegment,
   // Each warp takes whole table entries in a grid-stride loop.
   kWarpPerSegment,
+  // Each CTA of 1024 threads takes whole table entries in a grid-stride loop.
+  kWideCtaPerSegment,
 };
 
 struct CudaIpcTransportOptions {
