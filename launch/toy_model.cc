@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kvstream/common/status_macros.h"
+#include "random_weights.h"
 
 namespace kvstream {
 namespace {
@@ -26,27 +27,15 @@ uint64_t LayerTensor(int layer, int which) {
   return 16 * (1 + static_cast<uint64_t>(layer)) + static_cast<uint64_t>(which);
 }
 
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// `n` numbers of mean `mean` and standard deviation `stddev`: each the sum of four 16-bit
-// uniforms (Irwin-Hall, close enough to normal for synthetic weights), exact in float.
+// `n` numbers of mean `mean` and standard deviation `stddev` (random_weights.h).
 std::vector<float> RandomTensor(uint32_t seed, uint64_t tensor, int64_t n, float mean,
                                 float stddev) {
   std::vector<float> out(static_cast<size_t>(n));
-  const uint64_t base = SplitMix64(SplitMix64(seed) ^ SplitMix64(tensor + 0x5bd1e995ull));
-  constexpr float kMean = 4 * 32767.5f;
-  const float scale = stddev / 37837.23f;  // sqrt(4 * (65536^2 - 1) / 12)
+  const uint64_t base = internal::RandomTensorBase(seed, tensor);
   auto fill = [&](int64_t from, int64_t to) {
     for (int64_t i = from; i < to; ++i) {
-      const uint64_t r = SplitMix64(base + static_cast<uint64_t>(i));
-      const float sum = static_cast<float>((r & 0xffff) + ((r >> 16) & 0xffff) +
-                                           ((r >> 32) & 0xffff) + (r >> 48));
-      out[static_cast<size_t>(i)] = mean + (sum - kMean) * scale;
+      out[static_cast<size_t>(i)] =
+          internal::RandomTensorElement(base, static_cast<uint64_t>(i), mean, stddev);
     }
   };
   const int64_t threads = std::min<int64_t>(

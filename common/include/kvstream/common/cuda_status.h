@@ -1,4 +1,4 @@
-// The one place where CUDA runtime errors become absl::Status, and the runtime query the
+// The one place where CUDA runtime and cuBLAS errors become absl::Status, and the runtime query the
 // GPU tests use to skip. Available in every build: without CUDA, GpuCount() is 0 and
 // CudaAvailability() says why.
 #ifndef KVSTREAM_COMMON_CUDA_STATUS_H_
@@ -24,6 +24,13 @@ int GpuCount();
 // Converts a cudaError_t (passed as int so this header needs no CUDA include) into a
 // Status naming `operation`; OK for cudaSuccess.
 absl::Status CudaErrorToStatus(int cuda_error, absl::string_view operation);
+
+// Converts a cublasStatus_t (as int) into a Status naming `operation`: OK for
+// CUBLAS_STATUS_SUCCESS, ResourceExhausted for an allocation failure, InvalidArgument for
+// an invalid value, FailedPrecondition for an architecture mismatch or an unsupported
+// operation, Internal otherwise. Needs no cuBLAS header or library (the codes are cuBLAS's
+// documented enumerators; the serving library checks them against cublas_api.h).
+absl::Status CublasErrorToStatus(int cublas_status, absl::string_view operation);
 
 }  // namespace kvstream
 

@@ -1,0 +1,62 @@
+// The synthetic model's CUDA pieces in builds without CUDA: each says why it cannot run.
+#include "cuda/cublas_gemm.h"
+#include "cuda/model_ops.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace kvstream {
+namespace internal {
+namespace {
+
+absl::Status NoCuda(const char* what) {
+  return absl::FailedPreconditionError(
+      std::string(what) + ": kvstream was built without CUDA (KVSTREAM_CUDA=OFF or no nvcc)");
+}
+
+}  // namespace
+
+absl::Status LaunchRandomBf16(uint32_t, uint64_t, int64_t, float, float, uint16_t*, void*) {
+  return NoCuda("LaunchRandomBf16");
+}
+absl::Status LaunchEmbed(const uint16_t*, int64_t, int64_t, const int32_t*, int64_t, uint16_t*,
+                         void*) {
+  return NoCuda("LaunchEmbed");
+}
+absl::Status LaunchRmsNorm(const uint16_t*, const uint16_t*, int64_t, int64_t, float, uint16_t*,
+                           void*) {
+  return NoCuda("LaunchRmsNorm");
+}
+absl::Status LaunchRotary(uint16_t*, int64_t, int64_t, int, int, const int32_t*, double, void*) {
+  return NoCuda("LaunchRotary");
+}
+absl::Status LaunchSiluMul(const uint16_t*, int64_t, int64_t, uint16_t*, void*) {
+  return NoCuda("LaunchSiluMul");
+}
+absl::Status LaunchArgmax(const float*, int64_t, int64_t, int32_t*, void*) {
+  return NoCuda("LaunchArgmax");
+}
+
+struct CublasGemm::Handle {};
+
+absl::StatusOr<CublasGemm> CublasGemm::Create(void*) { return NoCuda("CublasGemm"); }
+CublasGemm::CublasGemm(std::unique_ptr<Handle> handle) : handle_(std::move(handle)) {}
+CublasGemm::CublasGemm(CublasGemm&&) noexcept = default;
+CublasGemm& CublasGemm::operator=(CublasGemm&&) noexcept = default;
+CublasGemm::~CublasGemm() = default;
+absl::Status CublasGemm::MatMulBf16(const uint16_t*, const uint16_t*, uint16_t*, int64_t,
+                                    int64_t, int64_t, float) {
+  return NoCuda("CublasGemm");
+}
+absl::Status CublasGemm::MatMulBf16ToF32(const uint16_t*, const uint16_t*, float*, int64_t,
+                                         int64_t, int64_t) {
+  return NoCuda("CublasGemm");
+}
+absl::Status CublasGemm::Gemm(const uint16_t*, const uint16_t*, void*, bool, int64_t, int64_t,
+                              int64_t, float) {
+  return NoCuda("CublasGemm");
+}
+
+}  // namespace internal
+}  // namespace kvstream
