@@ -9,23 +9,20 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "kvstream/common/status_macros.h"
 #include "random_weights.h"
 
 namespace kvstream {
 namespace {
 
-// Weights are counter-based random numbers: element i of tensor t is a function of (seed,
-// t, i) alone, so any layer range can be built on its own with the weights of the whole
-// model, and a big tensor can be filled by several threads (the 8B preset has 7 billion
-// weights). Tensor ids: per layer 16 * (1 + layer) + which; then the embedding and head.
-constexpr uint64_t kEmbeddingTensor = 1;
-constexpr uint64_t kFinalNormTensor = 2;
-constexpr uint64_t kHeadTensor = 3;
-uint64_t LayerTensor(int layer, int which) {
-  return 16 * (1 + static_cast<uint64_t>(layer)) + static_cast<uint64_t>(which);
-}
+// Weights are counter-based random numbers (random_weights.h): element i of tensor t is a
+// function of (seed, t, i) alone, so any layer range can be built on its own with the
+// weights of the whole model, and a big tensor can be filled by several threads (the 8B
+// preset has 7 billion weights).
+using internal::kEmbeddingTensor;
+using internal::kFinalNormTensor;
+using internal::kHeadTensor;
+using internal::LayerTensor;
 
 // `n` numbers of mean `mean` and standard deviation `stddev` (random_weights.h).
 std::vector<float> RandomTensor(uint32_t seed, uint64_t tensor, int64_t n, float mean,
@@ -55,7 +52,7 @@ std::vector<float> RandomMatrix(uint32_t seed, uint64_t tensor, int64_t rows, in
 }
 
 std::vector<float> RandomNormWeight(uint32_t seed, uint64_t tensor, int n) {
-  return RandomTensor(seed, tensor, n, 1.0f, 0.05f);
+  return RandomTensor(seed, tensor, n, internal::kNormWeightMean, internal::kNormWeightStddev);
 }
 
 // out = in * w for each segment of rows on its own: in [rows, k], w [k, n], out [rows, n].
@@ -103,47 +100,6 @@ void RmsNorm(const float* in, int rows, int n, const std::vector<float>& weight,
 
 }  // namespace
 
-std::string ToyModelConfig::LayerName(int layer) const {
-  return absl::StrCat("model.layers.", layer, ".self_attn.attn");
-}
-
-int64_t ToyModelConfig::ParameterCount() const {
-  const int64_t hidden = hidden_size();
-  const int64_t kv = static_cast<int64_t>(num_kv_heads) * head_size;
-  const int64_t inter = intermediate_size;
-  const int64_t per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter +
-                            2 * hidden;
-  return 2 * static_cast<int64_t>(vocab_size) * hidden + num_layers * per_layer + hidden;
-}
-
-std::vector<std::string> ModelPresetNames() { return {"toy", "llama3-8b"}; }
-
-absl::Status ApplyModelPreset(absl::string_view name, ToyModelConfig& c) {
-  if (name == "toy") {
-    const ToyModelConfig d;
-    c.num_layers = d.num_layers;
-    c.num_heads = d.num_heads;
-    c.num_kv_heads = d.num_kv_heads;
-    c.head_size = d.head_size;
-    c.intermediate_size = d.intermediate_size;
-    c.vocab_size = d.vocab_size;
-    c.rope_theta = d.rope_theta;
-    return absl::OkStatus();
-  }
-  if (name == "llama3-8b") {
-    c.num_layers = 32;
-    c.num_heads = 32;
-    c.num_kv_heads = 8;
-    c.head_size = 128;
-    c.intermediate_size = 14336;
-    c.vocab_size = 128256;
-    c.rope_theta = 500000;
-    return absl::OkStatus();
-  }
-  return absl::NotFoundError(absl::StrCat("unknown model preset '", name, "' (presets: ",
-                                          absl::StrJoin(ModelPresetNames(), ", "), ")"));
-}
-
 absl::StatusOr<std::unique_ptr<ToyModel>> ToyModel::Create(const ToyModelConfig& config,
                                                            int64_t num_blocks,
                                                            LayerRegistry* registry,
@@ -174,12 +130,12 @@ absl::StatusOr<std::unique_ptr<ToyModel>> ToyModel::Create(const ToyModelConfig&
   const uint32_t seed = config.seed;
   for (int l = range.begin; l < range.end; ++l) {
     LayerWeights w;
-    w.attn_norm = RandomNormWeight(seed, LayerTensor(l, 0), hidden);
-    w.mlp_norm = RandomNormWeight(seed, LayerTensor(l, 1), hidden);
-    w.wqkv = RandomMatrix(seed, LayerTensor(l, 2), hidden, hidden + 2 * kv);
-    w.wo = RandomMatrix(seed, LayerTensor(l, 3), hidden, hidden);
-    w.w_gate_up = RandomMatrix(seed, LayerTensor(l, 4), hidden, 2 * inter);
-    w.w_down = RandomMatrix(seed, LayerTensor(l, 5), inter, hidden);
+    w.attn_norm = RandomNormWeight(seed, LayerTensor(l, internal::kAttnNorm), hidden);
+    w.mlp_norm = RandomNormWeight(seed, LayerTensor(l, internal::kMlpNorm), hidden);
+    w.wqkv = RandomMatrix(seed, LayerTensor(l, internal::kQkv), hidden, hidden + 2 * kv);
+    w.wo = RandomMatrix(seed, LayerTensor(l, internal::kOutProj), hidden, hidden);
+    w.w_gate_up = RandomMatrix(seed, LayerTensor(l, internal::kGateUp), hidden, 2 * inter);
+    w.w_down = RandomMatrix(seed, LayerTensor(l, internal::kDown), inter, hidden);
     m->weights_.push_back(std::move(w));
   }
   if (range.begin == 0) {

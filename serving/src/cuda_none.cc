@@ -1,6 +1,7 @@
 // The synthetic model's CUDA pieces in builds without CUDA: each says why it cannot run.
 #include "cuda/cublas_gemm.h"
 #include "cuda/model_ops.h"
+#include "kvstream/serving/cuda_model.h"
 
 #include <memory>
 #include <string>
@@ -59,4 +60,30 @@ absl::Status CublasGemm::Gemm(const uint16_t*, const uint16_t*, void*, bool, int
 }
 
 }  // namespace internal
+
+struct CudaModel::State {};
+
+absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ToyModelConfig&, int64_t,
+                                                             LayerRegistry*, const Allocator&,
+                                                             std::optional<LayerRange>) {
+  return internal::NoCuda("CudaModel");
+}
+CudaModel::CudaModel(std::unique_ptr<State> state) : state_(std::move(state)) {}
+CudaModel::~CudaModel() = default;
+absl::StatusOr<std::vector<float>> CudaModel::Forward(absl::Span<const int32_t>,
+                                                      absl::Span<const int32_t>,
+                                                      absl::Span<const int32_t>,
+                                                      absl::Span<const int64_t>, absl::Duration) {
+  return internal::NoCuda("CudaModel");
+}
+const ToyModelConfig& CudaModel::config() const {
+  static const ToyModelConfig kNone;
+  return kNone;
+}
+const LayerRange& CudaModel::layers() const {
+  static const LayerRange kNone{};
+  return kNone;
+}
+KvCache* CudaModel::cache(int) const { return nullptr; }
+
 }  // namespace kvstream

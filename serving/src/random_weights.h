@@ -41,6 +41,20 @@ KVSTREAM_SERVING_HD float RandomTensorElement(uint64_t base, uint64_t i, float m
   return mean + (sum - 4 * 32767.5f) * (stddev / 37837.23f);
 }
 
+// Tensor ids of the synthetic model: the embedding, the final norm and the LM head, and per
+// layer 16 * (1 + layer) + which, with which = 0 attention norm, 1 MLP norm, 2 fused QKV,
+// 3 output projection, 4 fused gate and up projections, 5 down projection. Matrices [rows,
+// cols] have mean 0 and standard deviation 1 / sqrt(rows); norm weights mean 1 and 0.05.
+inline constexpr uint64_t kEmbeddingTensor = 1;
+inline constexpr uint64_t kFinalNormTensor = 2;
+inline constexpr uint64_t kHeadTensor = 3;
+enum LayerTensorKind : int { kAttnNorm = 0, kMlpNorm, kQkv, kOutProj, kGateUp, kDown };
+KVSTREAM_SERVING_HD uint64_t LayerTensor(int layer, int which) {
+  return 16 * (1 + static_cast<uint64_t>(layer)) + static_cast<uint64_t>(which);
+}
+inline constexpr float kNormWeightMean = 1.0f;
+inline constexpr float kNormWeightStddev = 0.05f;
+
 }  // namespace internal
 }  // namespace kvstream
 
