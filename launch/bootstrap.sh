@@ -11,10 +11,13 @@
 # (/usr/local/cuda), and builds its CPU parts alone otherwise.
 set -eu
 
+# clang and libclang-rt-14-dev: the fuzzers and the sanitized builds (tests/fuzz/,
+# tests/sanitize/); libomp-dev: OpenMP for clang, so that the ASan build checks the CPU
+# attention's multi-threaded path.
 PACKAGES="build-essential cmake ninja-build pkg-config git ca-certificates
 libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libcli11-dev
 libucx-dev ucx-utils libssl-dev libxxhash-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
-clang libclang-rt-14-dev"
+clang libclang-rt-14-dev libomp-dev"
 
 if [ "${1:-}" = "--list" ]; then
   echo $PACKAGES

@@ -131,9 +131,15 @@ void ReferenceUpdate(const TensorView& key, const TensorView& value,
             std::memcpy(out + dst * out_size,
                         static_cast<const uint8_t*>(in.data()) + src * in_size, in_size);
           } else {
-            float x = LoadAsFloat(in.data(), in.dtype(), src);
-            if (IsFp8(spec.dtype)) x = x / scale;
-            StoreFromFloat(out, spec.dtype, dst, x);
+            const float x = LoadAsFloat(in.data(), in.dtype(), src);
+            if (IsFp8(spec.dtype)) {
+              StoreFromFloat(out, spec.dtype, dst, x / scale);
+            } else {
+              // No arithmetic on x here: the compiler may treat `x / 1.0f` as x, or a
+              // conditional x / scale as an unconditional one, and a division quiets a
+              // signalling NaN that the cache must keep bit for bit.
+              StoreFromFloat(out, spec.dtype, dst, x);
+            }
           }
         }
       }
