@@ -221,7 +221,7 @@ absl::StatusOr<std::unique_ptr<Attention>> Attention::Create(const AttentionOpti
     layer->kv_cache_owner_ = t.kv_cache_owner();
   }
 
-  ASSIGN_OR_RETURN(layer->backend_, CreateAttentionBackend(options.backend));
+  ASSIGN_OR_RETURN(layer->backend_, CreateAttentionBackend(options.backend, options.batch_invariant));
   RETURN_IF_ERROR(registry->Register(options.prefix, layer.get()));
   layer->registry_ = registry;
   return layer;

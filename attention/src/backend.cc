@@ -43,14 +43,19 @@ std::vector<std::string> AttentionBackendNames() {
 #endif
 }
 
-absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateAttentionBackend(absl::string_view name) {
+absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateAttentionBackend(absl::string_view name,
+                                                                         bool batch_invariant) {
   if (name == "cpu") return std::make_unique<CpuBackend>("cpu", &RunAttentionCpu);
   if (name == "cpu_reference") {
     return std::make_unique<CpuBackend>("cpu_reference", &RunAttentionReference);
   }
   // Known in every build, so that a CPU-only build says "built without CUDA" (and a machine
   // without a GPU says so) rather than "unknown backend". Device 0, a stream of its own.
-  if (name == "cuda") return CreateCudaAttentionBackend(CudaBackendOptions());
+  if (name == "cuda") {
+    CudaBackendOptions options;
+    options.batch_invariant = batch_invariant;
+    return CreateCudaAttentionBackend(options);
+  }
   return absl::NotFoundError(absl::StrCat("unknown attention backend '", name, "' (choices: ",
                                           absl::StrJoin(AttentionBackendNames(), ", "), ")"));
 }

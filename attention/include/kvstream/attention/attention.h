@@ -69,6 +69,8 @@ struct AttentionOptions {
   DType dtype = DType::kBFloat16;  // model (activation) dtype; what "auto" resolves to
   int block_size = 16;
   std::string backend = "cpu";     // see AttentionBackendNames()
+  // Every output row independent of the rest of the batch (CreateAttentionBackend).
+  bool batch_invariant = false;
 };
 
 class Attention {

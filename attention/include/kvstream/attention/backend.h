@@ -99,8 +99,10 @@ class AttentionBackend {
 // loops, double accumulation; slow), "cuda" (cuda_attention.h: device 0, its own stream;
 // FailedPrecondition saying why in builds without CUDA or on machines without a GPU).
 // NotFound for any other name, listing the choices. AttentionBackendNames() lists "cuda"
-// only in builds with CUDA.
-absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateAttentionBackend(absl::string_view name);
+// only in builds with CUDA. `batch_invariant`: every output row independent of the rest of
+// the call (the CPU backends always are; for "cuda" see CudaBackendOptions).
+absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateAttentionBackend(
+    absl::string_view name, bool batch_invariant = false);
 std::vector<std::string> AttentionBackendNames();
 
 }  // namespace kvstream

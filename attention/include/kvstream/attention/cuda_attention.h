@@ -34,7 +34,18 @@ struct CudaBackendOptions {
   // A caller's stream must belong to `device` and outlive the backend.
   void* stream = nullptr;
   int device = 0;
+  // Batch invariance: the bits of every output row depend only on its query and its own
+  // sequence's keys, never on the other sequences of the call (what a disaggregated run
+  // relies on to reproduce a colocated one). Then decode keys are always split into
+  // kBatchInvariantDecodeSplits parts (instead of a count chosen from the batch's size),
+  // and a call mixing one-row sequences with longer ones runs the one-row sequences through
+  // the decode kernel and the rest through the prefill kernel, as calls of their own do;
+  // the one-row sequences must come first (InvalidArgument otherwise, naming the first that
+  // does not). Costs some decode speed where few sequences would use fewer splits.
+  bool batch_invariant = false;
 };
+
+inline constexpr int kBatchInvariantDecodeSplits = 16;
 
 // The CUDA backend's extra surface. Thread-compatible, as every AttentionBackend: one layer
 // calls it at a time.
