@@ -170,6 +170,43 @@ TEST(ConnectorSchedulerTest, ProducerSendsDoneBeforeTheEngineFinishedFreeAtOnce)
   EXPECT_FALSE(*s->RequestFinished("p"));
 }
 
+// A hand-off that the worker stops before its next report (its consumer aborted it, or was
+// lost) arrives in one output as incoming and finished sending: the finish is about that
+// hand-off, so nothing is saved and the engine frees the blocks when it finishes.
+TEST(ConnectorSchedulerTest, ProducerHandedOverAndStoppedInOneOutputHoldsNothing) {
+  auto s = Make(KvRole::kProducer);
+  KvConnectorOutput out;
+  out.incoming.push_back({"p", {1, 2, 3, 4, 5}, 4});
+  out.finished_sending = {"p"};
+  ASSERT_TRUE(s->UpdateConnectorOutput(out).ok());
+  std::vector<KvRequest> in = s->TakeIncomingRequests();
+  ASSERT_EQ(in.size(), 1u);
+  ASSERT_TRUE(s->UpdateStateAfterAlloc(in[0], {0, 1}, 0).ok());
+  EXPECT_THAT(s->BuildConnectorMeta({{"p", 0, 5}})->saves, IsEmpty());
+  EXPECT_FALSE(*s->RequestFinished("p"));
+  // The request is forgotten: the same id may be handed over again.
+  KvConnectorOutput again;
+  again.incoming.push_back({"p", {1, 2, 3, 4, 5}, 4});
+  EXPECT_TRUE(s->UpdateConnectorOutput(again).ok());
+}
+
+// Stopped by the worker after its hand-off was reported but before the engine allocated its
+// blocks: the allocation is no error, nothing is saved, and nothing is waited for.
+TEST(ConnectorSchedulerTest, ProducerStoppedBeforeItsAllocationHoldsNothing) {
+  auto s = Make(KvRole::kProducer);
+  KvConnectorOutput out;
+  out.incoming.push_back({"p", {1, 2, 3, 4, 5}, 4});
+  ASSERT_TRUE(s->UpdateConnectorOutput(out).ok());
+  std::vector<KvRequest> in = s->TakeIncomingRequests();
+  ASSERT_EQ(in.size(), 1u);
+  KvConnectorOutput stopped;
+  stopped.finished_sending = {"p"};
+  ASSERT_TRUE(s->UpdateConnectorOutput(stopped).ok());
+  ASSERT_TRUE(s->UpdateStateAfterAlloc(in[0], {0, 1}, 0).ok());
+  EXPECT_THAT(s->BuildConnectorMeta({{"p", 0, 5}})->saves, IsEmpty());
+  EXPECT_FALSE(*s->RequestFinished("p"));
+}
+
 TEST(ConnectorSchedulerTest, ProducerFinishedUnsentTellsTheWorker) {
   auto s = Make(KvRole::kProducer);
   KvConnectorOutput out;
