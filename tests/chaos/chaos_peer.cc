@@ -169,7 +169,10 @@ int RunPeer(const PeerOptions& o) {
         std::freopen(o.log_path.c_str(), "a", stderr) == nullptr) {
       return Fail(absl::InternalError(absl::StrCat("cannot open ", o.log_path)));
     }
+    // Reopened streams are fully buffered: what a peer logged just before it was killed, or
+    // while the driver reads its log, would be missing.
     std::setvbuf(stdout, nullptr, _IOLBF, 0);
+    std::setvbuf(stderr, nullptr, _IONBF, 0);
   }
   const bool producer = o.role == "producer";
   if (!producer && o.role != "consumer") {

@@ -63,6 +63,12 @@ bool KillsOrStopsProducer(Fault fault) {
 
 }  // namespace
 
+bool UcxCrashesOnFailedRkeyUnpack() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return major < 1 || (major == 1 && minor < 19);
+}
+
 bool UcxAbortsOnTcpWireupLoss() {
   unsigned major = 0, minor = 0, release = 0;
   ucp_get_version(&major, &minor, &release);
@@ -186,7 +192,10 @@ absl::Status Soak::SendRun(PeerProcess& consumer, const PeerProcess& producer,
   return absl::OkStatus();
 }
 
-absl::Status Soak::CheckRun(PeerProcess& consumer, const std::vector<Request>& requests) {
+absl::Status Soak::CheckRun(PeerProcess& consumer, const PeerProcess& producer,
+                            const std::vector<Request>& requests) {
+  linked_.erase(consumer.pid());
+  const int64_t disaggregated = counts_.disaggregated;
   const bool fail_policy = consumer.options().policy == "fail";
   std::map<std::string, int> want;
   for (const Request& r : requests) want[r.id] = r.prompt;
@@ -256,6 +265,7 @@ absl::Status Soak::CheckRun(PeerProcess& consumer, const std::vector<Request>& r
     return absl::InternalError(
         absl::StrCat("no result for ", want.size(), " request(s), e.g. ", want.begin()->first));
   }
+  if (counts_.disaggregated > disaggregated) linked_[consumer.pid()] = producer.pid();
   return absl::OkStatus();
 }
 
@@ -443,17 +453,29 @@ absl::Status Soak::RunIteration(int64_t index, Iteration& it) {
   ASSIGN_OR_RETURN(PeerProcess * consumer, Consumer(it.policy, it.tls));
   recent_logs_ = {producer->options().log_path, consumer->options().log_path};
   const int layer = static_cast<int>(it.rng() % static_cast<uint64_t>(ChaosModel().num_layers));
+  it.note = absl::StrCat("it ", index, ": ", it.tls, " ", it.policy, " ", FaultName(it.fault));
+  if ((it.fault == Fault::kKillConsumerAfterDelay || it.fault == Fault::kKillConsumerAtLayer) &&
+      UcxCrashesOnFailedRkeyUnpack()) {
+    // See UcxCrashesOnFailedRkeyUnpack (chaos_soak.h): the consumer is killed only once its
+    // handshake with this producer is over, which a request served by the producer proves.
+    for (int w = 0; w < 3 && linked_[consumer->pid()] != producer->pid(); ++w) {
+      const std::vector<Request> warm_up = {{absl::StrCat("it", index, "-w", w), 0}};
+      RETURN_IF_ERROR(SendRun(*consumer, *producer, warm_up));
+      RETURN_IF_ERROR(CheckRun(*consumer, *producer, warm_up));
+      ++counts_.faults["warm_ups"];
+      absl::StrAppend(&it.note, " (after a warm-up run)");
+    }
+  }
+  if (it.fault == Fault::kKillProducerAtLayer || it.fault == Fault::kStopProducerAtLayer ||
+      it.fault == Fault::kKillConsumerAtLayer) {
+    absl::StrAppend(&it.note, " at layer ", layer);
+  }
   if (it.fault == Fault::kKillProducerAtLayer || it.fault == Fault::kStopProducerAtLayer) {
     RETURN_IF_ERROR(Arm(*producer, absl::StrCat(
         "arm ", layer, it.fault == Fault::kKillProducerAtLayer ? " kill" : " stop")));
   }
   if (it.fault == Fault::kKillConsumerAtLayer) {
     RETURN_IF_ERROR(Arm(*consumer, absl::StrCat("arm ", layer, " kill")));
-  }
-  it.note = absl::StrCat("it ", index, ": ", it.tls, " ", it.policy, " ", FaultName(it.fault));
-  if (it.fault == Fault::kKillProducerAtLayer || it.fault == Fault::kStopProducerAtLayer ||
-      it.fault == Fault::kKillConsumerAtLayer) {
-    absl::StrAppend(&it.note, " at layer ", layer);
   }
   RETURN_IF_ERROR(SendRun(*consumer, *producer, it.requests));
 
@@ -473,7 +495,7 @@ absl::Status Soak::RunIteration(int64_t index, Iteration& it) {
     });
   }
   absl::Status status = InjectFault(it, *producer, *consumer);
-  if (status.ok() && !it.consumer_killed) status = CheckRun(*consumer, it.requests);
+  if (status.ok() && !it.consumer_killed) status = CheckRun(*consumer, *producer, it.requests);
   if (hostile.joinable()) hostile.join();
   counts_.hostile_connections += connections;
   counts_.hostile_frames += frames;
@@ -492,7 +514,7 @@ absl::Status Soak::RunIteration(int64_t index, Iteration& it) {
       ++counts_.faults["same_ids_after_producer_restart"];
       absl::StrAppend(&it.note, ", same ids again");
       RETURN_IF_ERROR(SendRun(*consumer, *producer, it.requests));
-      RETURN_IF_ERROR(CheckRun(*consumer, it.requests));
+      RETURN_IF_ERROR(CheckRun(*consumer, *producer, it.requests));
     }
   }
   if (it.consumer_killed) {
@@ -506,7 +528,7 @@ absl::Status Soak::RunIteration(int64_t index, Iteration& it) {
       ++counts_.faults["same_ids_after_consumer_restart"];
       absl::StrAppend(&it.note, ", same ids again");
       RETURN_IF_ERROR(SendRun(*consumer, *producer, it.requests));
-      RETURN_IF_ERROR(CheckRun(*consumer, it.requests));
+      RETURN_IF_ERROR(CheckRun(*consumer, *producer, it.requests));
     }
   }
   RETURN_IF_ERROR(CheckProducerBlocks(*producer));

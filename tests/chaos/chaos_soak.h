@@ -56,6 +56,14 @@ const char* FaultName(Fault fault);
 // then maybe kill) a producer over shared memory, and counts them as tcp_moved_to_shm.
 bool UcxAbortsOnTcpWireupLoss();
 
+// UCX before 1.19 crashes (SIGSEGV in uct_rkey_release, from ucp_rkey_destroy) when
+// ucp_ep_rkey_unpack fails for one memory domain, e.g. a shared memory segment that no longer
+// exists: it releases keys it never unpacked; fixed upstream by openucx/ucx#10380. A
+// consumer killed while the producer is still importing its regions at the handshake makes
+// the producer's import fail exactly so. On such a UCX the soak kills a consumer only after
+// it got KV from the current producer (a warm-up run first when it has not).
+bool UcxCrashesOnFailedRkeyUnpack();
+
 // What the soak saw, summed over iterations.
 struct SoakCounts {
   int64_t iterations = 0;
@@ -114,7 +122,8 @@ class Soak {
   absl::Status SendRun(PeerProcess& consumer, const PeerProcess& producer,
                        const std::vector<Request>& requests);
   // Reads a run's results and checks them (outputs, policy, blocks).
-  absl::Status CheckRun(PeerProcess& consumer, const std::vector<Request>& requests);
+  absl::Status CheckRun(PeerProcess& consumer, const PeerProcess& producer,
+                        const std::vector<Request>& requests);
   // Waits until the producer has no work and every block is free.
   absl::Status CheckProducerBlocks(PeerProcess& producer);
   // Sends an "arm" command and waits for its acknowledgement, so that the fault is armed
@@ -130,6 +139,8 @@ class Soak {
   std::vector<ReferenceOutput> reference_;
   std::map<std::string, std::unique_ptr<PeerProcess>> producers_;  // by tls
   std::map<std::string, std::unique_ptr<PeerProcess>> consumers_;  // by policy + tls
+  // Consumer pid -> the producer pid its last run got KV from (so their handshake is over).
+  std::map<pid_t, pid_t> linked_;
   std::map<std::string, int> ports_;  // by tls: the producer's last port, for restarts
   std::vector<std::string> recent_logs_;
   SoakCounts counts_;
