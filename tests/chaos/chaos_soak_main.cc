@@ -165,17 +165,18 @@ std::vector<std::string> PosixSegmentsOf(const std::set<pid_t>& pids) {
 std::atomic<int64_t> g_iteration{-1};
 std::atomic<int64_t> g_iteration_deadline_ns{0};  // 0: no iteration running
 
-void Watchdog(uint64_t seed, int64_t limit_s, const std::atomic<bool>* done) {
+void Watchdog(uint64_t seed, int64_t limit_s, std::string log_dir, const std::atomic<bool>* done) {
   while (!done->load()) {
     const int64_t deadline = g_iteration_deadline_ns.load();
     if (deadline != 0 && absl::GetCurrentTimeNanos() > deadline) {
       const int64_t it = g_iteration.load();
       std::fprintf(stderr,
                    "chaos soak FAILED: iteration %lld (seed %llu) ran past its %lld s watchdog "
-                   "(a hang); replay it alone with --seed=%llu --iteration=%lld\n",
+                   "(a hang); replay it alone with --seed=%llu --iteration=%lld; peer logs "
+                   "in %s\n",
                    static_cast<long long>(it), static_cast<unsigned long long>(seed),
                    static_cast<long long>(limit_s), static_cast<unsigned long long>(seed),
-                   static_cast<long long>(it));
+                   static_cast<long long>(it), log_dir.c_str());
       std::fflush(stderr);
       KillRegisteredPids();
       std::_Exit(1);
@@ -218,7 +219,7 @@ int RunSoak(const Flags& flags) {
     return 1;
   }
   std::atomic<bool> done{false};
-  std::thread watchdog(Watchdog, seed, flags.iteration_limit_s, &done);
+  std::thread watchdog(Watchdog, seed, flags.iteration_limit_s, so.log_dir, &done);
   const absl::Time start = absl::Now();
   int rc = 0;
   for (int64_t i = first; i < last && rc == 0; ++i) {
