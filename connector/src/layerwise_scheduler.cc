@@ -132,7 +132,15 @@ class LayerwiseScheduler final : public KvConnectorScheduler {
     // both, and the finish is about that hand-off (the worker takes no second hand-off of
     // an id before it reported the first finished).
     for (const IncomingRequest& in : output.incoming) {
-      if (saves_.count(in.request_id) != 0) {
+      auto existing = saves_.find(in.request_id);
+      if (existing != saves_.end() && existing->second.state == SaveState::kSent) {
+        // Its consumer handed the id over again after the worker stopped the first attempt
+        // (and forgot it), while the engine still runs that attempt: the engine cannot take
+        // a second request of one id. The worker stops this one and tells the consumer.
+        finished_.push_back(in.request_id);
+        continue;
+      }
+      if (existing != saves_.end()) {
         return absl::AlreadyExistsError(absl::StrCat(
             "request ", in.request_id, " was handed over again while the first is in progress"));
       }
