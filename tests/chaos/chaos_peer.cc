@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/escaping.h"
@@ -51,6 +52,8 @@ class FaultHook : public TransferHook {
     layer_ = layer;
     signal_ = signal_number;
   }
+  // Disarms; whether the fault was still armed.
+  bool Disarm() { return std::exchange(layer_, -1) >= 0; }
 
   absl::Status BeforeAttention(absl::string_view layer_name, void* stream) override {
     absl::Status s = inner_->BeforeAttention(layer_name, stream);
@@ -124,7 +127,8 @@ std::string ResultLine(const RequestResult& r) {
 
 // "run <host> <port> <n>" and its n request lines: hands the requests to the producer at
 // host:port, runs them to the end, answers with their results and the block count.
-absl::Status HandleRun(const std::vector<std::string>& words, PipeReader& in, Engine& engine) {
+absl::Status HandleRun(const std::vector<std::string>& words, PipeReader& in, Engine& engine,
+                       FaultHook& hook) {
   int port = 0, n = 0;
   if (words.size() != 4 || !absl::SimpleAtoi(words[2], &port) || !absl::SimpleAtoi(words[3], &n)) {
     return absl::InvalidArgumentError("run: want 'run <host> <port> <n>'");
@@ -154,6 +158,9 @@ absl::Status HandleRun(const std::vector<std::string>& words, PipeReader& in, En
     if (!ran.ok()) return ran.status();
     if (!*ran) absl::SleepFor(absl::Milliseconds(1));
   }
+  // A run with no forward pass (every request failed at its hand-off) never reached the
+  // armed layer: say so where the driver waits for the fault.
+  if (hook.Disarm()) Say("fault none");
   for (const RequestResult& r : engine.TakeFinished()) Say(ResultLine(r));
   Say(absl::StrCat("done ", engine.num_free_blocks(), " ", engine.num_blocks()));
   return absl::OkStatus();
@@ -226,7 +233,7 @@ int RunPeer(const PeerOptions& o) {
                        (*engine)->num_blocks(), " ", (*engine)->HasWork() ? 1 : 0, " ",
                        (*connector)->stats().blocks_in_flight));
     } else if (words[0] == "run" && !producer) {
-      s = HandleRun(words, in, **engine);
+      s = HandleRun(words, in, **engine, hook);
     } else if (words[0] == "quit") {
       if (!producer) return 0;
       quitting = true;

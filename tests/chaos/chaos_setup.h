@@ -7,7 +7,9 @@
 //   driver : "arm <layer> <kill|stop>"  peer -> "armed"; from then on, the next hook call
 //                                       for <layer> raises SIGKILL / SIGSTOP in the peer,
 //                                       right after the peer said "fault <kill|stop> <layer>";
-//                                       "arm -1 -" disarms (also answered "armed")
+//                                       "arm -1 -" disarms (also answered "armed"); a
+//                                       consumer whose run never reached the layer says
+//                                       "fault none" before its results
 //   driver : "status <seq>" producer -> "status <seq> <served> <free> <total> <has_work 0|1>
 //                           <connector's blocks in flight>"
 //   driver : "run <host> <port> <n>" then n lines "req <id> <max_new_tokens> <t,t,...>"

@@ -99,6 +99,7 @@ struct Soak::Iteration {
   std::vector<Request> requests;
   bool hostile = false;
   bool producer_killed = false;
+  bool producer_continued = false;  // stopped past the deadlines, then continued
   bool consumer_killed = false;
   std::string note;  // what happened, for the iteration's line
 };
@@ -323,7 +324,7 @@ absl::StatusOr<bool> Soak::WaitForFault(PeerProcess& armed, PeerProcess& consume
       if (!absl::StartsWith(*line, "fault ")) {
         return absl::InternalError(absl::StrCat("expected the armed fault, got: ", *line));
       }
-      return true;
+      return *line != "fault none";
     }
     if (!armed_is_consumer && consumer.Readable()) {
       // The run ended (or the consumer is reporting) before the producer reached the
@@ -360,6 +361,7 @@ absl::Status Soak::InjectFault(Iteration& it, PeerProcess& producer, PeerProcess
     hold(kLoadTimeoutMs);
     if (it.rng() % 2 == 0) {
       producer.Signal(SIGCONT);
+      it.producer_continued = true;
       absl::StrAppend(&it.note, ", continued");
     } else {
       absl::StrAppend(&it.note, ", killed");
@@ -401,7 +403,11 @@ absl::Status Soak::InjectFault(Iteration& it, PeerProcess& producer, PeerProcess
       return absl::OkStatus();
     case Fault::kKillConsumerAtLayer: {
       ASSIGN_OR_RETURN(bool reached, WaitForFault(consumer, consumer));
-      (void)reached;  // a consumer's hook runs in every step: always reached
+      if (!reached) {
+        ++counts_.faults["not_reached"];
+        absl::StrAppend(&it.note, " (not reached)");
+        return absl::OkStatus();
+      }
       consumer.Kill();
       it.consumer_killed = true;
       return absl::OkStatus();
@@ -425,6 +431,7 @@ absl::Status Soak::RunIteration(int64_t index) {
 }
 
 absl::Status Soak::RunIteration(int64_t index, Iteration& it) {
+  const absl::Time start = absl::Now();
   it.index = index;
   it.rng.seed(options_.seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(index + 1)));
   it.tls = it.rng() % static_cast<uint64_t>(options_.tcp_one_in) == 0 ? "tcp" : "shm";
@@ -501,6 +508,14 @@ absl::Status Soak::RunIteration(int64_t index, Iteration& it) {
   counts_.hostile_frames += frames;
   RETURN_IF_ERROR(status);
 
+  if (it.producer_continued && it.rng() % 2 == 0) {
+    // The same ids again at once, to the producer that may still be prefilling (or sending)
+    // their first attempts, which the consumer gave up on.
+    ++counts_.faults["same_ids_after_producer_continue"];
+    absl::StrAppend(&it.note, ", same ids again");
+    RETURN_IF_ERROR(SendRun(*consumer, *producer, it.requests));
+    RETURN_IF_ERROR(CheckRun(*consumer, *producer, it.requests));
+  }
   if (it.producer_killed) {
     // A new producer on the same port; half of the time the consumer hands it the same
     // request ids again, which must then run as if new.
@@ -537,7 +552,8 @@ absl::Status Soak::RunIteration(int64_t index, Iteration& it) {
                   counts_.disaggregated - before.disaggregated, " from the producer, ",
                   counts_.recomputed - before.recomputed, " recomputed, ",
                   counts_.failed - before.failed, " failed; hostile connections ",
-                  counts_.hostile_connections - before.hostile_connections);
+                  counts_.hostile_connections - before.hostile_connections, "; ",
+                  absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Milliseconds(1))));
   std::cout << it.note << std::endl;
   return absl::OkStatus();
 }
