@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -147,9 +148,10 @@ std::vector<std::string> PosixSegmentsOf(const std::set<pid_t>& pids) {
       const std::string p = absl::StrCat(pid);
       size_t at = name.find(p);
       while (at != std::string::npos) {
-        const bool left = at == 0 || !std::isdigit(static_cast<unsigned char>(name[at - 1]));
+        // The pid as a word of the name ("x_123_0", not the digits of "ucx_shm_posix_5a123").
+        const bool left = at == 0 || !std::isalnum(static_cast<unsigned char>(name[at - 1]));
         const size_t end = at + p.size();
-        const bool right = end == name.size() || !std::isdigit(static_cast<unsigned char>(name[end]));
+        const bool right = end == name.size() || !std::isalnum(static_cast<unsigned char>(name[end]));
         if (left && right) {
           out.push_back(name);
           break;
