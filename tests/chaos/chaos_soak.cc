@@ -328,8 +328,8 @@ absl::StatusOr<bool> Soak::WaitForFault(PeerProcess& armed, PeerProcess& consume
     }
     if (!armed_is_consumer && consumer.Readable()) {
       // The run ended (or the consumer is reporting) before the producer reached the
-      // layer. Disarm; a fault that fired meanwhile shows before the status line.
-      // (A stopped producer answers "armed" once continued; CheckProducerBlocks skips it.)
+      // layer. Disarm; a fault that fired meanwhile comes before the answer "armed" (which
+      // a producer stopped by it gives once continued, and CheckProducerBlocks skips).
       RETURN_IF_ERROR(armed.Send("arm -1 -"));
       auto line = armed.ReadLine(absl::Now() + absl::Seconds(5));
       if (!line.ok()) return line.status();
