@@ -81,6 +81,9 @@ class LayerwiseScheduler final : public KvConnectorScheduler {
     auto it = saves_.find(request.request_id);
     if (it == saves_.end()) return absl::OkStatus();  // a local request: nothing to send
     SaveEntry& s = it->second;
+    // Stopped by the worker before the engine got to it: nothing will be saved, and
+    // RequestFinished holds nothing.
+    if (s.state == SaveState::kSent) return absl::OkStatus();
     if (s.state != SaveState::kQueued) {
       return absl::FailedPreconditionError(
           absl::StrCat("request ", request.request_id, " was already allocated"));
@@ -124,17 +127,20 @@ class LayerwiseScheduler final : public KvConnectorScheduler {
       if (it != loads_.end()) it->second.state = LoadState::kFailed;
     }
     for (const std::string& id : output.finished_recving) loads_.erase(id);
-    for (const std::string& id : output.finished_sending) {
-      auto it = saves_.find(id);
-      if (it == saves_.end()) continue;
-      if (it->second.engine_finished) {
-        saves_.erase(it);
-      } else {
-        it->second.state = SaveState::kSent;
-      }
-    }
+    // Hand-offs before finished sends: a request handed over and stopped by the worker
+    // before its next report (its consumer aborted it or was lost) comes in one output as
+    // both, and the finish is about that hand-off (the worker takes no second hand-off of
+    // an id before it reported the first finished).
     for (const IncomingRequest& in : output.incoming) {
-      if (saves_.count(in.request_id) != 0) {
+      auto existing = saves_.find(in.request_id);
+      if (existing != saves_.end() && existing->second.state == SaveState::kSent) {
+        // Its consumer handed the id over again after the worker stopped the first attempt
+        // (and forgot it), while the engine still runs that attempt: the engine cannot take
+        // a second request of one id. The worker stops this one and tells the consumer.
+        finished_.push_back(in.request_id);
+        continue;
+      }
+      if (existing != saves_.end()) {
         return absl::AlreadyExistsError(absl::StrCat(
             "request ", in.request_id, " was handed over again while the first is in progress"));
       }
@@ -144,6 +150,15 @@ class LayerwiseScheduler final : public KvConnectorScheduler {
       r.request_id = in.request_id;
       r.prompt_token_ids = in.prompt_token_ids;
       incoming_.push_back(std::move(r));
+    }
+    for (const std::string& id : output.finished_sending) {
+      auto it = saves_.find(id);
+      if (it == saves_.end()) continue;
+      if (it->second.engine_finished) {
+        saves_.erase(it);
+      } else {
+        it->second.state = SaveState::kSent;
+      }
     }
     return absl::OkStatus();
   }

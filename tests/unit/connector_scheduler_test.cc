@@ -170,6 +170,67 @@ TEST(ConnectorSchedulerTest, ProducerSendsDoneBeforeTheEngineFinishedFreeAtOnce)
   EXPECT_FALSE(*s->RequestFinished("p"));
 }
 
+// A hand-off that the worker stops before its next report (its consumer aborted it, or was
+// lost) arrives in one output as incoming and finished sending: the finish is about that
+// hand-off, so nothing is saved and the engine frees the blocks when it finishes.
+TEST(ConnectorSchedulerTest, ProducerHandedOverAndStoppedInOneOutputHoldsNothing) {
+  auto s = Make(KvRole::kProducer);
+  KvConnectorOutput out;
+  out.incoming.push_back({"p", {1, 2, 3, 4, 5}, 4});
+  out.finished_sending = {"p"};
+  ASSERT_TRUE(s->UpdateConnectorOutput(out).ok());
+  std::vector<KvRequest> in = s->TakeIncomingRequests();
+  ASSERT_EQ(in.size(), 1u);
+  ASSERT_TRUE(s->UpdateStateAfterAlloc(in[0], {0, 1}, 0).ok());
+  EXPECT_THAT(s->BuildConnectorMeta({{"p", 0, 5}})->saves, IsEmpty());
+  EXPECT_FALSE(*s->RequestFinished("p"));
+  // The request is forgotten: the same id may be handed over again.
+  KvConnectorOutput again;
+  again.incoming.push_back({"p", {1, 2, 3, 4, 5}, 4});
+  EXPECT_TRUE(s->UpdateConnectorOutput(again).ok());
+}
+
+// Stopped by the worker after its hand-off was reported but before the engine allocated its
+// blocks: the allocation is no error, nothing is saved, and nothing is waited for.
+TEST(ConnectorSchedulerTest, ProducerStoppedBeforeItsAllocationHoldsNothing) {
+  auto s = Make(KvRole::kProducer);
+  KvConnectorOutput out;
+  out.incoming.push_back({"p", {1, 2, 3, 4, 5}, 4});
+  ASSERT_TRUE(s->UpdateConnectorOutput(out).ok());
+  std::vector<KvRequest> in = s->TakeIncomingRequests();
+  ASSERT_EQ(in.size(), 1u);
+  KvConnectorOutput stopped;
+  stopped.finished_sending = {"p"};
+  ASSERT_TRUE(s->UpdateConnectorOutput(stopped).ok());
+  ASSERT_TRUE(s->UpdateStateAfterAlloc(in[0], {0, 1}, 0).ok());
+  EXPECT_THAT(s->BuildConnectorMeta({{"p", 0, 5}})->saves, IsEmpty());
+  EXPECT_FALSE(*s->RequestFinished("p"));
+}
+
+// The consumer hands an id over again once the worker stopped its first attempt (reported
+// finished), while the engine still runs that attempt: the engine cannot take a second
+// request of one id, so the new hand-off is refused (the worker stops it and tells its
+// consumer), without failing the engine; once the first attempt ended, the id is free.
+TEST(ConnectorSchedulerTest, ProducerHandOffOfAnIdTheEngineStillRunsIsRefused) {
+  auto s = Make(KvRole::kProducer);
+  KvConnectorOutput out;
+  out.incoming.push_back({"p", {1, 2, 3, 4, 5}, 4});
+  ASSERT_TRUE(s->UpdateConnectorOutput(out).ok());
+  ASSERT_TRUE(s->UpdateStateAfterAlloc(s->TakeIncomingRequests()[0], {0, 1}, 0).ok());
+  KvConnectorOutput stopped;
+  stopped.finished_sending = {"p"};
+  ASSERT_TRUE(s->UpdateConnectorOutput(stopped).ok());
+  ASSERT_TRUE(s->UpdateConnectorOutput(out).ok());  // the second attempt
+  EXPECT_THAT(s->TakeIncomingRequests(), IsEmpty());
+  EXPECT_THAT(s->BuildConnectorMeta({})->finished, ElementsAre("p"));
+  // The worker's report of the refused attempt changes nothing for the first.
+  ASSERT_TRUE(s->UpdateConnectorOutput(stopped).ok());
+  EXPECT_FALSE(*s->RequestFinished("p"));
+  ASSERT_TRUE(s->UpdateConnectorOutput(stopped).ok());  // late: unknown, ignored
+  ASSERT_TRUE(s->UpdateConnectorOutput(out).ok());
+  EXPECT_EQ(s->TakeIncomingRequests().size(), 1u);
+}
+
 TEST(ConnectorSchedulerTest, ProducerFinishedUnsentTellsTheWorker) {
   auto s = Make(KvRole::kProducer);
   KvConnectorOutput out;
