@@ -71,8 +71,25 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
           FormatLayerRange(*options.layers), " of ", options.model.num_layers));
     }
   }
-  ASSIGN_OR_RETURN(e->model_, ToyModel::Create(options.model, options.num_blocks, &e->registry_,
-                                               allocate, options.layers));
+  if (options.device == ModelDevice::kCuda) {
+    if (options.pipeline != nullptr) {
+      return absl::InvalidArgumentError(
+          "engine: pipeline stages run the CPU model only (no pipeline with --device=cuda)");
+    }
+    CudaModel::Allocator device_allocate;
+    if (options.worker != nullptr) {
+      KvConnectorWorker* w = options.worker;
+      device_allocate = [w](size_t bytes) {
+        return w->AllocateCacheMemory(bytes, MemoryKind::kDevice);
+      };
+    }
+    ASSIGN_OR_RETURN(e->cuda_model_, CudaModel::Create(options.model, options.num_blocks,
+                                                       &e->registry_, device_allocate));
+    e->split_last_prompt_token_ = true;
+  } else {
+    ASSIGN_OR_RETURN(e->model_, ToyModel::Create(options.model, options.num_blocks,
+                                                 &e->registry_, allocate, options.layers));
+  }
   ASSIGN_OR_RETURN(e->pool_, BlockPool::Create(static_cast<int32_t>(options.num_blocks)));
   if (options.scatter_seed != 0) {
     // Freed blocks are handed out first, in reverse order of freeing.
@@ -82,8 +99,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   }
   if (options.worker != nullptr) {
     std::map<std::string, KvCache*> caches;
-    for (int l = e->model_->layers().begin; l < e->model_->layers().end; ++l) {
-      caches[options.model.LayerName(l)] = e->model_->cache(l);
+    const LayerRange layers =
+        e->cuda_model_ != nullptr ? e->cuda_model_->layers() : e->model_->layers();
+    for (int l = layers.begin; l < layers.end; ++l) {
+      caches[options.model.LayerName(l)] =
+          e->cuda_model_ != nullptr ? e->cuda_model_->cache(l) : e->model_->cache(l);
     }
     // What hand-offs from peers are checked against (a request this engine could never
     // run is refused alone), and what must match for peers to exchange KV.
@@ -93,7 +113,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     info.max_model_len = options.num_blocks * m.block_size - 1;  // and one token to generate
     info.fingerprint = absl::StrCat("toy layers ", m.num_layers, " heads ", m.num_heads, " hidden ",
                                     m.hidden_size(), " mlp ", m.intermediate_size, " rope ",
-                                    m.rope_theta, " seed ", m.seed);
+                                    m.rope_theta, " seed ", m.seed,
+                                    options.device == ModelDevice::kCuda ? " cuda bf16" : "");
     RETURN_IF_ERROR(options.worker->SetModelInfo(info));
     RETURN_IF_ERROR(options.worker->RegisterKvCaches(caches));
     e->registry_.SetTransferHook(options.hook != nullptr ? options.hook : options.worker);
@@ -234,7 +255,19 @@ absl::StatusOr<bool> Engine::Step() {
     return false;
   }
 
-  // One row per new token: the rest of each prompt, or the last generated token.
+  // One-row sequences first where the attention needs them there (split_last_prompt_token_).
+  auto rows_of = [this](const Request& r) {
+    const int32_t prompt = static_cast<int32_t>(r.spec.prompt.size());
+    if (r.computed >= prompt) return 1;
+    const int32_t rest = prompt - r.computed;
+    return split_last_prompt_token_ && rest > 1 ? rest - 1 : rest;
+  };
+  if (split_last_prompt_token_) {
+    std::stable_partition(running_.begin(), running_.end(),
+                          [&](const std::unique_ptr<Request>& r) { return rows_of(*r) == 1; });
+  }
+  // One row per new token: the rest of each prompt (but its last token, with
+  // split_last_prompt_token_), or the last generated token.
   std::vector<SequenceSchedule> schedule;
   std::vector<ScheduledRequest> scheduled;
   std::vector<int32_t> tokens;
@@ -245,13 +278,18 @@ absl::StatusOr<bool> Engine::Step() {
   for (const auto& r : running_) {
     const int32_t prompt = static_cast<int32_t>(r->spec.prompt.size());
     const bool prefill = r->computed < prompt;
-    const int32_t n = prefill ? prompt - r->computed : 1;
+    const int32_t n = rows_of(*r);
     if (prefill) {
-      tokens.insert(tokens.end(), r->spec.prompt.begin() + r->computed, r->spec.prompt.end());
+      tokens.insert(tokens.end(), r->spec.prompt.begin() + r->computed,
+                    r->spec.prompt.begin() + r->computed + n);
       // The prompt but its last token, then the last token: the pieces a prefill worker and
-      // a decode worker compute (toy_model.h).
-      if (n > 1) segments.push_back(n - 1);
-      segments.push_back(1);
+      // a decode worker compute (toy_model.h); in one step, or (split) in two.
+      if (r->computed + n < prompt) {
+        segments.push_back(n);
+      } else {
+        if (n > 1) segments.push_back(n - 1);
+        segments.push_back(1);
+      }
     } else {
       tokens.push_back(r->generated.back());
       segments.push_back(1);
@@ -285,7 +323,12 @@ absl::StatusOr<bool> Engine::Step() {
     return absl::OkStatus();
   };
   absl::StatusOr<std::vector<float>> hidden = std::vector<float>();
-  if (first) {
+  absl::StatusOr<std::vector<float>> logits = std::vector<float>();
+  if (cuda_model_ != nullptr) {
+    // The whole model in one call, logits included (no pipeline on CUDA).
+    logits = cuda_model_->Forward(tokens, positions, segments, last_rows);
+    if (!logits.ok()) hidden = logits.status();
+  } else if (first) {
     hidden = model_->Embed(tokens);
   } else {
     absl::StatusOr<StageMessage> in = pipe->ReceiveForward(stage_deadline);
@@ -304,7 +347,7 @@ absl::StatusOr<bool> Engine::Step() {
     }
   }
   absl::Status ran = hidden.status();
-  if (ran.ok()) ran = model_->RunLayers(*hidden, positions, segments);
+  if (ran.ok() && model_ != nullptr) ran = model_->RunLayers(*hidden, positions, segments);
   registry_.SetForwardContext({});
   if (connected()) {
     absl::Status s = options_.worker->WaitForSave();
@@ -330,7 +373,6 @@ absl::StatusOr<bool> Engine::Step() {
     }
     load_errors_.clear();
   }
-  absl::StatusOr<std::vector<float>> logits = std::vector<float>();
   if (!last) {
     RETURN_IF_ERROR(pipe->SendForward({static_cast<uint64_t>(steps_), digest.value(),
                                        std::move(*hidden), errors},
@@ -344,7 +386,7 @@ absl::StatusOr<bool> Engine::Step() {
     }
     logits = std::move(back.values);
     errors = std::move(back.errors);
-  } else {
+  } else if (model_ != nullptr) {
     logits = model_->Logits(*hidden, last_rows);
     if (!logits.ok()) return logits.status();
   }
@@ -399,9 +441,13 @@ absl::StatusOr<bool> Engine::Step() {
       waiting_.push_front(std::move(r));
       continue;
     }
+    r->computed += schedule[i].query_len;
+    if (r->computed < static_cast<int32_t>(r->spec.prompt.size())) {
+      still_running.push_back(std::move(r));  // the prompt's last token is still to come
+      continue;
+    }
     const float* row = logits->data() + i * static_cast<size_t>(vocab);
     const int32_t token = Argmax(absl::MakeConstSpan(row, vocab));
-    r->computed += schedule[i].query_len;
     r->generated.push_back(token);
     r->result.output_tokens.push_back(token);
     r->result.logits.insert(r->result.logits.end(), row, row + vocab);

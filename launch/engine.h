@@ -43,12 +43,18 @@
 #include "kvstream/connector/kv_connector_worker.h"
 #include "kvstream/connector/layer_routing.h"
 #include "pipeline_link.h"
+#include "kvstream/serving/cuda_model.h"
 #include "toy_model.h"
 
 namespace kvstream {
 
+// Where the model runs: the CPU model (toy_model.h) or the CUDA one (serving's
+// cuda_model.h) on the calling thread's current GPU, with device caches.
+enum class ModelDevice { kCpu, kCuda };
+
 struct EngineOptions {
   ToyModelConfig model;
+  ModelDevice device = ModelDevice::kCpu;
   int64_t num_blocks = 1024;
   // The connector's two sides (not owned): both, or neither (colocated).
   KvConnectorScheduler* scheduler = nullptr;
@@ -103,7 +109,6 @@ class Engine {
 
   int32_t num_free_blocks() const { return pool_->num_free(); }
   int32_t num_blocks() const { return pool_->num_blocks(); }
-  const ToyModel& model() const { return *model_; }
   int64_t steps() const { return steps_; }
   // Producer: requests from consumers whose prefill finished.
   int64_t served() const { return served_; }
@@ -132,7 +137,13 @@ class Engine {
 
   EngineOptions options_;
   LayerRegistry registry_;
+  // Exactly one of the two, by options_.device.
   std::unique_ptr<ToyModel> model_;
+  std::unique_ptr<CudaModel> cuda_model_;
+  // The CUDA model's prefill steps: a prompt's last token runs in a step of its own (and
+  // one-row sequences come first in a batch), so that it goes through the same attention
+  // kernel as on a decode worker, which computes only that token (Step()).
+  bool split_last_prompt_token_ = false;
   std::unique_ptr<BlockPool> pool_;
   std::deque<std::unique_ptr<Request>> waiting_;
   std::vector<std::unique_ptr<Request>> running_;

@@ -200,6 +200,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   kvstream::WorkerOptions worker;
+  std::string worker_device = "cpu";
   std::string worker_preset;
   bool worker_mpi = false;
   CLI::App* worker_cmd = app.add_subcommand(
@@ -209,6 +210,10 @@ int main(int argc, char** argv) {
       "streams in layer by layer, then checks its outputs bit for bit against a colocated "
       "run. Exit status: 0 ok, 1 error, 2 outputs differ, 3 a request failed, 4 blocks leaked");
   worker_cmd->add_option("--role", worker.role, "prefill or decode");
+  worker_cmd->add_option("--device", worker_device,
+                         "cpu (the CPU model, host caches) or cuda (the CUDA model on the GPU "
+                         "kv_connector_extra_config.cuda_device names, device caches, cuda_ipc)")
+      ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
   worker_cmd->add_flag("--mpi", worker_mpi,
                        "Take the role from the mpirun rank: ranks below --prefill-workers "
                        "prefill, the others decode (xPyD)");
@@ -323,6 +328,8 @@ int main(int argc, char** argv) {
     if (worker.serve == 0 && worker.role == "prefill" && (worker_mpi || worker.num_decode > 1)) {
       worker.serve = kvstream::RequestsServedBy(worker, worker.index);
     }
+    worker.device =
+        worker_device == "cuda" ? kvstream::ModelDevice::kCuda : kvstream::ModelDevice::kCpu;
     return kvstream::RunWorker(worker, std::cout, std::cerr);
   }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -20,6 +21,8 @@
 #include "engine.h"
 #include "metrics_server.h"
 #include "pipeline_link.h"
+#include "kvstream/common/cuda_resources.h"
+#include "kvstream/common/cuda_status.h"
 #include "kvstream/connector/config.h"
 #include "kvstream/connector/factory.h"
 #include "kvstream/connector/layer_name.h"
@@ -254,6 +257,18 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
                          absl::StrCat("--role must be prefill or decode, not '", o.role, "'")));
   }
   config->kv_role = prefill ? KvRole::kProducer : KvRole::kConsumer;
+  // The CUDA model's GPU is this thread's for the whole run.
+  std::optional<CudaDeviceScope> gpu;
+  if (o.device == ModelDevice::kCuda) {
+    config->kv_buffer_device = "cuda";  // the CUDA model's caches are device memory
+    const absl::Status available = CudaAvailability();
+    if (!available.ok()) {
+      return Fail(err, absl::FailedPreconditionError(
+                           absl::StrCat("--device=cuda: ", available.message())));
+    }
+    gpu.emplace(config->kvstream.cuda_device);
+    if (!gpu->status().ok()) return Fail(err, gpu->status());
+  }
   // Pipeline-parallel decode: flags override the config's keys.
   KvstreamSettings& k = config->kvstream;
   if (prefill) {
@@ -333,6 +348,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   std::unique_ptr<CrashingHook> crash;
   EngineOptions eo;
   eo.model = o.model;
+  eo.device = o.device;
   eo.num_blocks = o.num_blocks;
   eo.scheduler = scheduler->get();
   eo.worker = connector->get();
@@ -466,6 +482,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   if (check) {
     EngineOptions co;
     co.model = o.model;
+    co.device = o.device;
     co.num_blocks = o.num_blocks;
     auto ref = Engine::Create(co);
     if (!ref.ok()) return Fail(err, ref.status());

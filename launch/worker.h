@@ -31,6 +31,10 @@ struct WorkerOptions {
   std::string role;                 // "prefill" or "decode"
   std::string kv_transfer_config;   // vLLM's JSON
   ToyModelConfig model;
+  // kCuda: the CUDA model on GPU kv_connector_extra_config.cuda_device (default 0), device
+  // caches, kv_buffer_device "cuda" (so the transport defaults to cuda_ipc); the colocated
+  // check runs on the same GPU.
+  ModelDevice device = ModelDevice::kCpu;
   int64_t num_blocks = 512;
   std::vector<int> prompt_lengths = {37, 120, 9, 64};
   int decode_steps = 8;

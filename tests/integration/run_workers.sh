@@ -27,6 +27,9 @@
 #                      SIGTERM stops the worker cleanly (exit 0, every block free)
 #   metrics-pp         the same with a decode worker of two pipeline stages: one peer label
 #                      per stage, each with its own layers' transfers; SIGINT stops the worker
+#   cuda               1P1D with --device=cuda: the CUDA model on GPU 0 in both processes,
+#                      device caches streamed over cuda_ipc, outputs bit-identical to a
+#                      colocated run on the same GPU (SKIPPED where no GPU can be used)
 set -u
 bin=$1
 scenario=$2
@@ -79,6 +82,22 @@ case "$scenario" in
     start_prefill --serve=4
     if [ "$scenario" = tcp ]; then run_decode_explicit --json="$work/report.json"
     else run_decode --json="$work/report.json"; fi
+    wait $ppid; prc=$?
+    [ $drc -eq 0 ] || fail "decode worker exited $drc"
+    [ $prc -eq 0 ] || fail "prefill worker exited $prc"
+    grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
+    grep -q '"tokens_match": true' "$work/report.json" || fail "report says tokens differ"
+    grep -q "served 4 requests" "$work/prefill.out" || fail "prefill did not serve 4 requests"
+    ;;
+  cuda)
+    # Head size 128 for the CUDA attention kernels; bf16 caches.
+    model="--layers=4 --heads=8 --kv-heads=2 --head-size=128 --intermediate=1024 --vocab=1000 --block-size=16 --num-blocks=256"
+    start_prefill --serve=4 --device=cuda
+    run_decode --device=cuda --json="$work/report.json"
+    if grep -q "no usable CUDA device\|built without CUDA" "$work/decode.out"; then
+      echo "SKIPPED: cuda: $(grep -o 'no usable CUDA device.*\|built without CUDA.*' "$work/decode.out" | head -1)"
+      exit 0
+    fi
     wait $ppid; prc=$?
     [ $drc -eq 0 ] || fail "decode worker exited $drc"
     [ $prc -eq 0 ] || fail "prefill worker exited $prc"

@@ -6,6 +6,11 @@ foreach(scenario shm shm-copy tcp mismatch mismatch-pp not-disaggregated kill-pr
   set_tests_properties(worker_${scenario} PROPERTIES LABELS integration TIMEOUT 300
     PASS_REGULAR_EXPRESSION "PASS: ${scenario}")
 endforeach()
+# The same over the CUDA model on GPU 0 (label gpu; skips where no GPU can be used).
+add_test(NAME worker_cuda
+  COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> cuda)
+set_tests_properties(worker_cuda PROPERTIES LABELS gpu TIMEOUT 300
+  PASS_REGULAR_EXPRESSION "PASS: cuda" SKIP_REGULAR_EXPRESSION "SKIPPED")
 find_program(MPIRUN mpirun)
 if(MPIRUN)
   foreach(scenario mpirun-1p2d mpirun-2p1d mpirun-1p2d-pp)

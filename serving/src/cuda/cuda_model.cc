@@ -224,6 +224,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ToyModelConfi
     o.dtype = DType::kBFloat16;
     o.block_size = config.block_size;
     o.backend = "cuda";
+    o.batch_invariant = true;  // the model's rows must not depend on their batch
     o.prefix = config.LayerName(l);
     ASSIGN_OR_RETURN(w.attention, Attention::Create(o, registry));
     CudaAttentionBackend* backend = AsCudaAttentionBackend(&w.attention->backend());

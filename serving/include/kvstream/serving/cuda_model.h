@@ -10,7 +10,8 @@
 // worker, decode on another, both on GPUs of one kind) rest on the same rule as the CPU
 // model's: every matrix product runs segment by segment (toy_model.h explains segments), and
 // everything else is computed per row in an order that does not depend on the batch
-// (serving/src/cuda/model_ops.h).
+// (serving/src/cuda/model_ops.h; attention in the CUDA backend's batch-invariant mode, so a
+// step's one-row sequences must come first in its batch).
 //
 // Ordering: all of the model's work runs on its own stream; each layer's attention runs on
 // the attention backend's stream, ordered after the model's work by an event and the
