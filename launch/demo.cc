@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "kvstream/common/cuda_status.h"
 #include "worker.h"
 
 extern char** environ;
@@ -117,15 +118,29 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   const std::string dir = dir_template;
   const std::string address_file = dir + "/prefill.addr";
   const std::string log = dir + "/prefill.log";
+  const bool cuda = o.device == ModelDevice::kCuda;
+  if (cuda) {
+    const absl::Status gpu = CudaAvailability();
+    if (!gpu.ok()) {
+      err << "kvstream demo --device=cuda: " << gpu.message() << "\n";
+      return 1;
+    }
+  }
   const std::string tls = o.transport == "tcp" ? "tcp" : "shm";
   const std::string config = absl::StrCat(
       R"({"kv_connector": "LayerwiseConnector", "kv_port": 0, "kv_load_failure_policy": ")",
       o.failure_policy, R"(", "kv_connector_extra_config": {"ucx_tls": ")", tls, "\"",
       tls == "tcp" ? R"(, "ucx_net_devices": "lo")" : "", "}}");
 
-  out << "kvstream demo: one prefill and one decode worker process on this machine, UCX over "
-      << (tls == "tcp" ? "TCP (loopback)" : "shared memory") << ", " << o.model.backend
-      << " attention backend\n"
+  if (cuda) {
+    out << "kvstream demo: one prefill and one decode worker process on GPU 0, KV over CUDA "
+           "IPC, the CUDA model (bf16, cuBLAS) with the batch-invariant cuda attention backend\n";
+  } else {
+    out << "kvstream demo: one prefill and one decode worker process on this machine, UCX over "
+        << (tls == "tcp" ? "TCP (loopback)" : "shared memory") << ", " << o.model.backend
+        << " attention backend\n";
+  }
+  out
       << absl::StrFormat("model: %d layers, %d query / %d KV heads x %d, MLP %d, vocabulary %d "
                          "(%.0f M parameters), block size %d, cache %s %s; %d requests, %d "
                          "tokens generated each\n",
@@ -141,6 +156,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
                                    absl::StrCat("--num-blocks=", o.num_blocks),
                                    absl::StrCat("--idle-timeout=", o.timeout_s)};
   for (const std::string& f : ModelFlags(o.model)) args.push_back(f);
+  if (cuda) args.push_back("--device=cuda");
   PrefillProcess prefill;
   absl::Status started = prefill.Start(args, log);
   if (!started.ok()) {
@@ -152,6 +168,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   w.role = "decode";
   w.kv_transfer_config = config;
   w.model = o.model;
+  w.device = o.device;
   w.num_blocks = o.num_blocks;
   w.prompt_lengths = lengths;
   w.decode_steps = o.decode_steps;
@@ -257,8 +274,9 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     j["transfer_gbps"] = total_gbps;
     j["transfer_bytes"] = total_bytes;
     j["exposed_transfer_ms"] = total_exposed;
-    j["transport"] = absl::StrCat("ucx-", tls);
-    j["backend"] = o.model.backend;
+    j["transport"] = cuda ? std::string("cuda_ipc") : absl::StrCat("ucx-", tls);
+    j["backend"] = cuda ? std::string("cuda") : o.model.backend;
+    j["device"] = cuda ? "cuda" : "cpu";
     j["load_errors"] = report.stats.load_errors;
     j["requests_recomputed"] = recomputed;
     j["connector"] = ConnectorStatsJson(report.stats, report.peer_stats);

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "engine.h"
 #include "toy_model.h"
 
 namespace kvstream {
@@ -28,6 +29,9 @@ struct DemoOptions {
     model.vocab_size = 8192;
   }
   ToyModelConfig model;
+  // kCuda: both workers run the CUDA model on GPU 0, KV over cuda_ipc (the transport flag
+  // is then unused); without a usable GPU the demo says so and exits 1.
+  ModelDevice device = ModelDevice::kCpu;
   int num_requests = 8;
   std::vector<int> prompt_lengths;  // empty: num_requests lengths spread over 64..960
   int decode_steps = 96;

@@ -144,6 +144,7 @@ int main(int argc, char** argv) {
 
   kvstream::DemoOptions demo_options;
   std::string demo_preset;
+  std::string demo_device = "cpu";
   CLI::App* real_demo = app.add_subcommand(
       "demo",
       "Start a prefill worker process and a decode worker on this machine, serve requests of "
@@ -159,6 +160,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(1, 100000));
   real_demo->add_option("--num-blocks", demo_options.num_blocks, "KV-cache blocks per layer")
       ->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  real_demo->add_option("--device", demo_device,
+                        "cpu, or cuda: both workers run the CUDA model on GPU 0 and the KV goes "
+                        "over CUDA IPC (exits 1 without a usable GPU)")
+      ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
   real_demo->add_option("--transport", demo_options.transport, "UCX over shm or tcp")
       ->capture_default_str()->check(CLI::IsMember({"shm", "tcp"}));
   real_demo->add_option("--failure-policy", demo_options.failure_policy,
@@ -310,6 +315,8 @@ int main(int argc, char** argv) {
       std::cerr << "kvstream demo: " << s << "\n";
       return 1;
     }
+    demo_options.device =
+        demo_device == "cuda" ? kvstream::ModelDevice::kCuda : kvstream::ModelDevice::kCpu;
     return kvstream::RunDemo(demo_options, std::cout, std::cerr);
   }
   if (worker_cmd->parsed()) {

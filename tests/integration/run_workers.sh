@@ -30,6 +30,8 @@
 #   cuda               1P1D with --device=cuda: the CUDA model on GPU 0 in both processes,
 #                      device caches streamed over cuda_ipc, outputs bit-identical to a
 #                      colocated run on the same GPU (SKIPPED where no GPU can be used)
+#   demo-cuda          `kvstream demo --device=cuda` (small): exit 0, tokens equal to the
+#                      colocated run, no block leaked (SKIPPED where no GPU can be used)
 set -u
 bin=$1
 scenario=$2
@@ -104,6 +106,19 @@ case "$scenario" in
     grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
     grep -q '"tokens_match": true' "$work/report.json" || fail "report says tokens differ"
     grep -q "served 4 requests" "$work/prefill.out" || fail "prefill did not serve 4 requests"
+    ;;
+  demo-cuda)
+    "$bin" demo --device=cuda --requests=4 --decode-steps=8 --num-blocks=512 \
+        --json="$work/report.json" >"$work/decode.out" 2>&1
+    rc=$?
+    if grep -q "no usable CUDA device\|built without CUDA" "$work/decode.out"; then
+      echo "SKIPPED: demo-cuda: $(grep -o 'no usable CUDA device.*\|built without CUDA.*' "$work/decode.out" | head -1)"
+      exit 0
+    fi
+    [ $rc -eq 0 ] || fail "kvstream demo --device=cuda exited $rc"
+    grep -q '"tokens_match": *true' "$work/report.json" || fail "report says tokens differ"
+    grep -q '"blocks_leaked": *false' "$work/report.json" || fail "report says blocks leaked"
+    grep -q '"transport": *"cuda_ipc"' "$work/report.json" || fail "report names another transport"
     ;;
   mpirun)
     mpirun -np 2 --oversubscribe --bind-to none "$bin" worker --mpi \

@@ -7,10 +7,12 @@ foreach(scenario shm shm-copy tcp mismatch mismatch-pp not-disaggregated kill-pr
     PASS_REGULAR_EXPRESSION "PASS: ${scenario}")
 endforeach()
 # The same over the CUDA model on GPU 0 (label gpu; skips where no GPU can be used).
-add_test(NAME worker_cuda
-  COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> cuda)
-set_tests_properties(worker_cuda PROPERTIES LABELS gpu TIMEOUT 300
-  PASS_REGULAR_EXPRESSION "PASS: cuda" SKIP_REGULAR_EXPRESSION "SKIPPED")
+foreach(scenario cuda demo-cuda)
+  add_test(NAME worker_${scenario}
+    COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> ${scenario})
+  set_tests_properties(worker_${scenario} PROPERTIES LABELS gpu TIMEOUT 300
+    PASS_REGULAR_EXPRESSION "PASS: ${scenario}" SKIP_REGULAR_EXPRESSION "SKIPPED")
+endforeach()
 find_program(MPIRUN mpirun)
 if(MPIRUN)
   foreach(scenario mpirun-1p2d mpirun-2p1d mpirun-1p2d-pp)
