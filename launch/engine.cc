@@ -85,11 +85,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     }
     ASSIGN_OR_RETURN(e->cuda_model_, CudaModel::Create(options.model, options.num_blocks,
                                                        &e->registry_, device_allocate));
-    e->split_last_prompt_token_ = true;
   } else {
     ASSIGN_OR_RETURN(e->model_, ToyModel::Create(options.model, options.num_blocks,
                                                  &e->registry_, allocate, options.layers));
   }
+  e->split_last_prompt_token_ =
+      options.split_last_prompt_token || options.device == ModelDevice::kCuda;
   ASSIGN_OR_RETURN(e->pool_, BlockPool::Create(static_cast<int32_t>(options.num_blocks)));
   if (options.scatter_seed != 0) {
     // Freed blocks are handed out first, in reverse order of freeing.

@@ -55,6 +55,11 @@ enum class ModelDevice { kCpu, kCuda };
 struct EngineOptions {
   ToyModelConfig model;
   ModelDevice device = ModelDevice::kCpu;
+  // A prompt's last token in a step of its own, after the rest of the prompt, and one-row
+  // sequences first in each step's batch: what the CUDA model needs so that a colocated
+  // run computes that token with the attention kernel a decode worker uses (on for kCuda
+  // whatever this says; the CPU model gives the same bits either way).
+  bool split_last_prompt_token = false;
   int64_t num_blocks = 1024;
   // The connector's two sides (not owned): both, or neither (colocated).
   KvConnectorScheduler* scheduler = nullptr;
@@ -140,9 +145,7 @@ class Engine {
   // Exactly one of the two, by options_.device.
   std::unique_ptr<ToyModel> model_;
   std::unique_ptr<CudaModel> cuda_model_;
-  // The CUDA model's prefill steps: a prompt's last token runs in a step of its own (and
-  // one-row sequences come first in a batch), so that it goes through the same attention
-  // kernel as on a decode worker, which computes only that token (Step()).
+  // EngineOptions::split_last_prompt_token, forced on for the CUDA model.
   bool split_last_prompt_token_ = false;
   std::unique_ptr<BlockPool> pool_;
   std::deque<std::unique_ptr<Request>> waiting_;

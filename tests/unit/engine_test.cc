@@ -227,5 +227,50 @@ TEST(EnginePipelineTest, StageLayersMustFitItsPlace) {
   EXPECT_EQ(Engine::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The prompt's last token in a step of its own (what the CUDA model runs with): the same
+// tokens and logits as the usual schedule, one more step per prompt, and with requests
+// arriving while others decode (so that one-row and longer sequences share steps). A
+// one-token prompt has nothing to split.
+TEST(EngineScheduleTest, SplittingThePromptsLastTokenChangesNoBit) {
+  auto run = [](bool split) -> std::pair<std::vector<RequestResult>, int64_t> {
+    EngineOptions o;
+    o.model = Model();
+    o.num_blocks = 64;
+    o.split_last_prompt_token = split;
+    auto e = Engine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (!e.ok()) return {};
+    std::vector<RequestSpec> requests = Requests(3);
+    RequestSpec single;
+    single.id = "one-token";
+    single.prompt = {42};
+    single.max_new_tokens = 3;
+    requests.push_back(single);
+    EXPECT_TRUE((*e)->AddRequest(requests[0]).ok());
+    for (int step = 0; step < 3; ++step) EXPECT_TRUE((*e)->Step().ok());
+    for (size_t i = 1; i < requests.size(); ++i) EXPECT_TRUE((*e)->AddRequest(requests[i]).ok());
+    EXPECT_TRUE(RunEngine(**e, nullptr).ok());
+    EXPECT_EQ((*e)->num_free_blocks(), (*e)->num_blocks());
+    return {Sorted((*e)->TakeFinished()), (*e)->steps()};
+  };
+  const auto [plain, plain_steps] = run(false);
+  const auto [split, split_steps] = run(true);
+  ASSERT_EQ(plain.size(), 4u);
+  ASSERT_EQ(split.size(), 4u);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    SCOPED_TRACE(plain[i].id);
+    EXPECT_TRUE(split[i].status.ok()) << split[i].status;
+    EXPECT_EQ(split[i].output_tokens, plain[i].output_tokens);
+    EXPECT_EQ(split[i].logits, plain[i].logits);
+    EXPECT_EQ(split[i].output_tokens.size(), plain[i].id == "one-token" ? 3u : 4u);
+  }
+  // Usual: r0's prefill and two decodes, then r0's last decode with the others' prefills,
+  // then three decodes: 7 steps. Split: r0's prompt takes two steps, which delays it by
+  // one; r1 and r2 then take their extra step while r0 and the one-token prompt decode, so
+  // the run is one step longer, not three: 8.
+  EXPECT_EQ(plain_steps, 7);
+  EXPECT_EQ(split_steps, 8);
+}
+
 }  // namespace
 }  // namespace kvstream
