@@ -174,6 +174,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   w.decode_steps = o.decode_steps;
   w.address_file = address_file;
   w.check_colocated = true;
+  w.one_at_a_time = o.one_at_a_time;
   w.progress = &out;
   w.run_timeout_s = o.timeout_s;
   out << "running: prefill in the child process, decode here, then the same requests colocated"
@@ -190,8 +191,9 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   }
 
   // Report.
-  out << absl::StrFormat("\n%-7s %7s %7s %9s %10s %8s %10s  %s\n", "request", "prompt", "remote",
-                         "ttft ms", "KV bytes", "GB/s", "exposed ms", "check");
+  out << absl::StrFormat("\n%-7s %7s %7s %9s %9s %10s %8s %10s  %s\n", "request", "prompt",
+                         "remote", "ttft ms", "coloc ms", "KV bytes", "GB/s", "exposed ms",
+                         "check");
   uint64_t total_bytes = 0;
   double total_transfer_ms = 0, total_exposed = 0, ttft_sum = 0;
   nlohmann::json requests = nlohmann::json::array();
@@ -207,14 +209,18 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     total_exposed += exposed;
     ttft_sum += r.ttft_ms;
     const bool match = i < report.matches_colocated.size() && report.matches_colocated[i];
-    out << absl::StrFormat("%-7s %7d %7d %9.1f %10d %8.2f %10.2f  %s%s\n", r.id, r.prompt_tokens,
-                           r.remote_tokens, r.ttft_ms, bytes, gbps, exposed,
+    const double colocated_ttft =
+        i < report.colocated_ttft_ms.size() ? report.colocated_ttft_ms[i] : 0;
+    out << absl::StrFormat("%-7s %7d %7d %9.1f %9.1f %10d %8.2f %10.2f  %s%s\n", r.id,
+                           r.prompt_tokens, r.remote_tokens, r.ttft_ms, colocated_ttft, bytes,
+                           gbps, exposed,
                            match ? "== colocated" : "!= colocated",
                            r.recomputed ? " (recomputed)" : "");
     requests.push_back({{"id", r.id},
                         {"prompt_tokens", r.prompt_tokens},
                         {"remote_tokens", r.remote_tokens},
                         {"ttft_ms", r.ttft_ms},
+                        {"colocated_ttft_ms", colocated_ttft},
                         {"transfer_bytes", bytes},
                         {"transfer_ms", transfer_ms},
                         {"exposed_transfer_ms", exposed},

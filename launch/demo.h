@@ -39,6 +39,8 @@ struct DemoOptions {
   std::string transport = "shm";           // UCX over "shm" or "tcp" (loopback)
   std::string failure_policy = "recompute";
   std::string json_path;
+  // Each request starts once the one before it finished (WorkerOptions::one_at_a_time).
+  bool one_at_a_time = false;
   // The prefill worker's idle timeout, and the limit of each of the disaggregated and the
   // colocated runs.
   double timeout_s = 600;

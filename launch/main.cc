@@ -170,6 +170,9 @@ int main(int argc, char** argv) {
                         "kv_load_failure_policy: recompute or fail")
       ->capture_default_str()->check(CLI::IsMember({"recompute", "fail"}));
   real_demo->add_option("--json", demo_options.json_path, "Write the report as JSON to this file");
+  real_demo->add_flag("--one-at-a-time", demo_options.one_at_a_time,
+                      "Start each request once the one before it finished, in both runs (time "
+                      "to first token without queueing)");
   real_demo->add_option("--timeout", demo_options.timeout_s,
                         "Seconds each of the disaggregated and colocated runs may take (and the "
                         "prefill worker waits idle); raise it for --model=llama3-8b")
@@ -259,6 +262,8 @@ int main(int argc, char** argv) {
   worker_cmd->add_flag("!--no-check", worker.check_colocated,
                        "Decode: skip the comparison with a colocated run");
   worker_cmd->add_option("--json", worker.json_path, "Decode: write a JSON report to this file");
+  worker_cmd->add_flag("--one-at-a-time", worker.one_at_a_time,
+                       "Decode: start each request once the one before it finished, in both runs");
   worker_cmd->add_option("--metrics-port", worker.metrics_port,
                          "Serve Prometheus metrics on this port (0: any free port; default off)")
       ->check(CLI::Range(0, 65535));

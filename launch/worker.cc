@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -23,6 +24,7 @@
 #include "pipeline_link.h"
 #include "kvstream/common/cuda_resources.h"
 #include "kvstream/common/cuda_status.h"
+#include "kvstream/common/status_macros.h"
 #include "kvstream/connector/config.h"
 #include "kvstream/connector/factory.h"
 #include "kvstream/connector/layer_name.h"
@@ -154,6 +156,22 @@ absl::Status Drain(Engine& engine, absl::Time deadline, std::ostream* progress =
     if (!*ran) absl::SleepFor(absl::Milliseconds(1));
   }
   return absl::OkStatus();
+}
+
+// Adds `requests` to `engine` and runs it until they finished: all at once, or each after
+// the one before it finished (WorkerOptions::one_at_a_time). `producer_of(i)` is request
+// i's producer (none for a colocated run).
+absl::Status RunRequests(Engine& engine, const std::vector<RequestSpec>& requests,
+                         const std::function<std::optional<RemotePrefill>(size_t)>& producer_of,
+                         bool one_at_a_time, absl::Time deadline, std::ostream* progress,
+                         absl::string_view what) {
+  for (size_t i = 0; i < requests.size(); ++i) {
+    RequestSpec r = requests[i];
+    r.remote = producer_of(i);
+    RETURN_IF_ERROR(engine.AddRequest(std::move(r)));
+    if (one_at_a_time) RETURN_IF_ERROR(Drain(engine, deadline, progress, what));
+  }
+  return Drain(engine, deadline, progress, what);
 }
 
 absl::Status WaitForProducer(const std::string& host, int port, absl::Duration timeout) {
@@ -445,18 +463,17 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   }
   const std::vector<RequestSpec> requests = MakeRequests(o);
   const absl::Time t0 = absl::Now();
-  for (size_t i = 0; i < requests.size(); ++i) {
-    RequestSpec r = requests[i];
-    r.remote = producers[(i + o.index) % producers.size()];
-    absl::Status s = (*engine)->AddRequest(std::move(r));
-    if (!s.ok()) return Fail(err, s);
-  }
   const absl::Duration budget =
       o.run_timeout_s > 0
           ? absl::Seconds(o.run_timeout_s)
           : absl::Seconds(120) + absl::Milliseconds(2 * (config->kvstream.load_timeout_ms +
                                                          config->kvstream.send_timeout_ms));
-  absl::Status drained = Drain(**engine, t0 + budget, o.progress, "disaggregated run");
+  absl::Status drained = RunRequests(
+      **engine, requests,
+      [&](size_t i) -> std::optional<RemotePrefill> {
+        return producers[(i + o.index) % producers.size()];
+      },
+      o.one_at_a_time, t0 + budget, o.progress, "disaggregated run");
   if (!drained.ok()) return Fail(err, drained);
   const double total_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
   std::vector<RequestResult> results = (*engine)->TakeFinished();
@@ -486,13 +503,11 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
     co.num_blocks = o.num_blocks;
     auto ref = Engine::Create(co);
     if (!ref.ok()) return Fail(err, ref.status());
-    for (const RequestSpec& r : requests) {
-      absl::Status s = (*ref)->AddRequest(r);
-      if (!s.ok()) return Fail(err, s);
-    }
     const absl::Duration ref_budget =
         o.run_timeout_s > 0 ? absl::Seconds(o.run_timeout_s) : absl::Seconds(600);
-    absl::Status s = Drain(**ref, absl::Now() + ref_budget, o.progress, "colocated run");
+    absl::Status s = RunRequests(
+        **ref, requests, [](size_t) -> std::optional<RemotePrefill> { return std::nullopt; },
+        o.one_at_a_time, absl::Now() + ref_budget, o.progress, "colocated run");
     if (!s.ok()) return Fail(err, s);
     colocated = (*ref)->TakeFinished();
     std::sort(colocated.begin(), colocated.end(),
@@ -505,8 +520,10 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   for (size_t i = 0; i < results.size(); ++i) {
     const RequestResult& r = results[i];
     bool match = true;
+    double colocated_ttft_ms = 0;
     if (check) {
       const RequestResult* c = i < colocated.size() && colocated[i].id == r.id ? &colocated[i] : nullptr;
+      if (c != nullptr) colocated_ttft_ms = c->ttft_ms;
       match = c != nullptr && r.status.ok() && c->output_tokens == r.output_tokens &&
               c->logits.size() == r.logits.size() &&
               std::memcmp(c->logits.data(), r.logits.data(), r.logits.size() * sizeof(float)) == 0;
@@ -524,6 +541,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
                                   {"prompt_tokens", r.prompt_tokens},
                                   {"remote_tokens", r.remote_tokens},
                                   {"ttft_ms", r.ttft_ms},
+                                  {"colocated_ttft_ms", colocated_ttft_ms},
                                   {"output_tokens", r.output_tokens},
                                   {"recomputed", r.recomputed},
                                   {"status", r.status.ToString()},
@@ -552,7 +570,10 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   if (decode_report != nullptr) {
     DecodeReport& d = *decode_report;
     d.results = results;
-    for (const auto& r : report["requests"]) d.matches_colocated.push_back(r["matches_colocated"]);
+    for (const auto& r : report["requests"]) {
+      d.matches_colocated.push_back(r["matches_colocated"]);
+      if (check) d.colocated_ttft_ms.push_back(r["colocated_ttft_ms"]);
+    }
     for (RequestTransferStats& t : transfer_stats) {
       d.transfer[t.request_id] = std::move(t);
     }

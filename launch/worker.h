@@ -46,6 +46,10 @@ struct WorkerOptions {
   double run_timeout_s = 0;
   int crash_after_layer = -1;       // fault injection: SIGKILL self after this layer's hook
   bool check_colocated = true;      // decode: compare with a colocated run
+  // Decode: each request starts once the one before it finished, in the disaggregated and
+  // the colocated run alike, so that a request's time to first token has no queueing in it
+  // (what the TTFT benchmarks measure); otherwise all start at once.
+  bool one_at_a_time = false;
   // Decode: write a JSON report here. One of several decode workers appends ".d<index>", a
   // pipeline stage ".pp<rank>" (so ranks of one mpirun can share the flag).
   std::string json_path;
@@ -75,6 +79,7 @@ struct WorkerOptions {
 struct DecodeReport {
   std::vector<RequestResult> results;           // sorted by id
   std::vector<bool> matches_colocated;          // per result
+  std::vector<double> colocated_ttft_ms;        // per result; empty without the check
   std::map<std::string, RequestTransferStats> transfer;  // by request id
   ConnectorStats stats;
   std::vector<PeerConnectorStats> peer_stats;

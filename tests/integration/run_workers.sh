@@ -2,6 +2,9 @@
 # Starts a prefill and a decode worker as two real processes (or under mpirun) and checks
 # what the scenario expects. Usage: run_workers.sh KVSTREAM_BINARY SCENARIO
 #   shm | tcp          1P1D over UCX shared memory / TCP on loopback, outputs bit-identical
+#   one-at-a-time      shm with --one-at-a-time: each request starts after the one before it
+#                      finished, so the decode worker runs 4 x 6 steps instead of 6, and
+#                      the outputs are still bit-identical
 #   shm-copy           shm with two copy threads on each worker (ucx_copy_threads): the
 #                      prefill worker's writes into the decode worker's cache are copies
 #   mpirun             the same under mpirun -np 2 (rank 0 prefill, rank 1 decode)
@@ -119,6 +122,15 @@ case "$scenario" in
     grep -q '"tokens_match": *true' "$work/report.json" || fail "report says tokens differ"
     grep -q '"blocks_leaked": *false' "$work/report.json" || fail "report says blocks leaked"
     grep -q '"transport": *"cuda_ipc"' "$work/report.json" || fail "report names another transport"
+    ;;
+  one-at-a-time)
+    start_prefill --serve=4
+    run_decode --one-at-a-time --json="$work/report.json"
+    wait $ppid; prc=$?
+    [ $drc -eq 0 ] || fail "decode worker exited $drc"
+    [ $prc -eq 0 ] || fail "prefill worker exited $prc"
+    grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
+    grep -q "4 requests in .* ms, 24 steps" "$work/decode.out" || fail "not 24 steps (one request at a time)"
     ;;
   mpirun)
     mpirun -np 2 --oversubscribe --bind-to none "$bin" worker --mpi \

@@ -1,5 +1,5 @@
 # Prefill and decode workers as real processes (and under mpirun).
-foreach(scenario shm shm-copy tcp mismatch mismatch-pp not-disaggregated kill-producer kill-producer-pp
+foreach(scenario shm shm-copy one-at-a-time tcp mismatch mismatch-pp not-disaggregated kill-producer kill-producer-pp
         kill-consumer kill-consumer-copy metrics metrics-pp)
   add_test(NAME worker_${scenario}
     COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> ${scenario})
