@@ -19,7 +19,8 @@ function(kvstream_set_warnings target)
 endfunction()
 
 function(kvstream_add_library folder)
-  cmake_parse_arguments(ARG "" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  # INTERNAL: a library of the command and the tests, not installed or exported.
+  cmake_parse_arguments(ARG "INTERNAL" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
   set(target kvstream_${folder})
   set(sources ${ARG_SOURCES})
   if(KVSTREAM_HAVE_CUDA)
@@ -42,11 +43,35 @@ function(kvstream_add_library folder)
   target_compile_features(${target} PUBLIC cxx_std_17)
   target_link_libraries(${target} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
   kvstream_set_warnings(${target})
+  if(ARG_INTERNAL)
+    return()
+  endif()
   install(TARGETS ${target} EXPORT kvstreamTargets
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
     RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-  if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/include)  # a library may have no public header yet
-    install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-  endif()
+  install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endfunction()
+
+# Sets KVSTREAM_OPENBLAS_TARGET to a target that provides OpenBLAS's CBLAS: pkg-config's
+# openblas (Debian's libopenblas-dev), else OpenBLAS's CMake config; "" when neither is
+# found. Called once, at the top level, so that every directory below sees the target.
+macro(kvstream_find_openblas)
+  set(KVSTREAM_OPENBLAS_TARGET "")
+  find_package(PkgConfig QUIET)
+  if(PkgConfig_FOUND)
+    pkg_check_modules(KVSTREAM_OPENBLAS QUIET IMPORTED_TARGET openblas)
+    if(KVSTREAM_OPENBLAS_FOUND)
+      set(KVSTREAM_OPENBLAS_TARGET PkgConfig::KVSTREAM_OPENBLAS)
+    endif()
+  endif()
+  if(NOT KVSTREAM_OPENBLAS_TARGET)
+    find_package(OpenBLAS CONFIG QUIET)
+    if(OpenBLAS_FOUND)
+      add_library(kvstream_openblas INTERFACE)
+      target_include_directories(kvstream_openblas INTERFACE ${OpenBLAS_INCLUDE_DIRS})
+      target_link_libraries(kvstream_openblas INTERFACE ${OpenBLAS_LIBRARIES})
+      set(KVSTREAM_OPENBLAS_TARGET kvstream_openblas)
+    endif()
+  endif()
+endmacro()

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "engine.h"
-#include "toy_model.h"
+#include "kvstream/serving/engine.h"
+#include "kvstream/serving/toy_model.h"
 
 namespace kvstream {
 

@@ -21,9 +21,9 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/status/status.h"
-#include "engine.h"
+#include "kvstream/serving/engine.h"
 #include "kvstream/connector/kv_connector.h"
-#include "toy_model.h"
+#include "kvstream/serving/toy_model.h"
 
 namespace kvstream {
 

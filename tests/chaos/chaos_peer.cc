@@ -20,8 +20,8 @@
 #include "kvstream/connector/config.h"
 #include "kvstream/connector/factory.h"
 #include "kvstream/connector/layer_name.h"
-#include "launch/engine.h"
-#include "launch/pipeline_link.h"
+#include "kvstream/serving/engine.h"
+#include "kvstream/serving/pipeline_link.h"
 #include "tests/chaos/chaos_setup.h"
 #include "tests/integration/ucx_transport_peer.h"
 

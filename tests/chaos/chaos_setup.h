@@ -26,7 +26,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "launch/toy_model.h"
+#include "kvstream/serving/toy_model.h"
 
 namespace kvstream {
 namespace chaos {

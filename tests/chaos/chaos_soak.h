@@ -28,7 +28,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "launch/engine.h"
+#include "kvstream/serving/engine.h"
 #include "tests/chaos/peer_process.h"
 
 namespace kvstream {

@@ -1,7 +1,7 @@
 // Tests of the demo engine as pipeline stages: stages joined by an in-process channel give
 // exactly the outputs of the whole model in one engine, and stages that disagree about a
 // batch stop with an error.
-#include "launch/engine.h"
+#include "kvstream/serving/engine.h"
 
 #include <algorithm>
 #include <condition_variable>

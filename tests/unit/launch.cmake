@@ -1,6 +1,6 @@
-# Unit tests of the kvstream command's pieces: the demo model, the engine's pipeline stages,
-# the stage link and the metrics rendering.
-kvstream_add_gtest(toy_model_test LABELS unit SOURCES toy_model_test.cc DEPS kvstream_launch_internal)
-kvstream_add_gtest(engine_test LABELS unit SOURCES engine_test.cc DEPS kvstream_launch_internal)
-kvstream_add_gtest(pipeline_link_test LABELS unit SOURCES pipeline_link_test.cc DEPS kvstream_launch_internal)
+# Unit tests of serving/ (the CPU model, the engine, the stage link) and of the kvstream
+# command's metrics rendering.
+kvstream_add_gtest(toy_model_test LABELS unit SOURCES toy_model_test.cc DEPS kvstream::serving)
+kvstream_add_gtest(engine_test LABELS unit SOURCES engine_test.cc DEPS kvstream::serving)
+kvstream_add_gtest(pipeline_link_test LABELS unit SOURCES pipeline_link_test.cc DEPS kvstream::serving)
 kvstream_add_gtest(metrics_server_test LABELS unit SOURCES metrics_server_test.cc DEPS kvstream_launch_internal)

@@ -1,7 +1,7 @@
 // Tests of the pipeline stage link: frames decoded strictly, stages joined over TCP through
 // rendezvous files, the errors of a wrong or missing neighbour, and a link to a hand-played
 // neighbour that sends partial, oversized or late frames.
-#include "launch/pipeline_link.h"
+#include "kvstream/serving/pipeline_link.h"
 
 #include <stdlib.h>
 #include <sys/socket.h>

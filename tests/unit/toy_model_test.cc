@@ -1,6 +1,6 @@
 // Tests of the demo model: presets and their shapes, stage models that build the same
 // weights as the whole model, and rows whose results do not depend on the rest of the batch.
-#include "launch/toy_model.h"
+#include "kvstream/serving/toy_model.h"
 
 #include <cstring>
 #include <memory>

@@ -18,6 +18,7 @@
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/status_macros.h"
 #include "kvstream/common/tensor.h"
+#include "layer_cache.h"
 #include "random_weights.h"
 
 namespace kvstream {
@@ -215,59 +216,17 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const ToyModelConfi
     ASSIGN_OR_RETURN(w.inputs_ready, CudaEvent::Create());
     ASSIGN_OR_RETURN(w.output_ready, CudaEvent::Create());
 
-    AttentionOptions o;
-    o.num_heads = config.num_heads;
-    o.num_kv_heads = config.num_kv_heads;
-    o.head_size = config.head_size;
-    o.scale = 1.0f / std::sqrt(static_cast<float>(config.head_size));
-    o.kv_cache_dtype = config.kv_cache_dtype;
-    o.dtype = DType::kBFloat16;
-    o.block_size = config.block_size;
+    AttentionOptions o = internal::LayerAttentionOptions(config, l, DType::kBFloat16);
     o.backend = "cuda";
     o.batch_invariant = true;  // the model's rows must not depend on their batch
-    o.prefix = config.LayerName(l);
     ASSIGN_OR_RETURN(w.attention, Attention::Create(o, registry));
     CudaAttentionBackend* backend = AsCudaAttentionBackend(&w.attention->backend());
     if (backend == nullptr) return absl::InternalError("CUDA model: the layer's backend is not CUDA");
     w.attention_stream = backend->stream();
 
-    const KvCacheSpec& spec = w.attention->kv_cache_spec();
-    std::unique_ptr<KvCache> cache;
-    if (allocate) {
-      // K then V in one allocation, dense in `layout` (as the CPU model lays them out).
-      const size_t k_bytes = static_cast<size_t>(num_blocks) * spec.KBytesPerBlock();
-      const size_t v_off = (k_bytes + 63) / 64 * 64;
-      const size_t v_bytes = static_cast<size_t>(num_blocks) * spec.VBytesPerBlock();
-      ASSIGN_OR_RETURN(std::shared_ptr<void> memory, allocate(v_off + v_bytes));
-      if (memory == nullptr) return absl::InvalidArgumentError("CUDA model: null cache memory");
-      RETURN_IF_ERROR(Cuda(cudaMemsetAsync(memory.get(), 0, v_off + v_bytes,
-                                           static_cast<cudaStream_t>(s)),
-                           "CUDA model: clearing a cache"));
-      char* base = static_cast<char*>(memory.get());
-      const CacheStrides ks = MakeCacheStrides(spec, layout, false);
-      const CacheStrides vs = MakeCacheStrides(spec, layout, true);
-      TensorView kt(base, spec.dtype, {num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size},
-                    {ks.block, ks.token, ks.head, ks.dim}, MemoryKind::kDevice);
-      TensorView vt(base + v_off, spec.dtype,
-                    {num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size_v},
-                    {vs.block, vs.token, vs.head, vs.dim}, MemoryKind::kDevice);
-      ASSIGN_OR_RETURN(cache, KvCache::Borrow(spec, kt, vt));
-      st->cache_memory.push_back(std::move(memory));
-    } else {
-      KvCache::Options co;
-      co.spec = spec;
-      co.layout = layout;
-      co.num_blocks = num_blocks;
-      co.memory = MemoryKind::kDevice;
-      ASSIGN_OR_RETURN(cache, KvCache::Create(co));
-    }
-    if (IsFp8(cache->spec().dtype)) {
-      const size_t n = cache->spec().quant_mode == KvQuantMode::kPerHead
-                           ? static_cast<size_t>(config.num_kv_heads)
-                           : 1u;
-      std::vector<float> scales(n, 0.05f);
-      RETURN_IF_ERROR(cache->SetScales(scales, scales));
-    }
+    ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache,
+                     internal::CreateLayerCache(w.attention->kv_cache_spec(), layout, num_blocks,
+                                                MemoryKind::kDevice, allocate, st->cache_memory));
     RETURN_IF_ERROR(registry->BindKvCache(o.prefix, cache.get()));
     st->layers.push_back(std::move(w));
     st->caches.push_back(std::move(cache));

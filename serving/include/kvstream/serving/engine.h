@@ -21,8 +21,8 @@
 //
 // Rows are grouped into segments for the model's matrix products (toy_model.h): the prompt
 // but its last token, the last prompt token, each generated token.
-#ifndef KVSTREAM_LAUNCH_ENGINE_H_
-#define KVSTREAM_LAUNCH_ENGINE_H_
+#ifndef KVSTREAM_SERVING_ENGINE_H_
+#define KVSTREAM_SERVING_ENGINE_H_
 
 #include <cstdint>
 #include <deque>
@@ -42,9 +42,9 @@
 #include "kvstream/connector/kv_connector_scheduler.h"
 #include "kvstream/connector/kv_connector_worker.h"
 #include "kvstream/connector/layer_routing.h"
-#include "pipeline_link.h"
+#include "kvstream/serving/pipeline_link.h"
 #include "kvstream/serving/cuda_model.h"
-#include "toy_model.h"
+#include "kvstream/serving/toy_model.h"
 
 namespace kvstream {
 
@@ -161,4 +161,4 @@ class Engine {
 
 }  // namespace kvstream
 
-#endif  // KVSTREAM_LAUNCH_ENGINE_H_
+#endif  // KVSTREAM_SERVING_ENGINE_H_

@@ -1,7 +1,7 @@
 // Pipeline stages joined over TCP (pipeline_link.h). Bytes are encoded with ByteWriter and
 // decoded with ByteReader (kvstream/common/byte_io.h); the sockets are kvstream's socket
 // helper's (kvstream/transfer/socket.h), which also turns their errno values into Status.
-#include "pipeline_link.h"
+#include "kvstream/serving/pipeline_link.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>

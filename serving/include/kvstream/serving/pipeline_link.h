@@ -22,8 +22,8 @@
 // breaks that link for good. Its socket is closed (the neighbour sees it gone) and every
 // later call on it answers Unavailable naming the failure that broke it. Thread safety: one
 // thread uses a channel.
-#ifndef KVSTREAM_LAUNCH_PIPELINE_LINK_H_
-#define KVSTREAM_LAUNCH_PIPELINE_LINK_H_
+#ifndef KVSTREAM_SERVING_PIPELINE_LINK_H_
+#define KVSTREAM_SERVING_PIPELINE_LINK_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -127,4 +127,4 @@ absl::StatusOr<StageMessage> DecodeStageMessage(const std::string& payload);
 
 }  // namespace kvstream
 
-#endif  // KVSTREAM_LAUNCH_PIPELINE_LINK_H_
+#endif  // KVSTREAM_SERVING_PIPELINE_LINK_H_

@@ -1,5 +1,5 @@
 // The synthetic model of toy_model.h.
-#include "toy_model.h"
+#include "kvstream/serving/toy_model.h"
 
 #include <cblas.h>
 
@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvstream/common/status_macros.h"
+#include "layer_cache.h"
 #include "random_weights.h"
 
 namespace kvstream {
@@ -147,45 +148,11 @@ absl::StatusOr<std::unique_ptr<ToyModel>> ToyModel::Create(const ToyModelConfig&
   }
 
   for (int l = range.begin; l < range.end; ++l) {
-    AttentionOptions o;
-    o.num_heads = config.num_heads;
-    o.num_kv_heads = config.num_kv_heads;
-    o.head_size = config.head_size;
-    o.scale = 1.0f / std::sqrt(static_cast<float>(config.head_size));
-    o.kv_cache_dtype = config.kv_cache_dtype;
-    o.dtype = DType::kFloat32;
-    o.block_size = config.block_size;
-    o.backend = config.backend;
-    o.prefix = config.LayerName(l);
+    const AttentionOptions o = internal::LayerAttentionOptions(config, l, DType::kFloat32);
     ASSIGN_OR_RETURN(auto layer, Attention::Create(o, registry));
-    std::unique_ptr<KvCache> cache;
-    if (allocate) {
-      // K then V in one allocation, dense in `layout`.
-      const KvCacheSpec& spec = layer->kv_cache_spec();
-      const size_t k_bytes = static_cast<size_t>(num_blocks) * spec.KBytesPerBlock();
-      const size_t v_off = (k_bytes + 63) / 64 * 64;
-      const size_t v_bytes = static_cast<size_t>(num_blocks) * spec.VBytesPerBlock();
-      ASSIGN_OR_RETURN(std::shared_ptr<void> memory, allocate(v_off + v_bytes));
-      char* base = static_cast<char*>(memory.get());
-      const CacheStrides ks = MakeCacheStrides(spec, layout, false);
-      const CacheStrides vs = MakeCacheStrides(spec, layout, true);
-      TensorView k(base, spec.dtype, {num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size},
-                   {ks.block, ks.token, ks.head, ks.dim});
-      TensorView v(base + v_off, spec.dtype,
-                   {num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size_v},
-                   {vs.block, vs.token, vs.head, vs.dim});
-      ASSIGN_OR_RETURN(cache, KvCache::Borrow(spec, k, v));
-      m->cache_memory_.push_back(std::move(memory));
-    } else {
-      ASSIGN_OR_RETURN(cache, KvCache::Create({layer->kv_cache_spec(), layout, num_blocks}));
-    }
-    if (IsFp8(cache->spec().dtype)) {
-      const size_t n = cache->spec().quant_mode == KvQuantMode::kPerHead
-                           ? static_cast<size_t>(config.num_kv_heads)
-                           : 1u;
-      std::vector<float> scales(n, 0.05f);
-      RETURN_IF_ERROR(cache->SetScales(scales, scales));
-    }
+    ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache,
+                     internal::CreateLayerCache(layer->kv_cache_spec(), layout, num_blocks,
+                                                MemoryKind::kHost, allocate, m->cache_memory_));
     RETURN_IF_ERROR(registry->BindKvCache(o.prefix, cache.get()));
     m->attention_.push_back(std::move(layer));
     m->caches_.push_back(std::move(cache));

@@ -17,8 +17,8 @@
 // decode worker the others. The thread count is a model setting (blas_threads) that both
 // sides set explicitly. The rest (norms, rotary embedding, attention, activation) is
 // computed per row in an order that does not depend on the batch.
-#ifndef KVSTREAM_LAUNCH_TOY_MODEL_H_
-#define KVSTREAM_LAUNCH_TOY_MODEL_H_
+#ifndef KVSTREAM_SERVING_TOY_MODEL_H_
+#define KVSTREAM_SERVING_TOY_MODEL_H_
 
 #include <cstdint>
 #include <functional>
@@ -107,4 +107,4 @@ int32_t Argmax(absl::Span<const float> logits);
 
 }  // namespace kvstream
 
-#endif  // KVSTREAM_LAUNCH_TOY_MODEL_H_
+#endif  // KVSTREAM_SERVING_TOY_MODEL_H_

@@ -1,5 +1,5 @@
 // The serving engine of engine.h.
-#include "engine.h"
+#include "kvstream/serving/engine.h"
 
 #include <algorithm>
 #include <random>
