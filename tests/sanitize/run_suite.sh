@@ -11,6 +11,10 @@ case $kind in
     export ASAN_OPTIONS="detect_leaks=1:detect_stack_use_after_return=1:strict_init_order=1:check_initialization_order=1:abort_on_error=0"
     export LSAN_OPTIONS="suppressions=$here/lsan.supp:print_suppressions=0"
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+    # Idle OpenMP threads sleep instead of spinning: the CPU attention's parallel regions are
+    # short and tests run side by side, where a spinning team takes the cores the other
+    # test's threads need (what is computed and checked is the same).
+    export OMP_WAIT_POLICY=passive
     ;;
   thread)
     export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$here/tsan.supp:print_suppressions=0"

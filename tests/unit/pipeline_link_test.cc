@@ -28,18 +28,37 @@
 
 // The largest single allocation made by a thread while it tracks them, to check that Receive
 // does not allocate what a peer merely announces. Replacing the global operator new is the
-// one way to see allocations made inside the library.
+// one way to see allocations made inside the library; under ThreadSanitizer, whose runtime
+// defines operator new itself (a second definition does not link), its allocator hook sees
+// the same allocations.
 namespace {
 thread_local bool tracking_allocations = false;
 std::atomic<size_t> largest_allocation{0};
-}  // namespace
 
-void* operator new(std::size_t n) {
+void NoteAllocation(size_t n) {
   if (tracking_allocations) {
     size_t seen = largest_allocation.load();
     while (n > seen && !largest_allocation.compare_exchange_weak(seen, n)) {
     }
   }
+}
+}  // namespace
+
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define KVSTREAM_TEST_ALLOCATOR_HOOK 1
+#endif
+#endif
+#ifdef KVSTREAM_TEST_ALLOCATOR_HOOK
+#include <sanitizer/allocator_interface.h>
+namespace {
+void OnMalloc(const volatile void*, size_t n) { NoteAllocation(n); }
+void OnFree(const volatile void*) {}
+[[maybe_unused]] const int kAllocatorHookInstalled = __sanitizer_install_malloc_and_free_hooks(OnMalloc, OnFree);
+}  // namespace
+#else
+void* operator new(std::size_t n) {
+  NoteAllocation(n);
   void* p = std::malloc(n == 0 ? 1 : n);
   if (p == nullptr) throw std::bad_alloc();
   return p;
@@ -48,6 +67,7 @@ void* operator new(std::size_t n) {
 // and warns of a mismatch (-Wmismatched-new-delete), though the two are replaced together.
 __attribute__((noinline)) void operator delete(void* p) noexcept { std::free(p); }
 __attribute__((noinline)) void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#endif
 
 namespace kvstream {
 namespace {
