@@ -224,6 +224,9 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
                         {"transfer_bytes", bytes},
                         {"transfer_ms", transfer_ms},
                         {"exposed_transfer_ms", exposed},
+                        {"layer_in_flight_ms", t != report.transfer.end()
+                                                   ? t->second.layer_in_flight_ms
+                                                   : std::vector<double>()},
                         {"layer_arrival_ms", t != report.transfer.end()
                                                  ? t->second.layer_arrival_ms
                                                  : std::vector<double>()},
@@ -251,6 +254,16 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     for (size_t l = 0; l < longest->layer_arrival_ms.size(); ++l) {
       out << absl::StrFormat("  layer %2d %8.2f ms |%s\n", l, longest->layer_arrival_ms[l],
                              Bar(longest->layer_arrival_ms[l], max_ms, 50));
+    }
+    // What no prefill compute can hide: the last layer's time in flight, beside a layer's
+    // typical one (the median).
+    std::vector<double> in_flight = longest->layer_in_flight_ms;
+    if (!in_flight.empty() && in_flight.back() > 0) {
+      const double last = in_flight.back();
+      std::sort(in_flight.begin(), in_flight.end());
+      out << absl::StrFormat("  last layer in flight %.3f ms after the prefill worker posted it "
+                             "(median layer %.3f ms)\n",
+                             last, in_flight[in_flight.size() / 2]);
     }
   }
   out << "\nprefill worker: exit status " << prc << " (log " << log << ")\n";

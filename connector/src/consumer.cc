@@ -401,7 +401,8 @@ void ConsumerSide::ClearStep() {
       continue;
     }
     finished_stats_.push_back(
-        {it->first, r.bytes, r.layer_ms, r.wait_ms, r.transfer_ms, r.exposed_ms});
+        {it->first, r.bytes, r.layer_ms, r.wait_ms, r.transfer_ms, r.exposed_ms,
+         r.in_flight_ms});
     it = recv_.erase(it);
   }
 }
@@ -505,7 +506,9 @@ void ConsumerSide::Arrived(const std::string& id, const LayerNotice& notice,
     r.post_ns.assign(r.layers.size(), 0);
     r.arrival_ns.assign(r.layers.size(), 0);
     r.layer_ms.assign(r.layers.size(), 0.0);
+    r.in_flight_ms.assign(r.layers.size(), 0.0);
   }
+  if (latency_ms > 0) r.in_flight_ms[l] = latency_ms;
   r.post_ns[l] = notice.post_ns;
   r.arrival_ns[l] = now_ns;
   r.layer_ms[l] = absl::ToDoubleMilliseconds(absl::Now() - r.handoff_time);
@@ -560,7 +563,8 @@ void ConsumerSide::TakeOutput(KvConnectorOutput& out) {
         ++it;
       } else {
         finished_stats_.push_back(
-            {it->first, r.bytes, r.layer_ms, r.wait_ms, r.transfer_ms, r.exposed_ms});
+            {it->first, r.bytes, r.layer_ms, r.wait_ms, r.transfer_ms, r.exposed_ms,
+         r.in_flight_ms});
         it = recv_.erase(it);
       }
     } else if (r.state == RecvState::kStopped) {

@@ -111,6 +111,7 @@ class ConsumerSide {
     std::vector<double> layer_ms;
     std::vector<uint64_t> post_ns;
     std::vector<uint64_t> arrival_ns;
+    std::vector<double> in_flight_ms;
     double transfer_ms = 0;
     double exposed_ms = 0;
     double wait_ms = 0;

@@ -444,6 +444,14 @@ TEST_P(LayerwiseConnectorTest, StreamsEveryLayerIntoScatteredBlocks) {
   ASSERT_EQ(rs[0].layer_arrival_ms.size(), static_cast<size_t>(kLayers));
   for (double ms : rs[0].layer_arrival_ms) EXPECT_GT(ms, 0.0);
   EXPECT_GT(rs[0].transfer_ms, 0.0);
+  // Every layer's time in flight, which together make the transfer time.
+  ASSERT_EQ(rs[0].layer_in_flight_ms.size(), static_cast<size_t>(kLayers));
+  double in_flight = 0;
+  for (double ms : rs[0].layer_in_flight_ms) {
+    EXPECT_GT(ms, 0.0);
+    in_flight += ms;
+  }
+  EXPECT_NEAR(in_flight, rs[0].transfer_ms, 1e-6);
   EXPECT_TRUE(d_->connector->TakeRequestStats().empty());
   FinishedRequests df = PollFinished(*d_->connector, "req-1", false);
   EXPECT_TRUE(df.finished_recving.count("req-1"));

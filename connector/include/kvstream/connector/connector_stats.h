@@ -61,6 +61,10 @@ struct RequestTransferStats {
   // The part of wait_ms spent on layers already posted and in flight: transfer time the
   // prefill compute did not hide.
   double exposed_ms = 0;
+  // Per layer index, arrival - post (ms, one host's monotonic clock; 0 where unknown). The
+  // last layer's is the transfer no prefill compute can hide: it starts when the producer's
+  // last layer has been computed.
+  std::vector<double> layer_in_flight_ms;
 };
 
 }  // namespace kvstream
