@@ -226,13 +226,13 @@ struct Pattern {
   bool sorted;
 };
 
-// Block offsets (in blocks) for `n` blocks of a pool of `pool_blocks`, rotated by `region`
-// so that repetitions touch other memory: distinct random blocks, or the identity.
-std::vector<uint64_t> Offsets(size_t n, size_t pool_blocks, bool contiguous, size_t region,
+// Block offsets (in blocks) for `n` blocks of a pool of `pool_blocks`: the identity, or
+// distinct random blocks.
+std::vector<uint64_t> Offsets(size_t n, size_t pool_blocks, bool contiguous,
                               std::mt19937_64& rng) {
   std::vector<uint64_t> out(n);
   if (contiguous) {
-    for (size_t i = 0; i < n; ++i) out[i] = (region * n + i) % pool_blocks;
+    std::iota(out.begin(), out.end(), 0);
     return out;
   }
   std::vector<uint64_t> all(pool_blocks);
@@ -305,8 +305,8 @@ int Run(int device, int reps) {
           // of the pool; pooled patterns draw from their whole pool.
           const size_t base = p.pool_bytes == 0 ? region * layer_bytes % kPoolBytes : 0;
           const size_t pool_blocks = pool / block_bytes;
-          std::vector<uint64_t> s = Offsets(n, pool_blocks, contiguous, 0, rng);
-          std::vector<uint64_t> d = Offsets(n, pool_blocks, contiguous, 0, rng);
+          std::vector<uint64_t> s = Offsets(n, pool_blocks, contiguous, rng);
+          std::vector<uint64_t> d = Offsets(n, pool_blocks, contiguous, rng);
           if (p.sorted) std::sort(d.begin(), d.end());
           for (size_t i = 0; i < n; ++i) {
             IpcCopySegment& e = host[region * n + i];
@@ -319,14 +319,13 @@ int Run(int device, int reps) {
                               cudaMemcpyHostToDevice));
         auto entries = [&](int r) { return table + (r % kRegions) * n; };
         for (int vectors : {8, 4}) {
-          int per_sm = 0;
           auto max = kvstream::internal::IpcSegmentCopyMaxCtasPerSm(
               kvstream::internal::IpcCopyUnit::kCta, vectors);
           if (!max.ok()) {
             std::fprintf(stderr, "%s\n", max.status().ToString().c_str());
             return 1;
           }
-          per_sm = *max;
+          const int per_sm = *max;
           const int grid = static_cast<int>(
               std::min<size_t>(n, static_cast<size_t>(per_sm) * prop.multiProcessorCount));
           row(p.name, "transport v" + std::to_string(vectors), MedianMs(reps, stream, [&](int r) {
