@@ -11,6 +11,8 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -19,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "kvstream/common/cuda_status.h"
+#include "layer_overlap.h"
 #include "worker.h"
 
 extern char** environ;
@@ -96,11 +99,6 @@ class PrefillProcess {
   pid_t pid_ = -1;
 };
 
-std::string Bar(double value, double max, int width) {
-  const int n = max > 0 ? static_cast<int>(value / max * width + 0.5) : 0;
-  return std::string(std::clamp(n, 0, width), '#');
-}
-
 }  // namespace
 
 int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
@@ -118,6 +116,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   const std::string dir = dir_template;
   const std::string address_file = dir + "/prefill.addr";
   const std::string log = dir + "/prefill.log";
+  const std::string prefill_json = dir + "/prefill.json";
   const bool cuda = o.device == ModelDevice::kCuda;
   if (cuda) {
     const absl::Status gpu = CudaAvailability();
@@ -154,7 +153,8 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
                                    "--address-file=" + address_file,
                                    absl::StrCat("--serve=", lengths.size()),
                                    absl::StrCat("--num-blocks=", o.num_blocks),
-                                   absl::StrCat("--idle-timeout=", o.timeout_s)};
+                                   absl::StrCat("--idle-timeout=", o.timeout_s),
+                                   "--json=" + prefill_json};
   for (const std::string& f : ModelFlags(o.model)) args.push_back(f);
   if (cuda) args.push_back("--device=cuda");
   PrefillProcess prefill;
@@ -190,80 +190,115 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     return rc != 0 ? rc : 1;
   }
 
+  // The prefill worker's side of each request: its prefill time and layer timeline.
+  std::map<std::string, ProducerTimeline> producer;
+  if (prc == 0) {
+    absl::StatusOr<std::map<std::string, ProducerTimeline>> p = ReadPrefillReport(prefill_json);
+    if (p.ok()) {
+      producer = std::move(*p);
+    } else {
+      err << "kvstream demo: " << p.status() << " (no layer timeline)\n";
+    }
+  }
+
   // Report.
-  out << absl::StrFormat("\n%-7s %7s %7s %9s %9s %10s %8s %10s  %s\n", "request", "prompt",
-                         "remote", "ttft ms", "coloc ms", "KV bytes", "GB/s", "exposed ms",
+  out << absl::StrFormat("\n%-7s %6s %6s | %8s %8s %6s | %8s %8s %6s | %8s %7s | %7s %7s  %s\n",
+                         "request", "prompt", "remote", "ttft ms", "coloc ms", "+%",
+                         "prefill", "coloc", "+%", "KV MB", "GB/s", "last ms", "layer ms",
                          "check");
+  out << absl::StrFormat("%-7s %6s %6s | %25s | %24s | %16s | %15s\n", "", "", "",
+                         "time to first token", "prefill (stream on/off)", "transfer",
+                         "after last layer");
   uint64_t total_bytes = 0;
-  double total_transfer_ms = 0, total_exposed = 0, ttft_sum = 0;
+  double total_transfer_ms = 0, ttft_sum = 0;
   nlohmann::json requests = nlohmann::json::array();
+  std::map<std::string, LayerOverlap> overlaps;
+  const auto pct = [](double a, double b) { return b > 0 ? (a / b - 1) * 100 : 0.0; };
   for (size_t i = 0; i < report.results.size(); ++i) {
     const RequestResult& r = report.results[i];
     const auto t = report.transfer.find(r.id);
+    const auto p = producer.find(r.id);
+    std::optional<LayerOverlap> overlap;
+    if (t != report.transfer.end() && p != producer.end()) {
+      absl::StatusOr<LayerOverlap> ov = ComputeLayerOverlap(t->second, p->second);
+      if (ov.ok()) {
+        overlap = *ov;
+        overlaps[r.id] = *ov;
+      } else {
+        err << "kvstream demo: " << ov.status() << "\n";
+      }
+    }
     const uint64_t bytes = t != report.transfer.end() ? t->second.bytes : 0;
-    const double transfer_ms = t != report.transfer.end() ? t->second.transfer_ms : 0;
-    const double exposed = t != report.transfer.end() ? t->second.exposed_ms : 0;
+    const double transfer_ms = overlap ? overlap->transfer_ms : 0;
     const double gbps = transfer_ms > 0 ? bytes / (transfer_ms * 1e6) : 0;
+    const double prefill_ms = p != producer.end() ? p->second.prefill_ms : 0;
     total_bytes += bytes;
     total_transfer_ms += transfer_ms;
-    total_exposed += exposed;
     ttft_sum += r.ttft_ms;
     const bool match = i < report.matches_colocated.size() && report.matches_colocated[i];
-    const double colocated_ttft =
-        i < report.colocated_ttft_ms.size() ? report.colocated_ttft_ms[i] : 0;
-    out << absl::StrFormat("%-7s %7d %7d %9.1f %9.1f %10d %8.2f %10.2f  %s%s\n", r.id,
-                           r.prompt_tokens, r.remote_tokens, r.ttft_ms, colocated_ttft, bytes,
-                           gbps, exposed,
-                           match ? "== colocated" : "!= colocated",
-                           r.recomputed ? " (recomputed)" : "");
-    requests.push_back({{"id", r.id},
+    const RequestResult* coloc = i < report.colocated.size() && !report.colocated[i].id.empty()
+                                     ? &report.colocated[i]
+                                     : nullptr;
+    const double coloc_ttft = coloc != nullptr ? coloc->ttft_ms : 0;
+    const double coloc_prefill = coloc != nullptr ? coloc->prefill_ms : 0;
+    out << absl::StrFormat(
+        "%-7s %6d %6d | %8.1f %8.1f %+6.1f | %8.1f %8.1f %+6.1f | %8.1f %7.1f | %7.2f %7.2f  "
+        "%s%s\n",
+        r.id, r.prompt_tokens, r.remote_tokens, r.ttft_ms, coloc_ttft, pct(r.ttft_ms, coloc_ttft),
+        prefill_ms, coloc_prefill, pct(prefill_ms, coloc_prefill), bytes / 1e6, gbps,
+        overlap ? overlap->last_exposed_ms : 0.0, overlap ? overlap->median_copy_ms : 0.0,
+        match ? "== colocated" : "!= colocated", r.recomputed ? " (recomputed)" : "");
+    nlohmann::json j = {{"id", r.id},
                         {"prompt_tokens", r.prompt_tokens},
                         {"remote_tokens", r.remote_tokens},
                         {"ttft_ms", r.ttft_ms},
-                        {"colocated_ttft_ms", colocated_ttft},
+                        {"colocated_ttft_ms", coloc_ttft},
+                        {"prefill_ms", prefill_ms},
+                        {"colocated_prefill_ms", coloc_prefill},
                         {"transfer_bytes", bytes},
                         {"transfer_ms", transfer_ms},
-                        {"exposed_transfer_ms", exposed},
-                        {"layer_in_flight_ms", t != report.transfer.end()
-                                                   ? t->second.layer_in_flight_ms
-                                                   : std::vector<double>()},
-                        {"layer_arrival_ms", t != report.transfer.end()
-                                                 ? t->second.layer_arrival_ms
-                                                 : std::vector<double>()},
+                        {"exposed_transfer_ms",
+                         t != report.transfer.end() ? t->second.exposed_ms : 0.0},
                         {"output_tokens", r.output_tokens},
                         {"matches_colocated", match},
-                        {"status", r.status.ToString()}});
+                        {"status", r.status.ToString()}};
+    if (overlap) j["layers"] = LayerOverlapJson(*overlap);
+    requests.push_back(std::move(j));
   }
   const double total_gbps = total_transfer_ms > 0 ? total_bytes / (total_transfer_ms * 1e6) : 0;
   out << absl::StrFormat(
-      "total:  %d KV bytes in %.1f ms of transfer (%.2f GB/s per layer in flight), %.1f ms "
-      "exposed (waited for), mean TTFT %.1f ms; %d decode steps in %.0f ms\n",
-      total_bytes, total_transfer_ms, total_gbps, total_exposed,
-      ttft_sum / report.results.size(), report.steps, report.total_ms);
+      "total:  %.1f MB of KV in %.1f ms of transfer (%.2f GB/s), mean TTFT %.1f ms; %d decode "
+      "steps in %.0f ms\n",
+      total_bytes / 1e6, total_transfer_ms, total_gbps, ttft_sum / report.results.size(),
+      report.steps, report.total_ms);
+  out << "  (prefill: the forward pass of the prompt but its last token, at the prefill "
+         "worker with the stream on and colocated without; last ms: from the prefill worker's "
+         "last layer ready to its arrival at the decode worker; layer ms: one layer's "
+         "transfer, the median)\n";
 
-  // Timeline of the longest prompt: when each layer arrived after the hand-off.
-  const RequestTransferStats* longest = nullptr;
-  for (const auto& [id, t] : report.transfer) {
-    if (longest == nullptr || t.bytes > longest->bytes) longest = &t;
-  }
-  if (longest != nullptr && !longest->layer_arrival_ms.empty()) {
-    const double max_ms = *std::max_element(longest->layer_arrival_ms.begin(),
-                                            longest->layer_arrival_ms.end());
-    out << "\nlayer arrival after the hand-off, " << longest->request_id
-        << " (the prefill worker computes and sends layer by layer):\n";
-    for (size_t l = 0; l < longest->layer_arrival_ms.size(); ++l) {
-      out << absl::StrFormat("  layer %2d %8.2f ms |%s\n", l, longest->layer_arrival_ms[l],
-                             Bar(longest->layer_arrival_ms[l], max_ms, 50));
+  // Timeline of the longest prompt: each layer ready at the prefill worker, its transfer
+  // done, its arrival at the decode worker.
+  const LayerOverlap* longest = nullptr;
+  std::string longest_id;
+  for (const auto& [id, ov] : overlaps) {
+    if (longest == nullptr || ov.ready_ms.back() - ov.prefill_start_ms >
+                                  longest->ready_ms.back() - longest->prefill_start_ms) {
+      longest = &ov;
+      longest_id = id;
     }
-    // What no prefill compute can hide: the last layer's time in flight, beside a layer's
-    // typical one (the median).
-    std::vector<double> in_flight = longest->layer_in_flight_ms;
-    if (!in_flight.empty() && in_flight.back() > 0) {
-      const double last = in_flight.back();
-      std::sort(in_flight.begin(), in_flight.end());
-      out << absl::StrFormat("  last layer in flight %.3f ms after the prefill worker posted it "
-                             "(median layer %.3f ms)\n",
-                             last, in_flight[in_flight.size() / 2]);
+  }
+  if (longest != nullptr) {
+    const double max_ms = longest->arrival_ms.back();
+    out << "\nlayers of " << longest_id
+        << ", ms after the hand-off (ready: computed at the prefill worker; arrived: at the "
+           "decode worker):\n";
+    for (size_t l = 0; l < longest->arrival_ms.size(); ++l) {
+      const int ready = static_cast<int>(longest->ready_ms[l] / max_ms * 50 + 0.5);
+      const int arrived = static_cast<int>(longest->arrival_ms[l] / max_ms * 50 + 0.5);
+      out << absl::StrFormat("  layer %2d ready %8.2f arrived %8.2f |%s%s\n", l,
+                             longest->ready_ms[l], longest->arrival_ms[l],
+                             std::string(std::clamp(ready, 0, 50), '#'),
+                             std::string(std::clamp(arrived - ready, 0, 50), '>'));
     }
   }
   out << "\nprefill worker: exit status " << prc << " (log " << log << ")\n";
@@ -292,7 +327,6 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     j["requests"] = requests;
     j["transfer_gbps"] = total_gbps;
     j["transfer_bytes"] = total_bytes;
-    j["exposed_transfer_ms"] = total_exposed;
     j["transport"] = cuda ? std::string("cuda_ipc") : absl::StrCat("ucx-", tls);
     j["backend"] = cuda ? std::string("cuda") : o.model.backend;
     j["device"] = cuda ? "cuda" : "cpu";

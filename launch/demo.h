@@ -2,8 +2,10 @@
 // same program, `kvstream worker --role=prefill`), runs the decode worker itself, serves a
 // batch of requests of varied prompt lengths through the synthetic model with their KV
 // streamed layer by layer from the prefill process, runs the same requests colocated, and
-// prints a report: per request prompt length, time to first token, bytes moved, GB/s,
-// exposed (not overlapped) transfer time, and a per-layer arrival timeline.
+// prints a report: per request prompt length, time to first token beside the colocated
+// run's, the prefill pass with the stream on (at the prefill worker) beside the colocated
+// one, bytes moved and GB/s, the transfer left after the prefill worker's last layer beside
+// one layer's transfer (layer_overlap.h), and the layer timeline of the longest request.
 #ifndef KVSTREAM_LAUNCH_DEMO_H_
 #define KVSTREAM_LAUNCH_DEMO_H_
 

@@ -261,7 +261,9 @@ int main(int argc, char** argv) {
                          "transfer hook ran in a step with remote traffic")->capture_default_str();
   worker_cmd->add_flag("!--no-check", worker.check_colocated,
                        "Decode: skip the comparison with a colocated run");
-  worker_cmd->add_option("--json", worker.json_path, "Decode: write a JSON report to this file");
+  worker_cmd->add_option("--json", worker.json_path,
+                         "Write a JSON report to this file (decode: requests and checks; "
+                         "prefill, at exit: requests served and their layer timelines)");
   worker_cmd->add_flag("--one-at-a-time", worker.one_at_a_time,
                        "Decode: start each request once the one before it finished, in both runs");
   worker_cmd->add_option("--metrics-port", worker.metrics_port,

@@ -107,6 +107,32 @@ nlohmann::json ConnectorStatsJson(const ConnectorStats& s,
   return j;
 }
 
+nlohmann::json PrefillReportJson(const std::vector<RequestResult>& served,
+                                 const std::map<std::string, RequestSendStats>& sends,
+                                 const ConnectorStats& stats,
+                                 const std::vector<PeerConnectorStats>& peers) {
+  nlohmann::json requests = nlohmann::json::array();
+  for (const RequestResult& r : served) {
+    nlohmann::json j = {{"id", r.id},
+                        {"prompt_tokens", r.prompt_tokens},
+                        {"prefill_ms", r.prefill_ms},
+                        {"prefill_start_ns", r.prefill_start_ns},
+                        {"status", r.status.ToString()}};
+    const auto t = sends.find(r.id);
+    if (t != sends.end()) {
+      j["consumer_request_id"] = t->second.consumer_request_id;
+      j["sent_ok"] = t->second.ok;
+      j["bytes_sent"] = t->second.bytes;
+      j["layer_ready_ns"] = t->second.layer_ready_ns;
+      j["layer_sent_ns"] = t->second.layer_sent_ns;
+    }
+    requests.push_back(std::move(j));
+  }
+  return {{"role", "prefill"},
+          {"requests", std::move(requests)},
+          {"connector", ConnectorStatsJson(stats, peers)}};
+}
+
 int RequestsServedBy(const WorkerOptions& o, int prefill_index) {
   int n = 0;
   for (int d = 0; d < o.num_decode; ++d) {
@@ -415,6 +441,16 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
     }
     const StopSignals stop;
     absl::Time last_work = absl::Now();
+    // For --json: what was served, with its send timeline (by the engine's request id).
+    std::vector<RequestResult> served;
+    std::map<std::string, RequestSendStats> sends;
+    auto collect = [&] {
+      if (o.json_path.empty()) return;
+      for (RequestResult& r : (*engine)->TakeServed()) served.push_back(std::move(r));
+      for (RequestSendStats& t : (*connector)->TakeSendStats()) {
+        sends[t.request_id] = std::move(t);
+      }
+    };
     while (true) {
       if (stop.received() != 0) {
         // Asked to stop: finish the work in hand (bounded by the idle timeout), then the
@@ -428,6 +464,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
       }
       auto ran = (*engine)->Step();
       if (!ran.ok()) return Fail(err, ran.status());
+      collect();
       if (*ran || (*engine)->HasWork()) last_work = absl::Now();
       if (o.serve > 0 && (*engine)->served() >= o.serve && !(*engine)->HasWork()) break;
       if (absl::Now() - last_work > absl::Seconds(o.idle_timeout_s)) {
@@ -440,6 +477,14 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
     out << "prefill worker: served " << (*engine)->served() << " requests in "
         << (*engine)->steps() << " steps; " << free_blocks << "/" << (*engine)->num_blocks()
         << " blocks free" << std::endl;
+    if (!o.json_path.empty()) {
+      absl::SleepFor(absl::Milliseconds(50));  // the progress loop's last sends
+      collect();
+      std::ofstream f(o.json_path);
+      f << PrefillReportJson(served, sends, (*connector)->stats(), (*connector)->peer_stats())
+               .dump(2)
+        << "\n";
+    }
     if (free_blocks != (*engine)->num_blocks()) {
       err << "kvstream worker: blocks leaked on the prefill worker\n";
       return 4;
@@ -520,10 +565,13 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   for (size_t i = 0; i < results.size(); ++i) {
     const RequestResult& r = results[i];
     bool match = true;
-    double colocated_ttft_ms = 0;
+    double colocated_ttft_ms = 0, colocated_prefill_ms = 0;
     if (check) {
       const RequestResult* c = i < colocated.size() && colocated[i].id == r.id ? &colocated[i] : nullptr;
-      if (c != nullptr) colocated_ttft_ms = c->ttft_ms;
+      if (c != nullptr) {
+        colocated_ttft_ms = c->ttft_ms;
+        colocated_prefill_ms = c->prefill_ms;
+      }
       match = c != nullptr && r.status.ok() && c->output_tokens == r.output_tokens &&
               c->logits.size() == r.logits.size() &&
               std::memcmp(c->logits.data(), r.logits.data(), r.logits.size() * sizeof(float)) == 0;
@@ -542,6 +590,8 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
                                   {"remote_tokens", r.remote_tokens},
                                   {"ttft_ms", r.ttft_ms},
                                   {"colocated_ttft_ms", colocated_ttft_ms},
+                                  {"prefill_ms", r.prefill_ms},
+                                  {"colocated_prefill_ms", colocated_prefill_ms},
                                   {"output_tokens", r.output_tokens},
                                   {"recomputed", r.recomputed},
                                   {"status", r.status.ToString()},
@@ -570,9 +620,15 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   if (decode_report != nullptr) {
     DecodeReport& d = *decode_report;
     d.results = results;
-    for (const auto& r : report["requests"]) {
-      d.matches_colocated.push_back(r["matches_colocated"]);
-      if (check) d.colocated_ttft_ms.push_back(r["colocated_ttft_ms"]);
+    for (size_t i = 0; i < results.size(); ++i) {
+      d.matches_colocated.push_back(report["requests"][i]["matches_colocated"]);
+      if (!check) continue;
+      RequestResult c;
+      if (i < colocated.size() && colocated[i].id == results[i].id) {
+        c = colocated[i];
+        c.logits.clear();
+      }
+      d.colocated.push_back(std::move(c));
     }
     for (RequestTransferStats& t : transfer_stats) {
       d.transfer[t.request_id] = std::move(t);

@@ -50,8 +50,10 @@ struct WorkerOptions {
   // the colocated run alike, so that a request's time to first token has no queueing in it
   // (what the TTFT benchmarks measure); otherwise all start at once.
   bool one_at_a_time = false;
-  // Decode: write a JSON report here. One of several decode workers appends ".d<index>", a
-  // pipeline stage ".pp<rank>" (so ranks of one mpirun can share the flag).
+  // Write a JSON report here. Decode: the requests and their checks, the transfer stats;
+  // one of several decode workers appends ".d<index>", a pipeline stage ".pp<rank>" (so
+  // ranks of one mpirun can share the flag). Prefill: at exit, the requests served (prefill
+  // time, each layer's ready and sent times: PrefillReportJson).
   std::string json_path;
   // Rendezvous through a file: the prefill worker writes "host:port" of its control channel
   // there once it listens (so it can use port 0); the decode worker waits for it and uses it
@@ -79,7 +81,9 @@ struct WorkerOptions {
 struct DecodeReport {
   std::vector<RequestResult> results;           // sorted by id
   std::vector<bool> matches_colocated;          // per result
-  std::vector<double> colocated_ttft_ms;        // per result; empty without the check
+  // Per result, the same request's colocated run (logits dropped; an empty id where it
+  // has none); empty without the check.
+  std::vector<RequestResult> colocated;
   std::map<std::string, RequestTransferStats> transfer;  // by request id
   ConnectorStats stats;
   std::vector<PeerConnectorStats> peer_stats;
@@ -102,6 +106,14 @@ int RunWorker(const WorkerOptions& options, std::ostream& out, std::ostream& err
 // with `peers` a "peers" object holding the same counters by peer.
 nlohmann::json ConnectorStatsJson(const ConnectorStats& stats,
                                   const std::vector<PeerConnectorStats>& peers = {});
+
+// A prefill worker's --json report: per request served, the engine's id, prompt length,
+// prefill_ms and prefill_start_ns (RequestResult), and from its RequestSendStats (matched by
+// id) the consumer's id, layer_ready_ns and layer_sent_ns; the connector's stats.
+nlohmann::json PrefillReportJson(const std::vector<RequestResult>& served,
+                                 const std::map<std::string, RequestSendStats>& sends,
+                                 const ConnectorStats& stats,
+                                 const std::vector<PeerConnectorStats>& peers);
 
 // How many requests prefill worker `prefill_index` serves in an xPyD run of these options.
 int RequestsServedBy(const WorkerOptions& options, int prefill_index);

@@ -227,6 +227,7 @@ absl::Status ConsumerSide::HandOff(const KvConnectorMetadata::Load& load) {
     m.attempt = r.attempt = next_attempt_++;
     r.state = RecvState::kLoading;
     r.handoff_time = absl::Now();
+    r.handoff_ns = MonotonicNs();
     r.producer = link->address;
     r.producer_id = link->engine_id;
   }
@@ -362,7 +363,9 @@ absl::Status ConsumerSide::WaitForLayer(absl::string_view layer_name) {
       r.wait_ms += waited;
       // Exposed transfer: the part of the wait when the layer was already posted and in
       // flight (the rest was the producer still computing it).
-      if (r.layers[index] == LayerState::kArrived && r.arrival_ns[index] != 0) {
+      // Unknown for device caches (post_ns 0: the host posts ahead of the GPU).
+      if (r.layers[index] == LayerState::kArrived && r.arrival_ns[index] != 0 &&
+          r.post_ns[index] != 0) {
         const uint64_t from = std::max(r.post_ns[index], wait_start_ns);
         if (r.arrival_ns[index] > from) {
           const double ms = static_cast<double>(r.arrival_ns[index] - from) / 1e6;
@@ -402,7 +405,7 @@ void ConsumerSide::ClearStep() {
     }
     finished_stats_.push_back(
         {it->first, r.bytes, r.layer_ms, r.wait_ms, r.transfer_ms, r.exposed_ms,
-         r.in_flight_ms});
+         r.in_flight_ms, r.handoff_ns});
     it = recv_.erase(it);
   }
 }
@@ -511,7 +514,7 @@ void ConsumerSide::Arrived(const std::string& id, const LayerNotice& notice,
   if (latency_ms > 0) r.in_flight_ms[l] = latency_ms;
   r.post_ns[l] = notice.post_ns;
   r.arrival_ns[l] = now_ns;
-  r.layer_ms[l] = absl::ToDoubleMilliseconds(absl::Now() - r.handoff_time);
+  r.layer_ms[l] = static_cast<double>(now_ns - r.handoff_ns) / 1e6;
   shared_.stats.LayerReceived(PeerOf(r), notice.bytes, latency_ms);
   if (r.arrived == table->count()) r.state = RecvState::kComplete;
 }
@@ -564,7 +567,7 @@ void ConsumerSide::TakeOutput(KvConnectorOutput& out) {
       } else {
         finished_stats_.push_back(
             {it->first, r.bytes, r.layer_ms, r.wait_ms, r.transfer_ms, r.exposed_ms,
-         r.in_flight_ms});
+         r.in_flight_ms, r.handoff_ns});
         it = recv_.erase(it);
       }
     } else if (r.state == RecvState::kStopped) {

@@ -107,6 +107,7 @@ class ConsumerSide {
     absl::Status error;
     absl::Time abort_deadline = absl::InfiniteFuture();
     absl::Time handoff_time;
+    uint64_t handoff_ns = 0;  // the same, MonotonicNs
     // Timing and volume, for RequestTransferStats (per layer index).
     std::vector<double> layer_ms;
     std::vector<uint64_t> post_ns;

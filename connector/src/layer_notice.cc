@@ -1,8 +1,6 @@
 // Encoding and strict decoding of layer notices (layer_notice.h).
 #include "layer_notice.h"
 
-#include <chrono>
-
 #include "absl/strings/str_cat.h"
 #include "kvstream/common/byte_io.h"
 #include "kvstream/common/status_macros.h"
@@ -15,12 +13,6 @@ namespace {
 constexpr uint32_t kNoticeMagic = 0x334E564B;  // bytes "KVN3"
 
 }  // namespace
-
-uint64_t MonotonicNs() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-}
 
 absl::StatusOr<std::string> EncodeLayerNoticeHead(const LayerNotice& n) {
   std::string out;

@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kvstream/common/monotonic_clock.h"  // the clock of post_ns
 
 namespace kvstream {
 namespace internal {
@@ -36,6 +37,8 @@ struct LayerNotice {
   uint32_t layer = 0;
   uint64_t bytes = 0;
   ChecksumKind checksum_kind = ChecksumKind::kNone;
+  // When the producer posted the layer (MonotonicNs); 0: unknown, as for device caches,
+  // whose host post runs ahead of the GPU (the producer's RequestSendStats has their times).
   uint64_t post_ns = 0;
   uint64_t checksum = 0;
 };
@@ -48,9 +51,6 @@ absl::StatusOr<std::string> EncodeLayerNotice(const LayerNotice& notice);
 // the bytes of a little-endian u64 appended later.
 absl::StatusOr<std::string> EncodeLayerNoticeHead(const LayerNotice& notice);
 absl::StatusOr<LayerNotice> DecodeLayerNotice(absl::string_view payload);
-
-// Nanoseconds of CLOCK_MONOTONIC (steady_clock), the clock of LayerNotice::post_ns.
-uint64_t MonotonicNs();
 
 }  // namespace internal
 }  // namespace kvstream

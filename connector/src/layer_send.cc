@@ -31,7 +31,8 @@ absl::StatusOr<std::unique_ptr<LayerSender>> LayerSender::Create(const LayerTabl
   if (table.memory() != MemoryKind::kDevice) return s;
   CudaDeviceScope scope(device);
   RETURN_IF_ERROR(scope.status());
-  ASSIGN_OR_RETURN(s->ready_, CudaEvent::Create());
+  ASSIGN_OR_RETURN(CudaEventClock clock, CudaEventClock::Create());
+  s->clock_ = std::move(clock);
   if (checksum) {
     DeviceChecksummer::Options o;
     o.device = device;
@@ -44,11 +45,18 @@ absl::StatusOr<std::unique_ptr<LayerSender>> LayerSender::Create(const LayerTabl
   return s;
 }
 
-void LayerSender::Done(TransferId v) {
+uint64_t LayerSender::Done(TransferId v) {
   auto it = slot_of_.find(v);
-  if (it == slot_of_.end()) return;
-  slots_->Release(it->second);
-  slot_of_.erase(it);
+  if (it != slot_of_.end()) {
+    slots_->Release(it->second);
+    slot_of_.erase(it);
+  }
+  auto ready = ready_of_.find(v);
+  if (ready == ready_of_.end()) return 0;
+  // The write waited for the stamp, so it has passed unless the write failed early.
+  absl::StatusOr<uint64_t> ns = CudaEventClock::HostNs(ready->second);
+  ready_of_.erase(ready);
+  return ns.ok() ? *ns : 0;
 }
 
 
@@ -69,6 +77,7 @@ absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::
   notice.bytes = runs.bytes;
   WriteOrder order;
   uint64_t* slot = nullptr;
+  std::optional<CudaEventClock::Stamp> ready;  // device caches
   if (cv.memory == MemoryKind::kDevice) {
     if (stream == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -85,23 +94,26 @@ absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::
       order.notification_tail = slot;
       order.notification_tail_bytes = kLayerNoticeChecksumBytes;
     }
-    absl::Status s = ready_.Record(stream);
-    if (!s.ok()) {
+    absl::StatusOr<CudaEventClock::Stamp> stamp = clock_->Record(stream);
+    if (!stamp.ok()) {
       if (slot != nullptr) slots_->Release(slot);
-      return s;
+      return stamp.status();
     }
-    order.ready_event = ready_.get();
-  } else if (checksum_) {
-    notice.checksum_kind = ChecksumKind::kXxh3;
-    notice.checksum = HostLayerChecksum(cv, runs, /*destination=*/false);
+    ready = std::move(stamp).value();
+    order.ready_event = ready->event.get();
+  } else {
+    if (checksum_) {
+      notice.checksum_kind = ChecksumKind::kXxh3;
+      notice.checksum = HostLayerChecksum(cv, runs, /*destination=*/false);
+    }
+    notice.post_ns = MonotonicNs();
   }
-  notice.post_ns = MonotonicNs();
   // With a GPU-made checksum the notice ends where the tail's 8 bytes go.
   absl::StatusOr<std::string> payload =
       slot != nullptr ? EncodeLayerNoticeHead(notice) : EncodeLayerNotice(notice);
   LayerPost post;
   post.bytes = runs.bytes;
-  post.post_ns = notice.post_ns;
+  post.post_ns = MonotonicNs();
   absl::StatusOr<TransferId> k =
       payload.ok() ? transport_.PostWrite(peer, *layer.k_reg, k_remote, ToSegments(runs.k), "",
                                           WriteOrder{order.ready_event})
@@ -119,6 +131,7 @@ absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::
   }
   post.v = *v;
   if (slot != nullptr) slot_of_[post.v] = slot;
+  if (ready.has_value()) ready_of_.emplace(post.v, std::move(*ready));
   return post;
 }
 

@@ -170,6 +170,9 @@ class LayerwiseWorker final : public KvConnectorWorker {
   std::vector<RequestTransferStats> TakeRequestStats() override {
     return consumer_ ? consumer_->TakeRequestStats() : std::vector<RequestTransferStats>();
   }
+  std::vector<RequestSendStats> TakeSendStats() override {
+    return producer_ ? producer_->TakeSendStats() : std::vector<RequestSendStats>();
+  }
 
  private:
   void ProgressLoop() {

@@ -254,6 +254,18 @@ void ProducerSide::Settle(SendRequest& s) {
     --d.link->active_requests;
     d.link->active_tokens -= static_cast<int64_t>(s.prompt.size());
   }
+  if (s.layers_posted.empty()) return;  // nothing was sent: no timeline
+  if (send_stats_.size() >= KvConnectorWorker::kMaxSendStatsKept) send_stats_.pop_front();
+  send_stats_.push_back({s.id, s.consumer_id, s.state == SendState::kDone, s.bytes_sent,
+                         std::move(s.ready_ns), std::move(s.sent_ns)});
+}
+
+std::vector<RequestSendStats> ProducerSide::TakeSendStats() {
+  absl::MutexLock lock(&mu_);
+  std::vector<RequestSendStats> out(std::make_move_iterator(send_stats_.begin()),
+                                    std::make_move_iterator(send_stats_.end()));
+  send_stats_.clear();
+  return out;
 }
 
 // ---- the step ----
@@ -329,7 +341,7 @@ absl::Status ProducerSide::PostLayer(absl::string_view layer_name, const KvCache
       continue;
     }
     s.pending.push_back(post->v);
-    layer_sends_[post->v] = {post->bytes, post->post_ns, dest.link->engine_id};
+    layer_sends_[post->v] = {layer->index, post->bytes, post->post_ns, dest.link->engine_id};
     // The deadline measures the transfers, not the prefill: it restarts with every layer
     // posted, so a long prefill is not mistaken for a consumer that stopped taking data.
     s.deadline = absl::Now() + absl::Milliseconds(shared_.config.kvstream.send_timeout_ms);
@@ -372,16 +384,30 @@ bool ProducerSide::Poll() {
           ++it;
           continue;
         }
+        // A device cache's layer was ready when the GPU got there, not at the host's post.
+        const uint64_t gpu_ready_ns = sender_->Done(*it);
         auto ls = layer_sends_.find(*it);
         if (ls != layer_sends_.end()) {
           if (state.ok()) {
-            shared_.stats.LayerSent(ls->second.peer, ls->second.bytes,
-                                    static_cast<double>(MonotonicNs() - ls->second.post_ns) / 1e6);
+            const uint64_t now_ns = MonotonicNs();
+            const uint64_t ready_ns = gpu_ready_ns != 0 ? gpu_ready_ns : ls->second.post_ns;
+            shared_.stats.LayerSent(
+                ls->second.peer, ls->second.bytes,
+                now_ns > ready_ns ? static_cast<double>(now_ns - ready_ns) / 1e6 : 0.0);
+            if (s.ready_ns.empty()) {
+              s.ready_ns.assign(layer_count, 0);
+              s.sent_ns.assign(layer_count, 0);
+            }
+            const int32_t l = ls->second.layer;
+            if (l >= 0 && l < layer_count) {
+              s.ready_ns[l] = ready_ns;
+              s.sent_ns[l] = now_ns;
+            }
+            s.bytes_sent += ls->second.bytes;
           }
           layer_sends_.erase(ls);
         }
         if (!state.ok()) Fail(s, state.status());
-        sender_->Done(*it);
         transport.Release(*it);
         it = s.pending.erase(it);
       }

@@ -30,6 +30,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <set>
@@ -44,7 +45,9 @@
 #include "absl/time/time.h"
 #include "control_messages.h"
 #include "kvstream/cache/kv_cache.h"
+#include "kvstream/connector/connector_stats.h"
 #include "kvstream/connector/kv_connector.h"
+#include "kvstream/connector/kv_connector_worker.h"
 #include "kvstream/transfer/control_channel.h"
 #include "layer_send.h"
 #include "worker_shared.h"
@@ -88,6 +91,7 @@ class ProducerSide {
   int64_t connections() const;
   uint64_t connections_refused() const { return refused_.load(); }
   int64_t BlocksInFlight(std::map<std::string, int64_t>* by_peer) const;
+  std::vector<RequestSendStats> TakeSendStats();
 
  private:
   // One connected consumer.
@@ -136,6 +140,10 @@ class ProducerSide {
     std::vector<int32_t> local_blocks;
     std::set<int32_t> layers_posted;
     std::vector<TransferId> pending;
+    // Per layer index (RequestSendStats), sized at the first completed send.
+    std::vector<uint64_t> ready_ns;
+    std::vector<uint64_t> sent_ns;
+    uint64_t bytes_sent = 0;
     absl::Time deadline = absl::InfiniteFuture();
     std::string stop_reason;
     bool released = false;  // given to the engine (reported incoming)
@@ -144,6 +152,7 @@ class ProducerSide {
 
   // What a completed V transfer (the one with the notice) means for the stats.
   struct LayerSend {
+    int32_t layer = 0;
     uint64_t bytes = 0;
     uint64_t post_ns = 0;
     std::string peer;  // the consumer's engine id
@@ -198,6 +207,7 @@ class ProducerSide {
   };
   std::map<std::string, RejectedStage> rejected_stages_ ABSL_GUARDED_BY(mu_);
   std::map<TransferId, LayerSend> layer_sends_ ABSL_GUARDED_BY(mu_);
+  std::deque<RequestSendStats> send_stats_ ABSL_GUARDED_BY(mu_);
   std::vector<IncomingRequest> incoming_ ABSL_GUARDED_BY(mu_);
 };
 

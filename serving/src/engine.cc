@@ -11,11 +11,14 @@
 #include "kvstream/common/int_math.h"
 #include "kvstream/attention/metadata.h"
 #include "kvstream/common/logging.h"
+#include "kvstream/common/monotonic_clock.h"
 #include "kvstream/common/status_macros.h"
 
 namespace kvstream {
 namespace {
 
+// Engine::TakeServed keeps this many results for a caller that does not take them.
+constexpr size_t kServedResultsKept = 4096;
 
 // FNV-1a over the step's batch: stages compare it to be sure they run the same rows.
 class Digest {
@@ -156,6 +159,13 @@ bool Engine::HasWork() const {
 
 std::vector<RequestResult> Engine::TakeFinished() { return std::move(finished_); }
 
+std::vector<RequestResult> Engine::TakeServed() {
+  std::vector<RequestResult> out(std::make_move_iterator(served_results_.begin()),
+                                 std::make_move_iterator(served_results_.end()));
+  served_results_.clear();
+  return out;
+}
+
 absl::Status Engine::PollConnector() {
   if (!connected()) return absl::OkStatus();
   ASSIGN_OR_RETURN(KvConnectorOutput raw, options_.worker->TakeOutput());
@@ -237,6 +247,8 @@ void Engine::FinishRequest(std::unique_ptr<Request> r, absl::Status status) {
   }
   if (r->from_consumer) {
     ++served_;
+    if (served_results_.size() >= kServedResultsKept) served_results_.pop_front();
+    served_results_.push_back(std::move(r->result));
   } else {
     finished_.push_back(std::move(r->result));
   }
@@ -325,6 +337,7 @@ absl::StatusOr<bool> Engine::Step() {
   };
   absl::StatusOr<std::vector<float>> hidden = std::vector<float>();
   absl::StatusOr<std::vector<float>> logits = std::vector<float>();
+  const uint64_t forward_start_ns = MonotonicNs();
   if (cuda_model_ != nullptr) {
     // The whole model in one call, logits included (no pipeline on CUDA).
     logits = cuda_model_->Forward(tokens, positions, segments, last_rows);
@@ -349,6 +362,7 @@ absl::StatusOr<bool> Engine::Step() {
   }
   absl::Status ran = hidden.status();
   if (ran.ok() && model_ != nullptr) ran = model_->RunLayers(*hidden, positions, segments);
+  const double forward_ms = static_cast<double>(MonotonicNs() - forward_start_ns) / 1e6;
   registry_.SetForwardContext({});
   if (connected()) {
     absl::Status s = options_.worker->WaitForSave();
@@ -442,8 +456,13 @@ absl::StatusOr<bool> Engine::Step() {
       waiting_.push_front(std::move(r));
       continue;
     }
+    const int32_t prompt = static_cast<int32_t>(r->spec.prompt.size());
+    if (r->computed < prompt - 1) {  // this pass computed prompt tokens but the last
+      if (r->result.prefill_start_ns == 0) r->result.prefill_start_ns = forward_start_ns;
+      r->result.prefill_ms += forward_ms;
+    }
     r->computed += schedule[i].query_len;
-    if (r->computed < static_cast<int32_t>(r->spec.prompt.size())) {
+    if (r->computed < prompt) {
       still_running.push_back(std::move(r));  // the prompt's last token is still to come
       continue;
     }

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <random>
@@ -283,7 +284,8 @@ int RunSoak(const Flags& flags) {
                   " result=", rc == 0 ? "PASS" : "FAIL");
   std::cout << summary << std::endl;
   if (rc == 0) {
-    std::system(absl::StrCat("rm -rf '", so.log_dir, "'").c_str());
+    std::error_code ignored;
+    std::filesystem::remove_all(so.log_dir, ignored);
   } else {
     std::cout << "peer logs kept in " << so.log_dir << "\n";
   }

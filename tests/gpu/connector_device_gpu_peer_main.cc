@@ -5,7 +5,9 @@
 //   kvstream_connector_device_peer --transport=cuda_ipc [--crash-after-layer=N]
 //
 // Protocol (connector_device_gpu_test.cc): it writes "ready <port>" on fd 3 once listening,
-// serves hand-offs until "quit" arrives on stdin, then "served <n>" and exits 0. With
+// serves hand-offs until "quit" arrives on stdin, then for each request whose sends ended
+// "timeline <consumer id> ok|failed <ready ns,...> <sent ns,...>" (RequestSendStats), then
+// "served <n>", and exits 0. With
 // --crash-after-layer=N it SIGKILLs itself right after posting layer N of its first
 // request (as a crash would: no cleanup).
 #include <poll.h>
@@ -23,6 +25,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "connector_device_model.h"
 #include "kvstream/connector/factory.h"
@@ -83,7 +86,9 @@ int Run(int argc, char** argv) {
   std::shuffle(free_blocks.begin(), free_blocks.end(), std::mt19937(5));
   std::map<std::string, std::vector<int32_t>> held;
   int served = 0;
+  std::vector<RequestSendStats> timelines;
   while (!QuitRequested()) {
+    for (RequestSendStats& t : (*worker)->TakeSendStats()) timelines.push_back(std::move(t));
     auto out = (*worker)->TakeOutput();
     if (!out.ok()) return Fail(out.status());
     if (absl::Status s = (*scheduler)->UpdateConnectorOutput(*out); !s.ok()) return Fail(s);
@@ -123,6 +128,15 @@ int Run(int argc, char** argv) {
       ++served;
     }
     absl::SleepFor(absl::Milliseconds(1));
+  }
+  absl::SleepFor(absl::Milliseconds(20));  // the progress loop's last completions
+  for (RequestSendStats& t : (*worker)->TakeSendStats()) timelines.push_back(std::move(t));
+  for (const RequestSendStats& t : timelines) {
+    const std::string line = absl::StrCat("timeline ", t.consumer_request_id, " ",
+                                          t.ok ? "ok" : "failed", " ",
+                                          absl::StrJoin(t.layer_ready_ns, ","), " ",
+                                          absl::StrJoin(t.layer_sent_ns, ","));
+    if (!test::WriteLine(test::kPeerOutFd, line).ok()) return 1;
   }
   return test::WriteLine(test::kPeerOutFd, absl::StrCat("served ", served)).ok() ? 0 : 1;
 }

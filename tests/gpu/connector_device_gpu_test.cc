@@ -12,13 +12,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "connector_device_model.h"
@@ -214,6 +217,58 @@ TEST_P(ConnectorDeviceGpuTest, StreamedLayersGiveTheColocatedOutputsBitForBit) {
   EXPECT_EQ(s.layers_received, static_cast<uint64_t>(kDeviceLayers * requests.size()));
   EXPECT_EQ(s.load_errors, 0u);
   EXPECT_EQ(s.blocks_in_flight, 0);
+
+  // Device caches: the producer dates each layer by the GPU's ready event, on the host
+  // clock this process shares; the consumer leaves the time in flight unknown (the host
+  // posts ahead of the GPU, so the post says nothing of the transfer).
+  std::map<std::string, RequestTransferStats> consumer;
+  for (RequestTransferStats& t : worker_->TakeRequestStats()) consumer[t.request_id] = t;
+  ASSERT_EQ(consumer.size(), requests.size());
+  for (const auto& [id, t] : consumer) {
+    EXPECT_EQ(t.transfer_ms, 0.0) << id;
+    EXPECT_EQ(t.exposed_ms, 0.0) << id;
+    for (double ms : t.layer_in_flight_ms) EXPECT_EQ(ms, 0.0) << id;
+  }
+  ASSERT_TRUE(test::WriteLine(peer_->to_child(), "quit").ok());
+  std::map<std::string, std::pair<std::vector<uint64_t>, std::vector<uint64_t>>> producer;
+  for (;;) {
+    auto line = peer_->reader().ReadLine(Deadline());
+    ASSERT_TRUE(line.ok()) << line.status();
+    if (absl::StartsWith(*line, "served")) break;
+    const std::vector<std::string> f = absl::StrSplit(*line, ' ');
+    ASSERT_EQ(f.size(), 5u) << *line;
+    ASSERT_EQ(f[0], "timeline");
+    EXPECT_EQ(f[2], "ok") << *line;
+    for (int k : {3, 4}) {
+      auto& times = k == 3 ? producer[f[1]].first : producer[f[1]].second;
+      for (absl::string_view v : absl::StrSplit(f[k], ',')) {
+        uint64_t ns = 0;
+        ASSERT_TRUE(absl::SimpleAtoi(v, &ns)) << *line;
+        times.push_back(ns);
+      }
+    }
+  }
+  peer_.reset();
+  ASSERT_EQ(producer.size(), requests.size());
+  for (const auto& [id, times] : producer) {
+    SCOPED_TRACE(id);
+    const auto c = consumer.find(id);
+    ASSERT_NE(c, consumer.end());
+    const auto& [ready, sent] = times;
+    ASSERT_EQ(ready.size(), static_cast<size_t>(kDeviceLayers));
+    ASSERT_EQ(sent.size(), static_cast<size_t>(kDeviceLayers));
+    for (int l = 0; l < kDeviceLayers; ++l) {
+      // After the hand-off, before the transfer completed and before it arrived here.
+      const uint64_t arrival =
+          c->second.handoff_ns + static_cast<uint64_t>(c->second.layer_arrival_ms[l] * 1e6);
+      EXPECT_GT(ready[l], c->second.handoff_ns) << "layer " << l;
+      EXPECT_LE(ready[l], sent[l]) << "layer " << l;
+      EXPECT_LT(ready[l], arrival) << "layer " << l;
+      if (l > 0) {
+        EXPECT_GE(ready[l], ready[l - 1]) << "layer " << l;  // one stream
+      }
+    }
+  }
 }
 
 TEST_P(ConnectorDeviceGpuTest, ProducerKilledMidStreamIsALoadErrorAndRecomputeIsExact) {

@@ -263,6 +263,17 @@ TEST(EngineScheduleTest, SplittingThePromptsLastTokenChangesNoBit) {
     EXPECT_EQ(split[i].output_tokens, plain[i].output_tokens);
     EXPECT_EQ(split[i].logits, plain[i].logits);
     EXPECT_EQ(split[i].output_tokens.size(), plain[i].id == "one-token" ? 3u : 4u);
+    // The prefill pass is the prompt but its last token: none for a one-token prompt.
+    for (const RequestResult* r : {&plain[i], &split[i]}) {
+      if (plain[i].id == "one-token") {
+        EXPECT_EQ(r->prefill_ms, 0.0);
+        EXPECT_EQ(r->prefill_start_ns, 0u);
+      } else {
+        EXPECT_GT(r->prefill_ms, 0.0);
+        EXPECT_GT(r->prefill_start_ns, 0u);
+        EXPECT_LE(r->prefill_ms, r->ttft_ms);
+      }
+    }
   }
   // Usual: r0's prefill and two decodes, then r0's last decode with the others' prefills,
   // then three decodes: 7 steps. Split: r0's prompt takes two steps, which delays it by

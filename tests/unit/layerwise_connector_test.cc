@@ -116,6 +116,7 @@ class TestConnector {
   ConnectorStats stats() const { return worker_->stats(); }
   std::vector<PeerConnectorStats> peer_stats() const { return worker_->peer_stats(); }
   std::vector<RequestTransferStats> TakeRequestStats() { return worker_->TakeRequestStats(); }
+  std::vector<RequestSendStats> TakeSendStats() { return worker_->TakeSendStats(); }
 
   // ---- what happened (from the worker's outputs) ----
   std::vector<LoadError> TakeLoadErrors() {
@@ -464,6 +465,26 @@ TEST_P(LayerwiseConnectorTest, StreamsEveryLayerIntoScatteredBlocks) {
   }
   EXPECT_EQ(p_->connector->stats().bytes_sent, expected_bytes);
   EXPECT_EQ(p_->connector->stats().layers_sent, static_cast<uint64_t>(kLayers));
+  // The producer's timeline of the request, on the clock of the consumer's hand-off: every
+  // layer ready (host caches: posted) after the hand-off, sent after it was ready and no
+  // later than the consumer saw it arrive.
+  std::vector<RequestSendStats> ss = p_->connector->TakeSendStats();
+  ASSERT_EQ(ss.size(), 1u);
+  EXPECT_EQ(ss[0].request_id, "d/req-1");
+  EXPECT_EQ(ss[0].consumer_request_id, "req-1");
+  EXPECT_TRUE(ss[0].ok);
+  EXPECT_EQ(ss[0].bytes, expected_bytes);
+  ASSERT_EQ(ss[0].layer_ready_ns.size(), static_cast<size_t>(kLayers));
+  ASSERT_EQ(ss[0].layer_sent_ns.size(), static_cast<size_t>(kLayers));
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_GT(ss[0].layer_ready_ns[l], rs[0].handoff_ns) << l;
+    EXPECT_GE(ss[0].layer_sent_ns[l], ss[0].layer_ready_ns[l]) << l;
+    const uint64_t arrival_ns =
+        rs[0].handoff_ns + static_cast<uint64_t>(rs[0].layer_arrival_ms[l] * 1e6);
+    EXPECT_GT(arrival_ns, ss[0].layer_ready_ns[l]) << l;
+  }
+  EXPECT_TRUE(p_->connector->TakeSendStats().empty());
+  EXPECT_TRUE(d_->connector->TakeSendStats().empty());  // a consumer sends nothing
 }
 
 TEST_P(LayerwiseConnectorTest, SeveralRequestsInFlight) {

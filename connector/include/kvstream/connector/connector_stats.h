@@ -65,6 +65,24 @@ struct RequestTransferStats {
   // last layer's is the transfer no prefill compute can hide: it starts when the producer's
   // last layer has been computed.
   std::vector<double> layer_in_flight_ms;
+  // The hand-off on the host's monotonic clock (monotonic_clock.h): layer l arrived at
+  // handoff_ns + layer_arrival_ms[l] * 1e6, comparable with a producer's RequestSendStats on
+  // the same host.
+  uint64_t handoff_ns = 0;
+};
+
+// Producer: one request's sends to its consumers, once they all ended.
+struct RequestSendStats {
+  std::string request_id;           // the engine's id for it
+  std::string consumer_request_id;  // the consumer's own
+  bool ok = true;                   // false: the request failed or was stopped
+  uint64_t bytes = 0;               // of the layers sent
+  // Per layer index, on the host's monotonic clock (monotonic_clock.h), 0 where unknown:
+  // when the layer was ready to send (device caches: when the GPU had finished its cache
+  // update and checksum, read from a timing event; host caches: the post), and when its
+  // transfer completed, as the producer saw it.
+  std::vector<uint64_t> layer_ready_ns;
+  std::vector<uint64_t> layer_sent_ns;
 };
 
 }  // namespace kvstream

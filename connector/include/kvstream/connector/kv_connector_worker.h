@@ -98,6 +98,10 @@ class KvConnectorWorker : public TransferHook {
   virtual std::vector<PeerConnectorStats> peer_stats() const = 0;
   // Consumer: stats of requests whose layers all arrived, since the last call.
   virtual std::vector<RequestTransferStats> TakeRequestStats() = 0;
+  // Producer: stats of requests whose sends all ended, since the last call (at most the
+  // latest kMaxSendStatsKept; older ones are dropped untaken).
+  virtual std::vector<RequestSendStats> TakeSendStats() = 0;
+  static constexpr size_t kMaxSendStatsKept = 4096;
 };
 
 }  // namespace kvstream

@@ -91,6 +91,12 @@ struct RequestResult {
   std::vector<float> logits;  // of every generated token, concatenated
   absl::Status status;
   double ttft_ms = 0;
+  // Wall time of the forward passes (whole batches, the connector's hook work in them) that
+  // computed its prompt tokens but the last, and when the first began (MonotonicNs). With
+  // the last prompt token in a step of its own, a prefill worker's and a colocated run's
+  // are the same passes.
+  double prefill_ms = 0;
+  uint64_t prefill_start_ns = 0;
   int64_t remote_tokens = 0;  // prompt tokens whose KV came from a producer
   bool recomputed = false;
 };
@@ -117,6 +123,9 @@ class Engine {
   int64_t steps() const { return steps_; }
   // Producer: requests from consumers whose prefill finished.
   int64_t served() const { return served_; }
+  // Producer: the results of those requests since the last call (their ids are the
+  // connector's for them; tokens and timings as for any request); the latest 4096 kept.
+  std::vector<RequestResult> TakeServed();
 
  private:
   struct Request {
@@ -155,6 +164,7 @@ class Engine {
   std::set<std::string> recv_finished_;
   std::vector<LoadError> load_errors_;  // reported, not yet acted on
   std::vector<RequestResult> finished_;
+  std::deque<RequestResult> served_results_;
   int64_t steps_ = 0;
   int64_t served_ = 0;
 };
