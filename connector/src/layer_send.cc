@@ -27,12 +27,10 @@ constexpr int kChecksumsInFlight = 1024;
 absl::StatusOr<std::unique_ptr<LayerSender>> LayerSender::Create(const LayerTable& table,
                                                                  Transport& transport,
                                                                  bool checksum, int device) {
-  std::unique_ptr<LayerSender> s(new LayerSender(transport, checksum));
+  std::unique_ptr<LayerSender> s(new LayerSender(transport, checksum, device));
   if (table.memory() != MemoryKind::kDevice) return s;
   CudaDeviceScope scope(device);
   RETURN_IF_ERROR(scope.status());
-  ASSIGN_OR_RETURN(CudaEventClock clock, CudaEventClock::Create());
-  s->clock_ = std::move(clock);
   if (checksum) {
     DeviceChecksummer::Options o;
     o.device = device;
@@ -53,10 +51,22 @@ uint64_t LayerSender::Done(TransferId v) {
   }
   auto ready = ready_of_.find(v);
   if (ready == ready_of_.end()) return 0;
-  // The write waited for the stamp, so it has passed unless the write failed early.
-  absl::StatusOr<uint64_t> ns = CudaEventClock::HostNs(ready->second);
+  uint64_t ns = ready->second.seen_ns;
+  if (ns == 0) {
+    // Not seen by a poll: complete now (the write waited for it) unless the write failed.
+    absl::StatusOr<bool> done = ready->second.event.Query();
+    if (done.ok() && *done) ns = MonotonicNs();
+  }
   ready_of_.erase(ready);
-  return ns.ok() ? *ns : 0;
+  return ns;
+}
+
+void LayerSender::PollReady() {
+  for (auto& [v, r] : ready_of_) {
+    if (r.seen_ns != 0) continue;
+    absl::StatusOr<bool> done = r.event.Query();
+    if (done.ok() && *done) r.seen_ns = MonotonicNs();
+  }
 }
 
 
@@ -77,7 +87,7 @@ absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::
   notice.bytes = runs.bytes;
   WriteOrder order;
   uint64_t* slot = nullptr;
-  std::optional<CudaEventClock::Stamp> ready;  // device caches
+  std::optional<Ready> ready;  // device caches
   if (cv.memory == MemoryKind::kDevice) {
     if (stream == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -94,12 +104,15 @@ absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::
       order.notification_tail = slot;
       order.notification_tail_bytes = kLayerNoticeChecksumBytes;
     }
-    absl::StatusOr<CudaEventClock::Stamp> stamp = clock_->Record(stream);
-    if (!stamp.ok()) {
+    CudaDeviceScope scope(device_);
+    absl::StatusOr<CudaEvent> event =
+        scope.status().ok() ? CudaEvent::Create() : absl::StatusOr<CudaEvent>(scope.status());
+    absl::Status recorded = event.ok() ? event->Record(stream) : event.status();
+    if (!recorded.ok()) {
       if (slot != nullptr) slots_->Release(slot);
-      return stamp.status();
+      return recorded;
     }
-    ready = std::move(stamp).value();
+    ready.emplace(Ready{std::move(event).value(), 0});
     order.ready_event = ready->event.get();
   } else {
     if (checksum_) {

@@ -7,11 +7,13 @@
 // enqueued on the layer's stream over the bytes being sent, writing into a pinned slot, and
 // an event recorded after it orders the writes after the layer's cache update and the
 // checksum (WriteOrder::ready_event); the slot's 8 bytes complete the notice
-// (WriteOrder::notification_tail). The host never waits for the GPU. That event is a
-// timing one (common/cuda_event_clock.h): once the write is done, Done() tells when the
-// GPU had the layer ready, on the host clock. The notice's post_ns stays 0 (unknown) for
-// device caches: the host posts ahead of the GPU, so the post time says nothing of the
-// transfer.
+// (WriteOrder::notification_tail). The host never waits for the GPU. Each post has its own
+// ready event, which PollReady() (from the progress loop) queries until it completes: the
+// first host time it was seen complete is when the layer was ready (within one poll of the
+// progress loop). It dates the layer on the host clock without a stream of its own, which
+// could share a hardware queue with the compute stream and hold the copies back. The
+// notice's post_ns stays 0 (unknown) for device caches: the host posts ahead of the GPU,
+// so the post time says nothing of the transfer.
 //
 // Thread safety: thread-compatible; the producer calls it under its own lock.
 #ifndef KVSTREAM_CONNECTOR_SRC_LAYER_SEND_H_
@@ -27,7 +29,6 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kvstream/cache/layer_checksum.h"
-#include "kvstream/common/cuda_event_clock.h"
 #include "kvstream/common/cuda_resources.h"
 #include "kvstream/transfer/transport.h"
 #include "layer_table.h"
@@ -64,19 +65,28 @@ class LayerSender {
                                  absl::Span<const int32_t> dest_blocks, int32_t num_tokens,
                                  void* stream, TransferId* posted_k);
 
+  // Device caches: notes the host time of ready events that completed since the last call.
+  void PollReady();
+
   // The V write `v` (from a LayerPost) ended: its checksum slot may be reused. Returns,
-  // for a device cache's layer, when the GPU had it ready to send (MonotonicNs: its cache
+  // for a device cache's layer, when it was seen ready to send (MonotonicNs: its cache
   // update and checksum done); 0 for host caches (ready at the post) or when unknown.
   uint64_t Done(TransferId v);
 
  private:
-  LayerSender(Transport& transport, bool checksum) : transport_(transport), checksum_(checksum) {}
+  LayerSender(Transport& transport, bool checksum, int device)
+      : transport_(transport), checksum_(checksum), device_(device) {}
 
   Transport& transport_;
   const bool checksum_;
-  // Device caches: dates the ready event recorded on the layer's stream before each post.
-  std::optional<CudaEventClock> clock_;
-  std::map<TransferId, CudaEventClock::Stamp> ready_of_;  // V write -> its ready event
+  const int device_;  // of device caches
+  // Device caches: the ready event recorded on the layer's stream before each post, and
+  // when it was first seen complete (0: not yet), by V write.
+  struct Ready {
+    CudaEvent event;
+    uint64_t seen_ns = 0;
+  };
+  std::map<TransferId, Ready> ready_of_;
   std::unique_ptr<DeviceChecksummer> summer_;  // device caches with checksums
   std::optional<PinnedSlots> slots_;           // the checksums' results
   std::map<TransferId, uint64_t*> slot_of_;    // V write -> its checksum slot

@@ -376,6 +376,7 @@ bool ProducerSide::Poll() {
   {
     absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
+    if (sender_ != nullptr) sender_->PollReady();
     for (auto si = send_.begin(); si != send_.end();) {
       SendRequest& s = si->second;
       for (auto it = s.pending.begin(); it != s.pending.end();) {

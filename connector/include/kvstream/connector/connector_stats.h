@@ -78,9 +78,10 @@ struct RequestSendStats {
   bool ok = true;                   // false: the request failed or was stopped
   uint64_t bytes = 0;               // of the layers sent
   // Per layer index, on the host's monotonic clock (monotonic_clock.h), 0 where unknown:
-  // when the layer was ready to send (device caches: when the GPU had finished its cache
-  // update and checksum, read from a timing event; host caches: the post), and when its
-  // transfer completed, as the producer saw it.
+  // when the layer was ready to send (device caches: when the progress loop first saw the
+  // event after its cache update and checksum complete, within one loop period, tens of
+  // microseconds; host caches: the post), and when its transfer completed, as the producer
+  // saw it.
   std::vector<uint64_t> layer_ready_ns;
   std::vector<uint64_t> layer_sent_ns;
 };
