@@ -273,6 +273,9 @@ absl::StatusOr<bool> Engine::Step() {
     const int32_t prompt = static_cast<int32_t>(r.spec.prompt.size());
     if (r.computed >= prompt) return 1;
     const int32_t rest = prompt - r.computed;
+    // A prefill worker computes what it sends, the prompt but its last token (the
+    // consumer's own), and no more: its GPU is then free while the consumer finishes.
+    if (r.from_consumer && rest > 1) return rest - 1;
     return split_last_prompt_token_ && rest > 1 ? rest - 1 : rest;
   };
   if (split_last_prompt_token_) {
@@ -462,6 +465,10 @@ absl::StatusOr<bool> Engine::Step() {
       r->result.prefill_ms += forward_ms;
     }
     r->computed += schedule[i].query_len;
+    if (r->from_consumer && r->computed >= prompt - 1) {
+      FinishRequest(std::move(r), absl::OkStatus());  // its KV is what it was for
+      continue;
+    }
     if (r->computed < prompt) {
       still_running.push_back(std::move(r));  // the prompt's last token is still to come
       continue;

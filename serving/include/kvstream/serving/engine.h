@@ -6,8 +6,9 @@
 // metadata and the worker's output, which the engine passes as bytes (encoded and decoded
 // each step, as they would cross vLLM's process boundary).
 //
-//   producer (prefill worker): requests arrive through the connector, are prefilled and
-//     streamed layer by layer; blocks are freed once the connector reports the sends done.
+//   producer (prefill worker): requests arrive through the connector, their prompts but
+//     the last token (which the consumer computes) are prefilled and streamed layer by
+//     layer, and nothing more; blocks are freed once the connector reports the sends done.
 //   consumer (decode worker): requests with a RemotePrefill get all prompt tokens but the
 //     last from the producer and decode from there; load errors are handled by the policy
 //     (recompute: prefill locally; fail: the request ends with the error).
