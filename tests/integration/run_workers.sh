@@ -35,6 +35,8 @@
 #                      colocated run on the same GPU (SKIPPED where no GPU can be used)
 #   demo-cuda          `kvstream demo --device=cuda` (small): exit 0, tokens equal to the
 #                      colocated run, no block leaked (SKIPPED where no GPU can be used)
+#   mpirun-cuda        launch/mpirun_xpyd.sh 1 1 --device=cuda: the cuda scenario's workers
+#                      as mpirun's two ranks (SKIPPED where no GPU can be used)
 set -u
 bin=$1
 scenario=$2
@@ -109,6 +111,20 @@ case "$scenario" in
     grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
     grep -q '"tokens_match": true' "$work/report.json" || fail "report says tokens differ"
     grep -q "served 4 requests" "$work/prefill.out" || fail "prefill did not serve 4 requests"
+    ;;
+  mpirun-cuda)
+    model="--layers=4 --heads=8 --kv-heads=2 --head-size=128 --intermediate=1024 --vocab=1000 --block-size=16 --num-blocks=256"
+    KVSTREAM="$bin" RENDEZVOUS="$work/rendezvous" \
+        sh "$(dirname "$0")/../../launch/mpirun_xpyd.sh" 1 1 --device=cuda $model $prompts \
+        >"$work/decode.out" 2>&1
+    rc=$?
+    if grep -q "no usable CUDA device\|built without CUDA" "$work/decode.out"; then
+      echo "SKIPPED: mpirun-cuda: $(grep -o 'no usable CUDA device.*\|built without CUDA.*' "$work/decode.out" | head -1)"
+      exit 0
+    fi
+    [ $rc -eq 0 ] || fail "mpirun_xpyd.sh 1 1 --device=cuda exited $rc"
+    grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
+    grep -q "served 4 requests" "$work/decode.out" || fail "the prefill rank did not serve 4 requests"
     ;;
   demo-cuda)
     "$bin" demo --device=cuda --requests=4 --decode-steps=8 --num-blocks=512 \

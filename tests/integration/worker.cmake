@@ -21,6 +21,10 @@ if(MPIRUN)
     set_tests_properties(worker_${scenario} PROPERTIES LABELS "integration;mpi" TIMEOUT 300
       PASS_REGULAR_EXPRESSION "PASS: ${scenario}")
   endforeach()
+  add_test(NAME worker_mpirun-cuda
+    COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> mpirun-cuda)
+  set_tests_properties(worker_mpirun-cuda PROPERTIES LABELS "gpu;mpi" TIMEOUT 300
+    PASS_REGULAR_EXPRESSION "PASS: mpirun-cuda" SKIP_REGULAR_EXPRESSION "SKIPPED")
   add_test(NAME worker_mpirun
     COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_workers.sh $<TARGET_FILE:kvstream_cli> mpirun)
   set_tests_properties(worker_mpirun PROPERTIES LABELS "integration;mpi" TIMEOUT 300
