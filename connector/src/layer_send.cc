@@ -23,6 +23,8 @@ std::vector<Segment> ToSegments(const std::vector<ByteRun>& runs) {
 
 // Layer checksums that may be pending at once (requests x layers in flight).
 constexpr int kChecksumsInFlight = 1024;
+// Ready events made up front (more are made when that many layers are in flight).
+constexpr int kReadyEventsMade = 256;
 
 absl::StatusOr<std::unique_ptr<LayerSender>> LayerSender::Create(const LayerTable& table,
                                                                  Transport& transport,
@@ -31,6 +33,11 @@ absl::StatusOr<std::unique_ptr<LayerSender>> LayerSender::Create(const LayerTabl
   if (table.memory() != MemoryKind::kDevice) return s;
   CudaDeviceScope scope(device);
   RETURN_IF_ERROR(scope.status());
+  // Made here, not per post: the forward pass then makes no CUDA objects.
+  for (int i = 0; i < kReadyEventsMade; ++i) {
+    ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create());
+    s->free_events_.push_back(std::move(e));
+  }
   if (checksum) {
     DeviceChecksummer::Options o;
     o.device = device;
@@ -57,16 +64,31 @@ uint64_t LayerSender::Done(TransferId v) {
     absl::StatusOr<bool> done = ready->second.event.Query();
     if (done.ok() && *done) ns = MonotonicNs();
   }
+  free_events_.push_back(std::move(ready->second.event));
   ready_of_.erase(ready);
   return ns;
 }
 
 void LayerSender::PollReady() {
+  // In post order, up to the first still pending: layers of one stream complete in order,
+  // and one query per poll keeps the progress loop light while a long prefill runs.
   for (auto& [v, r] : ready_of_) {
     if (r.seen_ns != 0) continue;
     absl::StatusOr<bool> done = r.event.Query();
-    if (done.ok() && *done) r.seen_ns = MonotonicNs();
+    if (!done.ok() || !*done) return;
+    r.seen_ns = MonotonicNs();
   }
+}
+
+absl::StatusOr<CudaEvent> LayerSender::TakeEvent() {
+  if (!free_events_.empty()) {
+    CudaEvent e = std::move(free_events_.back());
+    free_events_.pop_back();
+    return e;
+  }
+  CudaDeviceScope scope(device_);
+  RETURN_IF_ERROR(scope.status());
+  return CudaEvent::Create();
 }
 
 
@@ -104,12 +126,11 @@ absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::
       order.notification_tail = slot;
       order.notification_tail_bytes = kLayerNoticeChecksumBytes;
     }
-    CudaDeviceScope scope(device_);
-    absl::StatusOr<CudaEvent> event =
-        scope.status().ok() ? CudaEvent::Create() : absl::StatusOr<CudaEvent>(scope.status());
+    absl::StatusOr<CudaEvent> event = TakeEvent();
     absl::Status recorded = event.ok() ? event->Record(stream) : event.status();
     if (!recorded.ok()) {
       if (slot != nullptr) slots_->Release(slot);
+      if (event.ok()) free_events_.push_back(std::move(event).value());
       return recorded;
     }
     ready.emplace(Ready{std::move(event).value(), 0});
@@ -133,6 +154,7 @@ absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::
                    : payload.status();
   if (!k.ok()) {
     if (slot != nullptr) slots_->Release(slot);
+    if (ready.has_value()) free_events_.push_back(std::move(ready->event));
     return k.status();
   }
   post.k = *posted_k = *k;
@@ -140,6 +162,7 @@ absl::StatusOr<LayerPost> LayerSender::Post(const LayerEntry& layer, const std::
       transport_.PostWrite(peer, *layer.v_reg, v_remote, ToSegments(runs.v), *payload, order);
   if (!v.ok()) {
     if (slot != nullptr) slots_->Release(slot);
+    if (ready.has_value()) free_events_.push_back(std::move(ready->event));
     return v.status();
   }
   post.v = *v;

@@ -74,6 +74,8 @@ class LayerSender {
   uint64_t Done(TransferId v);
 
  private:
+  absl::StatusOr<CudaEvent> TakeEvent();
+
   LayerSender(Transport& transport, bool checksum, int device)
       : transport_(transport), checksum_(checksum), device_(device) {}
 
@@ -87,6 +89,7 @@ class LayerSender {
     uint64_t seen_ns = 0;
   };
   std::map<TransferId, Ready> ready_of_;
+  std::vector<CudaEvent> free_events_;  // ready events to reuse
   std::unique_ptr<DeviceChecksummer> summer_;  // device caches with checksums
   std::optional<PinnedSlots> slots_;           // the checksums' results
   std::map<TransferId, uint64_t*> slot_of_;    // V write -> its checksum slot
