@@ -1,6 +1,8 @@
 // The prefill (and chunked-prefill, and any query length) flash-attention kernel over the
 // paged KV cache, on tensor cores (mma.sync m16n8k16, fp32 accumulation). Header-only;
 // prefill_attention.cu validates, picks the template and launches.
+// Its launch configuration (PrefillOptions, PrefillVariant, PrefillTraits) is
+// prefill_config.cuh, its small device helpers prefill_helpers.cuh.
 //
 // Work decomposition. The query heads of one KV head are packed into the rows of a tile
 // ("packed GQA"): for sequence s with query_len tokens and group = num_heads / num_kv_heads,
@@ -52,166 +54,14 @@
 #include "cuda/cuda_common.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/mma_ptx.cuh"
+#include "cuda/prefill_config.cuh"
+#include "cuda/prefill_helpers.cuh"
 #include "cuda/sequence_bounds.cuh"
 #include "kvstream/common/dtype.h"
 
 namespace kvstream {
 namespace internal {
 namespace cuda {
-
-// How key/value tiles reach shared memory (chosen by the launcher from alignments).
-enum PrefillLoadMode : int {
-  kPrefillAsync16 = 0,   // 16-bit cache, 16-byte aligned rows: cp.async straight into kv
-  kPrefillAsyncFp8 = 1,  // fp8 cache, 16-byte aligned rows: cp.async raw, then convert
-  kPrefillSync = 2,      // anything else: element loads (and conversion) by every thread
-};
-
-enum PrefillCacheKind : int { kPrefillCache16 = 0, kPrefillCacheE4M3 = 1, kPrefillCacheE5M2 = 2 };
-
-// Runtime choices the launcher makes once per call.
-struct PrefillOptions {
-  int load_mode;     // PrefillLoadMode
-  int cache_kind;    // PrefillCacheKind
-  int q_vectorized;  // q rows can be read in 16-byte chunks
-  int o_vectorized;  // out rows can be written in 16-byte chunks
-  int zero_fill;     // head sizes below D: shared-memory padding columns must be zeroed
-  int num_m_tiles;   // ceil(max_query_len * group / kBlockM)
-};
-
-// The kernel's two configurations (template argument). kPrefillBaseline runs every
-// supported call; kPrefillFast runs only where PrefillFastApplies (16-bit cache with
-// 16-byte aligned rows, head_size == head_size_v == D, D 64 or 128) and drops the code for
-// everything else at compile time:
-//   - the same 4 warps x 32 rows per 128-row tile as the baseline: each K/V fragment read
-//     from shared memory serves two m16 blocks. (8 warps x 16 rows, tried first, halves
-//     the registers but reads every fragment twice as often; shared memory then bounds it:
-//     L1 78% busy, 305 TFLOP/s on the H200 against 334 for 4 x 32.)
-//   - every k16 / d16 step and every 16-key block is a compile-time constant, so the
-//     fragment loads of a whole step are batched ahead of its mma chain (ldmatrix.x4)
-//     and tiles that need no mask run without any per-block branch; on diagonal and
-//     window-edge tiles the blocks no row sees are masked instead of skipped.
-enum PrefillVariant : int { kPrefillBaseline = 0, kPrefillFast = 1 };
-
-template <int D, int Variant = kPrefillBaseline>
-struct PrefillTraits {
-  static_assert(D == 64 || D == 128 || D == 256, "padded head sizes 64, 128 and 256");
-  static_assert(Variant == kPrefillBaseline || D <= 128, "the fast variant: D 64 or 128");
-  static constexpr bool kFast = Variant == kPrefillFast;
-  static constexpr int kHeadDim = D;
-  static constexpr int kWarps = D <= 128 ? 4 : 8;
-  static constexpr int kRowBlocks = D <= 128 ? 2 : 1;  // m16 row blocks per warp
-  static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockM = kWarps * 16 * kRowBlocks;
-  static constexpr int kBlockN = 64;
-  static constexpr int kMinBlocksPerSm = D <= 128 ? 2 : 1;
-  static constexpr int kChunks = D / 8;  // 16-byte chunks in a 16-bit row
-  static constexpr int kQBytes = kBlockM * D * 2;
-  static constexpr int kLocBytes = 2 * kBlockN * 16;  // ptx::RowOffsets per key row
-  static constexpr int kTileBytes = kBlockN * D * 2;  // one 16-bit K or V tile
-  static constexpr int kStageBytes = 2 * kTileBytes;  // K and V
-  static constexpr int kRawBytes = 2 * kBlockN * D;   // fp8 K and V tiles
-  static constexpr int kKvOffset = kQBytes + kLocBytes;
-  static constexpr int SmemBytes(bool fp8_async) {
-    return kKvOffset + (fp8_async ? kStageBytes + kRawBytes : 2 * kStageBytes);
-  }
-  static_assert(kBlockM == 128, "the launcher sizes the grid for 128-row tiles");
-};
-
-// ---------------------------------------------------------------------------------------
-// Host side: the template's head dimension and the runtime options of one call.
-
-
-// The options of one launch: the load path from the alignment of the cache, q and out, and
-// the grid's tile count. REQUIRES: the launcher's limits hold (q dtype 16-bit, cache dtype
-// q's or fp8, head sizes in (0, 256], num_heads a multiple of num_kv_heads).
-inline PrefillOptions ChoosePrefillOptions(const PagedKernelParams& params, DType cache_dtype) {
-  const int padded = PaddedHeadDim(params.head_size, params.head_size_v);
-  const bool fp8 = IsFp8(cache_dtype);
-  const int64_t elem = fp8 ? 1 : 2;
-  const bool kv_aligned =
-      RowsAligned16(params.k_cache, elem, params.head_size,
-                           {params.k_block_stride, params.k_token_stride, params.k_head_stride}) &&
-      RowsAligned16(params.v_cache, elem, params.head_size_v,
-                           {params.v_block_stride, params.v_token_stride, params.v_head_stride});
-  PrefillOptions options{};
-  options.load_mode = !kv_aligned ? kPrefillSync : fp8 ? kPrefillAsyncFp8 : kPrefillAsync16;
-  options.cache_kind = cache_dtype == DType::kFloat8E4M3   ? kPrefillCacheE4M3
-                       : cache_dtype == DType::kFloat8E5M2 ? kPrefillCacheE5M2
-                                                           : kPrefillCache16;
-  options.q_vectorized = RowsAligned16(params.q, 2, params.head_size,
-                                              {params.q_token_stride, params.q_head_stride});
-  options.o_vectorized = RowsAligned16(params.out, 2, params.head_size_v,
-                                              {params.o_token_stride, params.o_head_stride});
-  options.zero_fill = params.head_size < padded || params.head_size_v < padded;
-  const int64_t group = params.num_heads / params.num_kv_heads;
-  const int64_t rows = static_cast<int64_t>(params.max_query_len) * group;
-  options.num_m_tiles = static_cast<int>((rows + 127) / 128);
-  return options;
-}
-
-// Whether the fast variant can run a call with these options and head sizes (see
-// PrefillVariant).
-inline bool PrefillFastApplies(const PagedKernelParams& params, const PrefillOptions& options) {
-  const int padded = PaddedHeadDim(params.head_size, params.head_size_v);
-  return options.load_mode == kPrefillAsync16 && padded <= 128 &&
-         params.head_size == padded && params.head_size_v == padded;
-}
-
-// ---------------------------------------------------------------------------------------
-// Small device helpers: PTX wrappers and conversions.
-
-// The shared PTX pieces (mma_ptx.cuh).
-using ptx::CpAsync16;
-using ptx::CpAsyncCommit;
-using ptx::CpAsyncWaitGroup;
-using ptx::FastExp2;
-using ptx::Fp8ChunkTo;
-using ptx::LdMatrixX4;
-using ptx::LdMatrixX4Trans;
-using ptx::Log2IfPowerOfTwo;
-using ptx::Mma16816;
-using ptx::PackPair;
-using ptx::PairBits;
-using ptx::RowOffsets;
-using ptx::SmemAddress;
-using ptx::SwizzledChunk;
-
-template <typename T>
-__device__ __forceinline__ T CacheElementAs(const void* base, int64_t index, int cache_kind) {
-  if (cache_kind == kPrefillCache16) return static_cast<const T*>(base)[index];
-  const uint8_t code = static_cast<const uint8_t*>(base)[index];
-  float x;
-  if (cache_kind == kPrefillCacheE4M3) {
-    __nv_fp8_e4m3 v;
-    v.__x = code;
-    x = ToFloat(v);
-  } else {
-    __nv_fp8_e5m2 v;
-    v.__x = code;
-    x = ToFloat(v);
-  }
-  return FromFloat<T>(x);
-}
-
-// Byte offset of element `col` of row `row` in the same tile.
-template <int D>
-__device__ __forceinline__ uint32_t SwizzledElement(int row, int col) {
-  return SwizzledChunk<D>(row, col >> 3) + static_cast<uint32_t>((col & 7) * 2);
-}
-
-// The keys a query at position qp may see: [VisibleLo, VisibleHi], both inclusive.
-__device__ __forceinline__ int VisibleLo(const PagedKernelParams& p, int qp) {
-  return p.sliding_window > 0 ? max(0, qp - p.sliding_window + 1) : 0;
-}
-__device__ __forceinline__ int VisibleHi(const PagedKernelParams& p, int qp, int seq_len) {
-  if (p.causal) return qp;
-  if (p.sliding_window > 0) return min(seq_len - 1, qp + p.sliding_window - 1);
-  return seq_len - 1;
-}
-
-__device__ __forceinline__ float ScaleOfHead(const float* scales, int num_scales, int head) {
-  return scales[num_scales == 1 ? 0 : head];
-}
 
 // ---------------------------------------------------------------------------------------
 // The kernel.
