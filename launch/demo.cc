@@ -128,7 +128,8 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   const std::string tls = o.transport == "tcp" ? "tcp" : "shm";
   const std::string config = absl::StrCat(
       R"({"kv_connector": "LayerwiseConnector", "kv_port": 0, "kv_load_failure_policy": ")",
-      o.failure_policy, R"(", "kv_connector_extra_config": {"ucx_tls": ")", tls, "\"",
+      o.failure_policy, R"(", "kv_connector_extra_config": {"verify_checksum": )",
+      o.verify_checksum ? "true" : "false", R"(, "ucx_tls": ")", tls, "\"",
       tls == "tcp" ? R"(, "ucx_net_devices": "lo")" : "", "}}");
 
   if (cuda) {

@@ -43,6 +43,8 @@ struct DemoOptions {
   std::string json_path;
   // Each request starts once the one before it finished (WorkerOptions::one_at_a_time).
   bool one_at_a_time = false;
+  // The connector's verify_checksum (docs/configuration.md), for both workers.
+  bool verify_checksum = true;
   // The prefill worker's idle timeout, and the limit of each of the disaggregated and the
   // colocated runs.
   double timeout_s = 600;

@@ -170,6 +170,9 @@ int main(int argc, char** argv) {
                         "kv_load_failure_policy: recompute or fail")
       ->capture_default_str()->check(CLI::IsMember({"recompute", "fail"}));
   real_demo->add_option("--json", demo_options.json_path, "Write the report as JSON to this file");
+  real_demo->add_option("--verify-checksum", demo_options.verify_checksum,
+                        "Checksum every layer and request and verify it at the decode worker "
+                        "(the connector's verify_checksum; true or false)");
   real_demo->add_flag("--one-at-a-time", demo_options.one_at_a_time,
                       "Start each request once the one before it finished, in both runs (time "
                       "to first token without queueing)");
