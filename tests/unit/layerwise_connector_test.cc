@@ -918,6 +918,21 @@ TEST_P(LayerwiseConnectorTest, AbortOfOneConsumersRequestLeavesTheOthersSameId) 
     EXPECT_TRUE(TokensEqual(*p_->caches[l], p2, *d2->caches[l], {4, 5, 6}, 8)) << l;
   }
   EXPECT_TRUE(d2->connector->TakeLoadErrors().empty());
+  // The producer's timelines: d2's request, every layer sent; none for d's, which was
+  // stopped before any layer left.
+  std::vector<RequestSendStats> sends;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (sends.empty() && absl::Now() < deadline) {
+    sends = p_->connector->TakeSendStats();
+    if (sends.empty()) absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_EQ(sends.size(), 1u);
+  EXPECT_EQ(sends[0].request_id, "d2/req-0");
+  EXPECT_EQ(sends[0].consumer_request_id, "req-0");
+  EXPECT_TRUE(sends[0].ok);
+  for (uint64_t ns : sends[0].layer_sent_ns) EXPECT_GT(ns, 0u);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_TRUE(p_->connector->TakeSendStats().empty());
 }
 
 // Waits (up to 20 s) until the worker serves `n` control connections; returns the last count.
