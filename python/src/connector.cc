@@ -365,10 +365,9 @@ void BindConnector(nb::module_& m) {
                cache = nb::cast<PyKvCache&>(*kv_cache).cache.get();
              } else {
                auto it = w.caches.find(layer_name);
-               if (it == w.caches.end()) {
-                 ThrowStatus(absl::NotFoundError(absl::StrCat(
-                     "save_kv_layer: no cache registered for layer ", layer_name)));
-               }
+               // A layer with no cache of its own (it shares another's KV) sends nothing,
+               // as the C++ hook does for layers it has not registered.
+               if (it == w.caches.end()) return;
                cache = nb::cast<PyKvCache&>(it->second).cache.get();
              }
              AttentionMetadata empty;
@@ -380,7 +379,8 @@ void BindConnector(nb::module_& m) {
            },
            "layer_name"_a, "kv_cache"_a = nb::none(), "metadata"_a = nb::none(), "stream"_a = 0,
            "The hook after a layer's attention: posts the layer's blocks of the step's saves "
-           "without waiting. kv_cache: default the one registered under layer_name; stream: "
+           "without waiting. kv_cache: default the one registered under layer_name (a layer "
+           "with none, e.g. one sharing another's KV, sends nothing); stream: "
            "for device caches the stream the cache update was enqueued on (as an int).")
       .def("wait_for_save",
            [](PyConnectorWorker& w) {
