@@ -36,16 +36,7 @@ using Sequence = std::tuple<int32_t, int32_t, std::vector<int32_t>>;
 nb::object TensorToArray(Tensor tensor) {
   auto* owned = new Tensor(std::move(tensor));
   nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
-  std::vector<size_t> shape(owned->shape().begin(), owned->shape().end());
-  nb::dlpack::dtype d;
-  switch (owned->dtype()) {
-    case DType::kFloat32: d = nb::dtype<float>(); break;
-    case DType::kFloat16: d = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1}; break;
-    case DType::kBFloat16: d = {static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1}; break;
-    default: d = nb::dtype<uint8_t>(); break;
-  }
-  nb::ndarray<> array(owned->data(), shape.size(), shape.data(), owner, nullptr, d);
-  return nb::cast(array, nb::rv_policy::reference);
+  return ExportArray(owned->view(), owner);
 }
 
 // A device array of the metadata, checked against its host copy: CUDA memory, `dtype`,

@@ -56,31 +56,6 @@ KvCacheSpec MakeSpec(int block_size, int num_kv_heads, int head_size, int head_s
   return spec;
 }
 
-// An array over memory a PyKvCache owns; `owner` (the cache object) stays alive while the
-// array does.
-nb::object OwnedView(const TensorView& view, nb::handle owner) {
-  std::vector<size_t> shape(view.shape().begin(), view.shape().end());
-  std::vector<int64_t> strides(view.strides().begin(), view.strides().end());
-  nb::dlpack::dtype d;
-  switch (view.dtype()) {
-    case DType::kFloat32: d = nb::dtype<float>(); break;
-    case DType::kFloat16: d = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1}; break;
-    case DType::kBFloat16: d = {static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1}; break;
-    case DType::kFloat8E4M3:
-      d = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float8_E4M3FN), 8, 1};
-      break;
-    case DType::kFloat8E5M2:
-      d = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float8_E5M2), 8, 1};
-      break;
-    default: d = nb::dtype<uint8_t>(); break;
-  }
-  const int device = view.memory() == MemoryKind::kDevice   ? nb::device::cuda::value
-                     : view.memory() == MemoryKind::kPinned ? nb::device::cuda_host::value
-                                                            : nb::device::cpu::value;
-  nb::ndarray<> array(view.data(), shape.size(), shape.data(), owner, strides.data(), d, device);
-  return nb::cast(array, nb::rv_policy::reference);
-}
-
 }  // namespace
 
 void BindCaches(nb::module_& m) {
@@ -182,14 +157,15 @@ void BindCaches(nb::module_& m) {
                    [](nb::handle self) {
                      PyKvCache& c = nb::cast<PyKvCache&>(self);
                      if (c.k_array.is_valid()) return c.k_array;
-                     return OwnedView(c.cache->k(), self);
+                     return ExportArray(c.cache->k(), self);
                    },
-                   "The K array: the one borrowed, or a DLPack array over kvstream's memory.")
+                   "The K array: the one borrowed, or an array over kvstream's memory (numpy for "
+                   "host float32/float16, else DLPack).")
       .def_prop_ro("v",
                    [](nb::handle self) {
                      PyKvCache& c = nb::cast<PyKvCache&>(self);
                      if (c.v_array.is_valid()) return c.v_array;
-                     return OwnedView(c.cache->v(), self);
+                     return ExportArray(c.cache->v(), self);
                    })
       .def("set_scales",
            [](PyKvCache& c, const std::vector<float>& k_scale, const std::vector<float>& v_scale) {

@@ -299,15 +299,9 @@ void BindConnector(nb::module_& m) {
              nb::capsule owner(holder, [](void* p) noexcept {
                delete static_cast<std::shared_ptr<void>*>(p);
              });
-             const size_t shape[1] = {nbytes};
-             if (kind == MemoryKind::kHost) {
-               return nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(holder->get(), 1, shape, owner),
-                               nb::rv_policy::reference);
-             }
-             return nb::cast(nb::ndarray<uint8_t, nb::ndim<1>>(holder->get(), 1, shape, owner,
-                                                               nullptr, nb::dtype<uint8_t>(),
-                                                               nb::device::cuda::value),
-                             nb::rv_policy::reference);
+             TensorView view(holder->get(), DType::kUInt8, {static_cast<int64_t>(nbytes)},
+                             kind);
+             return ExportArray(view, owner);
            },
            "nbytes"_a, "memory"_a = "host",
            "Zero-filled, 64-byte aligned memory that peers write fastest (UCX over shared "

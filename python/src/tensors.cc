@@ -104,6 +104,38 @@ Array CastArray(nb::handle object, absl::string_view what) {
   return array;
 }
 
+nb::object ExportArray(const TensorView& view, nb::handle owner) {
+  using Code = nb::dlpack::dtype_code;
+  auto dt = [](Code c, int bits) {
+    return nb::dlpack::dtype{static_cast<uint8_t>(c), static_cast<uint8_t>(bits), 1};
+  };
+  nb::dlpack::dtype d;
+  bool numpy_has_it = true;
+  switch (view.dtype()) {
+    case DType::kFloat32: d = dt(Code::Float, 32); break;
+    case DType::kFloat16: d = dt(Code::Float, 16); break;
+    case DType::kBFloat16: d = dt(Code::Bfloat, 16); numpy_has_it = false; break;
+    case DType::kFloat8E4M3: d = dt(Code::Float8_E4M3FN, 8); numpy_has_it = false; break;
+    case DType::kFloat8E5M2: d = dt(Code::Float8_E5M2, 8); numpy_has_it = false; break;
+    case DType::kInt32: d = dt(Code::Int, 32); break;
+    case DType::kInt64: d = dt(Code::Int, 64); break;
+    case DType::kUInt8: d = dt(Code::UInt, 8); break;
+  }
+  const int device = view.memory() == MemoryKind::kDevice   ? nb::device::cuda::value
+                     : view.memory() == MemoryKind::kPinned ? nb::device::cuda_host::value
+                                                            : nb::device::cpu::value;
+  std::vector<size_t> shape(view.shape().begin(), view.shape().end());
+  const std::vector<int64_t>& strides = view.strides();
+  if (numpy_has_it && view.memory() == MemoryKind::kHost) {
+    return nb::cast(nb::ndarray<nb::numpy>(view.data(), shape.size(), shape.data(), owner,
+                                           strides.data(), d, device),
+                    nb::rv_policy::reference);
+  }
+  return nb::cast(nb::ndarray<nb::array_api>(view.data(), shape.size(), shape.data(), owner,
+                                             strides.data(), d, device),
+                  nb::rv_policy::reference);
+}
+
 std::string DTypeString(DType dtype) { return std::string(DTypeName(dtype)); }
 
 }  // namespace kvstream::python

@@ -43,6 +43,12 @@ absl::StatusOr<TensorView> ToTensorView(const Array& array, absl::string_view wh
 // naming `what` when it is none (as a StatusError).
 Array CastArray(nanobind::handle object, absl::string_view what);
 
+// Memory kvstream owns as a Python array; `owner` stays alive while the array does. Host
+// memory of a dtype numpy has (float32, float16, int32, int64, uint8) becomes a numpy array;
+// anything else (bfloat16, fp8, pinned or device memory) a DLPack array
+// (torch.from_dlpack, cupy.from_dlpack, np.from_dlpack).
+nanobind::object ExportArray(const TensorView& view, nanobind::handle owner);
+
 // "float32", ... for messages and Python properties.
 std::string DTypeString(DType dtype);
 
