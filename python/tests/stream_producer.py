@@ -2,7 +2,8 @@
 stdout by the test, which is the decode worker (consumer).
 
 It prints "KVS ready <port>", then, for every request a consumer hands over: allocates
-blocks (scattered: counting down from the last), runs the prefill's layers one by one
+blocks (scattered: counting down from the last), waits for "go" on stdin, runs the
+prefill's layers one by one
 (save_kv_layer after each, a short pause standing in for the compute), and prints
 "KVS prefilled <request id> <block ids, comma-separated>". On "quit" on stdin it waits for
 every send to finish and prints "KVS done <bytes sent> <layers sent>", then exits 0.
@@ -66,6 +67,10 @@ def main():
             meta = scheduler.build_connector_meta([(request.request_id, 0, n)])
             assert len(kvstream.decode_connector_metadata(meta)["saves"]) == 1
             worker.bind_connector_metadata(meta)
+            # The consumer says when to start, from a thread of its own while its main
+            # thread waits for layer 0 (which needs that wait to release the GIL).
+            if not select.select([sys.stdin], [], [], 20)[0] or sys.stdin.readline().strip() != "go":
+                raise TimeoutError("no 'go' from the consumer")
             for layer in range(u.NUM_LAYERS):
                 time.sleep(0.02)  # the layer's compute
                 worker.save_kv_layer(u.layer_name(layer))

@@ -7,6 +7,7 @@ bit-identical to the producer's."""
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -75,13 +76,29 @@ def test_streams_every_layer_bit_identical(producer):
     worker.bind_connector_metadata(meta)
     worker.start_load_kv()
 
+    # The producer starts its layers only on a "go" that a second Python thread sends once
+    # this thread is about to block in the wait for layer 0: the layers can arrive only if
+    # that wait releases the GIL (else the thread cannot run, and the wait times out).
+    entering = threading.Event()
+
+    def go():
+        if entering.wait(TIMEOUT_S):
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+
+    sender = threading.Thread(target=go)
+    sender.start()
     expected = u.expected_layers(SEED)
-    p_blocks = None
+    # The producer's blocks for the request: it counts down from its last block.
+    p_blocks = list(range(u.NUM_BLOCKS - 1, u.NUM_BLOCKS - 1 - len(blocks), -1))
     for layer in range(u.NUM_LAYERS):
+        if layer == 0:
+            entering.set()
         worker.wait_for_layer_load(u.layer_name(layer))
-        # The layer is in place as soon as its wait returns.
-        if p_blocks is None:
-            p_blocks = [int(b) for b in reader.read_message("KVS prefilled", TIMEOUT_S).split()[1].split(",")]
+        if layer == 0:
+            sender.join()
+        # The layer is in place as soon as its wait returns (the producer may still be
+        # computing the next ones).
         k, v = arrays[layer]
         ek, ev = expected[layer]
         np.testing.assert_array_equal(u.tokens(k, blocks, num_tokens), u.tokens(ek, p_blocks, num_tokens))
@@ -89,6 +106,8 @@ def test_streams_every_layer_bit_identical(producer):
         # The last prompt token is the consumer's own to compute: its slot is not written.
         assert not k[blocks[-1], (len(prompt) - 1) % u.BLOCK_SIZE].any()
     worker.clear_connector_metadata()
+    reported = reader.read_message("KVS prefilled", TIMEOUT_S).split()
+    assert reported == ["decode-0/req-1", ",".join(map(str, p_blocks))]
     # Nothing outside the caches' sub-ranges of the buffer was written.
     assert (buffer[:guard] == 0xA5).all() and (buffer[guard + used:] == 0xA5).all()
 
