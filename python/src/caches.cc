@@ -110,6 +110,8 @@ void BindCaches(nb::module_& m) {
             out->cache = Unwrap(KvCache::Borrow(spec, kv, vv));
             out->k_array = std::move(k);
             out->v_array = std::move(v);
+            out->k_import = std::move(ka);
+            out->v_import = std::move(va);
             return out.release();
           },
           "spec"_a, "k"_a, "v"_a, nb::rv_policy::take_ownership,

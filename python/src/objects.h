@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 
 #include "kvstream/attention/attention.h"
 #include "kvstream/attention/layer_registry.h"
@@ -22,11 +23,15 @@
 
 namespace kvstream::python {
 
-// kvstream.KvCache. `k_array`/`v_array`: the borrowed arrays (none for owned caches).
+// kvstream.KvCache. `k_array`/`v_array`: the borrowed objects (none for owned caches);
+// `k_import`/`v_import`: nanobind's imports of them, which hold the DLPack exporter's
+// tensor (the memory's owner when the object was a bare DLPack capsule).
 struct PyKvCache {
   std::unique_ptr<KvCache> cache;
   nanobind::object k_array;
   nanobind::object v_array;
+  nanobind::ndarray<> k_import;
+  nanobind::ndarray<> v_import;
 };
 
 // kvstream.AttentionMetadata.
