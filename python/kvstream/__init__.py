@@ -1,0 +1,81 @@
+"""kvstream: layer-wise KV-cache streaming for disaggregated LLM serving.
+
+The C++ API through nanobind (see docs/python.md): cache specs and caches over arrays the
+caller owns (DLPack: numpy, torch, cupy; no copy), the attention layer, and the KV
+connector's scheduler side and worker side, whose messages are bytes. Every kvstream error
+is a KvstreamError subclass that names its status code.
+"""
+
+from kvstream._kvstream import (
+    AbortedError,
+    AlreadyExistsError,
+    Attention,
+    AttentionMetadata,
+    CancelledError,
+    ConnectorScheduler,
+    ConnectorWorker,
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    KvCache,
+    KvCacheSpec,
+    KvstreamError,
+    LayerRegistry,
+    NotFoundError,
+    OutOfRangeError,
+    PermissionDeniedError,
+    Request,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+    UnknownError,
+    attention_backend_names,
+    build_attention_metadata,
+    built_with_cuda,
+    decode_connector_metadata,
+    decode_connector_output,
+    encode_connector_output,
+    kv_connector_names,
+    resolve_kv_cache_dtype,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbortedError",
+    "AlreadyExistsError",
+    "Attention",
+    "AttentionMetadata",
+    "CancelledError",
+    "ConnectorScheduler",
+    "ConnectorWorker",
+    "DataLossError",
+    "DeadlineExceededError",
+    "FailedPreconditionError",
+    "InternalError",
+    "InvalidArgumentError",
+    "KvCache",
+    "KvCacheSpec",
+    "KvstreamError",
+    "LayerRegistry",
+    "NotFoundError",
+    "OutOfRangeError",
+    "PermissionDeniedError",
+    "Request",
+    "ResourceExhaustedError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UnimplementedError",
+    "UnknownError",
+    "attention_backend_names",
+    "build_attention_metadata",
+    "built_with_cuda",
+    "decode_connector_metadata",
+    "decode_connector_output",
+    "encode_connector_output",
+    "kv_connector_names",
+    "resolve_kv_cache_dtype",
+]
