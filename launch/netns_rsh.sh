@@ -32,4 +32,9 @@ if [ ! -e "/run/netns/$host" ]; then
        "launch/sim_hosts.sh up makes them)" >&2
   exit 255
 fi
-exec ip netns exec "$host" /bin/sh -c "$*"
+# Each host also gets its own host name (a UTS namespace, fresh per call: everything one
+# orted starts shares it). Open MPI names its session directory after the host name
+# (/tmp/ompi.HOSTNAME.UID/...): orteds of hosts that all had this machine's name shared one
+# directory, and one removing it while another made its own failed that orted's start.
+exec ip netns exec "$host" unshare --uts /bin/sh -c \
+    'echo "$1" >/proc/sys/kernel/hostname && shift && exec /bin/sh -c "$*"' sh "$host" "$@"

@@ -33,8 +33,7 @@
 #   SIM_HOSTS                         the host names, in hostfile order
 #   SIM_HOSTS_SUBNET                  A.B.C
 #   OMPI_MCA_plm_rsh_agent            launch/netns_rsh.sh: mpirun starts its orted on host H
-#                                     with `ip netns exec H`
-#   OMPI_MCA_plm_rsh_no_tree_spawn=1  mpirun starts every orted itself
+#                                     with `ip netns exec H`, under the host name H
 #   OMPI_MCA_oob_tcp_if_include       the subnet: the orteds dial mpirun back on the bridge's
 #                                     address, the only one of its addresses they can reach
 #   KVSTREAM_UCX_TLS=tcp (unless set) for launch/mpirun_xpyd.sh: the hosts share this
@@ -177,6 +176,7 @@ up() {  # up N
   local n=$1 i ns peer addr
   [ "$(id -u)" = 0 ] || die "needs root (network namespaces)" 3
   command -v ip >/dev/null || die "needs ip (iproute2)" 3
+  command -v unshare >/dev/null || die "needs unshare (util-linux) for the hosts' names" 3
   [ -z "$rate" ] || command -v tc >/dev/null || die "--rate needs tc (iproute2)" 3
   [ -z "$(existing_hosts)" ] && ! ip link show "${prefix}-br" >/dev/null 2>&1 ||
       die "hosts of prefix $prefix exist already ($(existing_hosts | tr '\n' ' ')); '$0 down --prefix=$prefix' removes them" 3
@@ -216,7 +216,6 @@ export HOSTFILE='$hostfile'
 export SIM_HOSTS='$names'
 export SIM_HOSTS_SUBNET='$subnet'
 export OMPI_MCA_plm_rsh_agent='$here/netns_rsh.sh'
-export OMPI_MCA_plm_rsh_no_tree_spawn=1
 export OMPI_MCA_oob_tcp_if_include='${subnet}.0/24'
 : "\${KVSTREAM_UCX_TLS:=tcp}"; export KVSTREAM_UCX_TLS
 EOF
