@@ -17,6 +17,9 @@
 #                                          idempotent (nothing there: nothing to do, exit 0)
 #   launch/sim_hosts.sh link HOST down|up [--prefix=P]
 #                                          cuts (or restores) HOST's link at the bridge
+#   launch/sim_hosts.sh rate HOST RATE|none [--prefix=P]
+#                                          sets (or removes) HOST's link's rate limit, both
+#                                          directions
 #
 # Options:
 #   --prefix=P     host names P0..P(N-1), bridge P-br, bridge-side veths P<i>v (default kvsim;
@@ -230,6 +233,21 @@ link() {  # link HOST down|up
   ip link set "${prefix}${i}v" "$state" || die "cannot set ${prefix}${i}v $state" 1
 }
 
+set_rate() {  # set_rate HOST RATE|none
+  local host=$1 i
+  [[ $host =~ ^${prefix}([0-9]+)$ ]] && [ -e "/run/netns/$host" ] ||
+      die "$host is no host of prefix $prefix" 2
+  i=${BASH_REMATCH[1]}
+  if [ "$2" = none ]; then
+    tc -n "$host" qdisc del dev eth0 root 2>/dev/null
+    tc qdisc del dev "${prefix}${i}v" root 2>/dev/null
+    return 0
+  fi
+  rate=$2
+  rate_bits >/dev/null || die "rate $host: a rate such as 500mbit, 1gbit, 25gbit, or none" 2
+  limit_link "$host" eth0 && limit_link "" "${prefix}${i}v"
+}
+
 [ $# -ge 1 ] || usage
 cmd=$1
 shift
@@ -289,6 +307,14 @@ case $cmd in
     check_options
     link "$h" "$s"
     ;;
+  rate)
+    [ $# -ge 2 ] || die "rate: give HOST and a rate or none" 2
+    h=$1 r=$2
+    shift 2
+    for a in "$@"; do parse_option "$a" || die "rate: unknown option $a" 2; done
+    check_options
+    set_rate "$h" "$r"
+    ;;
   -h|--help|help) usage ;;
-  *) die "unknown command $cmd (run, up, down, link)" 2 ;;
+  *) die "unknown command $cmd (run, up, down, link, rate)" 2 ;;
 esac
