@@ -16,7 +16,16 @@
 # Across hosts: RENDEZVOUS must be a directory every host sees (the prefill workers write
 # their control address there), the prefill workers listen on 0.0.0.0 and publish their
 # host's first non-loopback address, and UCX must use a transport that crosses hosts (tcp).
-# Environment: KVSTREAM (the binary; default build/launch/kvstream), HOSTFILE, RENDEZVOUS.
+# With HOSTFILE set, that is the default configuration: kv_ip 0.0.0.0 and ucx_tls
+# $KVSTREAM_UCX_TLS (default tcp,sm,self: TCP between hosts, shared memory within one); a
+# --kv-transfer-config given here replaces it whole. mpirun fills each host's slots in
+# hostfile order, so the prefill ranks take the first slots (OMPI_MCA_rmaps_base_mapping_policy
+# =node deals the ranks round-robin over the hosts instead).
+# Simulated hosts on this machine (network namespaces, whose environment sets
+# KVSTREAM_UCX_TLS=tcp: they share memory, and UCX would take it between them):
+#   launch/sim_hosts.sh run 4 -- launch/mpirun_xpyd.sh 2 2
+# Environment: KVSTREAM (the binary; default build/launch/kvstream), HOSTFILE, RENDEZVOUS,
+# KVSTREAM_UCX_TLS.
 set -eu
 [ $# -ge 2 ] || { echo "usage: $0 PREFILL DECODE [worker flags...]" >&2; exit 2; }
 p=$1; d=$2; shift 2
@@ -25,9 +34,13 @@ dir=${RENDEZVOUS:-$(mktemp -d)}
 mkdir -p "$dir"
 rm -f "$dir"/prefill.addr*
 hostfile=""
-[ -n "${HOSTFILE:-}" ] && hostfile="--hostfile $HOSTFILE"
+config='{"kv_port": 0}'
+if [ -n "${HOSTFILE:-}" ]; then
+  hostfile="--hostfile $HOSTFILE"
+  config="{\"kv_ip\": \"0.0.0.0\", \"kv_port\": 0, \"kv_connector_extra_config\": {\"ucx_tls\": \"${KVSTREAM_UCX_TLS:-tcp,sm,self}\"}}"
+fi
 root=""
 [ "$(id -u)" = 0 ] && root="--allow-run-as-root"
 exec mpirun $root $hostfile -np $((p + d)) --oversubscribe --bind-to none \
     "$bin" worker --mpi --prefill-workers="$p" --address-file="$dir/prefill.addr" \
-    --kv-transfer-config='{"kv_port": 0}' "$@"
+    --kv-transfer-config="$config" "$@"
