@@ -45,6 +45,8 @@ trap 'kill $ppid 2>/dev/null; rm -rf "$work"' EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 model="--layers=4 --heads=4 --kv-heads=2 --head-size=16 --block-size=16 --num-blocks=128 ${KVSTREAM_TEST_BACKEND:+--backend=$KVSTREAM_TEST_BACKEND}"
 prompts="--prompts=37,120,9,64 --decode-steps=6"
+# The GPU scenarios' model: head size 128 for the CUDA attention kernels; bf16 caches.
+cuda_model="--layers=4 --heads=8 --kv-heads=2 --head-size=128 --intermediate=1024 --vocab=1000 --block-size=16 --num-blocks=256"
 # KV bytes of one layer of these prompts: 226 remote tokens x (K + V) x 2 KV heads x 16 x 4
 # bytes (float32 cache).
 layer_bytes=$(( (36 + 119 + 8 + 63) * 2 * 2 * 16 * 4 ))
@@ -83,6 +85,13 @@ run_decode_explicit() {
 }
 show() { echo "--- prefill"; cat "$work/prefill.out"; echo "--- decode"; cat "$work/decode.out" 2>/dev/null; }
 fail() { show; echo "FAIL: $*"; exit 1; }
+# GPU scenarios: exit 0 with a SKIPPED line when the worker said it could not use a GPU.
+skip_without_gpu() {
+  if grep -q "no usable CUDA device\|built without CUDA" "$work/decode.out"; then
+    echo "SKIPPED: $scenario: $(grep -o 'no usable CUDA device.*\|built without CUDA.*' "$work/decode.out" | head -1)"
+    exit 0
+  fi
+}
 
 case "$scenario" in
   shm|shm-copy|tcp)
@@ -97,14 +106,10 @@ case "$scenario" in
     grep -q "served 4 requests" "$work/prefill.out" || fail "prefill did not serve 4 requests"
     ;;
   cuda)
-    # Head size 128 for the CUDA attention kernels; bf16 caches.
-    model="--layers=4 --heads=8 --kv-heads=2 --head-size=128 --intermediate=1024 --vocab=1000 --block-size=16 --num-blocks=256"
+    model=$cuda_model
     start_prefill --serve=4 --device=cuda
     run_decode --device=cuda --json="$work/report.json"
-    if grep -q "no usable CUDA device\|built without CUDA" "$work/decode.out"; then
-      echo "SKIPPED: cuda: $(grep -o 'no usable CUDA device.*\|built without CUDA.*' "$work/decode.out" | head -1)"
-      exit 0
-    fi
+    skip_without_gpu
     wait $ppid; prc=$?
     [ $drc -eq 0 ] || fail "decode worker exited $drc"
     [ $prc -eq 0 ] || fail "prefill worker exited $prc"
@@ -113,15 +118,12 @@ case "$scenario" in
     grep -q "served 4 requests" "$work/prefill.out" || fail "prefill did not serve 4 requests"
     ;;
   mpirun-cuda)
-    model="--layers=4 --heads=8 --kv-heads=2 --head-size=128 --intermediate=1024 --vocab=1000 --block-size=16 --num-blocks=256"
+    model=$cuda_model
     KVSTREAM="$bin" RENDEZVOUS="$work/rendezvous" \
         sh "$(dirname "$0")/../../launch/mpirun_xpyd.sh" 1 1 --device=cuda $model $prompts \
         >"$work/decode.out" 2>&1
     rc=$?
-    if grep -q "no usable CUDA device\|built without CUDA" "$work/decode.out"; then
-      echo "SKIPPED: mpirun-cuda: $(grep -o 'no usable CUDA device.*\|built without CUDA.*' "$work/decode.out" | head -1)"
-      exit 0
-    fi
+    skip_without_gpu
     [ $rc -eq 0 ] || fail "mpirun_xpyd.sh 1 1 --device=cuda exited $rc"
     grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
     grep -q "served 4 requests" "$work/decode.out" || fail "the prefill rank did not serve 4 requests"
@@ -130,10 +132,7 @@ case "$scenario" in
     "$bin" demo --device=cuda --requests=4 --decode-steps=8 --num-blocks=512 \
         --json="$work/report.json" >"$work/decode.out" 2>&1
     rc=$?
-    if grep -q "no usable CUDA device\|built without CUDA" "$work/decode.out"; then
-      echo "SKIPPED: demo-cuda: $(grep -o 'no usable CUDA device.*\|built without CUDA.*' "$work/decode.out" | head -1)"
-      exit 0
-    fi
+    skip_without_gpu
     [ $rc -eq 0 ] || fail "kvstream demo --device=cuda exited $rc"
     grep -q '"tokens_match": *true' "$work/report.json" || fail "report says tokens differ"
     grep -q '"blocks_leaked": *false' "$work/report.json" || fail "report says blocks leaked"
