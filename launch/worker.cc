@@ -478,7 +478,8 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
         << (*engine)->steps() << " steps; " << free_blocks << "/" << (*engine)->num_blocks()
         << " blocks free" << std::endl;
     if (!o.json_path.empty()) {
-      absl::SleepFor(absl::Milliseconds(50));  // the progress loop's last sends
+      // Every served request's sends have ended: its blocks came back (HasWork) only after
+      // the connector settled it, which is when its timeline was kept.
       collect();
       std::ofstream f(o.json_path);
       f << PrefillReportJson(served, sends, (*connector)->stats(), (*connector)->peer_stats())

@@ -10,9 +10,9 @@
 // (WriteOrder::notification_tail). The host never waits for the GPU. Each post has its own
 // ready event, which PollReady() (from the progress loop) queries until it completes: the
 // first host time it was seen complete is when the layer was ready (within one poll of the
-// progress loop). It dates the layer on the host clock without a stream of its own, which
-// could share a hardware queue with the compute stream and hold the copies back. The
-// notice's post_ns stays 0 (unknown) for device caches: the host posts ahead of the GPU,
+// progress loop). The events are made at creation and reused: making and destroying one
+// per post on the forward pass's thread held the copies back until the pass ended (seen on
+// an H200). The notice's post_ns stays 0 (unknown) for device caches: the host posts ahead of the GPU,
 // so the post time says nothing of the transfer.
 //
 // Thread safety: thread-compatible; the producer calls it under its own lock.

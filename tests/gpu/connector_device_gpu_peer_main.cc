@@ -129,8 +129,12 @@ int Run(int argc, char** argv) {
     }
     absl::SleepFor(absl::Milliseconds(1));
   }
-  absl::SleepFor(absl::Milliseconds(20));  // the progress loop's last completions
-  for (RequestSendStats& t : (*worker)->TakeSendStats()) timelines.push_back(std::move(t));
+  // The progress loop settles the last sends shortly after their notices left.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (static_cast<int>(timelines.size()) < served && absl::Now() < deadline) {
+    for (RequestSendStats& t : (*worker)->TakeSendStats()) timelines.push_back(std::move(t));
+    absl::SleepFor(absl::Milliseconds(1));
+  }
   for (const RequestSendStats& t : timelines) {
     const std::string line = absl::StrCat("timeline ", t.consumer_request_id, " ",
                                           t.ok ? "ok" : "failed", " ",
