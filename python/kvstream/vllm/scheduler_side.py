@@ -96,7 +96,7 @@ class SchedulerSide:
         self._consumer = c.kv_role in ("kv_consumer", "kv_both")
         self._producer = c.kv_role in ("kv_producer", "kv_both")
         self._manager = kv_cache_manager
-        self._clock = clock
+        self.clock = clock  # the deadlines' clock (monotonic seconds); tests replace it
         self._tid_of: dict[str, str] = {}   # vLLM id -> transfer id, for kvstream's requests
         self._outbox = _Outbox()
         self._pending: set[str] = set()      # delay-freed ids no worker has reported yet
@@ -175,7 +175,7 @@ class SchedulerSide:
         if tid in self._gone or not prompt:
             self._local_only.add(vid)
             return 0
-        now = self._clock()
+        now = self.clock()
         since = self._waiting.setdefault(vid, now)
         if (now - since) * 1000.0 < self._settings.handoff_wait_ms:
             return None  # vLLM asks again next step; the hand-off may come meanwhile
@@ -212,7 +212,7 @@ class SchedulerSide:
         import kvstream
         from kvstream.vllm.messages import KvstreamConnectorMetadata
 
-        self._expire(self._clock())
+        self._expire(self.clock())
         for vid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._preempted(vid)
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
@@ -267,7 +267,7 @@ class SchedulerSide:
             return
         self._sched.update_connector_output(kvstream.encode_connector_output(joined))
         accepted = {r.request_id for r in self._sched.take_incoming_requests()}
-        now = self._clock()
+        now = self.clock()
         for h in joined["incoming"]:
             if h["request_id"] in accepted:
                 self._hand_off_came(h, now)
@@ -324,15 +324,15 @@ class SchedulerSide:
         if tid is not None:
             prompt = list(request.prompt_token_ids or [])
             if request.num_computed_tokens >= len(prompt) - 1 and tid not in self._gone:
-                deadline = self._clock() + self._settings.handoff_keep_ms / 1000.0
+                deadline = self.clock() + self._settings.handoff_keep_ms / 1000.0
                 self._kept[vid] = _Kept(tid, prompt, list(block_ids), deadline)
                 self._outbox.delayed.append(vid)
                 self._pending.add(vid)
                 return True, self._producer_params(params, tid)
-            self._gone[tid] = self._clock() + self._settings.handoff_keep_ms / 1000.0
+            self._gone[tid] = self.clock() + self._settings.handoff_keep_ms / 1000.0
         elif waited is not None:  # finished (aborted) while it waited for its hand-off
             self._gone[cfg.transfer_id(request, params)] = (
-                self._clock() + self._settings.handoff_keep_ms / 1000.0)
+                self.clock() + self._settings.handoff_keep_ms / 1000.0)
         return False, None
 
     def has_pending_push_work(self) -> bool:
@@ -364,7 +364,7 @@ class SchedulerSide:
             self._local_only.add(vid)
         elif vid in self._local:
             self._gone[self._local.pop(vid)] = (
-                self._clock() + self._settings.handoff_keep_ms / 1000.0)
+                self.clock() + self._settings.handoff_keep_ms / 1000.0)
             self._local_only.add(vid)
 
     def _expire(self, now: float) -> None:
