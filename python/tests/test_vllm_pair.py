@@ -150,12 +150,12 @@ def test_prefill_first_proxy_sends_kept_blocks(model_dir, peers):
     # to the decode engine (as vLLM's proxies for pull connectors do): the prefill engine
     # finishes without a hand-off, keeps the request's blocks, and sends them, every
     # layer, in a step with no forward pass once the hand-off comes.
+    # The proxy names no transfer id: the prefill engine's request id serves as one.
     port = free_port()
     peer = peers(model_dir, {"fmt": "cpu", "kv_port": port,
-                             "extra": {"handoff_wait_ms": 0,
-                                       "handoff_keep_ms": TIMEOUT_S * 1000}})
+                             "extra": {"handoff_keep_ms": TIMEOUT_S * 1000}})
     peer.send(cmd="add", id="client-P", prompt=PROMPT, max_tokens=1,
-              params={"do_remote_decode": True, "transfer_id": "xfer-2"})
+              params={"do_remote_decode": True})
     peer.send(cmd="run", timeout_s=TIMEOUT_S)
     finished = peer.read("finished")
     params = finished["kv_transfer_params"]
@@ -163,7 +163,7 @@ def test_prefill_first_proxy_sends_kept_blocks(model_dir, peers):
     assert {k: params.get(k) for k in ("do_remote_prefill", "remote_host", "remote_port",
                                        "transfer_id")} == {
         "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
-        "transfer_id": "xfer-2"}
+        "transfer_id": "client-P"}
     d, checked = decode_engine(model_dir, "cpu")
     d.add("client-D", PROMPT, max_tokens=3, kv_transfer_params=params)
     finish_decode(d, checked, peer)

@@ -15,13 +15,15 @@ overwrite the shared cached blocks) and is computed here.
 Producer (prefill engine; do_remote_decode): vLLM's proxy, not kvstream, brings the
 request to this engine, while the consumer's hand-off (its destination blocks) arrives
 through kvstream's control channel. The request is matched with its hand-off by transfer
-id: a request waits up to handoff_wait_ms for it (get_num_new_matched_tokens returns None:
-"ask again"), then streams each layer right after that layer's attention in the step that
-completes its prompt. A request whose hand-off has not come by then is prefilled anyway;
-its blocks are kept when it finishes, for up to handoff_keep_ms, and go out as soon as the
-hand-off arrives (a proxy that waits for the prefill's answer before it sends the request
-to the decode engine works this way; request_finished's kv_transfer_params tell it where
-the consumer should hand the request over).
+id: a request whose kv_transfer_params name a transfer id (a proxy that sends it to both
+engines at once) waits up to handoff_wait_ms for it (get_num_new_matched_tokens returns
+None: "ask again"), then streams each layer right after that layer's attention in the step
+that completes its prompt. A request whose hand-off has not come by then, or that names no
+transfer id, is prefilled anyway; its blocks are kept when it finishes, for up to
+handoff_keep_ms, and go out as soon as the hand-off arrives. A proxy that waits for the
+prefill's answer before it sends the request to the decode engine works this way:
+request_finished's kv_transfer_params (this engine's address and the transfer id, the
+request's own id when the proxy gave none) are what the decode engine's request needs.
 
 A request's blocks stay allocated (request_finished -> True) while kvstream still uses
 them, and a worker reports it finished only after vLLM finished it (worker_side.py), since
@@ -174,6 +176,11 @@ class SchedulerSide:
             return 0
         if tid in self._gone or not prompt:
             self._local_only.add(vid)
+            return 0
+        if cfg.TRANSFER_ID not in params:
+            # No proxy-given id: the consumer can learn this request's id only from this
+            # engine's answer, so its hand-off cannot come before the prefill.
+            self._local[vid] = tid
             return 0
         now = self.clock()
         since = self._waiting.setdefault(vid, now)

@@ -9,9 +9,10 @@ which are taken out before kvstream sees the rest:
 
   kv_ip              producer: the address kvstream's control channel listens on
                      (default 127.0.0.1); also what request_finished tells the proxy
-  handoff_wait_ms    producer: how long a request waits for its consumer's hand-off before
-                     it is prefilled without one (its KV then goes out when the hand-off
-                     comes, from the blocks kept after the prefill); default 200
+  handoff_wait_ms    producer: how long a request that names a transfer id waits for its
+                     consumer's hand-off before it is prefilled without one (its KV then
+                     goes out when the hand-off comes, from the blocks kept after the
+                     prefill); default 200
   handoff_keep_ms    producer: how long a prefilled request's blocks are kept for a
                      hand-off that has not come; default 30000
   attention_backend  the attention backend whose KV cache format the tensors have
