@@ -1,10 +1,12 @@
 // The range check every transport's PostWrite makes before it posts anything: each segment
-// must lie inside both regions, with no overflow. Private to transfer/.
+// must lie inside both regions, with no overflow; and the coalescing of segments that
+// continue one another on both sides. Private to transfer/.
 #ifndef KVSTREAM_TRANSFER_SRC_SEGMENT_CHECK_H_
 #define KVSTREAM_TRANSFER_SRC_SEGMENT_CHECK_H_
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -35,6 +37,26 @@ inline absl::Status CheckSegments(absl::string_view transport, absl::Span<const 
     }
   }
   return absl::OkStatus();
+}
+
+// `segments` without the empty ones, each run of segments that are contiguous on both sides
+// (the next starts where the previous ended, locally and remotely) merged into one, so that
+// block runs move as one piece. Order is kept.
+inline std::vector<Segment> CoalesceSegments(absl::Span<const Segment> segments) {
+  std::vector<Segment> runs;
+  for (const Segment& s : segments) {
+    if (s.length == 0) continue;
+    if (!runs.empty()) {
+      Segment& last = runs.back();
+      if (last.local_offset + last.length == s.local_offset &&
+          last.remote_offset + last.length == s.remote_offset) {
+        last.length += s.length;
+        continue;
+      }
+    }
+    runs.push_back(s);
+  }
+  return runs;
 }
 
 }  // namespace internal
