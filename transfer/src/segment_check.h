@@ -39,6 +39,34 @@ inline absl::Status CheckSegments(absl::string_view transport, absl::Span<const 
   return absl::OkStatus();
 }
 
+// The rules of WriteOrder (transport.h) that do not depend on the transport: tail and its
+// size given together; a tail only with a ready event and a notification, of at most
+// kMaxNotificationTailBytes; notification and tail together at most `max_notification_bytes`.
+// InvalidArgument prefixed by `transport` otherwise.
+inline absl::Status CheckWriteOrder(absl::string_view transport, const WriteOrder& order,
+                                    absl::string_view notification,
+                                    size_t max_notification_bytes) {
+  if ((order.notification_tail == nullptr) != (order.notification_tail_bytes == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        transport, " PostWrite: notification_tail and notification_tail_bytes must be given "
+                   "together"));
+  }
+  if (order.notification_tail != nullptr &&
+      (order.ready_event == nullptr || notification.empty() ||
+       order.notification_tail_bytes > kMaxNotificationTailBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        transport, " PostWrite: a notification tail needs a ready_event and a notification, "
+                   "and is at most ", kMaxNotificationTailBytes, " bytes (",
+        order.notification_tail_bytes, " given)"));
+  }
+  if (notification.size() + order.notification_tail_bytes > max_notification_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        transport, " PostWrite: notification of ", notification.size(), " bytes (+",
+        order.notification_tail_bytes, " tail), more than ", max_notification_bytes));
+  }
+  return absl::OkStatus();
+}
+
 // `segments` without the empty ones, each run of segments that are contiguous on both sides
 // (the next starts where the previous ended, locally and remotely) merged into one, so that
 // block runs move as one piece. Order is kept.
