@@ -54,9 +54,11 @@ absl::Status NcclTransport::Progress() {
         ReadSendLink(peer);
         if (peer.status.ok() && PollSendComm(peer)) {
           PollSends(peer);
-          absl::Status issued = PlanWrites(*peer.send);
-          if (issued.ok() && peer.send->welcomed) issued = IssueSends(peer);
-          if (!issued.ok()) FailPeer(peer, issued);
+          if (peer.send->welcomed) {
+            absl::Status issued = PlanWrites(*peer.send);
+            if (issued.ok()) issued = IssueSends(peer);
+            if (!issued.ok()) FailPeer(peer, issued);
+          }
         }
       }
       if (peer.status.ok() && peer.recv != nullptr && !peer.recv->state.terminal()) {
@@ -217,6 +219,9 @@ void NcclTransport::ReadSendLink(NcclPeer& peer) {
 
 void NcclTransport::ReadRecvLink(NcclPeer& peer) {
   RecvLink& link = *peer.recv;
+  // What is left of the welcome (the receive link sends nothing else but its goodbye).
+  absl::Status flushed = link.conn->Flush();
+  if (!flushed.ok()) return FailPeer(peer, flushed);
   absl::StatusOr<bool> eof = link.conn->ReadAvailable(kMaxReadPerConnection);
   if (!eof.ok()) return FailPeer(peer, eof.status());
   for (;;) {
