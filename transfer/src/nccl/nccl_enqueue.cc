@@ -84,6 +84,16 @@ absl::Status NcclTransport::LaunchCopy(LinkGpu& gpu, size_t begin, size_t entrie
                               gpu.copy.get());
 }
 
+absl::StatusOr<bool> NcclTransport::IssueGroup(NcclLink& link, int peer,
+                                               const std::vector<NcclOp>& ops) {
+  const NcclPoll poll = IssueNcclGroup(link.comm, peer, ops, link.gpu->nccl.get(), link.label);
+  switch (link.state.OnGroupEnd(poll, absl::Now())) {
+    case CommAction::kIssued: return true;
+    case CommAction::kAbort: return link.state.status();
+    default: return false;
+  }
+}
+
 absl::Status NcclTransport::PlanWrites(SendLink& link) {
   while (!link.unplanned.empty()) {
     SendWrite write = std::move(link.unplanned.front());
@@ -151,19 +161,13 @@ absl::Status NcclTransport::IssueSends(NcclPeer& peer) {
     char* staging = slot >= 0 ? gpu.staging[slot].data_as<char>() : nullptr;
     const std::vector<NcclOp> ops = GroupOps(
         batch.plan.messages, /*send=*/true, const_cast<char*>(batch.local_base), staging);
-    const absl::Time now = absl::Now();
-    batch.issued_at = now;
-    const NcclPoll poll = IssueNcclGroup(link.comm, /*peer=*/1, ops, nccl, link.label);
-    switch (link.state.OnGroupEnd(poll, now)) {
-      case CommAction::kIssued:
-        RETURN_IF_ERROR(FinishSend(link, batch));
-        break;
-      case CommAction::kAbort:
-        return link.state.status();
-      default:
-        batch.phase = BatchPhase::kIssuing;  // finished when the communicator says so
-        return absl::OkStatus();
+    batch.issued_at = absl::Now();
+    ASSIGN_OR_RETURN(const bool issued, IssueGroup(link, /*peer=*/1, ops));
+    if (!issued) {
+      batch.phase = BatchPhase::kIssuing;
+      return absl::OkStatus();
     }
+    RETURN_IF_ERROR(FinishSend(link, batch));
   }
   return absl::OkStatus();
 }
@@ -208,19 +212,13 @@ absl::Status NcclTransport::IssueReceives(NcclPeer& peer) {
     char* staging = slot >= 0 ? gpu.staging[slot].data_as<char>() : nullptr;
     const std::vector<NcclOp> ops = GroupOps(
         batch.plan.messages, /*send=*/false, batch.region_base, staging);
-    const absl::Time now = absl::Now();
-    batch.issued_at = now;
-    const NcclPoll poll = IssueNcclGroup(link.comm, /*peer=*/0, ops, nccl, link.label);
-    switch (link.state.OnGroupEnd(poll, now)) {
-      case CommAction::kIssued:
-        RETURN_IF_ERROR(FinishReceive(link, batch));
-        break;
-      case CommAction::kAbort:
-        return link.state.status();
-      default:
-        batch.phase = BatchPhase::kIssuing;
-        return absl::OkStatus();
+    batch.issued_at = absl::Now();
+    ASSIGN_OR_RETURN(const bool issued, IssueGroup(link, /*peer=*/0, ops));
+    if (!issued) {
+      batch.phase = BatchPhase::kIssuing;
+      return absl::OkStatus();
     }
+    RETURN_IF_ERROR(FinishReceive(link, batch));
   }
   return absl::OkStatus();
 }

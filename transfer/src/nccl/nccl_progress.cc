@@ -52,7 +52,7 @@ absl::Status NcclTransport::Progress() {
       if (!peer.status.ok()) continue;
       if (peer.send != nullptr && !peer.send->state.terminal()) {
         ReadSendLink(peer);
-        if (peer.status.ok() && PollSendComm(peer)) {
+        if (peer.status.ok() && PollComm(peer, /*send=*/true)) {
           PollSends(peer);
           if (peer.send->welcomed) {
             absl::Status issued = PlanWrites(*peer.send);
@@ -63,7 +63,7 @@ absl::Status NcclTransport::Progress() {
       }
       if (peer.status.ok() && peer.recv != nullptr && !peer.recv->state.terminal()) {
         ReadRecvLink(peer);
-        if (peer.status.ok() && peer.recv != nullptr && PollRecvComm(peer)) {
+        if (peer.status.ok() && peer.recv != nullptr && PollComm(peer, /*send=*/false)) {
           PollReceives(peer);
           absl::Status issued = IssueReceives(peer);
           if (!issued.ok()) FailPeer(peer, issued);
@@ -277,48 +277,43 @@ void NcclTransport::ReadRecvLink(NcclPeer& peer) {
   if (*eof) FailPeer(peer, Died());
 }
 
-bool NcclTransport::PollSendComm(NcclPeer& peer) {
-  SendLink& link = *peer.send;
-  if (!link.state.has_comm()) return true;
-  switch (link.state.OnAsyncState(link.comm.AsyncState(), absl::Now())) {
-    case CommAction::kIssued:
-      for (SendBatch& b : link.batches) {
-        if (b.phase != BatchPhase::kIssuing) continue;
-        absl::Status finished = FinishSend(link, b);
-        if (!finished.ok()) {
-          FailPeer(peer, finished);
-          return false;
-        }
-      }
-      return true;
-    case CommAction::kAbort:
-      FailPeer(peer, link.state.status());
-      return false;
-    default:
-      return true;
+namespace {
+
+// Finishes the link's batch whose group was being issued in the background.
+template <typename Link, typename Finish>
+absl::Status FinishIssuing(Link& link, Finish finish) {
+  for (auto& batch : link.batches) {
+    if (batch.phase == BatchPhase::kIssuing) return finish(link, batch);
   }
+  return absl::OkStatus();
 }
 
-bool NcclTransport::PollRecvComm(NcclPeer& peer) {
-  RecvLink& link = *peer.recv;
+}  // namespace
+
+bool NcclTransport::PollComm(NcclPeer& peer, bool send) {
+  NcclLink& link = send ? static_cast<NcclLink&>(*peer.send) : *peer.recv;
   if (!link.state.has_comm()) return true;
+  absl::Status status;
   switch (link.state.OnAsyncState(link.comm.AsyncState(), absl::Now())) {
     case CommAction::kIssued:
-      for (RecvBatch& b : link.batches) {
-        if (b.phase != BatchPhase::kIssuing) continue;
-        absl::Status finished = FinishReceive(link, b);
-        if (!finished.ok()) {
-          FailPeer(peer, finished);
-          return false;
-        }
-      }
-      return true;
+      status = send ? FinishIssuing(*peer.send, [this](SendLink& l, SendBatch& b) {
+                        mu_.AssertHeld();
+                        return FinishSend(l, b);
+                      })
+                    : FinishIssuing(*peer.recv, [this](RecvLink& l, RecvBatch& b) {
+                        mu_.AssertHeld();
+                        return FinishReceive(l, b);
+                      });
+      break;
     case CommAction::kAbort:
-      FailPeer(peer, link.state.status());
-      return false;
+      status = link.state.status();
+      break;
     default:
-      return true;
+      break;
   }
+  if (status.ok()) return true;
+  FailPeer(peer, status);
+  return false;
 }
 
 void NcclTransport::PollSends(NcclPeer& peer) {

@@ -106,6 +106,11 @@ class NcclTransport final : public Transport, public NcclTransportCore {
   // frame, gather, group, events. An error fails the peer (the caller's to do).
   absl::Status IssueSends(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status IssueReceives(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ncclGroupEnd of `ops` with the link's other rank `peer`: true when the group is on its
+  // stream now, false when NCCL enqueues it in the background (the batch is then kIssuing,
+  // finished when the communicator says so); the link's failure otherwise.
+  absl::StatusOr<bool> IssueGroup(NcclLink& link, int peer, const std::vector<NcclOp>& ops)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What follows a group once it is on its stream (kIssued).
   absl::Status FinishSend(SendLink& link, SendBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status FinishReceive(RecvLink& link, RecvBatch& batch)
@@ -134,9 +139,9 @@ class NcclTransport final : public Transport, public NcclTransportCore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReadSendLink(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReadRecvLink(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Polls the link's communicator and acts on what it says; false when the peer failed.
-  bool PollSendComm(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool PollRecvComm(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Polls the peer's send (or receive) link's communicator and acts on what it says; false
+  // when the peer failed.
+  bool PollComm(NcclPeer& peer, bool send) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Retires completed batches, oldest first; never blocks.
   void PollSends(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PollReceives(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
