@@ -120,9 +120,13 @@ absl::Status ConsumerSide::StartLoads() {
   for (const KvConnectorMetadata::Load& load : loads) {
     absl::Status s = HandOff(load);
     if (s.ok()) continue;
+    // A producer known from an earlier link is charged by its engine id, as while it was up.
+    const std::string known =
+        peers_.engine_id(absl::StrCat(load.remote.host, ":", load.remote.port));
     absl::MutexLock lock(&mu_);
     auto it = recv_.find(load.request_id);
     if (it == recv_.end()) continue;
+    if (it->second.producer_id.empty()) it->second.producer_id = known;
     Fail(it->second, s);
     MarkStopped(it->second);  // the producer never accepted it: nothing can land
   }

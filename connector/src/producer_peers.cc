@@ -58,6 +58,7 @@ absl::StatusOr<std::shared_ptr<ProducerPeers::Link>> ProducerPeers::LinkFor(
     link->engine_id = std::move(dialed->engine_id);
     link->serial = next_serial_++;
     peer.link = link;
+    peer.engine_id = link->engine_id;
     peer.lifecycle.Connected(absl::Now());
   }
   absl::MutexLock lock(&threads_mu_);
@@ -94,6 +95,12 @@ PeerState ProducerPeers::state(const std::string& address) const {
   absl::MutexLock lock(&mu_);
   auto it = peers_.find(address);
   return it == peers_.end() ? PeerState::kNew : it->second.lifecycle.state();
+}
+
+std::string ProducerPeers::engine_id(const std::string& address) const {
+  absl::MutexLock lock(&mu_);
+  auto it = peers_.find(address);
+  return it == peers_.end() ? std::string() : it->second.engine_id;
 }
 
 int64_t ProducerPeers::times_up(const std::string& address) const {

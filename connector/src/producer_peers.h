@@ -88,8 +88,11 @@ class ProducerPeers {
   // Ends `link` (closes its connection): its peer goes down and on_lost is called, once.
   void Lose(Link& link, const absl::Status& why);
 
-  // The peer's state and how many times it came up (0, kNew for an unknown address).
+  // The peer's state and how many times it came up (0, kNew for an unknown address), and
+  // the engine id it gave at its last handshake (empty: none yet), which names it in
+  // metrics while it is down.
   PeerState state(const std::string& address) const;
+  std::string engine_id(const std::string& address) const;
   int64_t times_up(const std::string& address) const;
 
   // Links whose reader was not yet joined.
@@ -104,6 +107,7 @@ class ProducerPeers {
     explicit Peer(PeerLifecycle l) : lifecycle(std::move(l)) {}
     PeerLifecycle lifecycle;
     std::shared_ptr<Link> link;  // the live one, while kUp
+    std::string engine_id;       // from the last handshake
   };
   struct Reader {
     std::thread thread;

@@ -685,6 +685,11 @@ TEST_P(LayerwiseConnectorTest, LoadsToADownProducerFailAtOnceWithinTheBackoff) {
   EXPECT_EQ(d_->connector->stats().handshakes, 1u);
   EXPECT_EQ(d_->connector->stats().handshake_failures, 0u);  // it was not tried
   EXPECT_TRUE(d_->connector->GetBlockIdsWithLoadErrors().empty());
+  // Both load errors are charged to the producer by the engine id it gave when it was up.
+  std::vector<PeerConnectorStats> peers = d_->connector->peer_stats();
+  ASSERT_EQ(peers.size(), 1u);
+  EXPECT_EQ(peers[0].peer, "p");
+  EXPECT_EQ(peers[0].stats.load_errors, 2u);
 }
 
 // A producer that does not answer: the first load's attempt fails (one handshake failure);
