@@ -29,3 +29,11 @@ if(KVSTREAM_HAVE_CUDA)
   target_include_directories(kvstream_bench_copy_pattern PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)
   kvstream_set_warnings(kvstream_bench_copy_pattern)
 endif()
+# Benchmark: the nccl transport from GPU 0 to GPU 1 (two processes), beside a raw contiguous
+# ncclSend/ncclRecv of the same bytes in the same run (a plain program: it spawns its peer).
+if(KVSTREAM_HAVE_NCCL)
+  find_package(NCCL REQUIRED)  # its imported target is local to the directory that finds it
+  add_executable(kvstream_bench_nccl nccl_bench.cc)
+  target_link_libraries(kvstream_bench_nccl PRIVATE kvstream::transfer NCCL::NCCL CUDA::cudart)
+  kvstream_set_warnings(kvstream_bench_nccl)
+endif()

@@ -269,6 +269,14 @@ int main(int argc, char** argv) {
                          "prefill, at exit: requests served and their layer timelines)");
   worker_cmd->add_flag("--one-at-a-time", worker.one_at_a_time,
                        "Decode: start each request once the one before it finished, in both runs");
+  worker_cmd->add_option("--waves", worker.waves,
+                         "Decode: run the prompts this many times, one wave after the other, "
+                         "reading the prefill workers' rendezvous files again before each "
+                         "(prefill: --serve counts every wave)")
+      ->capture_default_str()->check(CLI::Range(1, 10000));
+  worker_cmd->add_option("--wave-gate", worker.wave_gate,
+                         "Decode: before wave w >= 1 wait for the file <this>.w<w>; after wave "
+                         "w write <this>.d<index>.w<w>.done");
   worker_cmd->add_option("--metrics-port", worker.metrics_port,
                          "Serve Prometheus metrics on this port (0: any free port; default off)")
       ->check(CLI::Range(0, 65535));

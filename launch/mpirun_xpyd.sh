@@ -24,8 +24,12 @@
 # Simulated hosts on this machine (network namespaces, whose environment sets
 # KVSTREAM_UCX_TLS=tcp: they share memory, and UCX would take it between them):
 #   launch/sim_hosts.sh run 4 -- launch/mpirun_xpyd.sh 2 2
+# Prefill workers that may be restarted: mpirun ends the whole job when one rank dies,
+# unless MPIRUN_FLAGS=--enable-recovery; the restarted worker is then started outside the
+# job (ssh, a service manager) with the same --index, --prefill-workers and rendezvous, and
+# the decode workers, which read the rendezvous again before each --waves wave, use it.
 # Environment: KVSTREAM (the binary; default build/launch/kvstream), HOSTFILE, RENDEZVOUS,
-# KVSTREAM_UCX_TLS.
+# KVSTREAM_UCX_TLS, MPIRUN_FLAGS (more mpirun flags, split on spaces).
 set -eu
 [ $# -ge 2 ] || { echo "usage: $0 PREFILL DECODE [worker flags...]" >&2; exit 2; }
 p=$1; d=$2; shift 2
@@ -41,6 +45,6 @@ if [ -n "${HOSTFILE:-}" ]; then
 fi
 root=""
 [ "$(id -u)" = 0 ] && root="--allow-run-as-root"
-exec mpirun $root $hostfile -np $((p + d)) --oversubscribe --bind-to none \
+exec mpirun $root $hostfile ${MPIRUN_FLAGS:-} -np $((p + d)) --oversubscribe --bind-to none \
     "$bin" worker --mpi --prefill-workers="$p" --address-file="$dir/prefill.addr" \
     --kv-transfer-config="$config" "$@"

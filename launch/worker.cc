@@ -2,7 +2,9 @@
 #include "worker.h"
 
 #include <signal.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -140,24 +142,41 @@ int RequestsServedBy(const WorkerOptions& o, int prefill_index) {
       if (static_cast<int>((i + d) % o.num_prefill) == prefill_index) ++n;
     }
   }
-  return n;
+  return n * std::max(1, o.waves);  // the same in every wave
 }
 
 namespace {
 
+// Every wave's requests, wave after wave (WorkerOptions::waves).
 std::vector<RequestSpec> MakeRequests(const WorkerOptions& o) {
   std::vector<RequestSpec> out;
   std::mt19937 rng(o.model.seed * 7919u + 17u);
-  for (size_t i = 0; i < o.prompt_lengths.size(); ++i) {
-    RequestSpec r;
-    r.id = o.num_decode > 1 ? absl::StrCat("d", o.index, "-req-", i) : absl::StrCat("req-", i);
-    for (int t = 0; t < o.prompt_lengths[i]; ++t) {
-      r.prompt.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(o.model.vocab_size)));
+  for (int w = 0; w < std::max(1, o.waves); ++w) {
+    const std::string wave = o.waves > 1 ? absl::StrCat("w", w, "-") : "";
+    for (size_t i = 0; i < o.prompt_lengths.size(); ++i) {
+      RequestSpec r;
+      r.id = o.num_decode > 1 ? absl::StrCat("d", o.index, "-", wave, "req-", i)
+                              : absl::StrCat(wave, "req-", i);
+      for (int t = 0; t < o.prompt_lengths[i]; ++t) {
+        r.prompt.push_back(
+            static_cast<int32_t>(rng() % static_cast<uint32_t>(o.model.vocab_size)));
+      }
+      r.max_new_tokens = o.decode_steps;
+      out.push_back(std::move(r));
     }
-    r.max_new_tokens = o.decode_steps;
-    out.push_back(std::move(r));
   }
   return out;
+}
+
+// Waits until `path` exists, or `deadline`.
+absl::Status WaitForFile(const std::string& path, absl::Time deadline) {
+  while (access(path.c_str(), F_OK) != 0) {
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("waited in vain for ", path));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::OkStatus();
 }
 
 // Runs `engine` until it has no work or `deadline` passes. With `progress`, a line every
@@ -493,20 +512,27 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
     return 0;
   }
 
-  // Decode worker: find every prefill worker.
-  std::vector<RemotePrefill> producers;
-  for (int p = 0; p < o.num_prefill; ++p) {
-    RemotePrefill remote{config->kv_ip, config->kv_port};
-    if (!o.address_file.empty()) {
-      auto addr = ReadAddressFile(AddressFileOf(o, p), absl::Seconds(o.connect_timeout_s));
-      if (!addr.ok()) return Fail(err, addr.status());
-      remote = RemotePrefill{addr->first, addr->second};
+  // Decode worker: find every prefill worker. The first wave waits for each to answer;
+  // later waves read the rendezvous again (a restarted prefill worker publishes its new
+  // address) but wait for nobody: a prefill worker that is down is the connector's to
+  // report (its loads fail at once), and the failure policy's to handle.
+  auto find_producers = [&](bool wait) -> absl::StatusOr<std::vector<RemotePrefill>> {
+    std::vector<RemotePrefill> found;
+    for (int p = 0; p < o.num_prefill; ++p) {
+      RemotePrefill remote{config->kv_ip, config->kv_port};
+      if (!o.address_file.empty()) {
+        auto addr = ReadAddressFile(AddressFileOf(o, p), absl::Seconds(o.connect_timeout_s));
+        if (!addr.ok()) return addr.status();
+        remote = RemotePrefill{addr->first, addr->second};
+      }
+      if (wait) {
+        RETURN_IF_ERROR(
+            WaitForProducer(remote.host, remote.port, absl::Seconds(o.connect_timeout_s)));
+      }
+      found.push_back(remote);
     }
-    absl::Status ready =
-        WaitForProducer(remote.host, remote.port, absl::Seconds(o.connect_timeout_s));
-    if (!ready.ok()) return Fail(err, ready);
-    producers.push_back(remote);
-  }
+    return found;
+  };
   const std::vector<RequestSpec> requests = MakeRequests(o);
   const absl::Time t0 = absl::Now();
   const absl::Duration budget =
@@ -514,12 +540,34 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
           ? absl::Seconds(o.run_timeout_s)
           : absl::Seconds(120) + absl::Milliseconds(2 * (config->kvstream.load_timeout_ms +
                                                          config->kvstream.send_timeout_ms));
-  absl::Status drained = RunRequests(
-      **engine, requests,
-      [&](size_t i) -> std::optional<RemotePrefill> {
-        return producers[(i + o.index) % producers.size()];
-      },
-      o.one_at_a_time, t0 + budget, o.progress, "disaggregated run");
+  const int waves = std::max(1, o.waves);
+  const size_t per_wave = o.prompt_lengths.size();
+  absl::Status drained;
+  for (int w = 0; w < waves && drained.ok(); ++w) {
+    if (w > 0 && !o.wave_gate.empty()) {
+      drained = WaitForFile(absl::StrCat(o.wave_gate, ".w", w), t0 + budget);
+      if (!drained.ok()) break;
+    }
+    auto producers = find_producers(/*wait=*/w == 0);
+    if (!producers.ok()) return Fail(err, producers.status());
+    const std::vector<RequestSpec> wave(requests.begin() + w * per_wave,
+                                        requests.begin() + (w + 1) * per_wave);
+    drained = RunRequests(
+        **engine, wave,
+        [&](size_t i) -> std::optional<RemotePrefill> {
+          return (*producers)[(i + o.index) % producers->size()];
+        },
+        o.one_at_a_time, t0 + budget, o.progress, "disaggregated run");
+    if (drained.ok() && waves > 1) {
+      out << "decode worker " << o.index << ": wave " << w << " done" << std::endl;
+      if (!o.wave_gate.empty()) {
+        const std::string done = absl::StrCat(o.wave_gate, ".d", o.index, ".w", w, ".done");
+        if (!std::ofstream(done)) {
+          return Fail(err, absl::InternalError(absl::StrCat("cannot write ", done)));
+        }
+      }
+    }
+  }
   if (!drained.ok()) return Fail(err, drained);
   const double total_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
   std::vector<RequestResult> results = (*engine)->TakeFinished();

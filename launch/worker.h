@@ -50,6 +50,18 @@ struct WorkerOptions {
   // the colocated run alike, so that a request's time to first token has no queueing in it
   // (what the TTFT benchmarks measure); otherwise all start at once.
   bool one_at_a_time = false;
+  // Decode: the prompts run this many times, one wave after the other (wave w's request
+  // ids carry "w<w>-" when waves > 1, and its prompts are new tokens). Before each wave the
+  // prefill workers' addresses are read again from their rendezvous files (a restarted
+  // prefill worker publishes its new port there); from the second wave on, a prefill worker
+  // that does not answer is not waited for: its requests are load errors (the failure
+  // policy decides). Prefill: --serve counts every wave.
+  int waves = 1;
+  // Decode, with waves > 1: before wave w >= 1 wait (within the run's deadline) for the
+  // file "<wave_gate>.w<w>" to exist, and after each wave w write
+  // "<wave_gate>.d<index>.w<w>.done", so that a test or an operator can act between waves
+  // (kill and restart a prefill worker). Empty: the waves follow each other at once.
+  std::string wave_gate;
   // Write a JSON report here. Decode: the requests and their checks, the transfer stats;
   // one of several decode workers appends ".d<index>", a pipeline stage ".pp<rank>" (so
   // ranks of one mpirun can share the flag). Prefill: at exit, the requests served (prefill

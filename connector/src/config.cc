@@ -78,6 +78,10 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
       RETURN_IF_ERROR(GetInt(v, key, 1, 3600000, s.send_timeout_ms));
     } else if (it.key() == "handshake_timeout_ms") {
       RETURN_IF_ERROR(GetInt(v, key, 1, 3600000, s.handshake_timeout_ms));
+    } else if (it.key() == "reconnect_backoff_ms") {
+      RETURN_IF_ERROR(GetInt(v, key, 0, 3600000, s.reconnect_backoff_ms));
+    } else if (it.key() == "reconnect_backoff_max_ms") {
+      RETURN_IF_ERROR(GetInt(v, key, 0, 3600000, s.reconnect_backoff_max_ms));
     } else if (it.key() == "verify_checksum") {
       RETURN_IF_ERROR(GetBool(v, key, s.verify_checksum));
     } else if (it.key() == "secret") {
@@ -111,7 +115,8 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
           "kv_transfer_config: unknown key ", key,
           " (known: transport, cuda_device, ucx_tls, ucx_net_devices, ucx_copy_threads, load_timeout_ms, "
           "send_timeout_ms, "
-          "handshake_timeout_ms, verify_checksum, secret, pipeline_parallel_size, "
+          "handshake_timeout_ms, reconnect_backoff_ms, reconnect_backoff_max_ms, "
+          "verify_checksum, secret, pipeline_parallel_size, "
           "pipeline_rank, pipeline_layers, pipeline_group, max_connections, "
           "max_requests_per_consumer, max_tokens_per_consumer)"));
     }
@@ -127,6 +132,11 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
           FormatLayerRanges(s.pipeline_layers), "\" has ", stages,
           " stages but pipeline_parallel_size is ", s.pipeline_parallel_size));
     }
+  }
+  if (s.reconnect_backoff_max_ms < s.reconnect_backoff_ms) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_transfer_config: kv_connector_extra_config.reconnect_backoff_max_ms ",
+        s.reconnect_backoff_max_ms, " is below reconnect_backoff_ms ", s.reconnect_backoff_ms));
   }
   if (s.pipeline_rank >= s.pipeline_parallel_size) {
     return absl::InvalidArgumentError(absl::StrCat(

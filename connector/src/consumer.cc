@@ -30,16 +30,24 @@ std::set<int32_t> HelloLayers(const ConnectorHello& hello) {
 
 }  // namespace
 
+ConsumerSide::ConsumerSide(WorkerShared& shared)
+    : shared_(shared), peers_([this] {
+        const KvstreamSettings& k = shared_.config.kvstream;
+        ProducerPeers::Options o;
+        o.reconnect.initial = absl::Milliseconds(k.reconnect_backoff_ms);
+        o.reconnect.max = absl::Milliseconds(k.reconnect_backoff_max_ms);
+        o.max_connections = static_cast<size_t>(k.max_connections);
+        o.dial = [this](const std::string& host, int port) { return Dial(host, port); };
+        o.on_message = [this](ProducerLink& link, ConnectorMessage m) { OnMessage(link, m); };
+        o.on_lost = [this](ProducerLink& link, const absl::Status& why) { LinkLost(link, why); };
+        o.stopping = &shared_.stopping;
+        return o;
+      }()) {}
+
 void ConsumerSide::Stop() {
-  std::vector<ReaderThread> readers;
-  {
-    absl::MutexLock lock(&threads_mu_);
-    readers = std::move(readers_);
-  }
-  for (ReaderThread& t : readers) t.thread.join();
+  peers_.Stop();
   absl::MutexLock lock(&mu_);
   recv_.clear();
-  producers_.clear();
 }
 
 absl::Status ConsumerSide::Prepare(const LayerTable& table) {
@@ -112,41 +120,32 @@ absl::Status ConsumerSide::StartLoads() {
   for (const KvConnectorMetadata::Load& load : loads) {
     absl::Status s = HandOff(load);
     if (s.ok()) continue;
+    // A producer known from an earlier link is charged by its engine id, as while it was up.
+    const std::string known =
+        peers_.engine_id(absl::StrCat(load.remote.host, ":", load.remote.port));
     absl::MutexLock lock(&mu_);
     auto it = recv_.find(load.request_id);
     if (it == recv_.end()) continue;
+    if (it->second.producer_id.empty()) it->second.producer_id = known;
     Fail(it->second, s);
     MarkStopped(it->second);  // the producer never accepted it: nothing can land
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::ProducerFor(
-    const RemotePrefill& remote) {
-  const std::string key = absl::StrCat(remote.host, ":", remote.port);
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = producers_.find(key);
-    if (it != producers_.end() && it->second->alive) return it->second;
-  }
-  {
-    absl::MutexLock lock(&threads_mu_);
-    JoinFinished();
-    const size_t max_connections = static_cast<size_t>(shared_.config.kvstream.max_connections);
-    if (readers_.size() >= max_connections) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "cannot connect to producer ", absl::CHexEscape(key), ": links to ", readers_.size(),
-          " producers are open (max_connections ", max_connections, ")"));
-    }
-  }
+absl::StatusOr<ProducerPeers::Dialed> ConsumerSide::Dial(const std::string& host, int port) {
+  const std::string key = absl::StrCat(host, ":", port);
   std::shared_ptr<const LayerTable> table = shared_.layers();
   ASSIGN_OR_RETURN(HandshakeOptions hs, shared_.Handshake(table.get()));
-  auto connected = ConnectControl(remote.host, static_cast<uint16_t>(remote.port), hs.deadline);
+  auto connected = ConnectControl(host, static_cast<uint16_t>(port), hs.deadline);
   if (!connected.ok()) {
     shared_.stats.Handshake(key, false);
-    return connected.status();
+    return absl::Status(connected.status().code(),
+                        absl::StrCat("cannot reach producer ", absl::CHexEscape(key), ": ",
+                                     connected.status().message()));
   }
-  std::unique_ptr<ControlConnection> conn = std::move(*connected);
+  ProducerPeers::Dialed out;
+  out.conn = std::move(*connected);
   const KvTransferConfig& config = shared_.config;
   const std::string transport(shared_.transport->name());
   hs.check = [&](const HelloMsg& peer) -> absl::Status {
@@ -156,7 +155,7 @@ absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::Produc
     return CheckStageLayers(config.kvstream, table->indices(), HelloLayers(theirs),
                             absl::StrCat("'", absl::CHexEscape(peer.engine_id), "'"));
   };
-  auto peer = HandshakeAsClient(*conn, hs);
+  auto peer = HandshakeAsClient(*out.conn, hs);
   shared_.stats.Handshake(peer.ok() ? peer->engine_id : key, peer.ok());
   if (!peer.ok()) {
     // The message may quote the producer's own words: escaped, as every peer string.
@@ -164,50 +163,20 @@ absl::StatusOr<std::shared_ptr<ConsumerSide::ProducerLink>> ConsumerSide::Produc
                         absl::StrCat("handshake with producer ", absl::CHexEscape(key), ": ",
                                      absl::CHexEscape(peer.status().message())));
   }
-  auto link = std::make_shared<ProducerLink>();
-  link->conn = std::move(conn);
-  link->address = key;
-  link->engine_id = peer->engine_id;
-  {
-    absl::MutexLock lock(&mu_);
-    producers_[key] = link;
-  }
-  absl::MutexLock lock(&threads_mu_);
-  auto done = std::make_shared<std::atomic<bool>>(false);
-  readers_.push_back({std::thread([this, link, done] {
-                        ReaderLoop(link);
-                        done->store(true);
-                      }),
-                      done});
-  return link;
+  out.engine_id = peer->engine_id;
+  return out;
 }
 
-void ConsumerSide::JoinFinished() {
-  bool joined = false;
-  for (auto it = readers_.begin(); it != readers_.end();) {
-    if (it->done->load()) {
-      it->thread.join();
-      it = readers_.erase(it);
-      joined = true;
-    } else {
-      ++it;
-    }
-  }
-  if (!joined) return;
-  // Lost links are no use any more: a request of theirs finds none, as if lost.
-  absl::MutexLock lock(&mu_);
-  for (auto it = producers_.begin(); it != producers_.end();) {
-    it = it->second->alive ? std::next(it) : producers_.erase(it);
-  }
-}
+int64_t ConsumerSide::connections() const { return peers_.connections(); }
 
-int64_t ConsumerSide::connections() const {
-  absl::MutexLock lock(&threads_mu_);
-  return static_cast<int64_t>(readers_.size());
+std::shared_ptr<ConsumerSide::ProducerLink> ConsumerSide::LinkOf(const RecvRequest& r) const {
+  std::shared_ptr<ProducerLink> link = peers_.Find(r.producer);
+  return link != nullptr && link->serial == r.link && link->alive ? link : nullptr;
 }
 
 absl::Status ConsumerSide::HandOff(const KvConnectorMetadata::Load& load) {
-  ASSIGN_OR_RETURN(std::shared_ptr<ProducerLink> link, ProducerFor(load.remote));
+  ASSIGN_OR_RETURN(std::shared_ptr<ProducerLink> link,
+                   peers_.LinkFor(load.remote.host, load.remote.port));
   HandOffMsg m;
   m.request_id = load.request_id;
   m.prompt_token_ids = load.prompt_token_ids;
@@ -230,6 +199,7 @@ absl::Status ConsumerSide::HandOff(const KvConnectorMetadata::Load& load) {
     r.handoff_ns = MonotonicNs();
     r.producer = link->address;
     r.producer_id = link->engine_id;
+    r.link = link->serial;
   }
   shared_.Wake();
   absl::Status s = SendConnectorMessage(*link->conn, m, absl::Now() + absl::Seconds(5));
@@ -242,47 +212,37 @@ absl::Status ConsumerSide::HandOff(const KvConnectorMetadata::Load& load) {
   return absl::OkStatus();
 }
 
-void ConsumerSide::ReaderLoop(std::shared_ptr<ProducerLink> link) {
-  while (!shared_.stopping) {
-    auto msg = ReceiveConnectorMessage(*link->conn, absl::Now() + absl::Milliseconds(100));
-    if (!msg.ok()) {
-      if (absl::IsDeadlineExceeded(msg.status()) && !link->conn->closed()) continue;
-      LinkLost(*link, msg.status());
-      return;
-    }
-    absl::MutexLock lock(&mu_);
-    if (auto* ack = std::get_if<HandOffAckMsg>(&*msg)) {
-      if (ack->status_code == 0) continue;
-      auto it = recv_.find(ack->request_id);
-      if (it == recv_.end()) continue;
-      Fail(it->second,
-           StatusFromCode(ack->status_code,
-                          absl::StrCat("producer ", absl::CHexEscape(link->address),
-                                       " rejected request ", absl::CHexEscape(ack->request_id),
-                                       ": ", absl::CHexEscape(ack->message))));
-      MarkStopped(it->second);  // refused: nothing of it is written
-    } else if (auto* abort = std::get_if<AbortMsg>(&*msg)) {
-      auto it = recv_.find(abort->request_id);
-      if (it == recv_.end()) continue;
-      Fail(it->second, absl::AbortedError(absl::StrCat(
-                           "producer ", absl::CHexEscape(link->address),
-                           " stopped sending request ", absl::CHexEscape(abort->request_id), ": ",
-                           absl::CHexEscape(abort->reason))));
-      MarkStopped(it->second);
-    } else {
-      Log(LogLevel::kWarning, absl::StrCat("producer ", absl::CHexEscape(link->address),
-                                           " sent an unexpected ",
-                                           ConnectorMessageName(*msg), " message"));
-    }
+void ConsumerSide::OnMessage(ProducerLink& link, const ConnectorMessage& msg) {
+  absl::MutexLock lock(&mu_);
+  if (auto* ack = std::get_if<HandOffAckMsg>(&msg)) {
+    if (ack->status_code == 0) return;
+    auto it = recv_.find(ack->request_id);
+    if (it == recv_.end() || it->second.link != link.serial) return;
+    Fail(it->second,
+         StatusFromCode(ack->status_code,
+                        absl::StrCat("producer ", absl::CHexEscape(link.address),
+                                     " rejected request ", absl::CHexEscape(ack->request_id),
+                                     ": ", absl::CHexEscape(ack->message))));
+    MarkStopped(it->second);  // refused: nothing of it is written
+  } else if (auto* abort = std::get_if<AbortMsg>(&msg)) {
+    auto it = recv_.find(abort->request_id);
+    if (it == recv_.end() || it->second.link != link.serial) return;
+    Fail(it->second, absl::AbortedError(absl::StrCat(
+                         "producer ", absl::CHexEscape(link.address),
+                         " stopped sending request ", absl::CHexEscape(abort->request_id), ": ",
+                         absl::CHexEscape(abort->reason))));
+    MarkStopped(it->second);
+  } else {
+    Log(LogLevel::kWarning, absl::StrCat("producer ", absl::CHexEscape(link.address),
+                                         " sent an unexpected ", ConnectorMessageName(msg),
+                                         " message"));
   }
 }
 
 void ConsumerSide::LinkLost(ProducerLink& link, const absl::Status& why) {
-  link.alive = false;
-  link.conn->Close();
   absl::MutexLock lock(&mu_);
   for (auto& [id, r] : recv_) {
-    if (r.producer != link.address) continue;
+    if (r.link != link.serial) continue;
     if (r.state == RecvState::kLoading) {
       Fail(r, absl::UnavailableError(
                   absl::StrCat("lost producer ", absl::CHexEscape(link.address), ": ",
@@ -308,18 +268,18 @@ void ConsumerSide::MarkStopped(RecvRequest& r) {
 
 void ConsumerSide::QueueAbort(RecvRequest& r, std::vector<Abort>& out) {
   if (r.state != RecvState::kFailed) return;
-  auto it = producers_.find(r.producer);
-  if (it == producers_.end() || !it->second->alive) {
+  std::shared_ptr<ProducerLink> link = LinkOf(r);
+  if (link == nullptr) {
     MarkStopped(r);
     return;
   }
-  out.push_back({it->second, AbortMsg{r.load.request_id, r.error.ToString()}});
+  out.push_back({std::move(link), AbortMsg{r.load.request_id, r.error.ToString()}});
 }
 
 void ConsumerSide::SendAborts(const std::vector<Abort>& aborts) {
   for (const auto& [link, msg] : aborts) {
     absl::Status s = SendConnectorMessage(*link->conn, msg, absl::Now() + absl::Seconds(1));
-    if (!s.ok()) LinkLost(*link, s);
+    if (!s.ok()) peers_.Lose(*link, s);
   }
 }
 
@@ -538,8 +498,8 @@ bool ConsumerSide::Poll() {
       if (r.state == RecvState::kFailed) {
         outstanding = true;
         if (now > r.abort_deadline) {
-          auto it = producers_.find(r.producer);
-          if (it != producers_.end()) close.push_back(it->second);
+          std::shared_ptr<ProducerLink> link = LinkOf(r);
+          if (link != nullptr) close.push_back(std::move(link));
           MarkStopped(r);
         }
       }
@@ -548,7 +508,7 @@ bool ConsumerSide::Poll() {
   for (auto& link : close) {
     Log(LogLevel::kWarning, absl::StrCat("producer ", absl::CHexEscape(link->address),
                                          " did not confirm an abort; closing the link"));
-    LinkLost(*link, absl::DeadlineExceededError("abort not confirmed"));
+    peers_.Lose(*link, absl::DeadlineExceededError("abort not confirmed"));
   }
   return outstanding;
 }

@@ -1,6 +1,6 @@
 // ConsumerSide: the decode worker's half of the layerwise connector. It hands each load of
-// the step's metadata to its producer over the control channel (connecting and
-// handshaking on first use), receives the producer's layer notices (from the worker's
+// the step's metadata to its producer over the control channel (its links and their
+// lifecycle, reconnection included, are ProducerPeers'), receives the producer's layer notices (from the worker's
 // progress loop), verifies every layer (byte count, checksum), and makes the forward pass
 // wait, layer by layer and with a deadline, for the layers of the step's requests.
 //
@@ -9,7 +9,8 @@
 //   kLoading  -> kComplete  every layer arrived and verified
 //   kComplete -> kReported  TakeOutput reported it finished during a step that waits for
 //                           it (kept until the step ends, so its remaining waits count)
-//   kPending  -> kStopped   the hand-off failed: nothing was sent, nothing can land
+//   kPending  -> kStopped   the hand-off failed (the producer is down, unreachable,
+//                           incompatible, or the send failed): nothing can land
 //   kLoading  -> kFailed    a layer missed its deadline, failed its checksum, the producer
 //                           refused or stopped it, the link broke, or the engine finished it
 //   kFailed   -> kStopped   the producer confirmed it stopped writing, the link is gone, or
@@ -18,7 +19,8 @@
 // reported finished (their blocks may be freed) by TakeOutput, which forgets kStopped ones;
 // ClearStep forgets kReported ones, recording their RequestTransferStats.
 //
-// Thread safety: thread-safe. One mutex guards the requests and links; the forward pass
+// Thread safety: thread-safe. One mutex guards the requests (ProducerPeers has its own, taken
+// after this one, never before); the forward pass
 // blocks in WaitForLayer without holding it (absl::Mutex::AwaitWithDeadline), and no
 // control-channel send happens under it.
 #ifndef KVSTREAM_CONNECTOR_SRC_CONSUMER_H_
@@ -30,7 +32,6 @@
 #include <memory>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -44,6 +45,7 @@
 #include "layer_notice.h"
 #include "device_verifier.h"
 #include "layer_runs.h"
+#include "producer_peers.h"
 #include "worker_shared.h"
 
 namespace kvstream {
@@ -51,7 +53,7 @@ namespace internal {
 
 class ConsumerSide {
  public:
-  explicit ConsumerSide(WorkerShared& shared) : shared_(shared) {}
+  explicit ConsumerSide(WorkerShared& shared);
   ~ConsumerSide() { Stop(); }
   ConsumerSide(const ConsumerSide&) = delete;
   ConsumerSide& operator=(const ConsumerSide&) = delete;
@@ -86,12 +88,7 @@ class ConsumerSide {
   int64_t connections() const;
 
  private:
-  struct ProducerLink {
-    std::unique_ptr<ControlConnection> conn;
-    std::string address;
-    std::string engine_id;  // from its hello
-    std::atomic<bool> alive{true};
-  };
+  using ProducerLink = ProducerPeers::Link;
 
   enum class RecvState { kPending, kLoading, kComplete, kReported, kFailed, kStopped };
   enum class LayerState : uint8_t { kMissing, kVerifying, kArrived };
@@ -99,7 +96,8 @@ class ConsumerSide {
   struct RecvRequest {
     RecvState state = RecvState::kPending;
     KvConnectorMetadata::Load load;
-    std::string producer;     // address key of the ProducerLink
+    std::string producer;     // the producer's address ("host:port")
+    uint64_t link = 0;        // the serial of the link it was handed to (0: none yet)
     std::string producer_id;  // its engine id once handed off (metrics label)
     uint64_t attempt = 0;     // this hand-off's (HandOffMsg::attempt); notices must match
     std::vector<LayerState> layers;  // by layer index
@@ -125,10 +123,14 @@ class ConsumerSide {
     return r.producer_id.empty() ? r.producer : r.producer_id;
   }
 
-  absl::StatusOr<std::shared_ptr<ProducerLink>> ProducerFor(const RemotePrefill& remote);
+  // ProducerPeers' dialer: connects to a producer and handshakes.
+  absl::StatusOr<ProducerPeers::Dialed> Dial(const std::string& host, int port);
   absl::Status HandOff(const KvConnectorMetadata::Load& load);
-  void ReaderLoop(std::shared_ptr<ProducerLink> link);
+  // From a link's reader: a message, and the link's end (its requests fail).
+  void OnMessage(ProducerLink& link, const ConnectorMessage& message);
   void LinkLost(ProducerLink& link, const absl::Status& why);
+  // The live link a request of `r` was handed to, or null when that link is gone.
+  std::shared_ptr<ProducerLink> LinkOf(const RecvRequest& r) const;
   void Fail(RecvRequest& r, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkStopped(RecvRequest& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void QueueAbort(RecvRequest& r, std::vector<Abort>& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -139,19 +141,8 @@ class ConsumerSide {
   // Device caches with checksums: set by Prepare, used by the progress thread only.
   std::unique_ptr<DeviceVerifier> device_verifier_;
 
-  // One reader per producer link, joined once it is done (its link lost), so that links
-  // that come and go do not pile up threads; at most max_connections at once.
-  struct ReaderThread {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done;
-  };
-  void JoinFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(threads_mu_);
-  mutable absl::Mutex threads_mu_;
-  std::vector<ReaderThread> readers_ ABSL_GUARDED_BY(threads_mu_);
-
   mutable absl::Mutex mu_;
   std::map<std::string, RecvRequest> recv_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<ProducerLink>> producers_ ABSL_GUARDED_BY(mu_);
   std::vector<KvConnectorMetadata::Load> step_loads_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> waits_ ABSL_GUARDED_BY(mu_);
   std::vector<LoadError> errors_ ABSL_GUARDED_BY(mu_);  // not yet reported
@@ -159,6 +150,10 @@ class ConsumerSide {
   // Hand-off attempts: a random start (so that a restarted worker's attempts differ from
   // its predecessor's) and a counter.
   uint64_t next_attempt_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Last: destroyed first, so that its readers, which call back into this class, end
+  // before anything they touch.
+  ProducerPeers peers_;
 };
 
 }  // namespace internal

@@ -235,6 +235,12 @@ absl::Status ValidateLayerwiseConfig(const KvTransferConfig& config) {
         ", max_requests_per_consumer ", k.max_requests_per_consumer,
         " and max_tokens_per_consumer ", k.max_tokens_per_consumer, " must be at least 1"));
   }
+  if (k.reconnect_backoff_ms < 0 || k.reconnect_backoff_max_ms < k.reconnect_backoff_ms) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LayerwiseConnector: reconnect_backoff_ms ", k.reconnect_backoff_ms,
+        " must be at least 0 and reconnect_backoff_max_ms ", k.reconnect_backoff_max_ms,
+        " at least that"));
+  }
   if (k.pipeline_parallel_size > 1 && config.kv_role != KvRole::kConsumer) {
     return absl::InvalidArgumentError(absl::StrCat(
         "LayerwiseConnector: pipeline_parallel_size ", k.pipeline_parallel_size,

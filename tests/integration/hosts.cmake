@@ -4,7 +4,7 @@
 # the scenarios take one lock and run one at a time.
 find_program(MPIRUN mpirun)
 if(MPIRUN)
-  foreach(scenario hosts-2p2d hosts-link-cut)
+  foreach(scenario hosts-2p2d hosts-link-cut hosts-restart hosts-restart-same-port)
     add_test(NAME worker_${scenario}
       COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/run_hosts.sh $<TARGET_FILE:kvstream_cli> ${scenario})
     set_tests_properties(worker_${scenario} PROPERTIES LABELS "integration;mpi" TIMEOUT 300

@@ -17,6 +17,21 @@
 #                (its requests load, none recomputed); no block leaks on any worker (each
 #                exits 0, and prints every block free); prefill worker 0 cancels its stalled
 #                sends (send_timeout_ms 3000) and exits once the link is back.
+#   hosts-restart  the same hosts; the decode workers run three waves of the prompts
+#                (--waves=3, --wave-gate: the test acts between waves), under mpirun
+#                --enable-recovery so that the job outlives a rank. After wave 0 the
+#                prefill worker on host 0 is killed (SIGKILL); wave 1's requests to it are
+#                load errors naming its address (the connector fails them at once: nothing
+#                listens there) and are recomputed; then a new prefill worker 0 is started on
+#                host 0, outside the job (as a service manager would), and publishes its
+#                new port in the rendezvous; wave 2 is served by it: none recomputed. The
+#                decode workers, never restarted, handshook prefill worker 0 twice (its
+#                engine id, in their JSON reports), every output of every wave is
+#                bit-identical to the colocated run, and no block leaked on any worker.
+#   hosts-restart-same-port  the same, but the new prefill worker 0 listens on the port
+#                the killed one had (kv_port fixed), so the decode workers find it at the
+#                address they knew, and reconnect to it there (reconnect_backoff_ms 0: every
+#                load to a down producer tries it again).
 # Needs root; prints SKIPPED where it is not root or namespaces cannot be made.
 set -u
 bin=$1
@@ -39,6 +54,17 @@ cut_model="--layers=4 --heads=4 --kv-heads=2 --head-size=16 --block-size=16 --nu
 cut_prompts="--prompts=500,400,300,200 --decode-steps=4 --idle-timeout=10"
 cut_config='{"kv_ip": "0.0.0.0", "kv_port": 0, "kv_connector_extra_config": {"ucx_tls": "tcp", "load_timeout_ms": 3000, "send_timeout_ms": 3000}}'
 cut_after=65536
+# The restart run: fixed engine ids ("hosts-prefill0" for both of prefill worker 0's lives).
+restart_config='{"engine_id": "hosts", "kv_ip": "0.0.0.0", "kv_port": 0, "kv_connector_extra_config": {"ucx_tls": "tcp"}}'
+
+# Waits up to 60 s for every file named; fails the run otherwise.
+wait_files() {
+  local f
+  for f in "$@"; do
+    for _ in $(seq 1 600); do [ -e "$f" ] && break; sleep 0.1; done
+    [ -e "$f" ] || { echo "no $f after 60 s" >>"$work/restart"; return 1; }
+  done
+}
 
 # Inside the hosts (sim_hosts.sh run's command): the xPyD run, then each host's link
 # counters. Usage: run_hosts.sh KVSTREAM inside WORKDIR SCENARIO
@@ -49,6 +75,44 @@ if [ "$scenario" = inside ]; then
   if [ "$4" = hosts-2p2d ]; then
     KVSTREAM="$bin" RENDEZVOUS="$work/rendezvous" timeout -k 5 120 sh \
         "$launch/mpirun_xpyd.sh" 2 2 $model $prompts >"$work/mpirun.out" 2>&1
+    echo $? >"$work/mpirun.rc"
+  elif [ "$4" = hosts-restart ] || [ "$4" = hosts-restart-same-port ]; then
+    h0=${SIM_HOSTS%% *}
+    config=$restart_config
+    [ "$4" = hosts-restart-same-port ] && config=${restart_config/\"tcp\"/\"tcp\", \"reconnect_backoff_ms\": 0, \"reconnect_backoff_max_ms\": 0}
+    gate=$work/gate
+    addr0=$work/rendezvous/prefill.addr.0
+    MPIRUN_FLAGS=--enable-recovery KVSTREAM="$bin" RENDEZVOUS="$work/rendezvous" \
+        timeout -k 5 150 sh "$launch/mpirun_xpyd.sh" 2 2 $model $prompts --waves=3 \
+        --wave-gate="$gate" --json="$work/report.json" --kv-transfer-config="$config" \
+        >"$work/mpirun.out" 2>&1 &
+    mpid=$!
+    : >"$work/restart"
+    if wait_files "$gate.d0.w0.done" "$gate.d1.w0.done"; then
+      # Prefill worker 0 is the one kvstream process on host 0 (beside its orted).
+      for pid in $(ip netns pids "$h0"); do
+        [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = kvstream ] && kill -KILL "$pid" &&
+            echo "killed prefill worker 0 (pid $pid) on $h0 after wave 0" >>"$work/restart"
+      done
+      old=$(cat "$addr0")
+      echo "$old" >"$work/old_addr"
+      : >"$gate.w1"
+      if wait_files "$gate.d0.w1.done" "$gate.d1.w1.done"; then
+        # The new prefill worker 0: same host, index and rendezvous; not a rank of the job.
+        rconfig=$config
+        [ "$4" = hosts-restart-same-port ] && rconfig=${config/\"kv_port\": 0/\"kv_port\": ${old##*:}}
+        rm -f "$addr0"
+        "$launch/netns_rsh.sh" "$h0" "$bin worker --role=prefill --index=0 --prefill-workers=2 --serve=4 --idle-timeout=60 --address-file=$work/rendezvous/prefill.addr --kv-transfer-config='$rconfig' $model $prompts" \
+            >"$work/restarted.out" 2>&1 &
+        rpid=$!
+        for _ in $(seq 1 600); do [ -s "$addr0" ] && break; sleep 0.1; done
+        echo "restarted prefill worker 0 on $h0: $(cat "$addr0") (was $old)" >>"$work/restart"
+        : >"$gate.w2"
+        wait $rpid
+        echo $? >"$work/restarted.rc"
+      fi
+    fi
+    wait $mpid
     echo $? >"$work/mpirun.rc"
   else
     h0=${SIM_HOSTS%% *}
@@ -92,7 +156,11 @@ leftovers() {  # what of this test's hosts exists now
 # Pass or fail, nothing stays: the hosts are removed by sim_hosts.sh itself; this is for a
 # run killed before it could.
 trap '"$launch/sim_hosts.sh" down --prefix=$prefix >/dev/null 2>&1; rm -rf "$work"' EXIT
-show() { for f in sim_hosts.out mpirun.out counters; do echo "--- $f"; cat "$work/$f" 2>/dev/null; done; }
+show() {
+  for f in sim_hosts.out mpirun.out restart restarted.out counters; do
+    [ -e "$work/$f" ] && { echo "--- $f"; cat "$work/$f"; }
+  done
+}
 fail() { show; echo "FAIL: $*"; exit 1; }
 skip() { echo "SKIPPED: $scenario: $*"; exit 0; }
 
@@ -105,7 +173,7 @@ ip netns del "${prefix}probe"
 "$launch/sim_hosts.sh" down --prefix=$prefix >/dev/null 2>&1
 
 case "$scenario" in
-  hosts-2p2d|hosts-link-cut)
+  hosts-2p2d|hosts-link-cut|hosts-restart|hosts-restart-same-port)
     timeout -k 10 240 "$launch/sim_hosts.sh" run 4 --prefix=$prefix --subnet=$subnet -- \
         "$0" "$bin" inside "$work" "$scenario" >"$work/sim_hosts.out" 2>&1
     src=$?
@@ -136,6 +204,54 @@ case "$scenario" in
       grep "^  $r: " "$work/mpirun.out" | grep -q "recomputed" &&
           fail "$r (from the prefill host whose link stayed up) was recomputed"
       grep -q "^  $r: .*== colocated" "$work/mpirun.out" || fail "$r did not match"
+    done
+    ;;
+  hosts-restart|hosts-restart-same-port)
+    got=$(grep -c "128/128 blocks free; outputs bit-identical to the colocated run" "$work/mpirun.out")
+    [ "$got" -eq 2 ] || fail "$got of 2 decode workers matched the colocated run with every block free"
+    grep -q "^killed prefill worker 0" "$work/restart" || fail "prefill worker 0 was not killed"
+    [ "$(cat "$work/restarted.rc" 2>/dev/null)" = 0 ] || fail "the restarted prefill worker 0 exited $(cat "$work/restarted.rc" 2>/dev/null)"
+    grep -q "^prefill worker: served 4 requests.*128/128 blocks free" "$work/restarted.out" ||
+        fail "the restarted prefill worker 0 did not serve wave 2's 4 requests with every block free"
+    [ "$(grep -c "^prefill worker: served 12 requests.*128/128 blocks free" "$work/mpirun.out")" -eq 1 ] ||
+        fail "prefill worker 1 did not serve its 12 requests (3 waves) with every block free"
+    old=$(cat "$work/old_addr")
+    new=$(cat "$work/rendezvous/prefill.addr.0")
+    if [ "$scenario" = hosts-restart ]; then
+      [[ $new == "${subnet}.11:"* && $new != "$old" ]] ||
+          fail "the restarted prefill worker 0 published '$new' (before: '$old'), not a new port of host 0"
+    else
+      [ "$new" = "$old" ] || fail "the restarted prefill worker 0 published '$new', not its old address '$old'"
+    fi
+    # Request i of decode worker d comes from prefill worker (i + d) mod 2 in every wave.
+    for w in 0 1 2; do
+      for r in d0-w$w-req-0 d0-w$w-req-2 d1-w$w-req-1 d1-w$w-req-3 \
+               d0-w$w-req-1 d0-w$w-req-3 d1-w$w-req-0 d1-w$w-req-2; do
+        line=$(grep "^  $r: " "$work/mpirun.out")
+        [[ $line == *"== colocated"* ]] || fail "$r did not match the colocated run: $line"
+        case "$w:$r" in
+          1:d0-w1-req-0|1:d0-w1-req-2|1:d1-w1-req-1|1:d1-w1-req-3)
+            [[ $line == *"recomputed after a load error"* ]] ||
+                fail "$r (to prefill worker 0 while it was down) was not recomputed: $line" ;;
+          *)
+            [[ $line == *"recomputed"* ]] && fail "$r was recomputed: $line" ;;
+        esac
+      done
+    done
+    # Each of those four failed with an error naming the dead worker's address.
+    errors=$(grep -c "load error: UNAVAILABLE: .*$old" "$work/mpirun.out")
+    [ "$errors" -eq 4 ] || fail "$errors load errors name prefill worker 0's old address $old, not 4"
+    # Each decode worker handshook prefill worker 0 twice (before and after its restart) and
+    # prefill worker 1 once.
+    for d in 0 1; do
+      for p in 0:2 1:1; do
+        n=$(awk -v peer="\"hosts-prefill${p%%:*}\": {" '
+              index($0, peer) { inside = 1 }
+              inside && /"handshakes":/ { gsub(/[^0-9]/, ""); print; exit }' \
+            "$work/report.json.d$d")
+        [ "$n" = "${p##*:}" ] ||
+            fail "decode worker $d handshook prefill worker ${p%%:*} ${n:-no} times, not ${p##*:}"
+      done
     done
     ;;
   hosts-2p2d)

@@ -7,3 +7,4 @@ kvstream_add_gtest(connector_codec_test LABELS unit SOURCES connector_codec_test
 kvstream_add_gtest(connector_scheduler_test LABELS unit SOURCES connector_scheduler_test.cc DEPS kvstream::connector)
 kvstream_add_gtest(connector_fault_test LABELS unit SOURCES connector_fault_test.cc
   DEPS kvstream::connector kvstream_testing_faulty_transport)
+kvstream_add_gtest(peer_lifecycle_test LABELS unit SOURCES peer_lifecycle_test.cc DEPS kvstream::connector)

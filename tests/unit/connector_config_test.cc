@@ -160,6 +160,28 @@ TEST(KvTransferConfigTest, PipelineGroupAndPeerBounds) {
   }
 }
 
+TEST(KvTransferConfigTest, ReconnectBackoff) {
+  auto defaults = ParseKvTransferConfig("{}");
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_EQ(defaults->kvstream.reconnect_backoff_ms, 200);
+  EXPECT_EQ(defaults->kvstream.reconnect_backoff_max_ms, 5000);
+  auto c = ParseKvTransferConfig(R"({"kv_connector_extra_config":
+      {"reconnect_backoff_ms": 0, "reconnect_backoff_max_ms": 0}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->kvstream.reconnect_backoff_ms, 0);
+  EXPECT_EQ(c->kvstream.reconnect_backoff_max_ms, 0);
+  for (const char* bad :
+       {R"({"kv_connector_extra_config": {"reconnect_backoff_ms": -1}})",
+        R"({"kv_connector_extra_config": {"reconnect_backoff_ms": 6000}})",  // above the max
+        R"({"kv_connector_extra_config": {"reconnect_backoff_ms": 10, "reconnect_backoff_max_ms": 5}})"}) {
+    auto r = ParseKvTransferConfig(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  auto message = ParseKvTransferConfig(
+      R"({"kv_connector_extra_config": {"reconnect_backoff_ms": 10, "reconnect_backoff_max_ms": 5}})");
+  EXPECT_THAT(message.status().message(), HasSubstr("reconnect_backoff_max_ms 5"));
+}
+
 // Deep nesting is refused with an error, not a stack overflow: 60,000 levels inside a known
 // key and at the top, in arrays and objects; 64 levels are still parsed (and then refused
 // for what they are, a value of the wrong type).

@@ -185,6 +185,9 @@ struct NodeOptions {
   int64_t max_tokens_per_consumer = int64_t{1} << 22;
   std::string pipeline_group;
   int64_t handshake_timeout_ms = 2000;
+  int64_t reconnect_backoff_ms = 200;
+  int64_t reconnect_backoff_max_ms = 5000;
+  int32_t port = 0;  // producer: the control port (0: any free one)
 };
 
 // One worker: a connector and its layers' caches (null for layers it does not own).
@@ -201,12 +204,14 @@ std::unique_ptr<Node> MakeNode(LoopbackFabric& fabric, const std::string& name,
   c.kv_connector = "LayerwiseConnector";
   c.engine_id = name;
   c.kv_role = o.role;
-  c.kv_port = 0;
+  c.kv_port = o.port;
   c.kvstream.transport = "loopback";
   c.kvstream.secret = o.secret;
   c.kvstream.load_timeout_ms = o.load_timeout_ms;
   c.kvstream.send_timeout_ms = o.send_timeout_ms;
   c.kvstream.handshake_timeout_ms = o.handshake_timeout_ms;
+  c.kvstream.reconnect_backoff_ms = o.reconnect_backoff_ms;
+  c.kvstream.reconnect_backoff_max_ms = o.reconnect_backoff_max_ms;
   c.kvstream.max_connections = o.max_connections;
   c.kvstream.max_requests_per_consumer = o.max_requests_per_consumer;
   c.kvstream.max_tokens_per_consumer = o.max_tokens_per_consumer;
@@ -600,6 +605,120 @@ TEST_P(LayerwiseConnectorTest, LostProducerFailsTheRequestFast) {
   EXPECT_TRUE(PollFinished(*d_->connector, "orphan", false).finished_recving.count("orphan"));
 }
 
+// The producer goes away with a request in flight and comes back at the same address (a
+// restarted prefill worker): the consumer, never restarted, fails the request that was in
+// flight, then hands the next one to the new producer over a new link (a second handshake)
+// and gets its KV.
+TEST_P(LayerwiseConnectorTest, RestartedProducerAtTheSameAddressIsUsedAgain) {
+  NodeOptions consumer;
+  consumer.reconnect_backoff_ms = 0;  // the first load after the loss may reconnect
+  consumer.reconnect_backoff_max_ms = 0;
+  Start({}, consumer);
+  ConsumerAdmit("before", 9, {1, 2, 3});
+  ConsumerStep({{"before", 0, 9}});
+  ASSERT_EQ(ProducerTake(1).size(), 1u);
+  d_->connector->ClearConnectorMetadata();
+  p_.reset();  // killed with the request in flight
+  std::vector<LoadError> lost = AwaitLoadErrors(*d_->connector);
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].request_id, "before");
+  EXPECT_EQ(lost[0].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(lost[0].status.message(), HasSubstr("lost producer"));
+  ASSERT_TRUE(PollFinished(*d_->connector, "before", false).finished_recving.count("before"));
+  EXPECT_EQ(d_->connector->stats().handshakes, 1u);
+
+  NodeOptions restarted;
+  restarted.role = KvRole::kProducer;
+  restarted.layout = GetParam();
+  restarted.port = remote_.port;
+  p_ = MakeNode(fabric_, "p", restarted);
+  for (int l = 0; l < kLayers; ++l) FillRandom(*p_->caches[l], 200 + l);
+  ASSERT_EQ(p_->connector->control_address(),
+            absl::StrCat(remote_.host, ":", remote_.port));
+
+  const std::vector<int32_t> d_blocks = {4, 11, 7};
+  const std::vector<int32_t> p_blocks = {3, 8, 1};
+  ConsumerAdmit("after", 12, d_blocks);
+  ConsumerStep({{"after", 0, 12}});
+  auto incoming = ProducerTake(1);
+  ASSERT_EQ(incoming.size(), 1u);
+  EXPECT_EQ(incoming[0].request_id, "d/after");
+  ProducerPrefill(incoming[0], p_blocks, kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(d_->connector->BeforeAttention(LayerName(l), nullptr).ok());
+    EXPECT_TRUE(TokensEqual(*p_->caches[l], p_blocks, *d_->caches[l], d_blocks, 11)) << l;
+  }
+  d_->connector->ClearConnectorMetadata();
+  EXPECT_TRUE(d_->connector->TakeLoadErrors().empty());
+  EXPECT_TRUE(PollFinished(*d_->connector, "after", false).finished_recving.count("after"));
+  EXPECT_EQ(d_->connector->stats().handshakes, 2u);
+  EXPECT_EQ(d_->connector->stats().handshake_failures, 0u);
+  EXPECT_EQ(d_->connector->stats().layers_received, static_cast<uint64_t>(kLayers));
+}
+
+// While a producer is down and its backoff has not passed, loads to it fail at once with an
+// error that says so, without trying to reach it (no handshake attempt is made).
+TEST_P(LayerwiseConnectorTest, LoadsToADownProducerFailAtOnceWithinTheBackoff) {
+  NodeOptions consumer;
+  consumer.reconnect_backoff_ms = 3600000;  // never due within the test
+  consumer.reconnect_backoff_max_ms = 3600000;
+  Start({}, consumer);
+  ConsumerAdmit("first", 5, {1, 2});
+  ConsumerStep({{"first", 0, 5}});
+  ASSERT_EQ(ProducerTake(1).size(), 1u);
+  d_->connector->ClearConnectorMetadata();
+  p_.reset();
+  ASSERT_EQ(AwaitLoadErrors(*d_->connector).size(), 1u);  // "first": the link was lost
+  ASSERT_TRUE(PollFinished(*d_->connector, "first", false).finished_recving.count("first"));
+
+  ConsumerAdmit("second", 5, {3, 4});
+  ConsumerStep({{"second", 0, 5}});
+  // StartLoadKv failed it before returning: no wait.
+  std::vector<LoadError> errors = d_->connector->TakeLoadErrors();
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].request_id, "second");
+  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(errors[0].status.message(),
+              HasSubstr(absl::StrCat("producer ", remote_.host, ":", remote_.port, " is down")));
+  EXPECT_THAT(errors[0].status.message(), HasSubstr("next connection attempt in"));
+  EXPECT_TRUE(PollFinished(*d_->connector, "second", false).finished_recving.count("second"));
+  EXPECT_EQ(d_->connector->stats().handshakes, 1u);
+  EXPECT_EQ(d_->connector->stats().handshake_failures, 0u);  // it was not tried
+  EXPECT_TRUE(d_->connector->GetBlockIdsWithLoadErrors().empty());
+  // Both load errors are charged to the producer by the engine id it gave when it was up.
+  std::vector<PeerConnectorStats> peers = d_->connector->peer_stats();
+  ASSERT_EQ(peers.size(), 1u);
+  EXPECT_EQ(peers[0].peer, "p");
+  EXPECT_EQ(peers[0].stats.load_errors, 2u);
+}
+
+// A producer that does not answer: the first load's attempt fails (one handshake failure);
+// the next loads within the backoff fail at once without another attempt.
+TEST_P(LayerwiseConnectorTest, UnreachableProducerIsTriedOncePerBackoff) {
+  NodeOptions consumer;
+  consumer.reconnect_backoff_ms = 3600000;
+  consumer.reconnect_backoff_max_ms = 3600000;
+  Start({}, consumer);
+  p_.reset();  // nothing listens at its address any more
+  for (const char* id : {"a", "b", "c"}) {
+    ConsumerAdmit(id, 5, {1, 2});
+    ConsumerStep({{id, 0, 5}});
+    std::vector<LoadError> errors = d_->connector->TakeLoadErrors();
+    ASSERT_EQ(errors.size(), 1u) << id;
+    EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kUnavailable) << id;
+    if (std::string(id) == "a") {
+      EXPECT_THAT(errors[0].status.message(), HasSubstr("cannot reach producer"));
+    } else {
+      EXPECT_THAT(errors[0].status.message(), HasSubstr("is down")) << id;
+      EXPECT_THAT(errors[0].status.message(), HasSubstr("cannot reach producer")) << id;
+    }
+    ASSERT_TRUE(PollFinished(*d_->connector, id, false).finished_recving.count(id)) << id;
+    d_->connector->ClearConnectorMetadata();
+  }
+  EXPECT_EQ(d_->connector->stats().handshake_failures, 1u);
+  EXPECT_EQ(d_->connector->stats().handshakes, 0u);
+}
+
 TEST_P(LayerwiseConnectorTest, ChecksumMismatchIsDataLoss) {
   NodeOptions producer;
   producer.corrupt = true;
@@ -976,12 +1095,17 @@ TEST_P(LayerwiseConnectorTest, ConnectionsAreBoundedAndReleasedOnClose) {
   }
   int challenged = 0, closed = 0;
   for (auto& conn : stalled) {
-    // A served one gets the handshake's challenge; a refused one is closed at once.
-    auto frame = conn->Receive(absl::Now() + absl::Seconds(5));
+    // A served one gets the handshake's challenge; a refused one is closed at once. The
+    // deadline is generous: on a loaded machine (sanitizers, two suites side by side) the
+    // accept loop may still be draining the backlog of the connections above.
+    auto frame = conn->Receive(absl::Now() + absl::Seconds(30));
     if (frame.ok()) {
       ++challenged;
     } else if (absl::IsUnavailable(frame.status())) {
       ++closed;
+    } else {
+      ADD_FAILURE() << "a stalled peer got neither the challenge nor the close: "
+                    << frame.status();
     }
   }
   EXPECT_LE(challenged, 8);

@@ -42,6 +42,14 @@ struct KvstreamSettings {
   int64_t send_timeout_ms = 10000;       // producer: transfers in flight must finish within
                                          // this of the last layer posted
   int64_t handshake_timeout_ms = 5000;
+  // Consumer: after a producer's link is lost, or an attempt to reach it fails, loads to it
+  // fail at once (Unavailable, saying since when it is down and why) until the backoff has
+  // passed; the next load then tries once more. The backoff starts at reconnect_backoff_ms
+  // (after a lost link and after the first failed attempt), doubles after each further
+  // failed attempt up to reconnect_backoff_max_ms, and a successful handshake resets it.
+  // 0: every load tries (each costs up to handshake_timeout_ms when the host is silent).
+  int64_t reconnect_backoff_ms = 200;
+  int64_t reconnect_backoff_max_ms = 5000;
   bool verify_checksum = true;           // per-layer checksum checked by the consumer
   std::string secret;                    // shared secret for the control channel; empty = none
   // Pipeline-parallel decode (consumers only): this worker is stage `pipeline_rank` of a
