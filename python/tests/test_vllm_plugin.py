@@ -294,3 +294,37 @@ def test_local_prefix_hit_computes_the_request_here(model_dir):
     d.run_until(lambda: not d.busy(), TIMEOUT_S)
     assert d.worker.worker_side.worker.stats()["load_errors"] == 0
     d.worker.shutdown()
+
+
+def test_tensor_parallel_rank_hands_off_to_the_producers_rank(model_dir):
+    # Rank r of a producer listens r ports above kv_port; rank r of a consumer, told rank
+    # 0's address (one step metadata for every rank), hands its shard to rank r.
+    base = free_port()
+    pc = config(model_dir, "kv_producer")
+    pc.kv_transfer_config.kv_port = base
+    producer = WorkerSide(pc, rank=(1, 2))
+    kv_cache_config = harness.make_kv_cache_config(pc, ve.NUM_BLOCKS)
+    producer.register_kv_caches(harness.allocate_kv_caches(pc, kv_cache_config))
+    assert producer.control_address.endswith(f":{base + 1}")
+    cc = config(model_dir, "kv_consumer")
+    consumer = WorkerSide(cc, rank=(1, 2))
+    consumer.register_kv_caches(harness.allocate_kv_caches(cc, kv_cache_config))
+    sched = kvstream.ConnectorScheduler(settings.kvstream_config(cc.kv_transfer_config),
+                                        ve.BLOCK)
+    r = kvstream.Request("t-tp", PROMPT, ("127.0.0.1", base))
+    n, _ = sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, [4, 5, 6], n)
+    consumer.bind_connector_metadata(KvstreamConnectorMetadata(
+        kvstream=sched.build_connector_meta([("t-tp", 0, len(PROMPT))])))
+    consumer.start_load_kv()
+
+    def handed_over():
+        out = kvstream.decode_connector_output(producer.worker.take_output())
+        return [h["request_id"] for h in out["incoming"]]
+
+    from kvtest_util import poll
+
+    (handed,) = poll(handed_over, TIMEOUT_S, "the hand-off at the producer's rank 1")
+    assert handed.endswith("/t-tp") and "-tp1" in handed  # scoped by the consumer's rank
+    consumer.shutdown()
+    producer.shutdown()
