@@ -143,7 +143,7 @@ void CudaIpcTransport::ReadInbound(IpcPeer* peer) {
       Notification n;
       n.peer = peer->id;
       n.payload = std::move(payload);
-      inbox_.push_back(std::move(n));
+      transfers_.inbox().Deliver(std::move(n));
     } else if (type == IpcFrameType::kBye) {
       // The peer closed on purpose: its connection ends here, the peer is not failed.
       peer->in.reset();
@@ -178,9 +178,9 @@ void CudaIpcTransport::PollCopies() {
     InFlightCopy& copy = inflight_.front();
     const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(copy.done.get()));
     if (e == cudaErrorNotReady) return;
-    auto it = copy.transfer == 0 ? transfers_.end() : transfers_.find(copy.transfer);
+    IpcTransfers::Transfer* t = copy.transfer == 0 ? nullptr : transfers_.Find(copy.transfer);
     if (e == cudaSuccess) {
-      if (it != transfers_.end()) it->second.copy_done = true;
+      if (t != nullptr) t->work.copy_done = true;
       const bool timed = !copy.start.empty();
       if (timed && !copy.kernel_start.empty()) {
         absl::StatusOr<float> stream_ms = CudaEvent::ElapsedMilliseconds(copy.start, copy.done);
@@ -197,11 +197,11 @@ void CudaIpcTransport::PollCopies() {
       // An error of the copy or of earlier work on the device (sticky errors end the
       // context): the transfer fails with it; the event is not reused.
       cudaGetLastError();
-      if (it != transfers_.end()) {
-        FailTransfer(copy.transfer,
-                     CudaErrorToStatus(static_cast<int>(e),
-                                       absl::StrCat("cuda_ipc transfer ", copy.transfer,
-                                                    ": the copy failed")));
+      if (t != nullptr) {
+        transfers_.Fail(copy.transfer,
+                        CudaErrorToStatus(static_cast<int>(e),
+                                          absl::StrCat("cuda_ipc transfer ", copy.transfer,
+                                                       ": the copy failed")));
       }
     }
     if (copy.ring != nullptr) copy.ring->ReleaseOldest();
@@ -210,58 +210,24 @@ void CudaIpcTransport::PollCopies() {
 }
 
 void CudaIpcTransport::SendReady(IpcPeer* peer) {
-  while (!peer->queue.empty()) {
-    const TransferId id = peer->queue.front();
-    auto it = transfers_.find(id);
-    if (it == transfers_.end() || it->second.phase != IpcPhase::kQueued) {
-      peer->queue.pop_front();  // released, cancelled or failed
-      continue;
-    }
-    IpcTransfer& t = it->second;
-    // Its data, and (stream order) that of every earlier write, is not all in place yet.
-    if (!t.copy_done) break;
-    peer->queue.pop_front();
-    if (t.notification.empty()) {
-      t.phase = IpcPhase::kDone;
-      continue;
-    }
-    std::string payload = std::move(t.notification);
-    // The GPU wrote the tail before ready_event, which the finished copy waited for.
-    if (t.tail_bytes > 0) payload.append(static_cast<const char*>(t.tail), t.tail_bytes);
-    t.send_mark = peer->out->Queue(IpcFrameType::kNotification, payload);
-    t.phase = IpcPhase::kSending;
-    peer->sending.push_back(id);
-  }
+  // Its data, and (stream order) that of every earlier write, is in place once its copy
+  // completed; the GPU wrote the tail before ready_event, which the copy waited for.
+  (void)transfers_.StartReady(
+      peer->id, [](const IpcTransfers::Transfer& t) { return t.work.copy_done; },
+      [peer](std::string frame) { return peer->out->Queue(IpcFrameType::kNotification, frame); });
   absl::Status flushed = peer->out->Flush();
   if (!flushed.ok()) {
     FailPeer(peer, flushed);
     return;
   }
-  while (!peer->sending.empty()) {
-    auto it = transfers_.find(peer->sending.front());
-    if (it != transfers_.end() && it->second.phase == IpcPhase::kSending) {
-      if (it->second.send_mark > peer->out->bytes_sent()) break;
-      it->second.phase = IpcPhase::kDone;
-    }
-    peer->sending.pop_front();
-  }
-}
-
-void CudaIpcTransport::FailTransfer(TransferId id, const absl::Status& status) {
-  auto it = transfers_.find(id);
-  if (it == transfers_.end() || !it->second.active()) return;
-  it->second.phase = IpcPhase::kFailed;
-  it->second.status = status;
+  transfers_.FinishSent(peer->id, peer->out->bytes_sent());
 }
 
 void CudaIpcTransport::FailPeer(IpcPeer* peer, const absl::Status& cause) {
   if (!peer->status.ok()) return;
   peer->status = absl::Status(cause.code(),
                               absl::StrCat(peer->label, " failed: ", cause.message()));
-  for (TransferId id : peer->queue) FailTransfer(id, peer->status);
-  for (TransferId id : peer->sending) FailTransfer(id, peer->status);
-  peer->queue.clear();
-  peer->sending.clear();
+  transfers_.FailPeer(peer->id, peer->status);
   peer->out.reset();
   peer->in.reset();
   // Closed once the copies in flight into them are done (they hold references).
@@ -272,12 +238,7 @@ void CudaIpcTransport::FailPeer(IpcPeer* peer, const absl::Status& cause) {
 void CudaIpcTransport::Shutdown() {
   absl::MutexLock lock(&mu_);
   CudaDeviceScope scope(device_);
-  for (auto& [id, t] : transfers_) {
-    if (t.active()) {
-      t.phase = IpcPhase::kFailed;
-      t.status = absl::CancelledError("cuda_ipc transport destroyed");
-    }
-  }
+  transfers_.FailAll(absl::CancelledError("cuda_ipc transport destroyed"));
   for (auto& [id, peer] : peers_) {
     if (peer->out != nullptr && peer->status.ok()) {
       peer->out->Queue(IpcFrameType::kBye, "");
@@ -308,7 +269,7 @@ void CudaIpcTransport::Shutdown() {
     absl::SleepFor(absl::Milliseconds(1));
   }
   inflight_.clear();
-  transfers_.clear();
+  transfers_.Clear();
 }
 
 }  // namespace internal

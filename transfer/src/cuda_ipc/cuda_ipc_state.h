@@ -2,20 +2,18 @@
 // transfers, peers, copies in flight, and the handles it gives out. Private to
 // transfer/src/cuda_ipc/; guarded by the transport's mutex.
 //
-// A transfer's life: kQueued from PostWrite/PostNotification, in its peer's `queue` in
-// post order. Its copy (if it has one) is an InFlightCopy in the transport's `inflight`
-// FIFO, in stream order; when the copy's event has completed the transfer is copy_done.
-// When a copy_done transfer reaches the front of its peer's queue its notification frame is
-// queued on the peer's outgoing connection (kSending, in `sending`); once the socket took
-// the frame's last byte it is kDone (a transfer without a notification is kDone at once).
-// A failure or Cancel moves it to kFailed at any point before kSending's last byte: its
-// copy keeps running, and the InFlightCopy keeps the destination mapped until it ends.
+// A transfer's life is TransferTable's (transfer_table.h): kQueued from PostWrite or
+// PostNotification, in post order per peer. Its copy (if it has one) is an InFlightCopy in
+// the transport's `inflight` FIFO, in stream order; when the copy's event has completed the
+// transfer is copy_done, which is what lets it leave the queue: its notification frame goes
+// on the peer's outgoing connection (kSending), and once the socket took the frame's last
+// byte it is kDone. A failure or Cancel moves it to kFailed: its copy keeps running, and
+// the InFlightCopy keeps the destination mapped until it ends.
 #ifndef KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_STATE_H_
 #define KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_STATE_H_
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -27,24 +25,17 @@
 #include "cuda_ipc/staging_ring.h"
 #include "kvstream/common/cuda_resources.h"
 #include "kvstream/transfer/transport.h"
+#include "transfer_table.h"
 
 namespace kvstream {
 namespace internal {
 
-enum class IpcPhase { kQueued, kSending, kDone, kFailed };
-
-struct IpcTransfer {
-  PeerId peer = 0;
-  IpcPhase phase = IpcPhase::kQueued;
+// The cuda_ipc part of a transfer (TransferTable holds the rest): whether its copy, and
+// by stream order every earlier one, has completed.
+struct IpcCopyWork {
   bool copy_done = false;
-  std::string notification;
-  const void* tail = nullptr;  // WriteOrder::notification_tail, read once copy_done
-  size_t tail_bytes = 0;
-  uint64_t send_mark = 0;  // kSending: done once the connection has sent this many bytes
-  absl::Status status;     // kFailed: why
-
-  bool active() const { return phase == IpcPhase::kQueued || phase == IpcPhase::kSending; }
 };
+using IpcTransfers = TransferTable<IpcCopyWork>;
 
 struct IpcPeer {
   PeerId id = 0;
@@ -57,8 +48,6 @@ struct IpcPeer {
   std::unique_ptr<IpcConnection> in;
   bool connected = false;  // Connect was called
   absl::Status status;     // OK while healthy
-  std::deque<TransferId> queue;    // kQueued transfers, post order
-  std::deque<TransferId> sending;  // kSending transfers, post order
   // Peer allocations opened here, by IPC handle bytes.
   std::map<std::string, std::shared_ptr<IpcMapping>> mappings;
 };

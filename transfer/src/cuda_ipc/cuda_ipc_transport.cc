@@ -238,14 +238,6 @@ absl::StatusOr<IpcPeer*> CudaIpcTransport::UsablePeer(PeerId peer_id, absl::stri
   return peer;
 }
 
-TransferId CudaIpcTransport::AddTransfer(IpcPeer* peer, IpcTransfer transfer) {
-  const TransferId id = next_transfer_++;
-  transfer.peer = peer->id;
-  transfers_.emplace(id, std::move(transfer));
-  peer->queue.push_back(id);
-  return id;
-}
-
 absl::StatusOr<TransferId> CudaIpcTransport::PostWrite(PeerId peer_id,
                                                        const MemoryRegistration& local,
                                                        const RemoteMemory& remote,
@@ -275,13 +267,13 @@ absl::StatusOr<TransferId> CudaIpcTransport::PostWrite(PeerId peer_id,
         "cuda_ipc PostWrite: the remote memory's allocation is no longer mapped from ",
         peer->label));
   }
-  IpcTransfer transfer;
-  transfer.notification.assign(notification.data(), notification.size());
-  transfer.tail = order.notification_tail;
-  transfer.tail_bytes = order.notification_tail_bytes;
+  auto add = [&](bool copy_done) {
+    mu_.AssertHeld();
+    return transfers_.Add(peer->id, notification, order.notification_tail,
+                          order.notification_tail_bytes, IpcCopyWork{copy_done});
+  };
   if (plan.entries == 0 && plan.engine == 0 && order.ready_event == nullptr) {
-    transfer.copy_done = true;  // nothing for the GPU: its turn comes after earlier writes
-    return AddTransfer(peer, std::move(transfer));
+    return add(true);  // nothing for the GPU: its turn comes after earlier writes
   }
   CudaDeviceScope scope(device_);
   RETURN_IF_ERROR(scope.status());
@@ -289,7 +281,7 @@ absl::StatusOr<TransferId> CudaIpcTransport::PostWrite(PeerId peer_id,
                    EnqueueCopy(segments, plan, static_cast<const char*>(reg->base()),
                                mapping->second->base() + rem->offset(), order));
   copy.mapping = mapping->second;
-  const TransferId id = AddTransfer(peer, std::move(transfer));
+  const TransferId id = add(false);
   copy.transfer = id;
   inflight_.push_back(std::move(copy));
   return id;
@@ -307,55 +299,29 @@ absl::StatusOr<TransferId> CudaIpcTransport::PostNotification(PeerId peer_id,
   }
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(IpcPeer * peer, UsablePeer(peer_id, "PostNotification"));
-  IpcTransfer transfer;
-  transfer.notification.assign(payload.data(), payload.size());
-  transfer.copy_done = true;  // sent in its turn, after every earlier write's data
-  return AddTransfer(peer, std::move(transfer));
+  // Sent in its turn, after every earlier write's data.
+  return transfers_.Add(peer->id, payload, nullptr, 0, IpcCopyWork{/*copy_done=*/true});
 }
 
 absl::StatusOr<TransferState> CudaIpcTransport::Test(TransferId id) {
   absl::MutexLock lock(&mu_);
-  auto it = transfers_.find(id);
-  if (it == transfers_.end()) {
-    return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown transfer ", id));
-  }
-  switch (it->second.phase) {
-    case IpcPhase::kQueued:
-    case IpcPhase::kSending:
-      return TransferState::kInProgress;
-    case IpcPhase::kDone:
-      return TransferState::kDone;
-    case IpcPhase::kFailed:
-      break;
-  }
-  return it->second.status;
+  return transfers_.Test(id);
 }
 
 absl::Status CudaIpcTransport::Cancel(TransferId id) {
   absl::MutexLock lock(&mu_);
-  auto it = transfers_.find(id);
-  if (it == transfers_.end()) {
-    return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown transfer ", id));
-  }
-  // A notification already handed to the socket cannot be taken back: that transfer
-  // completes kDone.
-  if (it->second.phase == IpcPhase::kQueued) {
-    FailTransfer(id, absl::CancelledError(absl::StrCat("cuda_ipc transfer ", id, " cancelled")));
-  }
-  return absl::OkStatus();
+  return transfers_.Cancel(id);
 }
 
 void CudaIpcTransport::Release(TransferId id) {
   absl::MutexLock lock(&mu_);
-  // Queues and copies in flight refer to it by id and skip it once it is gone.
-  transfers_.erase(id);
+  // Copies in flight refer to it by id and skip it once it is gone.
+  transfers_.Release(id);
 }
 
 std::vector<Notification> CudaIpcTransport::PollNotifications() {
   absl::MutexLock lock(&mu_);
-  std::vector<Notification> out;
-  out.swap(inbox_);
-  return out;
+  return transfers_.inbox().Take();
 }
 
 absl::Status CudaIpcTransport::Disconnect(PeerId peer_id) {
@@ -365,10 +331,9 @@ absl::Status CudaIpcTransport::Disconnect(PeerId peer_id) {
     return absl::NotFoundError(absl::StrCat("cuda_ipc Disconnect: unknown peer ", peer_id));
   }
   IpcPeer* peer = it->second.get();
-  const absl::Status cancelled = absl::CancelledError(
-      absl::StrCat("cuda_ipc transfer cancelled: disconnected from ", peer->label));
-  for (TransferId id : peer->queue) FailTransfer(id, cancelled);
-  for (TransferId id : peer->sending) FailTransfer(id, cancelled);
+  transfers_.FailPeer(peer_id, absl::CancelledError(absl::StrCat(
+                                  "cuda_ipc transfer cancelled: disconnected from ",
+                                  peer->label)));
   if (peer->out != nullptr && peer->status.ok()) {
     // A goodbye, so that the peer takes the end of stream for a close, not a death.
     peer->out->Queue(IpcFrameType::kBye, "");

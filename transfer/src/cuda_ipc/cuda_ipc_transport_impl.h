@@ -113,7 +113,6 @@ class CudaIpcTransport final : public Transport {
   absl::StatusOr<IpcPeer*> UsablePeer(PeerId peer, absl::string_view op)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   IpcPeer* NewPeer(uint64_t uid, uint32_t pid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  TransferId AddTransfer(IpcPeer* peer, IpcTransfer transfer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // --- cuda_ipc_enqueue.cc ---
   // Writes the table and enqueues its copy (if the mode has one), the wait for
@@ -144,7 +143,6 @@ class CudaIpcTransport final : public Transport {
   // Retires completed copies, oldest first; never blocks.
   void PollCopies() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendReady(IpcPeer* peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailTransfer(TransferId id, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the peer failed (first error wins), fails its transfers, closes its connections
   // and drops its mappings; the callback is told from Progress.
   void FailPeer(IpcPeer* peer, const absl::Status& cause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -175,12 +173,10 @@ class CudaIpcTransport final : public Transport {
   std::map<PeerId, std::unique_ptr<IpcPeer>> peers_ ABSL_GUARDED_BY(mu_);
   // Accepted connections that have not said hello yet.
   std::vector<std::unique_ptr<IpcConnection>> pending_ ABSL_GUARDED_BY(mu_);
-  std::map<TransferId, IpcTransfer> transfers_ ABSL_GUARDED_BY(mu_);
-  std::vector<Notification> inbox_ ABSL_GUARDED_BY(mu_);
+  IpcTransfers transfers_ ABSL_GUARDED_BY(mu_){"cuda_ipc"};
   std::vector<std::pair<PeerId, absl::Status>> peer_errors_ ABSL_GUARDED_BY(mu_);
   PeerErrorCallback callback_ ABSL_GUARDED_BY(mu_);
   PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
-  TransferId next_transfer_ ABSL_GUARDED_BY(mu_) = 1;
   // Scratch of EnqueueCopy: segments for the copy engine (src, dst, length).
   struct EngineCopy {
     const char* src;

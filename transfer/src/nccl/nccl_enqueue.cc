@@ -98,12 +98,12 @@ absl::Status NcclTransport::PlanWrites(SendLink& link) {
   while (!link.unplanned.empty()) {
     SendWrite write = std::move(link.unplanned.front());
     link.unplanned.pop_front();
-    auto t = transfers_.find(write.transfer);
-    if (t == transfers_.end() || t->second.phase == NcclPhase::kFailed) continue;
+    NcclTransfers::Transfer* t = transfers_.Unfailed(write.transfer);
+    if (t == nullptr) continue;
     ASSIGN_OR_RETURN(std::vector<NcclSendBatch> batches,
                      PlanNcclWrite(write.segments, link.limits));
-    t->second.planned = true;
-    t->second.batches_left = batches.size();
+    t->work.planned = true;
+    t->work.batches_left = batches.size();
     for (NcclSendBatch& plan : batches) {
       SendBatch batch;
       batch.transfer = write.transfer;
@@ -125,8 +125,7 @@ absl::Status NcclTransport::IssueSends(NcclPeer& peer) {
     while (next != link.batches.end() && next->phase != BatchPhase::kQueued) ++next;
     if (next == link.batches.end()) return absl::OkStatus();
     SendBatch& batch = *next;
-    auto t = transfers_.find(batch.transfer);
-    if (t == transfers_.end() || t->second.phase == NcclPhase::kFailed) {
+    if (transfers_.Unfailed(batch.transfer) == nullptr) {
       // Released or cancelled before its header left: the receiver never hears of it.
       next = link.batches.erase(next);
       continue;

@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/logging.h"
+#include "kvstream/common/status_macros.h"
 #include "nccl/nccl_transport_impl.h"
 
 namespace kvstream {
@@ -259,7 +260,7 @@ void NcclTransport::ReadRecvLink(NcclPeer& peer) {
       n.peer = peer.id;
       n.payload = std::move(payload);
       if (link.landed == link.next_serial && link.held.empty()) {
-        inbox_.push_back(std::move(n));
+        transfers_.inbox().Deliver(std::move(n));
       } else {
         link.held.push_back({link.next_serial, std::move(n)});
       }
@@ -328,8 +329,8 @@ void NcclTransport::PollSends(NcclPeer& peer) {
     }
     if (!*done) return;
     if (b.table_entries > 0) link.gpu->tables->ReleaseOldest();
-    auto t = transfers_.find(b.transfer);
-    if (t != transfers_.end() && t->second.batches_left > 0) --t->second.batches_left;
+    NcclTransfers::Transfer* t = transfers_.Find(b.transfer);
+    if (t != nullptr && t->work.batches_left > 0) --t->work.batches_left;
     ReturnEvent(std::move(b.done));
     link.batches.pop_front();
   }
@@ -353,7 +354,7 @@ void NcclTransport::PollReceives(NcclPeer& peer) {
   }
   // Notifications follow the data of every batch announced before them.
   while (!link.held.empty() && link.held.front().after <= link.landed) {
-    inbox_.push_back(std::move(link.held.front().note));
+    transfers_.inbox().Deliver(std::move(link.held.front().note));
     link.held.pop_front();
   }
 }
@@ -383,51 +384,24 @@ void NcclTransport::CheckDeadlines(NcclPeer& peer) {
 void NcclTransport::SendReady(NcclPeer& peer) {
   if (peer.send == nullptr || peer.send->conn == nullptr) return;
   IpcConnection& conn = *peer.send->conn;
-  while (!peer.queue.empty()) {
-    const TransferId id = peer.queue.front();
-    auto it = transfers_.find(id);
-    if (it == transfers_.end() || it->second.phase != NcclPhase::kQueued) {
-      peer.queue.pop_front();  // released, cancelled or failed
-      continue;
-    }
-    NcclTransfer& t = it->second;
+  auto ready = [](NcclTransfers::Transfer& t) -> absl::StatusOr<bool> {
     // Its data, and that of every earlier write, is not all sent yet.
-    if (!t.planned || t.batches_left > 0) break;
-    if (t.ready != nullptr) {
+    if (!t.work.planned || t.work.batches_left > 0) return false;
+    if (t.work.ready != nullptr) {
       // A write with no bytes still orders its tail after the caller's GPU work.
-      absl::StatusOr<bool> ready = t.ready->Query();
-      if (!ready.ok()) return FailPeer(peer, ready.status());
-      if (!*ready) break;
+      ASSIGN_OR_RETURN(const bool done, t.work.ready->Query());
+      if (!done) return false;
+      t.work.ready.reset();
     }
-    peer.queue.pop_front();
-    t.ready.reset();
-    if (t.notification.empty()) {
-      t.phase = NcclPhase::kDone;
-      continue;
-    }
-    std::string payload = std::move(t.notification);
-    if (t.tail_bytes > 0) payload.append(static_cast<const char*>(t.tail), t.tail_bytes);
-    t.send_mark = conn.QueueFrame(static_cast<uint8_t>(NcclFrameType::kNotification), payload);
-    t.phase = NcclPhase::kSending;
-    peer.sending.push_back(id);
-  }
+    return true;
+  };
+  absl::Status started = transfers_.StartReady(peer.id, ready, [&conn](std::string frame) {
+    return conn.QueueFrame(static_cast<uint8_t>(NcclFrameType::kNotification), frame);
+  });
+  if (!started.ok()) return FailPeer(peer, started);
   absl::Status flushed = conn.Flush();
   if (!flushed.ok()) return FailPeer(peer, flushed);
-  while (!peer.sending.empty()) {
-    auto it = transfers_.find(peer.sending.front());
-    if (it != transfers_.end() && it->second.phase == NcclPhase::kSending) {
-      if (it->second.send_mark > conn.bytes_sent()) break;
-      it->second.phase = NcclPhase::kDone;
-    }
-    peer.sending.pop_front();
-  }
-}
-
-void NcclTransport::FailTransfer(TransferId id, const absl::Status& status) {
-  auto it = transfers_.find(id);
-  if (it == transfers_.end() || !it->second.active()) return;
-  it->second.phase = NcclPhase::kFailed;
-  it->second.status = status;
+  transfers_.FinishSent(peer.id, conn.bytes_sent());
 }
 
 void NcclTransport::EndLink(NcclLink& link, bool fail, const absl::Status& cause) {
@@ -446,10 +420,7 @@ void NcclTransport::EndLink(NcclLink& link, bool fail, const absl::Status& cause
 void NcclTransport::FailPeer(NcclPeer& peer, const absl::Status& cause, bool notify) {
   if (!peer.status.ok()) return;
   peer.status = absl::Status(cause.code(), absl::StrCat(peer.label, " failed: ", cause.message()));
-  for (TransferId id : peer.queue) FailTransfer(id, peer.status);
-  for (TransferId id : peer.sending) FailTransfer(id, peer.status);
-  peer.queue.clear();
-  peer.sending.clear();
+  transfers_.FailPeer(peer.id, peer.status);
   if (peer.send != nullptr) {
     EndLink(*peer.send, /*fail=*/true, cause);
     peer.send->batches.clear();
@@ -476,12 +447,7 @@ void NcclTransport::FreeIdleRetired() {
 void NcclTransport::Shutdown() {
   absl::MutexLock lock(&mu_);
   CudaDeviceScope scope(device_);
-  for (auto& [id, t] : transfers_) {
-    if (t.active()) {
-      t.phase = NcclPhase::kFailed;
-      t.status = absl::CancelledError("nccl transport destroyed");
-    }
-  }
+  transfers_.FailAll(absl::CancelledError("nccl transport destroyed"));
   for (auto& [id, peer] : peers_) {
     for (NcclLink* link : {static_cast<NcclLink*>(peer->send.get()),
                            static_cast<NcclLink*>(peer->recv.get())}) {
@@ -513,7 +479,7 @@ void NcclTransport::Shutdown() {
     }
     absl::SleepFor(absl::Milliseconds(1));
   }
-  transfers_.clear();
+  transfers_.Clear();
 }
 
 }  // namespace internal

@@ -2,16 +2,15 @@
 // batches, links, peers and the handles it gives out. Private to transfer/src/nccl/; guarded
 // by the transport's mutex.
 //
-// A write's life: PostWrite makes a transfer (kQueued, in its peer's `queue`, post order) and
+// A write's life: PostWrite makes a transfer (TransferTable's kQueued, post order) and
 // a SendWrite on the peer's send link. Once the link is welcomed (the receiver said what a
 // batch may hold) the write is planned into SendBatches, which are issued in order, one NCCL
 // group at a time, when the communicator is ready: kQueued -> kIssuing (ncclGroupEnd said
 // in progress) -> kIssued (its `done` event recorded). A completed batch (done event) counts
-// down its transfer's batches_left. When a transfer with none left reaches the front of its
-// peer's queue its notification frame is queued on the send link's connection (kSending);
-// once the socket took the last byte it is kDone (without a notification: kDone at once). A
-// failure or Cancel moves it to kFailed at any point before that; its batches not yet issued
-// are dropped, those issued run on.
+// down its transfer's batches_left. A transfer with none left (and its ready event
+// complete) may leave its peer's queue: its notification frame is queued on the send link's
+// connection (kSending), and once the socket took the last byte it is kDone. A failure or
+// Cancel moves it to kFailed; its batches not yet issued are dropped, those issued run on.
 //
 // A batch's life on the receiver: its header arrives (RecvBatch kQueued, checked and
 // planned against the destination region at once), is issued when the communicator is ready
@@ -40,30 +39,22 @@
 #include "nccl/nccl_comm_state.h"
 #include "nccl/nccl_plan.h"
 #include "nccl/nccl_wire.h"
+#include "transfer_table.h"
 
 namespace kvstream {
 namespace internal {
 
 inline constexpr int kNcclStagingSlots = 2;
 
-enum class NcclPhase { kQueued, kSending, kDone, kFailed };
-
-struct NcclTransfer {
-  PeerId peer = 0;
-  NcclPhase phase = NcclPhase::kQueued;
+// The nccl part of a transfer (TransferTable holds the rest).
+struct NcclWork {
   size_t batches_left = 0;  // issued or not; counted down as they complete
   bool planned = false;     // its batches exist (a write is planned once its link is welcomed)
   // The write's WriteOrder::ready_event as captured at post time (null: none). Read before
   // the tail.
   std::shared_ptr<CudaEvent> ready;
-  std::string notification;
-  const void* tail = nullptr;  // WriteOrder::notification_tail
-  size_t tail_bytes = 0;
-  uint64_t send_mark = 0;  // kSending: done once the connection sent this many bytes
-  absl::Status status;     // kFailed: why
-
-  bool active() const { return phase == NcclPhase::kQueued || phase == NcclPhase::kSending; }
 };
+using NcclTransfers = TransferTable<NcclWork>;
 
 // A write waiting for its link's welcome, to be planned with the limits it gives.
 struct SendWrite {
@@ -157,8 +148,6 @@ struct NcclPeer {
   absl::Status status;   // OK while healthy
   std::unique_ptr<SendLink> send;  // from Connect; null before
   std::unique_ptr<RecvLink> recv;  // from its hello; null before, and after its goodbye
-  std::deque<TransferId> queue;    // kQueued transfers, post order
-  std::deque<TransferId> sending;  // kSending transfers, post order
 };
 
 // A registered local range; from AllocateMemory it owns the memory. Destroying it forgets

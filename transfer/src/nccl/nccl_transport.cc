@@ -283,14 +283,6 @@ absl::StatusOr<NcclPeer*> NcclTransport::UsablePeer(PeerId peer_id, absl::string
   return peer;
 }
 
-TransferId NcclTransport::AddTransfer(NcclPeer* peer, NcclTransfer transfer) {
-  const TransferId id = next_transfer_++;
-  transfer.peer = peer->id;
-  transfers_.emplace(id, std::move(transfer));
-  peer->queue.push_back(id);
-  return id;
-}
-
 absl::StatusOr<TransferId> NcclTransport::PostWrite(PeerId peer_id,
                                                     const MemoryRegistration& local,
                                                     const RemoteMemory& remote,
@@ -313,10 +305,7 @@ absl::StatusOr<TransferId> NcclTransport::PostWrite(PeerId peer_id,
   RETURN_IF_ERROR(CheckSegments("nccl", segments, reg->length(), rem->length()));
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(NcclPeer * peer, UsablePeer(peer_id, "PostWrite"));
-  NcclTransfer transfer;
-  transfer.notification.assign(notification.data(), notification.size());
-  transfer.tail = order.notification_tail;
-  transfer.tail_bytes = order.notification_tail_bytes;
+  NcclWork work;
   if (order.ready_event != nullptr) {
     // The caller may re-record its event as soon as this returns: its state now is captured
     // on the ordering stream, which the batches' GPU work waits for.
@@ -325,14 +314,15 @@ absl::StatusOr<TransferId> NcclTransport::PostWrite(PeerId peer_id,
     ASSIGN_OR_RETURN(CudaEvent ready, TakeEvent());
     RETURN_IF_ERROR(CudaEventWait(order.ready_event, order_.get()));
     RETURN_IF_ERROR(ready.Record(order_.get()));
-    transfer.ready = std::make_shared<CudaEvent>(std::move(ready));
+    work.ready = std::make_shared<CudaEvent>(std::move(ready));
   }
   SendWrite write;
   write.region_id = rem->region_id();
   write.local_base = static_cast<const char*>(reg->base());
-  write.ready = transfer.ready;
+  write.ready = work.ready;
   write.segments.assign(segments.begin(), segments.end());
-  const TransferId id = AddTransfer(peer, std::move(transfer));
+  const TransferId id = transfers_.Add(peer_id, notification, order.notification_tail,
+                                       order.notification_tail_bytes, std::move(work));
   write.transfer = id;
   SendLink& link = *peer->send;
   link.unplanned.push_back(std::move(write));
@@ -357,51 +347,30 @@ absl::StatusOr<TransferId> NcclTransport::PostNotification(PeerId peer_id,
   }
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(NcclPeer * peer, UsablePeer(peer_id, "PostNotification"));
-  NcclTransfer transfer;
-  transfer.notification.assign(payload.data(), payload.size());
-  transfer.planned = true;  // no batch: sent in its turn, after every earlier write's data
-  return AddTransfer(peer, std::move(transfer));
+  NcclWork work;
+  work.planned = true;  // no batch: sent in its turn, after every earlier write's data
+  return transfers_.Add(peer->id, payload, nullptr, 0, std::move(work));
 }
 
 absl::StatusOr<TransferState> NcclTransport::Test(TransferId id) {
   absl::MutexLock lock(&mu_);
-  auto it = transfers_.find(id);
-  if (it == transfers_.end()) {
-    return absl::NotFoundError(absl::StrCat("nccl: unknown transfer ", id));
-  }
-  switch (it->second.phase) {
-    case NcclPhase::kQueued:
-    case NcclPhase::kSending: return TransferState::kInProgress;
-    case NcclPhase::kDone: return TransferState::kDone;
-    case NcclPhase::kFailed: break;
-  }
-  return it->second.status;
+  return transfers_.Test(id);
 }
 
 absl::Status NcclTransport::Cancel(TransferId id) {
   absl::MutexLock lock(&mu_);
-  auto it = transfers_.find(id);
-  if (it == transfers_.end()) {
-    return absl::NotFoundError(absl::StrCat("nccl: unknown transfer ", id));
-  }
-  // A notification already handed to the socket cannot be taken back: kDone.
-  if (it->second.phase == NcclPhase::kQueued) {
-    FailTransfer(id, absl::CancelledError(absl::StrCat("nccl transfer ", id, " cancelled")));
-  }
-  return absl::OkStatus();
+  return transfers_.Cancel(id);
 }
 
 void NcclTransport::Release(TransferId id) {
   absl::MutexLock lock(&mu_);
-  // Queues and batches refer to it by id and skip it once it is gone.
-  transfers_.erase(id);
+  // Batches refer to it by id and skip it once it is gone.
+  transfers_.Release(id);
 }
 
 std::vector<Notification> NcclTransport::PollNotifications() {
   absl::MutexLock lock(&mu_);
-  std::vector<Notification> out;
-  out.swap(inbox_);
-  return out;
+  return transfers_.inbox().Take();
 }
 
 absl::Status NcclTransport::Disconnect(PeerId peer_id) {
@@ -412,10 +381,8 @@ absl::Status NcclTransport::Disconnect(PeerId peer_id) {
   }
   NcclPeer& peer = *it->second;
   CudaDeviceScope scope(device_);
-  const absl::Status cancelled = absl::CancelledError(
-      absl::StrCat("nccl transfer cancelled: disconnected from ", peer.label));
-  for (TransferId id : peer.queue) FailTransfer(id, cancelled);
-  for (TransferId id : peer.sending) FailTransfer(id, cancelled);
+  transfers_.FailPeer(peer_id, absl::CancelledError(absl::StrCat(
+                                  "nccl transfer cancelled: disconnected from ", peer.label)));
   for (NcclLink* link : {static_cast<NcclLink*>(peer.send.get()),
                          static_cast<NcclLink*>(peer.recv.get())}) {
     if (link == nullptr) continue;

@@ -89,8 +89,6 @@ class NcclTransport final : public Transport, public NcclTransportCore {
   // send link: never connected to, or closed).
   absl::StatusOr<NcclPeer*> UsablePeer(PeerId peer, absl::string_view op)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  TransferId AddTransfer(NcclPeer* peer, NcclTransfer transfer)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The peer info's reasons to refuse it (another job, another NCCL, this GPU); OK if none.
   absl::Status CheckPeer(absl::string_view job_id, uint32_t nccl_version,
                          absl::string_view device_uuid, absl::string_view who) const;
@@ -147,7 +145,6 @@ class NcclTransport final : public Transport, public NcclTransportCore {
   void PollReceives(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckDeadlines(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendReady(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailTransfer(TransferId id, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the peer failed (first error wins), aborts its communicators, fails its transfers,
   // closes its connections and retires its links' GPU resources; the callback is told from
   // Progress. `notify`: false for Disconnect (no callback, status stays for PeerStatus).
@@ -178,14 +175,12 @@ class NcclTransport final : public Transport, public NcclTransportCore {
   std::map<PeerId, std::unique_ptr<NcclPeer>> peers_ ABSL_GUARDED_BY(mu_);
   // Accepted connections that have not said hello yet.
   std::vector<std::unique_ptr<IpcConnection>> pending_ ABSL_GUARDED_BY(mu_);
-  std::map<TransferId, NcclTransfer> transfers_ ABSL_GUARDED_BY(mu_);
-  std::vector<Notification> inbox_ ABSL_GUARDED_BY(mu_);
+  NcclTransfers transfers_ ABSL_GUARDED_BY(mu_){"nccl"};
   std::vector<std::pair<PeerId, absl::Status>> peer_errors_ ABSL_GUARDED_BY(mu_);
   PeerErrorCallback callback_ ABSL_GUARDED_BY(mu_);
   std::vector<CudaEvent> free_events_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<LinkGpu>> retired_ ABSL_GUARDED_BY(mu_);
   PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
-  TransferId next_transfer_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace internal
