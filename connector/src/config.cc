@@ -11,6 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kvstream/common/status_macros.h"
+#include "kvstream/transfer/nccl_transport.h"
+#include "kvstream/transfer/socket.h"
 #include "kvstream/transfer/transport_factory.h"
 #include "kvstream/transfer/ucx_transport.h"
 
@@ -72,6 +74,17 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
       RETURN_IF_ERROR(GetString(v, key, s.ucx_net_devices));
     } else if (it.key() == "ucx_copy_threads") {
       RETURN_IF_ERROR(GetInt32(v, key, 0, kMaxCopyThreads, s.ucx_copy_threads));
+    } else if (it.key() == "nccl_job_id") {
+      RETURN_IF_ERROR(GetString(v, key, s.nccl_job_id));
+      // The transport's own bound on a job id, so that the two never disagree.
+      NcclTransportOptions nccl;
+      nccl.job_id = s.nccl_job_id;
+      absl::Status valid = ValidateNcclTransportOptions(nccl);
+      if (!valid.ok()) return KeyError(key, v, absl::StrCat("a job id: ", valid.message()));
+    } else if (it.key() == "nccl_listen_host") {
+      RETURN_IF_ERROR(GetString(v, key, s.nccl_listen_host));
+      absl::Status valid = CheckTcpHost(s.nccl_listen_host);
+      if (!valid.ok()) return KeyError(key, v, absl::StrCat("a listen address: ", valid.message()));
     } else if (it.key() == "load_timeout_ms") {
       RETURN_IF_ERROR(GetInt(v, key, 1, 3600000, s.load_timeout_ms));
     } else if (it.key() == "send_timeout_ms") {
@@ -113,8 +126,8 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "kv_transfer_config: unknown key ", key,
-          " (known: transport, cuda_device, ucx_tls, ucx_net_devices, ucx_copy_threads, load_timeout_ms, "
-          "send_timeout_ms, "
+          " (known: transport, cuda_device, ucx_tls, ucx_net_devices, ucx_copy_threads, "
+          "nccl_job_id, nccl_listen_host, load_timeout_ms, send_timeout_ms, "
           "handshake_timeout_ms, reconnect_backoff_ms, reconnect_backoff_max_ms, "
           "verify_checksum, secret, pipeline_parallel_size, "
           "pipeline_rank, pipeline_layers, pipeline_group, max_connections, "

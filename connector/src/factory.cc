@@ -32,21 +32,27 @@ absl::StatusOr<std::unique_ptr<KvConnectorScheduler>> CreateKvConnectorScheduler
   return CreateLayerwiseScheduler(config, block_size);
 }
 
+TransportOptions WorkerTransportOptions(const KvTransferConfig& config) {
+  TransportOptions options;
+  options.name = config.kvstream.transport.empty()
+                     ? DefaultTransportName(config.kv_buffer_device == "cuda" ? MemoryKind::kDevice
+                                                                              : MemoryKind::kHost)
+                     : config.kvstream.transport;
+  options.cuda_device = config.kvstream.cuda_device;
+  options.nccl_job_id = config.kvstream.nccl_job_id;
+  options.nccl_listen_host = config.kvstream.nccl_listen_host;
+  options.ucx_tls = config.kvstream.ucx_tls;
+  options.ucx_net_devices = config.kvstream.ucx_net_devices;
+  options.ucx_copy_threads = config.kvstream.ucx_copy_threads;
+  options.loopback_name = config.engine_id;
+  return options;
+}
+
 absl::StatusOr<std::unique_ptr<KvConnectorWorker>> CreateKvConnectorWorker(
     const KvTransferConfig& config, std::unique_ptr<Transport> transport) {
   RETURN_IF_ERROR(CheckName(config));
   if (transport == nullptr) {
-    TransportOptions options;
-    options.name = config.kvstream.transport.empty()
-                       ? DefaultTransportName(config.kv_buffer_device == "cuda" ? MemoryKind::kDevice
-                                                                                : MemoryKind::kHost)
-                       : config.kvstream.transport;
-    options.cuda_device = config.kvstream.cuda_device;
-    options.ucx_tls = config.kvstream.ucx_tls;
-    options.ucx_net_devices = config.kvstream.ucx_net_devices;
-    options.ucx_copy_threads = config.kvstream.ucx_copy_threads;
-    options.loopback_name = config.engine_id;
-    ASSIGN_OR_RETURN(transport, CreateTransport(options));
+    ASSIGN_OR_RETURN(transport, CreateTransport(WorkerTransportOptions(config)));
   }
   return CreateLayerwiseWorker(config, std::move(transport));
 }

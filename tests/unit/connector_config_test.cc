@@ -3,9 +3,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "kvstream/connector/config.h"
+#include "kvstream/connector/factory.h"
 #include "kvstream/connector/layer_name.h"
 #include "kvstream/connector/layer_routing.h"
+#include "kvstream/transfer/nccl_transport.h"
 
 namespace kvstream {
 namespace {
@@ -22,7 +25,9 @@ TEST(KvTransferConfigTest, ParsesVllmConfigWithKvstreamSettings) {
                                     "ucx_net_devices": "lo", "load_timeout_ms": 250,
                                     "send_timeout_ms": 900, "verify_checksum": false,
                                     "secret": "s3", "handshake_timeout_ms": 77,
-                                    "ucx_copy_threads": 4, "cuda_device": 3}})");
+                                    "ucx_copy_threads": 4, "cuda_device": 3,
+                                    "nccl_job_id": "deploy-7",
+                                    "nccl_listen_host": "10.0.0.7"}})");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->kv_connector, "LayerwiseConnector");
   EXPECT_EQ(c->kv_role, KvRole::kConsumer);
@@ -43,6 +48,8 @@ TEST(KvTransferConfigTest, ParsesVllmConfigWithKvstreamSettings) {
   EXPECT_EQ(c->kvstream.ucx_copy_threads, 4);
   EXPECT_EQ(c->kvstream.transport, "ucx");
   EXPECT_EQ(c->kvstream.cuda_device, 3);
+  EXPECT_EQ(c->kvstream.nccl_job_id, "deploy-7");
+  EXPECT_EQ(c->kvstream.nccl_listen_host, "10.0.0.7");
 }
 
 TEST(KvTransferConfigTest, DefaultsAndGeneratedEngineId) {
@@ -57,6 +64,9 @@ TEST(KvTransferConfigTest, DefaultsAndGeneratedEngineId) {
   // No transport named: the connector picks one for kv_buffer_device's memory.
   EXPECT_EQ(a->kvstream.transport, "");
   EXPECT_EQ(a->kvstream.cuda_device, 0);
+  // The nccl transport's own defaults.
+  EXPECT_EQ(a->kvstream.nccl_job_id, NcclTransportOptions{}.job_id);
+  EXPECT_EQ(a->kvstream.nccl_listen_host, NcclTransportOptions{}.listen_host);
   EXPECT_FALSE(a->engine_id.empty());
   EXPECT_NE(a->engine_id, b->engine_id);
 }
@@ -84,6 +94,14 @@ TEST(KvTransferConfigTest, ErrorsNameTheKeyAndValue) {
       {R"({"kv_connector_extra_config": {"ucx_copy_threads": -1}})", "ucx_copy_threads"},
       {R"({"kv_connector_extra_config": {"ucx_copy_threads": "4"}})", "ucx_copy_threads"},
       {R"({"kv_connector_extra_config": []})", "kv_connector_extra_config"},
+      {R"({"kv_connector_extra_config": {"nccl_job_id": 7}})", "nccl_job_id = 7 is not a string"},
+      {R"({"kv_connector_extra_config": {"nccl_listen_host": "node-3"}})",
+       "nccl_listen_host = \"node-3\" is not a listen address: host 'node-3' is neither a "
+       "numeric IPv4 address nor 'localhost'"},
+      {R"({"kv_connector_extra_config": {"nccl_listen_host": ""}})", "nccl_listen_host"},
+      {R"({"kv_connector_extra_config": {"nccl_listen_host": "10.0.0.256"}})", "10.0.0.256"},
+      {R"({"kv_connector_extra_config": {"nccl_listen_host": ["10.0.0.1"]}})",
+       "nccl_listen_host"},
       {R"({"engine_id": ""})", "engine_id"},
       {R"({"kv_connector_extra_config": {"pipeline_parallel_size": 0}})", "pipeline_parallel_size"},
       {R"({"kv_connector_extra_config": {"pipeline_parallel_size": 2, "pipeline_rank": 2}})",
@@ -106,6 +124,44 @@ TEST(KvTransferConfigTest, ErrorsNameTheKeyAndValue) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.json;
     EXPECT_THAT(r.status().message(), HasSubstr(c.needle)) << c.json;
   }
+}
+
+TEST(KvTransferConfigTest, NcclJobIdIsBoundedAsTheTransportBoundsIt) {
+  const std::string at_limit(256, 'j');
+  auto ok = ParseKvTransferConfig(absl::StrCat(
+      R"({"kv_connector_extra_config": {"nccl_job_id": ")", at_limit, R"("}})"));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->kvstream.nccl_job_id, at_limit);
+  auto over = ParseKvTransferConfig(absl::StrCat(
+      R"({"kv_connector_extra_config": {"nccl_job_id": ")", at_limit, R"(j"}})"));
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(over.status().message(), HasSubstr("nccl_job_id"));
+  EXPECT_THAT(over.status().message(), HasSubstr("257 bytes, more than 256"));
+}
+
+TEST(KvTransferConfigTest, WorkerTransportOptionsCarryEveryTransportSetting) {
+  auto c = ParseKvTransferConfig(R"({"engine_id": "decode-3", "kv_buffer_device": "cuda",
+      "kv_connector_extra_config": {"transport": "ucx", "cuda_device": 2,
+                                    "nccl_job_id": "deploy-7", "nccl_listen_host": "10.1.2.3",
+                                    "ucx_tls": "tcp", "ucx_net_devices": "eth0",
+                                    "ucx_copy_threads": 3}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const TransportOptions o = WorkerTransportOptions(*c);
+  EXPECT_EQ(o.name, "ucx");
+  EXPECT_EQ(o.cuda_device, 2);
+  EXPECT_EQ(o.nccl_job_id, "deploy-7");
+  EXPECT_EQ(o.nccl_listen_host, "10.1.2.3");
+  EXPECT_EQ(o.ucx_tls, "tcp");
+  EXPECT_EQ(o.ucx_net_devices, "eth0");
+  EXPECT_EQ(o.ucx_copy_threads, 3);
+  EXPECT_EQ(o.loopback_name, "decode-3");
+  // Unset: the transport's defaults, and the default transport of the cache's memory.
+  auto d = ParseKvTransferConfig(R"({"kv_buffer_device": "cuda"})");
+  ASSERT_TRUE(d.ok()) << d.status();
+  const TransportOptions p = WorkerTransportOptions(*d);
+  EXPECT_EQ(p.name, DefaultTransportName(MemoryKind::kDevice));
+  EXPECT_EQ(p.nccl_job_id, TransportOptions{}.nccl_job_id);
+  EXPECT_EQ(p.nccl_listen_host, TransportOptions{}.nccl_listen_host);
 }
 
 TEST(KvTransferConfigTest, PipelineKeys) {

@@ -179,6 +179,8 @@ absl::Status SetTcpNoDelay(int fd, absl::string_view peer) {
   return absl::OkStatus();
 }
 
+absl::Status CheckTcpHost(const std::string& host) { return ParseHost(host).status(); }
+
 absl::StatusOr<ScopedFd> ListenTcp(const std::string& host, uint16_t port, int backlog) {
   ASSIGN_OR_RETURN(in_addr ip, ParseHost(host));
   const sockaddr_in addr = MakeAddress(ip, port);

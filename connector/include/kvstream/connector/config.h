@@ -38,6 +38,11 @@ struct KvstreamSettings {
   std::string ucx_tls = "shm";    // UcxTransportOptions::tls
   std::string ucx_net_devices;    // UcxTransportOptions::net_devices
   int32_t ucx_copy_threads = 0;   // UcxTransportOptions::copy_threads (0 .. kMaxCopyThreads)
+  // nccl (NcclTransportOptions): the job id peers must share (at most 256 bytes), and the
+  // numeric IPv4 address (or "localhost") its side connection listens on; peers on other
+  // hosts need an address of this host they can reach.
+  std::string nccl_job_id;
+  std::string nccl_listen_host = "127.0.0.1";
   int64_t load_timeout_ms = 10000;       // consumer: a layer must arrive within this
   int64_t send_timeout_ms = 10000;       // producer: transfers in flight must finish within
                                          // this of the last layer posted

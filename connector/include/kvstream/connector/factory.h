@@ -12,6 +12,7 @@
 #include "kvstream/connector/kv_connector_scheduler.h"
 #include "kvstream/connector/kv_connector_worker.h"
 #include "kvstream/transfer/transport.h"
+#include "kvstream/transfer/transport_factory.h"
 
 namespace kvstream {
 
@@ -26,6 +27,11 @@ absl::StatusOr<std::unique_ptr<KvConnectorScheduler>> CreateKvConnectorScheduler
 // (tests wrap transports to inject faults). The producer side starts listening at once.
 absl::StatusOr<std::unique_ptr<KvConnectorWorker>> CreateKvConnectorWorker(
     const KvTransferConfig& config, std::unique_ptr<Transport> transport = nullptr);
+
+// The options CreateKvConnectorWorker creates its transport with when none is passed: the
+// name (kv_connector_extra_config.transport, else DefaultTransportName of kv_buffer_device's
+// memory) and every transport's settings from kv_connector_extra_config.
+TransportOptions WorkerTransportOptions(const KvTransferConfig& config);
 
 std::vector<std::string> KvConnectorNames();
 

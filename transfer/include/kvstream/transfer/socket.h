@@ -89,6 +89,10 @@ absl::Status SetTcpNoDelay(int fd, absl::string_view peer);
 // can bind its port while old connections sit in TIME_WAIT. Unavailable naming the address
 // when it cannot be bound.
 absl::StatusOr<ScopedFd> ListenTcp(const std::string& host, uint16_t port, int backlog = 4096);
+
+// OK when `host` is one ListenTcp and ConnectTcp take (a numeric IPv4 address or
+// "localhost"); InvalidArgument saying so otherwise. Touches no socket.
+absl::Status CheckTcpHost(const std::string& host);
 // The port a TCP socket is bound to.
 absl::StatusOr<uint16_t> BoundTcpPort(int fd);
 // Connects to host:port with TCP_NODELAY set. Unavailable when refused (the message has
