@@ -5,6 +5,7 @@
 #include "kvstream/common/byte_io.h"
 #include "kvstream/common/status_macros.h"
 #include "kvstream/transfer/socket.h"
+#include "transport_wire.h"
 
 namespace kvstream {
 namespace internal {
@@ -15,36 +16,12 @@ constexpr uint32_t kPeerInfoMagic = 0x4949564B;    // "KVII"
 constexpr uint16_t kDescriptorVersion = 1;
 constexpr uint16_t kPeerInfoVersion = 1;
 
-absl::Status CheckMagic(ByteReader& r, uint32_t want, absl::string_view what) {
-  uint32_t magic = 0;
-  RETURN_IF_ERROR(r.U32(absl::StrCat(what, " magic"), &magic));
-  if (magic != want) {
-    return absl::InvalidArgumentError(absl::StrCat("not a cuda_ipc ", what, " (magic ",
-                                                   absl::Hex(magic), ")"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckVersion(ByteReader& r, uint16_t want, absl::string_view what) {
-  uint16_t version = 0;
-  RETURN_IF_ERROR(r.U16(absl::StrCat(what, " version"), &version));
-  if (version != want) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ", what, " version ", version,
-                                                   " (this build reads version ", want, ")"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Wrap(const absl::Status& status, absl::string_view what) {
-  if (status.ok()) return status;
-  return absl::InvalidArgumentError(absl::StrCat("malformed cuda_ipc ", what, ": ",
-                                                 status.message()));
-}
+constexpr WireName kWireName{"cuda_ipc", "a cuda_ipc"};
 
 absl::StatusOr<CudaIpcMemoryDescriptor> DecodeDescriptorFields(absl::string_view bytes) {
   ByteReader r(bytes);
-  RETURN_IF_ERROR(CheckMagic(r, kDescriptorMagic, "memory descriptor"));
-  RETURN_IF_ERROR(CheckVersion(r, kDescriptorVersion, "memory descriptor"));
+  RETURN_IF_ERROR(
+      ReadWireHead(r, kDescriptorMagic, kDescriptorVersion, kWireName, "memory descriptor"));
   CudaIpcMemoryDescriptor d;
   RETURN_IF_ERROR(r.U64("owner uid", &d.owner_uid));
   RETURN_IF_ERROR(r.I32("device", &d.device));
@@ -67,8 +44,7 @@ absl::StatusOr<CudaIpcMemoryDescriptor> DecodeDescriptorFields(absl::string_view
 
 absl::StatusOr<CudaIpcPeerInfo> DecodePeerInfoFields(absl::string_view bytes) {
   ByteReader r(bytes);
-  RETURN_IF_ERROR(CheckMagic(r, kPeerInfoMagic, "peer info"));
-  RETURN_IF_ERROR(CheckVersion(r, kPeerInfoVersion, "peer info"));
+  RETURN_IF_ERROR(ReadWireHead(r, kPeerInfoMagic, kPeerInfoVersion, kWireName, "peer info"));
   CudaIpcPeerInfo info;
   RETURN_IF_ERROR(r.U64("uid", &info.uid));
   RETURN_IF_ERROR(r.U32("pid", &info.pid));
@@ -86,16 +62,11 @@ absl::StatusOr<CudaIpcPeerInfo> DecodePeerInfoFields(absl::string_view bytes) {
 std::string EncodeCudaIpcDescriptor(const CudaIpcMemoryDescriptor& d) {
   std::string out;
   ByteWriter w(&out);
-  w.U32(kDescriptorMagic);
-  w.U16(kDescriptorVersion);
+  WriteWireHead(w, kDescriptorMagic, kDescriptorVersion);
   w.U64(d.owner_uid);
   w.I32(d.device);
-  std::string uuid = d.device_uuid;
-  uuid.resize(kCudaUuidBytes, '\0');
-  w.Raw(uuid);
-  std::string handle = d.ipc_handle;
-  handle.resize(kCudaIpcHandleBytes, '\0');
-  w.Raw(handle);
+  PutWireFixed(w, d.device_uuid, kCudaUuidBytes);
+  PutWireFixed(w, d.ipc_handle, kCudaIpcHandleBytes);
   w.U64(d.allocation_size);
   w.U64(d.offset);
   w.U64(d.length);
@@ -103,28 +74,22 @@ std::string EncodeCudaIpcDescriptor(const CudaIpcMemoryDescriptor& d) {
 }
 
 absl::StatusOr<CudaIpcMemoryDescriptor> DecodeCudaIpcDescriptor(absl::string_view bytes) {
-  absl::StatusOr<CudaIpcMemoryDescriptor> d = DecodeDescriptorFields(bytes);
-  if (!d.ok()) return Wrap(d.status(), "memory descriptor");
-  return d;
+  return Malformed(DecodeDescriptorFields(bytes), kWireName, "memory descriptor");
 }
 
 std::string EncodeCudaIpcPeerInfo(const CudaIpcPeerInfo& info) {
   std::string out;
   ByteWriter w(&out);
-  w.U32(kPeerInfoMagic);
-  w.U16(kPeerInfoVersion);
+  WriteWireHead(w, kPeerInfoMagic, kPeerInfoVersion);
   w.U64(info.uid);
   w.U32(info.pid);
   // The name is ours (bounded by construction); a longer one would fail decoding loudly.
-  w.U32(static_cast<uint32_t>(info.socket_name.size()));
-  w.Raw(info.socket_name);
+  PutWireString(w, info.socket_name);
   return out;
 }
 
 absl::StatusOr<CudaIpcPeerInfo> DecodeCudaIpcPeerInfo(absl::string_view bytes) {
-  absl::StatusOr<CudaIpcPeerInfo> info = DecodePeerInfoFields(bytes);
-  if (!info.ok()) return Wrap(info.status(), "peer info");
-  return info;
+  return Malformed(DecodePeerInfoFields(bytes), kWireName, "peer info");
 }
 
 std::string EncodeFrame(const FrameFormat& format, uint8_t type, absl::string_view payload) {
@@ -155,7 +120,7 @@ absl::StatusOr<IpcHello> DecodeIpcHello(absl::string_view payload) {
   if (status.ok()) status = r.U32("hello pid", &hello.pid);
   if (status.ok()) status = r.ExpectEnd("hello");
   if (status.ok() && hello.uid == 0) status = absl::InvalidArgumentError("hello uid is 0");
-  if (!status.ok()) return Wrap(status, "hello frame");
+  if (!status.ok()) return MalformedWire(status, kWireName, "hello frame");
   return hello;
 }
 

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvstream/common/byte_io.h"
 #include "kvstream/common/status_macros.h"
+#include "transport_wire.h"
 
 namespace kvstream {
 namespace internal {
@@ -16,45 +17,11 @@ constexpr uint32_t kDescriptorMagic = 0x444E564B;  // "KVND"
 constexpr uint16_t kPeerInfoVersion = 1;
 constexpr uint16_t kDescriptorVersion = 1;
 
-absl::Status CheckHead(ByteReader& r, uint32_t magic, uint16_t version, absl::string_view what) {
-  uint32_t got_magic = 0;
-  RETURN_IF_ERROR(r.U32(absl::StrCat(what, " magic"), &got_magic));
-  if (got_magic != magic) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("not an nccl ", what, " (magic ", absl::Hex(got_magic), ")"));
-  }
-  uint16_t got_version = 0;
-  RETURN_IF_ERROR(r.U16(absl::StrCat(what, " version"), &got_version));
-  if (got_version != version) {
-    return absl::InvalidArgumentError(absl::StrCat("nccl ", what, " version ", got_version,
-                                                   " (this build reads version ", version, ")"));
-  }
-  return absl::OkStatus();
-}
-
-// Decoding errors all read "malformed nccl <what>: <why>".
-template <typename T>
-absl::StatusOr<T> Wrap(absl::StatusOr<T> decoded, absl::string_view what) {
-  if (decoded.ok()) return decoded;
-  return absl::InvalidArgumentError(
-      absl::StrCat("malformed nccl ", what, ": ", decoded.status().message()));
-}
-
-void PutString(ByteWriter& w, absl::string_view s) {
-  w.U32(static_cast<uint32_t>(s.size()));
-  w.Raw(s);
-}
-
-// A fixed-size field, padded or cut to `n` bytes (the encoders' inputs are ours).
-void PutFixed(ByteWriter& w, const std::string& s, size_t n) {
-  std::string fixed = s;
-  fixed.resize(n, '\0');
-  w.Raw(fixed);
-}
+constexpr WireName kWireName{"nccl", "an nccl"};
 
 absl::StatusOr<NcclPeerInfo> PeerInfoFields(absl::string_view bytes) {
   ByteReader r(bytes);
-  RETURN_IF_ERROR(CheckHead(r, kPeerInfoMagic, kPeerInfoVersion, "peer info"));
+  RETURN_IF_ERROR(ReadWireHead(r, kPeerInfoMagic, kPeerInfoVersion, kWireName, "peer info"));
   NcclPeerInfo info;
   RETURN_IF_ERROR(r.U64("uid", &info.uid));
   RETURN_IF_ERROR(r.U32("pid", &info.pid));
@@ -76,7 +43,8 @@ absl::StatusOr<NcclPeerInfo> PeerInfoFields(absl::string_view bytes) {
 
 absl::StatusOr<NcclMemoryDescriptor> DescriptorFields(absl::string_view bytes) {
   ByteReader r(bytes);
-  RETURN_IF_ERROR(CheckHead(r, kDescriptorMagic, kDescriptorVersion, "memory descriptor"));
+  RETURN_IF_ERROR(
+      ReadWireHead(r, kDescriptorMagic, kDescriptorVersion, kWireName, "memory descriptor"));
   NcclMemoryDescriptor d;
   RETURN_IF_ERROR(r.U64("owner uid", &d.owner_uid));
   RETURN_IF_ERROR(r.U64("region id", &d.region_id));
@@ -174,28 +142,26 @@ absl::StatusOr<NcclBatchHeader> BatchFields(absl::string_view payload) {
 std::string EncodeNcclPeerInfo(const NcclPeerInfo& info) {
   std::string out;
   ByteWriter w(&out);
-  w.U32(kPeerInfoMagic);
-  w.U16(kPeerInfoVersion);
+  WriteWireHead(w, kPeerInfoMagic, kPeerInfoVersion);
   w.U64(info.uid);
   w.U32(info.pid);
-  PutString(w, info.job_id);
+  PutWireString(w, info.job_id);
   w.U32(info.nccl_version);
   w.I32(info.device);
-  PutFixed(w, info.device_uuid, kNcclUuidBytes);
-  PutString(w, info.host);
+  PutWireFixed(w, info.device_uuid, kNcclUuidBytes);
+  PutWireString(w, info.host);
   w.U16(info.port);
   return out;
 }
 
 absl::StatusOr<NcclPeerInfo> DecodeNcclPeerInfo(absl::string_view bytes) {
-  return Wrap(PeerInfoFields(bytes), "peer info");
+  return Malformed(PeerInfoFields(bytes), kWireName, "peer info");
 }
 
 std::string EncodeNcclDescriptor(const NcclMemoryDescriptor& d) {
   std::string out;
   ByteWriter w(&out);
-  w.U32(kDescriptorMagic);
-  w.U16(kDescriptorVersion);
+  WriteWireHead(w, kDescriptorMagic, kDescriptorVersion);
   w.U64(d.owner_uid);
   w.U64(d.region_id);
   w.U64(d.length);
@@ -204,7 +170,7 @@ std::string EncodeNcclDescriptor(const NcclMemoryDescriptor& d) {
 }
 
 absl::StatusOr<NcclMemoryDescriptor> DecodeNcclDescriptor(absl::string_view bytes) {
-  return Wrap(DescriptorFields(bytes), "memory descriptor");
+  return Malformed(DescriptorFields(bytes), kWireName, "memory descriptor");
 }
 
 std::string EncodeNcclHello(const NcclHello& h) {
@@ -212,15 +178,15 @@ std::string EncodeNcclHello(const NcclHello& h) {
   ByteWriter w(&out);
   w.U64(h.uid);
   w.U32(h.pid);
-  PutString(w, h.job_id);
+  PutWireString(w, h.job_id);
   w.U32(h.nccl_version);
-  PutFixed(w, h.device_uuid, kNcclUuidBytes);
-  PutFixed(w, h.unique_id, kNcclUniqueIdBytes);
+  PutWireFixed(w, h.device_uuid, kNcclUuidBytes);
+  PutWireFixed(w, h.unique_id, kNcclUniqueIdBytes);
   return out;
 }
 
 absl::StatusOr<NcclHello> DecodeNcclHello(absl::string_view payload) {
-  return Wrap(HelloFields(payload), "hello");
+  return Malformed(HelloFields(payload), kWireName, "hello");
 }
 
 std::string EncodeNcclWelcome(const NcclWelcome& welcome) {
@@ -231,13 +197,13 @@ std::string EncodeNcclWelcome(const NcclWelcome& welcome) {
     w.U64(welcome.max_staged_bytes);
     w.U32(welcome.max_pieces);
   } else {
-    PutString(w, absl::string_view(welcome.reason).substr(0, kMaxNcclReasonBytes));
+    PutWireString(w, absl::string_view(welcome.reason).substr(0, kMaxNcclReasonBytes));
   }
   return out;
 }
 
 absl::StatusOr<NcclWelcome> DecodeNcclWelcome(absl::string_view payload) {
-  return Wrap(WelcomeFields(payload), "welcome");
+  return Malformed(WelcomeFields(payload), kWireName, "welcome");
 }
 
 std::string EncodeNcclBatch(const NcclBatchHeader& h) {
@@ -257,7 +223,7 @@ std::string EncodeNcclBatch(const NcclBatchHeader& h) {
 }
 
 absl::StatusOr<NcclBatchHeader> DecodeNcclBatch(absl::string_view payload) {
-  return Wrap(BatchFields(payload), "batch");
+  return Malformed(BatchFields(payload), kWireName, "batch");
 }
 
 }  // namespace internal
