@@ -75,6 +75,21 @@ absl::StatusOr<bool> NcclTransport::ReserveTable(LinkGpu& gpu, absl::Span<const 
   return true;
 }
 
+absl::StatusOr<std::optional<SlotRun>> NcclTransport::TakeSlot(LinkGpu& gpu,
+                                                               absl::Span<const Segment> segments,
+                                                               bool gather, char* base) {
+  SlotRun run;
+  run.slot = gpu.next_slot;
+  RETURN_IF_ERROR(EnsureSlot(gpu, run.slot));
+  char* staging = gpu.staging[run.slot].data_as<char>();
+  ASSIGN_OR_RETURN(const bool reserved,
+                   ReserveTable(gpu, segments, gather ? base : staging, gather ? staging : base,
+                                &run.begin, &run.entries));
+  if (!reserved) return std::nullopt;
+  gpu.next_slot = (run.slot + 1) % kNcclStagingSlots;
+  return run;
+}
+
 absl::Status NcclTransport::LaunchCopy(LinkGpu& gpu, size_t begin, size_t entries) {
   const int grid = static_cast<int>(std::min<size_t>(entries, static_cast<size_t>(copy_grid_)));
   // The cuda_ipc transport's per-segment kernel, reading its table from the pinned ring in
@@ -133,20 +148,17 @@ absl::Status NcclTransport::IssueSends(NcclPeer& peer) {
     cudaStream_t nccl = gpu.nccl.get();
     int slot = -1;
     if (batch.plan.staged_bytes > 0) {
-      slot = gpu.next_slot;
-      RETURN_IF_ERROR(EnsureSlot(gpu, slot));
-      size_t begin = 0;
-      size_t entries = 0;
-      ASSIGN_OR_RETURN(const bool reserved,
-                       ReserveTable(gpu, batch.plan.gather, batch.local_base,
-                                    gpu.staging[slot].data_as<char>(), &begin, &entries));
-      if (!reserved) return absl::OkStatus();  // the ring frees up as batches complete
-      batch.table_entries = entries;
-      gpu.next_slot = (slot + 1) % kNcclStagingSlots;
+      // The gather only reads the caller's memory.
+      ASSIGN_OR_RETURN(const std::optional<SlotRun> run,
+                       TakeSlot(gpu, batch.plan.gather, /*gather=*/true,
+                                const_cast<char*>(batch.local_base)));
+      if (!run) return absl::OkStatus();  // the ring frees up as batches complete
+      slot = run->slot;
       batch.slot = slot;
+      batch.table_entries = run->entries;
       if (batch.ready != nullptr) RETURN_IF_ERROR(batch.ready->MakeStreamWait(gpu.copy.get()));
       if (gpu.recorded[slot]) RETURN_IF_ERROR(gpu.slot_free[slot].MakeStreamWait(gpu.copy.get()));
-      RETURN_IF_ERROR(LaunchCopy(gpu, begin, entries));
+      RETURN_IF_ERROR(LaunchCopy(gpu, run->begin, run->entries));
       RETURN_IF_ERROR(gpu.step.Record(gpu.copy.get()));
       RETURN_IF_ERROR(gpu.step.MakeStreamWait(nccl));
     } else if (batch.ready != nullptr) {
@@ -194,18 +206,13 @@ absl::Status NcclTransport::IssueReceives(NcclPeer& peer) {
     cudaStream_t nccl = gpu.nccl.get();
     int slot = -1;
     if (batch.plan.staged_bytes > 0) {
-      slot = gpu.next_slot;
-      RETURN_IF_ERROR(EnsureSlot(gpu, slot));
-      size_t begin = 0;
-      size_t entries = 0;
-      ASSIGN_OR_RETURN(const bool reserved,
-                       ReserveTable(gpu, batch.plan.scatter, gpu.staging[slot].data_as<char>(),
-                                    batch.region_base, &begin, &entries));
-      if (!reserved) return absl::OkStatus();
-      batch.table_begin = begin;
-      batch.table_entries = entries;
-      gpu.next_slot = (slot + 1) % kNcclStagingSlots;
+      ASSIGN_OR_RETURN(const std::optional<SlotRun> run,
+                       TakeSlot(gpu, batch.plan.scatter, /*gather=*/false, batch.region_base));
+      if (!run) return absl::OkStatus();
+      slot = run->slot;
       batch.slot = slot;
+      batch.table_begin = run->begin;
+      batch.table_entries = run->entries;
       if (gpu.recorded[slot]) RETURN_IF_ERROR(gpu.slot_free[slot].MakeStreamWait(nccl));
     }
     char* staging = slot >= 0 ? gpu.staging[slot].data_as<char>() : nullptr;

@@ -185,8 +185,8 @@ void NcclTransport::AcceptHello(std::unique_ptr<IpcConnection> conn, const NcclH
   ReadRecvLink(*peer);  // frames that came with the hello
 }
 
-void NcclTransport::ReadSendLink(NcclPeer& peer) {
-  SendLink& link = *peer.send;
+template <typename OnFrame>
+void NcclTransport::ReadFrames(NcclPeer& peer, NcclLink& link, OnFrame on_frame) {
   absl::StatusOr<bool> eof = link.conn->ReadAvailable(kMaxReadPerConnection);
   if (!eof.ok()) return FailPeer(peer, eof.status());
   for (;;) {
@@ -195,27 +195,35 @@ void NcclTransport::ReadSendLink(NcclPeer& peer) {
     absl::StatusOr<bool> frame = link.conn->reader().NextFrame(&type, &payload);
     if (!frame.ok()) return FailPeer(peer, frame.status());
     if (!*frame) break;
-    const auto t = static_cast<NcclFrameType>(type);
-    if (t == NcclFrameType::kWelcome && !link.welcomed) {
-      absl::StatusOr<NcclWelcome> w = DecodeNcclWelcome(payload);
-      if (!w.ok()) return FailPeer(peer, w.status());
-      if (!w->ok) {
-        return FailPeer(peer, absl::FailedPreconditionError(absl::StrCat(
-                                  "refused this writer: ", absl::CHexEscape(w->reason))));
-      }
-      link.welcomed = true;
-      link.limits.staged_bytes = std::min(link.limits.staged_bytes, w->max_staged_bytes);
-      link.limits.in_place_min_bytes =
-          std::min(link.limits.in_place_min_bytes, link.limits.staged_bytes);
-      link.limits.max_pieces = std::min(link.limits.max_pieces, w->max_pieces);
-    } else if (t == NcclFrameType::kBye) {
-      return FailPeer(peer, absl::UnavailableError("disconnected (it said goodbye)"));
-    } else {
-      return FailPeer(peer, absl::InvalidArgumentError(absl::StrCat(
-                                "sent frame type ", int{type}, " on the link it receives on")));
-    }
+    absl::StatusOr<bool> more = on_frame(static_cast<NcclFrameType>(type), payload);
+    if (!more.ok()) return FailPeer(peer, more.status());
+    if (!*more) return;  // the link ended
   }
   if (*eof) FailPeer(peer, Died());
+}
+
+void NcclTransport::ReadSendLink(NcclPeer& peer) {
+  SendLink& link = *peer.send;
+  ReadFrames(peer, link, [&link](NcclFrameType t, std::string& payload) -> absl::StatusOr<bool> {
+    if (t == NcclFrameType::kWelcome && !link.welcomed) {
+      ASSIGN_OR_RETURN(const NcclWelcome w, DecodeNcclWelcome(payload));
+      if (!w.ok) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("refused this writer: ", absl::CHexEscape(w.reason)));
+      }
+      link.welcomed = true;
+      link.limits.staged_bytes = std::min(link.limits.staged_bytes, w.max_staged_bytes);
+      link.limits.in_place_min_bytes =
+          std::min(link.limits.in_place_min_bytes, link.limits.staged_bytes);
+      link.limits.max_pieces = std::min(link.limits.max_pieces, w.max_pieces);
+      return true;
+    }
+    if (t == NcclFrameType::kBye) {
+      return absl::UnavailableError("disconnected (it said goodbye)");
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sent frame type ", static_cast<int>(t), " on the link it receives on"));
+  });
 }
 
 void NcclTransport::ReadRecvLink(NcclPeer& peer) {
@@ -223,39 +231,31 @@ void NcclTransport::ReadRecvLink(NcclPeer& peer) {
   // What is left of the welcome (the receive link sends nothing else but its goodbye).
   absl::Status flushed = link.conn->Flush();
   if (!flushed.ok()) return FailPeer(peer, flushed);
-  absl::StatusOr<bool> eof = link.conn->ReadAvailable(kMaxReadPerConnection);
-  if (!eof.ok()) return FailPeer(peer, eof.status());
-  for (;;) {
-    uint8_t type = 0;
-    std::string payload;
-    absl::StatusOr<bool> frame = link.conn->reader().NextFrame(&type, &payload);
-    if (!frame.ok()) return FailPeer(peer, frame.status());
-    if (!*frame) break;
-    const auto t = static_cast<NcclFrameType>(type);
+  ReadFrames(peer, link, [&](NcclFrameType t, std::string& payload) -> absl::StatusOr<bool> {
+    mu_.AssertHeld();
     if (t == NcclFrameType::kBatch) {
-      absl::StatusOr<NcclBatchHeader> header = DecodeNcclBatch(payload);
-      if (!header.ok()) return FailPeer(peer, header.status());
-      if (header->serial != link.next_serial) {
-        return FailPeer(peer, absl::InvalidArgumentError(absl::StrCat(
-                                  "sent batch ", header->serial, " where batch ",
-                                  link.next_serial, " was due")));
+      ASSIGN_OR_RETURN(NcclBatchHeader header, DecodeNcclBatch(payload));
+      if (header.serial != link.next_serial) {
+        return absl::InvalidArgumentError(absl::StrCat("sent batch ", header.serial,
+                                                       " where batch ", link.next_serial,
+                                                       " was due"));
       }
-      auto region = regions_.find(header->region_id);
+      auto region = regions_.find(header.region_id);
       if (region == regions_.end()) {
-        return FailPeer(peer, absl::FailedPreconditionError(absl::StrCat(
-                                  "wrote into region ", header->region_id,
-                                  ", which is not registered here (destroyed?)")));
+        return absl::FailedPreconditionError(
+            absl::StrCat("wrote into region ", header.region_id,
+                         ", which is not registered here (destroyed?)"));
       }
-      absl::StatusOr<NcclRecvBatch> plan =
-          PlanNcclReceive(*header, region->second.length, options_.staging_bytes);
-      if (!plan.ok()) return FailPeer(peer, plan.status());
       RecvBatch batch;
-      batch.header = std::move(header).value();
-      batch.plan = std::move(plan).value();
+      ASSIGN_OR_RETURN(batch.plan,
+                       PlanNcclReceive(header, region->second.length, options_.staging_bytes));
+      batch.header = std::move(header);
       batch.region_base = region->second.base;
       link.batches.push_back(std::move(batch));
       ++link.next_serial;
-    } else if (t == NcclFrameType::kNotification) {
+      return true;
+    }
+    if (t == NcclFrameType::kNotification) {
       Notification n;
       n.peer = peer.id;
       n.payload = std::move(payload);
@@ -264,18 +264,18 @@ void NcclTransport::ReadRecvLink(NcclPeer& peer) {
       } else {
         link.held.push_back({link.next_serial, std::move(n)});
       }
-    } else if (t == NcclFrameType::kBye) {
+      return true;
+    }
+    if (t == NcclFrameType::kBye) {
       // The writer closed on purpose: what landed was delivered; its link ends here.
       PollReceives(peer);
       EndLink(link, /*fail=*/false, absl::OkStatus());
       peer.recv.reset();
-      return;
-    } else {
-      return FailPeer(peer, absl::InvalidArgumentError(absl::StrCat(
-                                "sent frame type ", int{type}, " on its receive link")));
+      return false;
     }
-  }
-  if (*eof) FailPeer(peer, Died());
+    return absl::InvalidArgumentError(
+        absl::StrCat("sent frame type ", static_cast<int>(t), " on its receive link"));
+  });
 }
 
 namespace {
@@ -317,41 +317,58 @@ bool NcclTransport::PollComm(NcclPeer& peer, bool send) {
   return false;
 }
 
-void NcclTransport::PollSends(NcclPeer& peer) {
-  SendLink& link = *peer.send;
+namespace {
+
+// Retires the link's batches whose GPU work (`event`) completed, oldest first: each gives
+// its run of the table ring back and is handed to `retired` (which takes its event back)
+// before it is dropped. The GPU's error, said as such, when a query fails.
+template <typename Link, typename Batch, typename Retired>
+absl::Status RetireCompleted(Link& link, CudaEvent Batch::*event, Retired retired) {
   while (!link.batches.empty() && link.batches.front().phase == BatchPhase::kIssued) {
-    SendBatch& b = link.batches.front();
-    absl::StatusOr<bool> done = b.done.Query();
+    Batch& b = link.batches.front();
+    absl::StatusOr<bool> done = (b.*event).Query();
     if (!done.ok()) {
-      return FailPeer(peer, absl::Status(done.status().code(),
-                                         absl::StrCat("a batch's GPU work failed: ",
-                                                      done.status().message())));
+      return absl::Status(done.status().code(),
+                          absl::StrCat("a batch's GPU work failed: ", done.status().message()));
     }
-    if (!*done) return;
+    if (!*done) break;
     if (b.table_entries > 0) link.gpu->tables->ReleaseOldest();
+    retired(b);
+    link.batches.pop_front();
+  }
+  return absl::OkStatus();
+}
+
+// When the oldest of `batches` handed to NCCL was issued (InfiniteFuture: none is).
+template <typename Batch>
+absl::Time OldestIssued(const std::deque<Batch>& batches) {
+  absl::Time oldest = absl::InfiniteFuture();
+  for (const Batch& b : batches) {
+    if (b.phase != BatchPhase::kQueued) oldest = std::min(oldest, b.issued_at);
+  }
+  return oldest;
+}
+
+}  // namespace
+
+void NcclTransport::PollSends(NcclPeer& peer) {
+  absl::Status status = RetireCompleted(*peer.send, &SendBatch::done, [this](SendBatch& b) {
+    mu_.AssertHeld();
     NcclTransfers::Transfer* t = transfers_.Find(b.transfer);
     if (t != nullptr && t->work.batches_left > 0) --t->work.batches_left;
     ReturnEvent(std::move(b.done));
-    link.batches.pop_front();
-  }
+  });
+  if (!status.ok()) FailPeer(peer, status);
 }
 
 void NcclTransport::PollReceives(NcclPeer& peer) {
   RecvLink& link = *peer.recv;
-  while (!link.batches.empty() && link.batches.front().phase == BatchPhase::kIssued) {
-    RecvBatch& b = link.batches.front();
-    absl::StatusOr<bool> landed = b.landed.Query();
-    if (!landed.ok()) {
-      return FailPeer(peer, absl::Status(landed.status().code(),
-                                         absl::StrCat("a batch's GPU work failed: ",
-                                                      landed.status().message())));
-    }
-    if (!*landed) break;
-    if (b.table_entries > 0) link.gpu->tables->ReleaseOldest();
+  absl::Status status = RetireCompleted(link, &RecvBatch::landed, [this, &link](RecvBatch& b) {
+    mu_.AssertHeld();
     ReturnEvent(std::move(b.landed));
-    link.batches.pop_front();
     ++link.landed;
-  }
+  });
+  if (!status.ok()) return FailPeer(peer, status);
   // Notifications follow the data of every batch announced before them.
   while (!link.held.empty() && link.held.front().after <= link.landed) {
     transfers_.inbox().Deliver(std::move(link.held.front().note));
@@ -361,23 +378,15 @@ void NcclTransport::PollReceives(NcclPeer& peer) {
 
 void NcclTransport::CheckDeadlines(NcclPeer& peer) {
   const absl::Time now = absl::Now();
-  if (peer.send != nullptr) {
-    absl::Time oldest = absl::InfiniteFuture();
-    for (const SendBatch& b : peer.send->batches) {
-      if (b.phase != BatchPhase::kQueued) oldest = std::min(oldest, b.issued_at);
-    }
-    if (peer.send->state.CheckDeadlines(oldest, now) == CommAction::kAbort) {
-      return FailPeer(peer, peer.send->state.status());
-    }
+  if (peer.send != nullptr &&
+      peer.send->state.CheckDeadlines(OldestIssued(peer.send->batches), now) ==
+          CommAction::kAbort) {
+    return FailPeer(peer, peer.send->state.status());
   }
-  if (peer.recv != nullptr) {
-    absl::Time oldest = absl::InfiniteFuture();
-    for (const RecvBatch& b : peer.recv->batches) {
-      if (b.phase != BatchPhase::kQueued) oldest = std::min(oldest, b.issued_at);
-    }
-    if (peer.recv->state.CheckDeadlines(oldest, now) == CommAction::kAbort) {
-      return FailPeer(peer, peer.recv->state.status());
-    }
+  if (peer.recv != nullptr &&
+      peer.recv->state.CheckDeadlines(OldestIssued(peer.recv->batches), now) ==
+          CommAction::kAbort) {
+    return FailPeer(peer, peer.recv->state.status());
   }
 }
 

@@ -91,6 +91,13 @@ struct RecvBatch {
   absl::Time issued_at = absl::InfiniteFuture();
 };
 
+// A staging slot taken by a batch, and its copy table's run of the link's ring.
+struct SlotRun {
+  int slot = -1;
+  size_t begin = 0;
+  size_t entries = 0;
+};
+
 // A link's GPU resources, on the transport's device. They outlive the link while GPU work
 // may still use them (the transport retires them until both streams are idle).
 struct LinkGpu {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -122,6 +123,14 @@ class NcclTransport final : public Transport, public NcclTransportCore {
   absl::StatusOr<bool> ReserveTable(LinkGpu& gpu, absl::Span<const Segment> segments,
                                     const char* src_base, char* dst_base, size_t* begin,
                                     size_t* entries) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The staging slot a batch that stages takes next (allocated on first use) and its copy
+  // table's run of the ring: segments from `base` into the slot (`gather`, the writer) or
+  // from the slot into `base` (the receiver's scatter). Nullopt when the ring has no room
+  // now (nothing is taken; entries come back as earlier batches complete).
+  absl::StatusOr<std::optional<SlotRun>> TakeSlot(LinkGpu& gpu,
+                                                  absl::Span<const Segment> segments,
+                                                  bool gather, char* base)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Launches the copy kernel over a reserved run on gpu.copy. Never blocks.
   absl::Status LaunchCopy(LinkGpu& gpu, size_t begin, size_t entries)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -134,6 +143,12 @@ class NcclTransport final : public Transport, public NcclTransportCore {
   void ReadPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A writer's hello on an accepted connection: the receive link, or a refusal.
   void AcceptHello(std::unique_ptr<IpcConnection> conn, const NcclHello& hello)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads what the link's connection holds and hands each whole frame to `on_frame(type,
+  // payload)`: true reads on, false stops (the link ended), an error fails the peer. The
+  // peer fails too on a read error, a malformed frame, or an end without a goodbye.
+  template <typename OnFrame>
+  void ReadFrames(NcclPeer& peer, NcclLink& link, OnFrame on_frame)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReadSendLink(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReadRecvLink(NcclPeer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
