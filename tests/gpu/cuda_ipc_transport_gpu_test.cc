@@ -35,10 +35,7 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "cuda_ipc_test_kernels.h"
 #include "gmock/gmock.h"
@@ -47,6 +44,7 @@
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/transfer/cuda_ipc_transport.h"
 #include "tests/integration/ucx_transport_peer.h"
+#include "transport_pair_test.h"
 #include "transfer/src/cuda_ipc/cuda_ipc_wire.h"
 
 #ifndef KVSTREAM_CUDA_IPC_PEER_BINARY
@@ -59,12 +57,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-absl::Time Deadline() { return absl::Now() + absl::Seconds(60); }
-
-absl::Status CudaOk(cudaError_t e, absl::string_view what) {
-  return CudaErrorToStatus(static_cast<int>(e), what);
-}
-
 bool LaunchSlowFillChecked(void* dst, size_t bytes, uint32_t seed, void* stream,
                            int spin_ms = 300) {
   const absl::Status status = gpu_test::LaunchSlowFill(dst, bytes, seed, spin_ms, stream);
@@ -72,29 +64,16 @@ bool LaunchSlowFillChecked(void* dst, size_t bytes, uint32_t seed, void* stream,
   return status.ok();
 }
 
-struct Note {
-  std::string payload;
-  std::vector<char> snapshot;
-};
-
-class CudaIpcGpuTest : public ::testing::Test {
+class CudaIpcGpuTest : public TransportPairTest {
  protected:
   void SetUp() override {
     if (GpuCount() == 0) GTEST_SKIP() << "no usable GPU: " << CudaAvailability();
   }
 
-  void TearDown() override {
-    remote_.reset();
-    src_.reset();
-    child_.reset();
-    transport_.reset();
-  }
-
+  // The peer program with `args`.
   void Spawn(std::vector<std::string> args) {
     args.insert(args.begin(), KVSTREAM_CUDA_IPC_PEER_BINARY);
-    auto child = ChildProcess::Spawn(args);
-    ASSERT_TRUE(child.ok()) << child.status();
-    child_ = std::move(child).value();
+    TransportPairTest::Spawn(args);
   }
 
   void MakeTransport() {
@@ -103,118 +82,8 @@ class CudaIpcGpuTest : public ::testing::Test {
     transport_ = std::move(transport).value();
   }
 
-  std::string ReadHex(absl::string_view tag) {
-    auto line = child_->reader().ReadLine(Deadline());
-    EXPECT_TRUE(line.ok()) << line.status();
-    if (!line.ok()) return "";
-    absl::string_view rest = *line;
-    EXPECT_TRUE(absl::ConsumePrefix(&rest, tag) && absl::ConsumePrefix(&rest, " ")) << *line;
-    return absl::HexStringToBytes(rest);
-  }
-
-  // Reads the receiver's INFO/DESC/READY, connects and imports its region.
-  void ConnectToReceiver() {
-    const std::string info = ReadHex("INFO");
-    descriptor_ = ReadHex("DESC");
-    auto ready = child_->reader().ReadLine(Deadline());
-    ASSERT_TRUE(ready.ok()) << ready.status();
-    ASSERT_EQ(*ready, "READY");
-    auto peer = transport_->Connect(info);
-    ASSERT_TRUE(peer.ok()) << peer.status();
-    peer_ = *peer;
-    auto remote = transport_->ImportRemote(peer_, descriptor_);
-    ASSERT_TRUE(remote.ok()) << remote.status();
-    remote_ = std::move(remote).value();
-  }
-
-  // A line from the child, progressing this side meanwhile (what the child waits for may
-  // be a notification this side has yet to send).
-  absl::StatusOr<std::string> ReadLineProgressing() {
-    return test::ReadLineProgressing(child_->reader(), *transport_, Deadline());
-  }
-
-  // The receiver's next "NOTE <hex> <bytes>" and its snapshot.
-  absl::StatusOr<Note> ReadNote() {
-    auto line = ReadLineProgressing();
-    if (!line.ok()) return line.status();
-    std::vector<std::string> parts = absl::StrSplit(*line, ' ');
-    size_t bytes = 0;
-    if (parts.size() != 3 || parts[0] != "NOTE" || !absl::SimpleAtoi(parts[2], &bytes)) {
-      return absl::InternalError(absl::StrCat("expected NOTE, got '", *line, "'"));
-    }
-    Note note;
-    note.payload = absl::HexStringToBytes(parts[1]);
-    note.snapshot.resize(bytes);
-    absl::Status read = child_->reader().ReadExactly(note.snapshot.data(), bytes, Deadline());
-    if (!read.ok()) return read;
-    return note;
-  }
-
-  // Source memory of `bytes` on this side, filled from `host`.
-  void MakeSource(const std::vector<char>& host) {
-    auto src = transport_->AllocateMemory(host.size(), MemoryKind::kDevice);
-    ASSERT_TRUE(src.ok()) << src.status();
-    src_ = std::move(src).value();
-    ASSERT_TRUE(CudaOk(cudaMemcpy(src_->base(), host.data(), host.size(), cudaMemcpyHostToDevice),
-                       "upload")
-                    .ok());
-  }
-
-  void SayExitAndReap() {
-    auto bye = transport_->PostNotification(peer_, "exit");
-    ASSERT_TRUE(bye.ok()) << bye.status();
-    auto note = ReadNote();
-    ASSERT_TRUE(note.ok()) << note.status();
-    EXPECT_EQ(note->payload, "exit");
-    auto line = ReadLineProgressing();
-    ASSERT_TRUE(line.ok()) << line.status();
-    EXPECT_EQ(*line, "BYE");
-    auto code = child_->Wait(Deadline());
-    ASSERT_TRUE(code.ok()) << code.status();
-    EXPECT_EQ(*code, 0);
-  }
-
   CudaIpcTransportOptions options_;
-  std::unique_ptr<Transport> transport_;
-  std::unique_ptr<ChildProcess> child_;
-  std::unique_ptr<MemoryRegistration> src_;
-  std::unique_ptr<RemoteMemory> remote_;
-  std::string descriptor_;
-  PeerId peer_ = 0;
 };
-
-size_t Mismatches(const std::vector<char>& got, const std::vector<char>& want, size_t begin,
-                  size_t end) {
-  size_t n = 0;
-  for (size_t i = begin; i < end; ++i) n += got[i] != want[i];
-  return n;
-}
-
-// Segments of odd lengths at odd offsets into disjoint destination slots of
-// [area, area + area_bytes) on both sides (sources may overlap: they are only read).
-std::vector<Segment> OddSegments(size_t count, uint64_t area, uint64_t area_bytes,
-                                 uint32_t seed) {
-  std::mt19937_64 rng(seed);
-  const uint64_t slot = area_bytes / count;
-  std::vector<Segment> segments;
-  for (size_t i = 0; i < count; ++i) {
-    Segment s;
-    const uint64_t skew = rng() % 17;  // 0..16: misaligned starts, some 16-byte aligned
-    s.remote_offset = area + i * slot + skew;
-    s.length = i % 50 == 7 ? 0 : 1 + rng() % (slot - skew - 1);
-    s.local_offset = area + rng() % (area_bytes - s.length);
-    segments.push_back(s);
-  }
-  std::shuffle(segments.begin(), segments.end(), rng);
-  return segments;
-}
-
-void Apply(const std::vector<Segment>& segments, const std::vector<char>& src,
-           std::vector<char>& dst) {
-  for (const Segment& s : segments) {
-    std::memcpy(dst.data() + s.remote_offset, src.data() + s.local_offset, s.length);
-  }
-}
 
 // A variant of the copy path under test.
 struct CopyVariant {
@@ -324,7 +193,7 @@ TEST_P(CudaIpcVariantGpuTest, ScatteredBlocksLandBeforeTheirNotifications) {
   std::vector<char> expected(kBytes, 0);
   const std::vector<Segment> blocks = ScatteredSegments(kBlocks, kBlock, kBlocks, 1);
   // More odd segments than a parameter table holds (kIpcMaxParamSegments).
-  const std::vector<Segment> odd = OddSegments(1500, kAreaA, kAreaB, 2);
+  const std::vector<Segment> odd = OddSegments(1500, kAreaA, kAreaB, kAreaA, kAreaB, 2);
   const std::vector<Segment> long_segments = LongSegments(kAreaA + kAreaB);
   Apply(blocks, host, expected);
   std::vector<TransferId> ids;

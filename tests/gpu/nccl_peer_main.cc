@@ -3,32 +3,25 @@
 // tests/integration/ucx_transport_peer.h on stdin and fd 3.
 //
 //   --role=receiver --device=D --bytes=N [--job=J] [--staging=S]
-//       An nccl transport on GPU D (job J, staging slots of S bytes), AllocateMemory(N);
-//       prints "INFO <hex>", "DESC <hex>", "READY"; then progresses. For every notification
-//       it copies its whole region to the host at once and prints "NOTE <hex payload> <N>"
-//       followed by the N raw bytes; the payload "stall" makes it print "STALLED" and stop
-//       progressing (alive, so that only a deadline can end the writer's wait); "exit"
-//       makes it print "BYE" and exit. A line "comms" on stdin makes it print "COMMS <live
-//       communicators>"; a line "exit" makes it print "PEER <status of the last peer it heard
-//       from>" and exit.
+//       PairPeer::Receive (transport_pair_peer.h) of N bytes on an nccl transport on GPU D
+//       (job J, staging slots of S bytes); "stall" keeps it alive, so that only a deadline
+//       can end the writer's wait. A line "comms" on stdin makes it print "COMMS <live
+//       communicators>".
 #include <cuda_runtime.h>
-#include <unistd.h>
 
-#include <cstdio>
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "kvstream/common/cuda_status.h"
 #include "kvstream/transfer/nccl_transport.h"
 #include "tests/integration/ucx_transport_peer.h"
+#include "transport_pair_peer.h"
 
 namespace kvstream {
 namespace test {
@@ -42,17 +35,7 @@ struct Flags {
   uint64_t staging = 0;
 };
 
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "nccl peer: %s\n", what.c_str());
-  (void)WriteLine(kPeerOutFd, "FATAL " + what);
-  std::_Exit(2);
-}
-
-void Check(const absl::Status& status, const std::string& what) {
-  if (!status.ok()) Die(absl::StrCat(what, ": ", status.ToString()));
-}
-
-absl::Time Deadline() { return absl::Now() + absl::Seconds(120); }
+const PairPeer kSelf("nccl peer");
 
 int Receiver(const Flags& f) {
   NcclTransportOptions options;
@@ -63,58 +46,14 @@ int Receiver(const Flags& f) {
     options.in_place_min_bytes = std::min(options.in_place_min_bytes, f.staging);
   }
   auto transport = CreateNcclTransport(options);
-  Check(transport.status(), "CreateNcclTransport");
-  auto region = (*transport)->AllocateMemory(f.bytes, MemoryKind::kDevice);
-  Check(region.status(), "AllocateMemory");
-  auto info = (*transport)->LocalInfo();
-  Check(info.status(), "LocalInfo");
-  Check(WriteLine(kPeerOutFd, "INFO " + absl::BytesToHexString(*info)), "write");
-  Check(WriteLine(kPeerOutFd, "DESC " + absl::BytesToHexString((*region)->descriptor())),
-        "write");
-  Check(WriteLine(kPeerOutFd, "READY"), "write");
-  PipeReader in(0);
-  std::vector<char> snapshot(f.bytes);
-  PeerId last_peer = 0;
-  bool heard = false;
-  for (;;) {
-    Check((*transport)->Progress(), "Progress");
-    for (Notification& n : (*transport)->PollNotifications()) {
-      // The region as it is the moment the notification is seen.
-      Check(CudaErrorToStatus(static_cast<int>(cudaMemcpy(snapshot.data(), (*region)->base(),
-                                                          f.bytes, cudaMemcpyDeviceToHost)),
-                              "cudaMemcpy of the region"),
-            "snapshot");
-      last_peer = n.peer;
-      heard = true;
-      Check(WriteLine(kPeerOutFd, absl::StrCat("NOTE ", absl::BytesToHexString(n.payload), " ",
-                                               f.bytes)),
-            "write");
-      Check(WriteAll(kPeerOutFd, snapshot.data(), snapshot.size()), "write");
-      if (n.payload == "exit") {
-        Check(WriteLine(kPeerOutFd, "BYE"), "write");
-        return 0;
-      }
-      if (n.payload == "stall") {
-        Check(WriteLine(kPeerOutFd, "STALLED"), "write");
-        for (;;) ::pause();  // until killed
-      }
-    }
-    if (in.Readable()) {
-      auto line = in.ReadLine(Deadline());
-      if (line.ok() && *line == "comms") {
-        Check(WriteLine(kPeerOutFd,
-                        absl::StrCat("COMMS ", NcclLiveCommunicatorCount(**transport))),
-              "write");
-        continue;
-      }
-      if (!line.ok() || *line == "exit") {
-        const std::string status =
-            !heard ? std::string("NONE") : (*transport)->PeerStatus(last_peer).ToString();
-        Check(WriteLine(kPeerOutFd, "PEER " + status), "write");
-        return 0;
-      }
-    }
-  }
+  kSelf.Check(transport.status(), "CreateNcclTransport");
+  return kSelf.Receive(**transport, f.bytes, [&transport](const std::string& line) {
+    if (line != "comms") return false;
+    kSelf.Check(WriteLine(kPeerOutFd,
+                          absl::StrCat("COMMS ", NcclLiveCommunicatorCount(**transport))),
+                "write");
+    return true;
+  });
 }
 
 }  // namespace
@@ -142,8 +81,8 @@ int main(int argc, char** argv) {
     } else {
       ok = false;
     }
-    if (!ok) kvstream::test::Die(absl::StrCat("bad flag ", argv[i]));
+    if (!ok) kvstream::test::kSelf.Die(absl::StrCat("bad flag ", argv[i]));
   }
-  if (f.role != "receiver" || f.bytes == 0) kvstream::test::Die("usage: --role=receiver --bytes=N");
+  if (f.role != "receiver" || f.bytes == 0) kvstream::test::kSelf.Die("usage: --role=receiver --bytes=N");
   return kvstream::test::Receiver(f);
 }

@@ -30,10 +30,7 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "cuda_ipc_test_kernels.h"
 #include "gmock/gmock.h"
@@ -42,6 +39,7 @@
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/transfer/nccl_transport.h"
 #include "tests/integration/ucx_transport_peer.h"
+#include "transport_pair_test.h"
 #include "transfer/src/nccl/nccl_wire.h"
 
 #ifndef KVSTREAM_NCCL_PEER_BINARY
@@ -60,51 +58,7 @@ const bool kNvlsOff = [] { return setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/
 constexpr uint64_t kStaging = 4 << 20;
 constexpr size_t kBlock = 32 << 10;
 
-absl::Time Deadline() { return absl::Now() + absl::Seconds(60); }
-
-absl::Status CudaOk(cudaError_t e, absl::string_view what) {
-  return CudaErrorToStatus(static_cast<int>(e), what);
-}
-
-struct Note {
-  std::string payload;
-  std::vector<char> snapshot;
-};
-
-size_t Mismatches(const std::vector<char>& got, const std::vector<char>& want, size_t begin,
-                  size_t end) {
-  size_t n = 0;
-  for (size_t i = begin; i < end; ++i) n += got[i] != want[i];
-  return n;
-}
-
-void Apply(const std::vector<Segment>& segments, const std::vector<char>& src,
-           std::vector<char>& dst) {
-  for (const Segment& s : segments) {
-    std::memcpy(dst.data() + s.remote_offset, src.data() + s.local_offset, s.length);
-  }
-}
-
-// `count` segments of odd lengths at odd offsets into disjoint destination slots of
-// [area, area + area_bytes); sources anywhere in [0, source_bytes).
-std::vector<Segment> OddSegments(size_t count, uint64_t area, uint64_t area_bytes,
-                                 uint64_t source_bytes, uint32_t seed) {
-  std::mt19937_64 rng(seed);
-  const uint64_t slot = area_bytes / count;
-  std::vector<Segment> segments;
-  for (size_t i = 0; i < count; ++i) {
-    Segment s;
-    const uint64_t skew = rng() % 17;
-    s.remote_offset = area + i * slot + skew;
-    s.length = i % 50 == 7 ? 0 : 1 + rng() % (slot - skew - 1);
-    s.local_offset = rng() % (source_bytes - s.length);
-    segments.push_back(s);
-  }
-  std::shuffle(segments.begin(), segments.end(), rng);
-  return segments;
-}
-
-class NcclGpuTest : public ::testing::Test {
+class NcclGpuTest : public TransportPairTest {
  protected:
   void SetUp() override {
     ASSERT_TRUE(kNvlsOff);
@@ -120,21 +74,12 @@ class NcclGpuTest : public ::testing::Test {
     options_.in_place_min_bytes = 1 << 20;
   }
 
-  void TearDown() override {
-    remote_.reset();
-    src_.reset();
-    child_.reset();
-    transport_.reset();
-  }
-
   void Spawn(size_t bytes, std::vector<std::string> extra = {}) {
     std::vector<std::string> args = {KVSTREAM_NCCL_PEER_BINARY, "--role=receiver", "--device=1",
                                      absl::StrCat("--bytes=", bytes),
                                      absl::StrCat("--staging=", kStaging)};
     args.insert(args.end(), extra.begin(), extra.end());
-    auto child = ChildProcess::Spawn(args);
-    ASSERT_TRUE(child.ok()) << child.status();
-    child_ = std::move(child).value();
+    TransportPairTest::Spawn(args);
   }
 
   void MakeTransport() {
@@ -143,91 +88,13 @@ class NcclGpuTest : public ::testing::Test {
     transport_ = std::move(transport).value();
   }
 
-  std::string ReadHex(absl::string_view tag) {
-    auto line = child_->reader().ReadLine(Deadline());
-    EXPECT_TRUE(line.ok()) << line.status();
-    if (!line.ok()) return "";
-    absl::string_view rest = *line;
-    EXPECT_TRUE(absl::ConsumePrefix(&rest, tag) && absl::ConsumePrefix(&rest, " ")) << *line;
-    return absl::HexStringToBytes(rest);
-  }
-
-  // Reads the receiver's INFO/DESC/READY; `info` gets its peer info.
-  void ReadReceiver(std::string* info) {
-    *info = ReadHex("INFO");
-    descriptor_ = ReadHex("DESC");
-    auto ready = child_->reader().ReadLine(Deadline());
-    ASSERT_TRUE(ready.ok()) << ready.status();
-    ASSERT_EQ(*ready, "READY");
-  }
-
-  void ConnectTo(const std::string& info) {
-    auto peer = transport_->Connect(info);
-    ASSERT_TRUE(peer.ok()) << peer.status();
-    peer_ = *peer;
-    auto remote = transport_->ImportRemote(peer_, descriptor_);
-    ASSERT_TRUE(remote.ok()) << remote.status();
-    remote_ = std::move(remote).value();
-  }
-
   void StartPair(size_t bytes) {
     ASSERT_NO_FATAL_FAILURE(Spawn(bytes));
     ASSERT_NO_FATAL_FAILURE(MakeTransport());
-    std::string info;
-    ASSERT_NO_FATAL_FAILURE(ReadReceiver(&info));
-    ASSERT_NO_FATAL_FAILURE(ConnectTo(info));
-  }
-
-  absl::StatusOr<std::string> ReadLineProgressing() {
-    return test::ReadLineProgressing(child_->reader(), *transport_, Deadline());
-  }
-
-  absl::StatusOr<Note> ReadNote() {
-    auto line = ReadLineProgressing();
-    if (!line.ok()) return line.status();
-    std::vector<std::string> parts = absl::StrSplit(*line, ' ');
-    size_t bytes = 0;
-    if (parts.size() != 3 || parts[0] != "NOTE" || !absl::SimpleAtoi(parts[2], &bytes)) {
-      return absl::InternalError(absl::StrCat("expected NOTE, got '", *line, "'"));
-    }
-    Note note;
-    note.payload = absl::HexStringToBytes(parts[1]);
-    note.snapshot.resize(bytes);
-    absl::Status read = child_->reader().ReadExactly(note.snapshot.data(), bytes, Deadline());
-    if (!read.ok()) return read;
-    return note;
-  }
-
-  void MakeSource(const std::vector<char>& host) {
-    auto src = transport_->AllocateMemory(host.size(), MemoryKind::kDevice);
-    ASSERT_TRUE(src.ok()) << src.status();
-    src_ = std::move(src).value();
-    ASSERT_TRUE(CudaOk(cudaMemcpy(src_->base(), host.data(), host.size(), cudaMemcpyHostToDevice),
-                       "upload")
-                    .ok());
-  }
-
-  void SayExitAndReap() {
-    auto bye = transport_->PostNotification(peer_, "exit");
-    ASSERT_TRUE(bye.ok()) << bye.status();
-    auto note = ReadNote();
-    ASSERT_TRUE(note.ok()) << note.status();
-    EXPECT_EQ(note->payload, "exit");
-    auto line = ReadLineProgressing();
-    ASSERT_TRUE(line.ok()) << line.status();
-    EXPECT_EQ(*line, "BYE");
-    auto code = child_->Wait(Deadline());
-    ASSERT_TRUE(code.ok()) << code.status();
-    EXPECT_EQ(*code, 0);
+    ASSERT_NO_FATAL_FAILURE(ConnectToReceiver());
   }
 
   NcclTransportOptions options_;
-  std::unique_ptr<Transport> transport_;
-  std::unique_ptr<ChildProcess> child_;
-  std::unique_ptr<MemoryRegistration> src_;
-  std::unique_ptr<RemoteMemory> remote_;
-  std::string descriptor_;
-  PeerId peer_ = 0;
 };
 
 TEST_F(NcclGpuTest, ScatteredBlocksLandBeforeTheirNotifications) {
@@ -243,7 +110,7 @@ TEST_F(NcclGpuTest, ScatteredBlocksLandBeforeTheirNotifications) {
 
   std::vector<char> expected(kBytes, 0);
   const std::vector<Segment> blocks = ScatteredSegments(kBlocks, kBlock, kBlocks, 1);
-  const std::vector<Segment> odd = OddSegments(1500, kAreaA, kAreaB, kBytes, 2);
+  const std::vector<Segment> odd = OddSegments(1500, kAreaA, kAreaB, 0, kBytes, 2);
   // Two runs of 3 MiB at odd offsets (in place on both sides) between short ones, and a run
   // of 64 blocks contiguous on both sides (coalesced into one message).
   std::vector<Segment> runs_built = {{17, kAreaA + kAreaB + 3, 3 << 20},
