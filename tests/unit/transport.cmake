@@ -18,11 +18,11 @@ target_include_directories(ucx_staged_test PRIVATE ${PROJECT_SOURCE_DIR}/transfe
 # The check of a peer's mapped memory against this process's mappings (ucx/remote_mapping.h).
 kvstream_add_gtest(ucx_remote_mapping_test LABELS unit SOURCES ucx_remote_mapping_test.cc
                    DEPS kvstream::transfer)
-# The transfer bookkeeping cuda_ipc and nccl share (transfer/src/transfer_table.h); nccl:
+# What cuda_ipc and nccl share (transfer/src/transfer_table.h, peer_error_reports.h); nccl:
 # its wire formats, batch planner, communicator state machine, and what it does without a
 # second GPU (its two-GPU tests are in tests/gpu/).
-foreach(t transfer_table_test nccl_wire_test nccl_plan_test nccl_comm_state_test
-          nccl_transport_test)
+foreach(t transfer_table_test peer_error_reports_test nccl_wire_test nccl_plan_test
+          nccl_comm_state_test nccl_transport_test)
   kvstream_add_gtest(${t} LABELS unit SOURCES ${t}.cc DEPS kvstream::transfer)
   target_include_directories(${t} PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)
 endforeach()

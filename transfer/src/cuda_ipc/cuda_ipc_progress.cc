@@ -27,8 +27,7 @@ constexpr size_t kOutboundProbeBytes = 256;
 }  // namespace
 
 absl::Status CudaIpcTransport::Progress() {
-  std::vector<std::pair<PeerId, absl::Status>> errors;
-  PeerErrorCallback callback;
+  PeerErrorReports::Pending errors;
   {
     absl::MutexLock lock(&mu_);
     CudaDeviceScope scope(device_);
@@ -42,15 +41,10 @@ absl::Status CudaIpcTransport::Progress() {
     for (auto& [id, peer] : peers_) {
       if (peer->out != nullptr && peer->status.ok()) SendReady(peer.get());
     }
-    if (!peer_errors_.empty()) {
-      errors.swap(peer_errors_);
-      callback = callback_;
-    }
+    errors = peer_errors_.Take();
   }
   // Outside the lock: the callback may take its own locks (it must not call us).
-  if (callback) {
-    for (const auto& [peer, error] : errors) callback(peer, error);
-  }
+  errors.Deliver();
   return absl::OkStatus();
 }
 
@@ -232,7 +226,7 @@ void CudaIpcTransport::FailPeer(IpcPeer* peer, const absl::Status& cause) {
   peer->in.reset();
   // Closed once the copies in flight into them are done (they hold references).
   peer->mappings.clear();
-  peer_errors_.emplace_back(peer->id, peer->status);
+  peer_errors_.Add(peer->id, peer->status);
 }
 
 void CudaIpcTransport::Shutdown() {

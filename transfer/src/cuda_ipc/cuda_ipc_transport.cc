@@ -16,6 +16,7 @@
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
+#include "device_argument_checks.h"
 #include "segment_check.h"
 
 namespace kvstream {
@@ -24,36 +25,6 @@ namespace {
 
 // Connecting to a peer's socket waits only while its accept backlog is full.
 constexpr absl::Duration kConnectTimeout = absl::Seconds(2);
-
-absl::Status CheckOrder(const WriteOrder& order, absl::string_view notification) {
-  if ((order.notification_tail == nullptr) != (order.notification_tail_bytes == 0)) {
-    return absl::InvalidArgumentError(
-        "cuda_ipc PostWrite: notification_tail and notification_tail_bytes must be given "
-        "together");
-  }
-  if (order.notification_tail != nullptr) {
-    if (order.ready_event == nullptr) {
-      return absl::InvalidArgumentError(
-          "cuda_ipc PostWrite: a notification tail needs the ready_event its GPU work is "
-          "ordered before");
-    }
-    if (notification.empty()) {
-      return absl::InvalidArgumentError(
-          "cuda_ipc PostWrite: a notification tail needs a notification to append to");
-    }
-    if (order.notification_tail_bytes > kMaxNotificationTailBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cuda_ipc PostWrite: notification tail of ", order.notification_tail_bytes,
-          " bytes, more than ", kMaxNotificationTailBytes));
-    }
-  }
-  if (notification.size() + order.notification_tail_bytes > kMaxIpcFramePayloadBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda_ipc PostWrite: notification of ", notification.size(), " bytes (+",
-        order.notification_tail_bytes, " tail), more than ", kMaxIpcFramePayloadBytes));
-  }
-  return absl::OkStatus();
-}
 
 }  // namespace
 
@@ -94,26 +65,13 @@ absl::StatusOr<std::string> CudaIpcTransport::LocalInfo() {
 
 absl::StatusOr<std::unique_ptr<MemoryRegistration>> CudaIpcTransport::RegisterMemory(
     void* base, size_t length, MemoryKind kind) {
-  if (base == nullptr || length == 0) {
-    return absl::InvalidArgumentError("cuda_ipc RegisterMemory: null or empty range");
-  }
-  if (kind != MemoryKind::kDevice) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda_ipc RegisterMemory: ", MemoryKindName(kind),
-        " memory is not supported (cuda_ipc moves device memory only; use the ucx transport "
-        "for host memory)"));
-  }
+  RETURN_IF_ERROR(CheckDeviceRegistration("cuda_ipc", base, length, kind));
   return Register(base, length, DeviceBuffer());
 }
 
 absl::StatusOr<std::unique_ptr<MemoryRegistration>> CudaIpcTransport::AllocateMemory(
     size_t length, MemoryKind kind) {
-  if (length == 0) return absl::InvalidArgumentError("cuda_ipc AllocateMemory: zero length");
-  if (kind != MemoryKind::kDevice) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc AllocateMemory: cannot allocate ",
-                                                   MemoryKindName(kind),
-                                                   " memory (device memory only)"));
-  }
+  RETURN_IF_ERROR(CheckDeviceAllocation("cuda_ipc", length, kind));
   CudaDeviceScope scope(device_);
   RETURN_IF_ERROR(scope.status());
   // cudaMalloc memory (256-byte aligned), zeroed: exportable with cudaIpcGetMemHandle.
@@ -244,7 +202,7 @@ absl::StatusOr<TransferId> CudaIpcTransport::PostWrite(PeerId peer_id,
                                                        absl::Span<const Segment> segments,
                                                        absl::string_view notification,
                                                        const WriteOrder& order) {
-  RETURN_IF_ERROR(CheckOrder(order, notification));
+  RETURN_IF_ERROR(CheckWriteOrder("cuda_ipc", order, notification, kMaxIpcFramePayloadBytes));
   const auto* reg = dynamic_cast<const IpcRegistration*>(&local);
   const auto* rem = dynamic_cast<const IpcRemote*>(&remote);
   if (reg == nullptr || reg->owner() != this) {
@@ -289,14 +247,7 @@ absl::StatusOr<TransferId> CudaIpcTransport::PostWrite(PeerId peer_id,
 
 absl::StatusOr<TransferId> CudaIpcTransport::PostNotification(PeerId peer_id,
                                                               absl::string_view payload) {
-  if (payload.empty()) {
-    return absl::InvalidArgumentError("cuda_ipc PostNotification: empty payload");
-  }
-  if (payload.size() > kMaxIpcFramePayloadBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc PostNotification: ",
-                                                   payload.size(), " bytes, more than ",
-                                                   kMaxIpcFramePayloadBytes));
-  }
+  RETURN_IF_ERROR(CheckNotificationPayload("cuda_ipc", payload, kMaxIpcFramePayloadBytes));
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(IpcPeer * peer, UsablePeer(peer_id, "PostNotification"));
   // Sent in its turn, after every earlier write's data.
@@ -355,7 +306,7 @@ absl::Status CudaIpcTransport::PeerStatus(PeerId peer_id) {
 
 void CudaIpcTransport::SetPeerErrorCallback(PeerErrorCallback callback) {
   absl::MutexLock lock(&mu_);
-  callback_ = std::move(callback);
+  peer_errors_.SetCallback(std::move(callback));
 }
 
 void CudaIpcTransport::SetCopyTiming(bool on) {

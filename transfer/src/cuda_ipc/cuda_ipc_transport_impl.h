@@ -27,6 +27,7 @@
 #include "kvstream/transfer/cuda_ipc_transport.h"
 #include "kvstream/transfer/socket.h"
 #include "kvstream/transfer/transport.h"
+#include "peer_error_reports.h"
 
 namespace kvstream {
 namespace internal {
@@ -174,8 +175,7 @@ class CudaIpcTransport final : public Transport {
   // Accepted connections that have not said hello yet.
   std::vector<std::unique_ptr<IpcConnection>> pending_ ABSL_GUARDED_BY(mu_);
   IpcTransfers transfers_ ABSL_GUARDED_BY(mu_){"cuda_ipc"};
-  std::vector<std::pair<PeerId, absl::Status>> peer_errors_ ABSL_GUARDED_BY(mu_);
-  PeerErrorCallback callback_ ABSL_GUARDED_BY(mu_);
+  PeerErrorReports peer_errors_ ABSL_GUARDED_BY(mu_);
   PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
   // Scratch of EnqueueCopy: segments for the copy engine (src, dst, length).
   struct EngineCopy {

@@ -41,8 +41,7 @@ bool StreamIdle(const IpcStream& stream) {
 }  // namespace
 
 absl::Status NcclTransport::Progress() {
-  std::vector<std::pair<PeerId, absl::Status>> errors;
-  PeerErrorCallback callback;
+  PeerErrorReports::Pending errors;
   {
     absl::MutexLock lock(&mu_);
     CudaDeviceScope scope(device_);
@@ -74,15 +73,10 @@ absl::Status NcclTransport::Progress() {
       if (peer.status.ok()) CheckDeadlines(peer);
     }
     FreeIdleRetired();
-    if (!peer_errors_.empty()) {
-      errors.swap(peer_errors_);
-      callback = callback_;
-    }
+    errors = peer_errors_.Take();
   }
   // Outside the lock: the callback may take its own locks (it must not call us).
-  if (callback) {
-    for (const auto& [peer, error] : errors) callback(peer, error);
-  }
+  errors.Deliver();
   return absl::OkStatus();
 }
 
@@ -440,7 +434,7 @@ void NcclTransport::FailPeer(NcclPeer& peer, const absl::Status& cause, bool not
     peer.recv->batches.clear();
     peer.recv->held.clear();
   }
-  if (notify) peer_errors_.emplace_back(peer.id, peer.status);
+  if (notify) peer_errors_.Add(peer.id, peer.status);
 }
 
 void NcclTransport::FreeIdleRetired() {

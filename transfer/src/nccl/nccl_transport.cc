@@ -14,6 +14,7 @@
 #include "nccl/nccl_api.h"
 #include "nccl/nccl_transport_impl.h"
 #include "nccl/nccl_wire.h"
+#include "device_argument_checks.h"
 #include "segment_check.h"
 #include "ucx/staged_cuda.h"
 
@@ -69,26 +70,13 @@ absl::StatusOr<std::string> NcclTransport::LocalInfo() {
 
 absl::StatusOr<std::unique_ptr<MemoryRegistration>> NcclTransport::RegisterMemory(
     void* base, size_t length, MemoryKind kind) {
-  if (base == nullptr || length == 0) {
-    return absl::InvalidArgumentError("nccl RegisterMemory: null or empty range");
-  }
-  if (kind != MemoryKind::kDevice) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "nccl RegisterMemory: ", MemoryKindName(kind),
-        " memory is not supported (nccl moves device memory only; use the ucx transport for "
-        "host memory)"));
-  }
+  RETURN_IF_ERROR(CheckDeviceRegistration("nccl", base, length, kind));
   return Register(base, length, DeviceBuffer());
 }
 
 absl::StatusOr<std::unique_ptr<MemoryRegistration>> NcclTransport::AllocateMemory(
     size_t length, MemoryKind kind) {
-  if (length == 0) return absl::InvalidArgumentError("nccl AllocateMemory: zero length");
-  if (kind != MemoryKind::kDevice) {
-    return absl::InvalidArgumentError(absl::StrCat("nccl AllocateMemory: cannot allocate ",
-                                                   MemoryKindName(kind),
-                                                   " memory (device memory only)"));
-  }
+  RETURN_IF_ERROR(CheckDeviceAllocation("nccl", length, kind));
   CudaDeviceScope scope(device_);
   RETURN_IF_ERROR(scope.status());
   ASSIGN_OR_RETURN(DeviceBuffer memory, DeviceBuffer::CreateZeroed(length, MemoryKind::kDevice));
@@ -339,12 +327,7 @@ absl::StatusOr<TransferId> NcclTransport::PostWrite(PeerId peer_id,
 
 absl::StatusOr<TransferId> NcclTransport::PostNotification(PeerId peer_id,
                                                            absl::string_view payload) {
-  if (payload.empty()) return absl::InvalidArgumentError("nccl PostNotification: empty payload");
-  if (payload.size() > kMaxIpcFramePayloadBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("nccl PostNotification: ", payload.size(),
-                                                   " bytes, more than ",
-                                                   kMaxIpcFramePayloadBytes));
-  }
+  RETURN_IF_ERROR(CheckNotificationPayload("nccl", payload, kMaxIpcFramePayloadBytes));
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(NcclPeer * peer, UsablePeer(peer_id, "PostNotification"));
   NcclWork work;
@@ -408,7 +391,7 @@ absl::Status NcclTransport::PeerStatus(PeerId peer_id) {
 
 void NcclTransport::SetPeerErrorCallback(PeerErrorCallback callback) {
   absl::MutexLock lock(&mu_);
-  callback_ = std::move(callback);
+  peer_errors_.SetCallback(std::move(callback));
 }
 
 uint32_t NcclTransport::MaxPiecesPerBatch() const {

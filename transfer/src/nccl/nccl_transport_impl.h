@@ -25,6 +25,7 @@
 #include "kvstream/transfer/nccl_transport.h"
 #include "kvstream/transfer/socket.h"
 #include "kvstream/transfer/transport.h"
+#include "peer_error_reports.h"
 #include "nccl/nccl_state.h"
 
 namespace kvstream {
@@ -191,8 +192,7 @@ class NcclTransport final : public Transport, public NcclTransportCore {
   // Accepted connections that have not said hello yet.
   std::vector<std::unique_ptr<IpcConnection>> pending_ ABSL_GUARDED_BY(mu_);
   NcclTransfers transfers_ ABSL_GUARDED_BY(mu_){"nccl"};
-  std::vector<std::pair<PeerId, absl::Status>> peer_errors_ ABSL_GUARDED_BY(mu_);
-  PeerErrorCallback callback_ ABSL_GUARDED_BY(mu_);
+  PeerErrorReports peer_errors_ ABSL_GUARDED_BY(mu_);
   std::vector<CudaEvent> free_events_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<LinkGpu>> retired_ ABSL_GUARDED_BY(mu_);
   PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
