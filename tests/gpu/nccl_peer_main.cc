@@ -83,6 +83,8 @@ int main(int argc, char** argv) {
     }
     if (!ok) kvstream::test::kSelf.Die(absl::StrCat("bad flag ", argv[i]));
   }
-  if (f.role != "receiver" || f.bytes == 0) kvstream::test::kSelf.Die("usage: --role=receiver --bytes=N");
+  if (f.role != "receiver" || f.bytes == 0) {
+    kvstream::test::kSelf.Die("usage: --role=receiver --bytes=N");
+  }
   return kvstream::test::Receiver(f);
 }

@@ -34,7 +34,9 @@ inline absl::Status CheckDeviceRegistration(absl::string_view transport, const v
 // AllocateMemory(length, kind): some device memory.
 inline absl::Status CheckDeviceAllocation(absl::string_view transport, size_t length,
                                           MemoryKind kind) {
-  if (length == 0) return absl::InvalidArgumentError(absl::StrCat(transport, " AllocateMemory: zero length"));
+  if (length == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(transport, " AllocateMemory: zero length"));
+  }
   if (kind != MemoryKind::kDevice) {
     return absl::InvalidArgumentError(absl::StrCat(transport, " AllocateMemory: cannot allocate ",
                                                    MemoryKindName(kind),
