@@ -14,7 +14,8 @@
 // connection, then progresses its transport (puts over TCP land only while the target
 // progresses) until the sender asks for the plain TCP stream (it then reads a second
 // connection to its end and reports the bytes and the time from the first byte to the
-// end) or says it is done (it reports the layer notices it received and exits).
+// end) or says it is done (it reports the layer notices it received and exits). Both sides
+// nap 20 us when a turn of their loop found nothing, as a worker's progress loop does.
 // The sender writes layers: each one PostWrite of layer-mib MiB in blocks of block-kib KiB,
 // every block its own segment at a random place on both sides (fixed per layer pattern, as
 // a paged cache scatters them; nothing can be coalesced), with a notification, up to
@@ -60,6 +61,8 @@ namespace {
 constexpr size_t kPoolBytes = size_t{256} << 20;  // receiver; the sender's: one layer x 4
 constexpr int kPatterns = 8;                      // distinct block placements, reused
 constexpr size_t kTcpChunk = size_t{4} << 20;
+// The nap of a LayerwiseConnector's progress loop when nothing happened (layerwise_worker.cc).
+constexpr absl::Duration kIdleNap = absl::Microseconds(20);
 
 struct Flags {
   std::string role;
@@ -149,11 +152,15 @@ absl::Status Receive(const Flags& f) {
   uint64_t notices = 0;
   while (true) {
     RETURN_IF_ERROR(t->Progress());
-    notices += t->PollNotifications().size();
+    const size_t arrived = t->PollNotifications().size();
+    notices += arrived;
     absl::StatusOr<std::string> cmd = ReceiveData(*c, absl::InfinitePast());
     if (!cmd.ok()) {
-      if (absl::IsDeadlineExceeded(cmd.status())) continue;
-      return cmd.status();
+      if (!absl::IsDeadlineExceeded(cmd.status())) return cmd.status();
+      // As a worker's progress loop does: a nap when nothing arrived, which leaves the CPU
+      // to the kernel's network work (on a 2-core machine, to the tbf queue's timers).
+      if (arrived == 0) absl::SleepFor(kIdleNap);
+      continue;
     }
     if (*cmd == "stream") {
       ASSIGN_OR_RETURN(auto got, ReadStream(stream_listener.get()));
@@ -245,13 +252,18 @@ absl::Status Send(const Flags& f) {
     }
     RETURN_IF_ERROR(t->Progress());
     // Layers complete in order on one endpoint; test the oldest.
+    bool completed = false;
     while (!in_flight.empty()) {
       ASSIGN_OR_RETURN(TransferState s, t->Test(in_flight.front()));
       if (s == TransferState::kInProgress) break;
       t->Release(in_flight.front());
       in_flight.pop_front();
       ++done;
+      completed = true;
       last_done = absl::Now();
+    }
+    if (!completed && in_flight.size() == static_cast<size_t>(f.depth)) {
+      absl::SleepFor(kIdleNap);  // as the receiver
     }
     if (absl::Now() > stop_posting + absl::Seconds(120)) {
       return absl::DeadlineExceededError("layers still in flight 120 s after the last post");
