@@ -34,3 +34,11 @@ endif()
 add_executable(kvstream_bench_link link_bench.cc)
 target_link_libraries(kvstream_bench_link PRIVATE kvstream::transfer)
 kvstream_set_warnings(kvstream_bench_link)
+# Benchmark: the nccl transport from GPU 0 to GPU 1 (two processes), beside a raw contiguous
+# ncclSend/ncclRecv of the same bytes in the same run (a plain program: it spawns its peer).
+if(KVSTREAM_HAVE_NCCL)
+  find_package(NCCL REQUIRED)  # its imported target is local to the directory that finds it
+  add_executable(kvstream_bench_nccl nccl_bench.cc)
+  target_link_libraries(kvstream_bench_nccl PRIVATE kvstream::transfer NCCL::NCCL CUDA::cudart)
+  kvstream_set_warnings(kvstream_bench_nccl)
+endif()

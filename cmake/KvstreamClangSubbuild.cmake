@@ -9,7 +9,7 @@
 # kvstream_add_clang_subbuild(<name> BINARY_DIR <dir> [CMAKE_ARGS <args...>]
 #                             [BUILD_ARGS <args...>] [DEPENDS <targets...>])
 #   Target <name>: configures this source tree in <dir> with clang (Release, no CUDA, no
-#   benchmarks, the main build's compiler launcher) plus CMAKE_ARGS, and builds it on every
+#   benchmarks, no Python tests, the main build's compiler launcher) plus CMAKE_ARGS, and builds it on every
 #   build of the main one (`cmake --build <dir> BUILD_ARGS`); nothing is installed.
 include(ExternalProject)
 
@@ -39,7 +39,7 @@ function(kvstream_add_clang_subbuild name)
     BINARY_DIR ${ARG_BINARY_DIR}
     CMAKE_ARGS -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${KVSTREAM_CLANGXX}
                -DCMAKE_C_COMPILER=${KVSTREAM_CLANG} -DKVSTREAM_CUDA=OFF
-               -DKVSTREAM_BUILD_BENCHMARKS=OFF
+               -DKVSTREAM_BUILD_BENCHMARKS=OFF -DKVSTREAM_PYTHON_TESTS=OFF
                -DCMAKE_CXX_COMPILER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER}
                ${ARG_CMAKE_ARGS}
     BUILD_COMMAND ${CMAKE_COMMAND} --build <BINARY_DIR> ${ARG_BUILD_ARGS}

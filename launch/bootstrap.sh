@@ -11,13 +11,15 @@
 # (/usr/local/cuda), and builds its CPU parts alone otherwise.
 set -eu
 
+# python3-venv and python3-dev: the Python package's tests in the main build (a virtual
+# environment in the build folder, the extension compiled against Python's headers).
 # clang and libclang-rt-14-dev: the fuzzers and the sanitized builds (tests/fuzz/,
 # tests/sanitize/); libomp-dev: OpenMP for clang, so that the ASan build checks the CPU
 # attention's multi-threaded path.
 PACKAGES="build-essential cmake ninja-build pkg-config git ca-certificates
 libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libcli11-dev
 libucx-dev ucx-utils libssl-dev libxxhash-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
-clang libclang-rt-14-dev libomp-dev"
+clang libclang-rt-14-dev libomp-dev python3-venv python3-dev"
 
 if [ "${1:-}" = "--list" ]; then
   echo $PACKAGES

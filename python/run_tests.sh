@@ -2,7 +2,7 @@
 # Builds the kvstream Python package into a virtual environment (pip install ./python, its
 # build requirements from PyPI) and runs its tests with pytest.
 #
-#   python/run_tests.sh                 venv in build/python-venv of the repository root
+#   python/run_tests.sh                 venv in build/python-pip-venv of the repository root
 #   KVSTREAM_PYTHON_VENV=/tmp/v python/run_tests.sh -k stream     (extra args go to pytest)
 #
 # The package's C++ build folder (python/build/) is kept between runs, so a second run only
@@ -10,7 +10,7 @@
 # 2) bounds the compile jobs.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
-venv=${KVSTREAM_PYTHON_VENV:-$here/../build/python-venv}
+venv=${KVSTREAM_PYTHON_VENV:-$here/../build/python-pip-venv}
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi

@@ -90,6 +90,33 @@ nb::dict OutputToDict(const KvConnectorOutput& o) {
   return d;
 }
 
+KvConnectorMetadata MetadataFromDict(const nb::dict& d) {
+  const char* what = "connector metadata";
+  KvConnectorMetadata m;
+  for (nb::handle h : Field<nb::list>(d, "loads", what)) {
+    nb::dict l = nb::cast<nb::dict>(h);
+    KvConnectorMetadata::Load load;
+    load.request_id = Field<std::string>(l, "request_id", "load");
+    load.prompt_token_ids = Field<std::vector<int32_t>>(l, "prompt_token_ids", "load");
+    load.block_ids = Field<std::vector<int32_t>>(l, "block_ids", "load");
+    load.num_tokens = Field<int32_t>(l, "num_tokens", "load");
+    load.remote.host = Field<std::string>(l, "remote_host", "load");
+    load.remote.port = Field<int32_t>(l, "remote_port", "load");
+    m.loads.push_back(std::move(load));
+  }
+  m.waits = Field<std::vector<std::string>>(d, "waits", what);
+  for (nb::handle h : Field<nb::list>(d, "saves", what)) {
+    nb::dict s = nb::cast<nb::dict>(h);
+    KvConnectorMetadata::Save save;
+    save.request_id = Field<std::string>(s, "request_id", "save");
+    save.block_ids = Field<std::vector<int32_t>>(s, "block_ids", "save");
+    save.num_tokens = Field<int32_t>(s, "num_tokens", "save");
+    m.saves.push_back(std::move(save));
+  }
+  m.finished = Field<std::vector<std::string>>(d, "finished", what);
+  return m;
+}
+
 absl::StatusCode ParseCode(const std::string& name) {
   for (int c = 1; c <= 16; ++c) {
     if (absl::StatusCodeToString(static_cast<absl::StatusCode>(c)) == name) {
@@ -133,6 +160,14 @@ void BindConnectorMessages(nb::module_& m) {
         "metadata"_a,
         "build_connector_meta's bytes as a dict: loads, waits, saves, finished. "
         "InvalidArgumentError naming the field for malformed bytes.");
+  m.def("encode_connector_metadata",
+        [](const nb::dict& d) {
+          std::string s = Unwrap(EncodeConnectorMetadata(MetadataFromDict(d)));
+          return nb::bytes(s.data(), s.size());
+        },
+        "metadata"_a,
+        "The inverse of decode_connector_metadata (e.g. a worker of tensor-parallel rank r "
+        "pointing its loads at the producer's rank r). Checked as the decoder checks.");
   m.def("decode_connector_output",
         [](nb::bytes b) { return OutputToDict(Unwrap(DecodeConnectorOutput(FromBytes(b)))); },
         "output"_a,

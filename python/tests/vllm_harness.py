@@ -5,7 +5,7 @@ that vLLM's engine core and model runner would build for that model, vLLM's conn
 factory for both roles, vLLM's real Scheduler driven with real Request objects, and one
 worker step that calls the worker connector in the order vLLM's model runner does.
 
-Written against vLLM 0.33.0 (python/kvstream/VLLM_NOTES.md has the file:line references
+Written against vLLM 0.33.0 (python/kvstream/vllm/VLLM_NOTES.md has the file:line references
 behind each step). Import it only after pytest.importorskip("vllm").
 
     model_dir = write_tiny_model(tmp_path)

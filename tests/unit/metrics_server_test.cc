@@ -3,6 +3,7 @@
 #include "launch/metrics_server.h"
 
 #include <poll.h>
+#include <sys/socket.h>
 
 #include <string>
 #include <vector>
@@ -130,7 +131,10 @@ TEST(MetricsServerTest, ATakenPortOrABadOneIsRefused) {
 // Clients that send nothing, or never read their answer, are dropped at the client
 // deadlines: the next scrape is still answered (the server serves one client at a time).
 TEST(MetricsServerTest, StalledClientsDoNotHoldTheServer) {
-  const std::string big(size_t{64} << 20, '#');  // far more than the socket buffers hold
+  // 16 MiB: far more than the non-reading client's socket buffers hold (its receive buffer
+  // is held small below), and little enough for the scrape that reads to take all of it
+  // within the server's write deadline on a loaded machine.
+  const std::string big(size_t{16} << 20, '#');
   auto server = MetricsServer::Start(0, [&] { return big; });
   ASSERT_TRUE(server.ok()) << server.status();
   const uint16_t port = static_cast<uint16_t>((*server)->port());
@@ -140,6 +144,8 @@ TEST(MetricsServerTest, StalledClientsDoNotHoldTheServer) {
   ASSERT_TRUE(silent.ok()) << silent.status();
   absl::StatusOr<ScopedFd> not_reading = ConnectTcp("127.0.0.1", port, later);
   ASSERT_TRUE(not_reading.ok()) << not_reading.status();
+  const int small = 64 << 10;
+  ASSERT_EQ(setsockopt(not_reading->get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof(small)), 0);
   ASSERT_TRUE(SendAll(not_reading->get(), "GET /metrics HTTP/1.0\r\n\r\n", later, "server").ok());
 
   const std::string answer = Get(port, "/metrics", later);

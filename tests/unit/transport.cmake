@@ -18,3 +18,9 @@ target_include_directories(ucx_staged_test PRIVATE ${PROJECT_SOURCE_DIR}/transfe
 # The check of a peer's mapped memory against this process's mappings (ucx/remote_mapping.h).
 kvstream_add_gtest(ucx_remote_mapping_test LABELS unit SOURCES ucx_remote_mapping_test.cc
                    DEPS kvstream::transfer)
+# nccl: its wire formats, batch planner, communicator state machine, and what it does without
+# a second GPU (its two-GPU tests are in tests/gpu/).
+foreach(t nccl_wire_test nccl_plan_test nccl_comm_state_test nccl_transport_test)
+  kvstream_add_gtest(${t} LABELS unit SOURCES ${t}.cc DEPS kvstream::transfer)
+  target_include_directories(${t} PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)
+endforeach()

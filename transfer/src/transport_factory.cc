@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "kvstream/transfer/cuda_ipc_transport.h"
 #include "kvstream/transfer/loopback_transport.h"
+#include "kvstream/transfer/nccl_transport.h"
 #include "kvstream/transfer/ucx_transport.h"
 
 namespace kvstream {
@@ -25,6 +26,9 @@ std::vector<std::string> TransportNames() {
   std::vector<std::string> names = {"ucx", "loopback"};
 #if defined(KVSTREAM_HAVE_CUDA_IPC)
   names.push_back("cuda_ipc");
+#endif
+#if defined(KVSTREAM_HAVE_NCCL)
+  names.push_back("nccl");
 #endif
   return names;
 }
@@ -61,6 +65,14 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOption
         "transport 'cuda_ipc': kvstream was built without CUDA (no nvcc when it was "
         "configured, or KVSTREAM_CUDA=OFF)");
 #endif
+  }
+  if (options.name == "nccl") {
+    NcclTransportOptions nccl;
+    nccl.device = options.cuda_device;
+    nccl.job_id = options.nccl_job_id;
+    nccl.listen_host = options.nccl_listen_host;
+    // Without NCCL in the build this says so (nccl_transport_none.cc).
+    return CreateNcclTransport(nccl);
   }
   return absl::NotFoundError(absl::StrCat("unknown transport '", options.name, "' (choices: ",
                                           absl::StrJoin(TransportNames(), ", "), ")"));

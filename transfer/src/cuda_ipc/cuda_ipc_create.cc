@@ -14,17 +14,10 @@
 #include "kvstream/common/cuda_resources.h"
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/status_macros.h"
+#include "transport_uid.h"
 
 namespace kvstream {
 namespace {
-
-uint64_t NewUid() {
-  std::random_device device;
-  uint64_t uid = (static_cast<uint64_t>(device()) << 32) ^ device();
-  uid ^= static_cast<uint64_t>(getpid()) << 16;
-  uid ^= static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
-  return uid == 0 ? 1 : uid;
-}
 
 absl::Status CudaCall(cudaError_t e, absl::string_view what) {
   return CudaErrorToStatus(static_cast<int>(e), what);
@@ -120,7 +113,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
     ASSIGN_OR_RETURN(setup.table_ready, CudaEvent::Create(/*enable_timing=*/false));
   }
   ASSIGN_OR_RETURN(setup.ring, internal::StagingRing::Create(options.staging_segments));
-  setup.uid = NewUid();
+  setup.uid = internal::NewTransportUid();
   setup.socket_name = absl::StrCat("kvstream-cuda-ipc-", absl::Hex(setup.uid, absl::kZeroPad16));
   ASSIGN_OR_RETURN(setup.listener, ListenUnix(setup.socket_name));
   return std::unique_ptr<Transport>(new internal::CudaIpcTransport(std::move(setup)));

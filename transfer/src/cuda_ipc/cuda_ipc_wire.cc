@@ -12,10 +12,8 @@ namespace {
 
 constexpr uint32_t kDescriptorMagic = 0x4449564B;  // "KVID"
 constexpr uint32_t kPeerInfoMagic = 0x4949564B;    // "KVII"
-constexpr uint32_t kFrameMagic = 0x4649564B;       // "KVIF"
 constexpr uint16_t kDescriptorVersion = 1;
 constexpr uint16_t kPeerInfoVersion = 1;
-constexpr uint8_t kFrameVersion = 1;
 
 absl::Status CheckMagic(ByteReader& r, uint32_t want, absl::string_view what) {
   uint32_t magic = 0;
@@ -129,13 +127,13 @@ absl::StatusOr<CudaIpcPeerInfo> DecodeCudaIpcPeerInfo(absl::string_view bytes) {
   return info;
 }
 
-std::string EncodeIpcFrame(IpcFrameType type, absl::string_view payload) {
+std::string EncodeFrame(const FrameFormat& format, uint8_t type, absl::string_view payload) {
   std::string out;
   out.reserve(kIpcFrameHeaderBytes + payload.size());
   ByteWriter w(&out);
-  w.U32(kFrameMagic);
-  w.U8(kFrameVersion);
-  w.U8(static_cast<uint8_t>(type));
+  w.U32(format.magic);
+  w.U8(format.version);
+  w.U8(type);
   w.U16(0);
   w.U32(static_cast<uint32_t>(payload.size()));
   w.Raw(payload);
@@ -170,7 +168,7 @@ void IpcFrameReader::Append(const char* data, size_t n) {
   buffer_.append(data, n);
 }
 
-absl::StatusOr<bool> IpcFrameReader::Next(IpcFrameType* type, std::string* payload) {
+absl::StatusOr<bool> IpcFrameReader::NextFrame(uint8_t* type, std::string* payload) {
   if (buffered() < kIpcFrameHeaderBytes) return false;
   ByteReader r(absl::string_view(buffer_).substr(pos_, kIpcFrameHeaderBytes));
   uint32_t magic = 0;
@@ -184,27 +182,27 @@ absl::StatusOr<bool> IpcFrameReader::Next(IpcFrameType* type, std::string* paylo
   (void)r.U8("type", &raw_type);
   (void)r.U16("reserved", &reserved);
   (void)r.U32("payload length", &length);
-  if (magic != kFrameMagic) {
+  if (magic != format_.magic) {
     return absl::InvalidArgumentError(
-        absl::StrCat("malformed cuda_ipc frame: magic ", absl::Hex(magic)));
+        absl::StrCat("malformed ", format_.name, ": magic ", absl::Hex(magic)));
   }
-  if (version != kFrameVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc frame version ", version,
-                                                   " (this build reads version ", kFrameVersion,
-                                                   ")"));
+  if (version != format_.version) {
+    return absl::InvalidArgumentError(absl::StrCat(format_.name, " version ", version,
+                                                   " (this build reads version ",
+                                                   format_.version, ")"));
   }
-  if (raw_type < static_cast<uint8_t>(IpcFrameType::kHello) ||
-      raw_type > static_cast<uint8_t>(IpcFrameType::kBye) || reserved != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("malformed cuda_ipc frame: type ", raw_type,
-                                                   ", reserved ", reserved));
+  if (raw_type < 1 || raw_type > format_.max_type || reserved != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed ", format_.name, ": type ",
+                                                   raw_type, ", reserved ", reserved));
   }
   if (length > kMaxIpcFramePayloadBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("malformed cuda_ipc frame: payload length ",
-                                                   length, " exceeds the limit of ",
+    return absl::InvalidArgumentError(absl::StrCat("malformed ", format_.name,
+                                                   ": payload length ", length,
+                                                   " exceeds the limit of ",
                                                    kMaxIpcFramePayloadBytes));
   }
   if (buffered() < kIpcFrameHeaderBytes + length) return false;
-  *type = static_cast<IpcFrameType>(raw_type);
+  *type = raw_type;
   payload->assign(buffer_, pos_ + kIpcFrameHeaderBytes, length);
   pos_ += kIpcFrameHeaderBytes + length;
   if (pos_ == buffer_.size()) {

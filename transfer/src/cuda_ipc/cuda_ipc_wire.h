@@ -16,6 +16,9 @@
 // Frame: magic u32 'KVIF', version u8, type u8, reserved u16 (zero), payload length u32,
 // then the payload. Hello (first frame of every connection): uid u64, pid u32.
 // Notification: the bytes as delivered. Bye (the sender closes on purpose): empty.
+//
+// The framing (header, reader) is shared with the nccl transport's side connection, which
+// uses it under its own magic and frame types (FrameFormat; nccl/nccl_wire.h).
 #ifndef KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_WIRE_H_
 #define KVSTREAM_TRANSFER_CUDA_IPC_CUDA_IPC_WIRE_H_
 
@@ -60,8 +63,24 @@ inline constexpr size_t kIpcFrameHeaderBytes = 12;
 // The largest notification (payload and tail together) a frame carries.
 inline constexpr uint32_t kMaxIpcFramePayloadBytes = 1u << 20;
 
-// REQUIRES: payload.size() <= kMaxIpcFramePayloadBytes.
-std::string EncodeIpcFrame(IpcFrameType type, absl::string_view payload);
+// What tells one user's frames from another's: the magic and version in every header, the
+// frame types 1..max_type it knows, and what messages call such a frame.
+struct FrameFormat {
+  uint32_t magic = 0;
+  uint8_t version = 0;
+  uint8_t max_type = 0;
+  const char* name = "";
+};
+inline constexpr FrameFormat kCudaIpcFrames{0x4649564B /* "KVIF" */, 1,
+                                            static_cast<uint8_t>(IpcFrameType::kBye),
+                                            "cuda_ipc frame"};
+
+// REQUIRES: payload.size() <= kMaxIpcFramePayloadBytes, 1 <= type <= format.max_type.
+std::string EncodeFrame(const FrameFormat& format, uint8_t type, absl::string_view payload);
+// A frame of the cuda_ipc socket.
+inline std::string EncodeIpcFrame(IpcFrameType type, absl::string_view payload) {
+  return EncodeFrame(kCudaIpcFrames, static_cast<uint8_t>(type), payload);
+}
 
 struct IpcHello {
   uint64_t uid = 0;
@@ -70,20 +89,29 @@ struct IpcHello {
 std::string EncodeIpcHello(const IpcHello& hello);
 absl::StatusOr<IpcHello> DecodeIpcHello(absl::string_view payload);
 
-// Cuts a byte stream into frames. Bytes are appended as they arrive; Next() returns the
-// frames one by one. A header that is not a frame of this version (magic, version, type,
-// reserved bits, length over the limit) is an error, after which the stream is unusable.
-// Thread-compatible.
+// Cuts a byte stream into frames of `format`. Bytes are appended as they arrive; Next()
+// returns the frames one by one. A header that is not a frame of this version (magic,
+// version, type, reserved bits, length over the limit) is an error, after which the stream
+// is unusable. Thread-compatible.
 class IpcFrameReader {
  public:
+  explicit IpcFrameReader(const FrameFormat& format = kCudaIpcFrames) : format_(format) {}
   void Append(const char* data, size_t n);
   // True and the frame when a whole one is buffered; false when more bytes are needed;
   // InvalidArgument for a malformed header.
-  absl::StatusOr<bool> Next(IpcFrameType* type, std::string* payload);
+  absl::StatusOr<bool> NextFrame(uint8_t* type, std::string* payload);
+  // NextFrame for the cuda_ipc socket's frames.
+  absl::StatusOr<bool> Next(IpcFrameType* type, std::string* payload) {
+    uint8_t raw = 0;
+    absl::StatusOr<bool> got = NextFrame(&raw, payload);
+    if (got.ok() && *got) *type = static_cast<IpcFrameType>(raw);
+    return got;
+  }
   // Bytes buffered but not yet returned.
   size_t buffered() const { return buffer_.size() - pos_; }
 
  private:
+  FrameFormat format_;
   std::string buffer_;
   size_t pos_ = 0;
 };

@@ -7,8 +7,8 @@
 namespace kvstream {
 namespace internal {
 
-uint64_t IpcConnection::Queue(IpcFrameType type, absl::string_view payload) {
-  const std::string frame = EncodeIpcFrame(type, payload);
+uint64_t IpcConnection::QueueFrame(uint8_t type, absl::string_view payload) {
+  const std::string frame = EncodeFrame(format_, type, payload);
   out_.append(frame);
   queued_ += frame.size();
   return queued_;

@@ -1,5 +1,6 @@
-// One connection of the cuda_ipc transport's notification socket: a non-blocking Unix-domain
-// socket with an outgoing byte queue (frames wait there while the socket is full, so that
+// One connection of the cuda_ipc transport's notification socket (and of the nccl
+// transport's side connection, a TCP socket carrying frames of its own FrameFormat): a
+// non-blocking stream socket with an outgoing byte queue (frames wait there while the socket is full, so that
 // posting never blocks) and an incoming frame reader. Progress drives it: Flush() writes
 // what the socket takes, ReadAvailable() reads what is there.
 //
@@ -23,14 +24,18 @@ namespace internal {
 
 class IpcConnection {
  public:
-  IpcConnection(ScopedFd fd, std::string label) : fd_(std::move(fd)), label_(std::move(label)) {}
+  IpcConnection(ScopedFd fd, std::string label, const FrameFormat& format = kCudaIpcFrames)
+      : fd_(std::move(fd)), label_(std::move(label)), format_(format), reader_(format) {}
 
   const std::string& label() const { return label_; }
   void set_label(std::string label) { label_ = std::move(label); }
 
   // Queues a frame; returns the stream position just past it (compare with bytes_sent()).
-  // REQUIRES: payload.size() <= kMaxIpcFramePayloadBytes.
-  uint64_t Queue(IpcFrameType type, absl::string_view payload);
+  // REQUIRES: payload.size() <= kMaxIpcFramePayloadBytes, type valid for the format.
+  uint64_t QueueFrame(uint8_t type, absl::string_view payload);
+  uint64_t Queue(IpcFrameType type, absl::string_view payload) {
+    return QueueFrame(static_cast<uint8_t>(type), payload);
+  }
   // Writes what the socket takes now. Unavailable naming the peer when the connection broke.
   absl::Status Flush();
   uint64_t bytes_sent() const { return sent_; }
@@ -45,6 +50,7 @@ class IpcConnection {
  private:
   ScopedFd fd_;
   std::string label_;
+  FrameFormat format_;
   std::string out_;     // queued bytes; [out_pos_, size) not yet written
   size_t out_pos_ = 0;
   uint64_t queued_ = 0;  // bytes queued since the connection opened

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "segment_check.h"
 
 namespace kvstream {
 namespace internal {
@@ -16,20 +17,7 @@ absl::StatusOr<std::vector<StagedChunk>> PlanStagedChunks(absl::Span<const Segme
         "staged chunk size ", chunk_bytes, " is not a multiple of ", kStagingAlignment,
         " in [", kMinStagedChunkBytes, ", ", kMaxStagedChunkBytes, "]"));
   }
-  // Coalesce runs contiguous on both sides.
-  std::vector<Segment> runs;
-  for (const Segment& s : segments) {
-    if (s.length == 0) continue;
-    if (!runs.empty()) {
-      Segment& last = runs.back();
-      if (last.local_offset + last.length == s.local_offset &&
-          last.remote_offset + last.length == s.remote_offset) {
-        last.length += s.length;
-        continue;
-      }
-    }
-    runs.push_back(s);
-  }
+  const std::vector<Segment> runs = CoalesceSegments(segments);
   std::vector<StagedChunk> chunks;
   StagedChunk current;
   auto flush = [&] {

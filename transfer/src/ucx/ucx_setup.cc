@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "kvstream/common/status_macros.h"
+#include "transport_uid.h"
 #include "ucx/ucx_status.h"
 
 namespace kvstream {
@@ -46,14 +47,6 @@ bool MayUseSharedMemory(const std::string& tls) {
     }
   }
   return false;
-}
-
-uint64_t NewUid() {
-  std::random_device device;
-  uint64_t uid = (static_cast<uint64_t>(device()) << 32) ^ device();
-  uid ^= static_cast<uint64_t>(getpid()) << 16;
-  uid ^= static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
-  return uid == 0 ? 1 : uid;
 }
 
 // Whether UCX_TLS may select UCX's tcp transport.
@@ -141,7 +134,7 @@ absl::StatusOr<std::shared_ptr<UcxCore>> CreateUcxCore(const UcxTransportOptions
   RETURN_IF_ERROR(UcxStatusToStatus(ucp_worker_get_address(worker, &address, &address_length),
                                     "worker_get_address"));
   UcxWorkerInfo info;
-  info.uid = NewUid();
+  info.uid = internal::NewTransportUid();
   info.address.assign(reinterpret_cast<const char*>(address), address_length);
   ucp_worker_release_address(worker, address);
   core->uid = info.uid;

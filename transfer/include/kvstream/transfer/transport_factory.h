@@ -3,14 +3,15 @@
 // options.
 //
 //   TransportOptions options;
-//   options.name = "cuda_ipc";         // or "ucx", "loopback"
+//   options.name = "cuda_ipc";         // or "ucx", "loopback", "nccl"
 //   options.cuda_device = 0;
 //   ASSIGN_OR_RETURN(std::unique_ptr<Transport> transport, CreateTransport(options));
 //
 // Names: "ucx" (ucx_transport.h: host memory over shared memory or TCP; device memory staged
 // through pinned host buffers), "loopback" (loopback_transport.h: the process's default
-// fabric, for tests of the layers above), and, in builds with CUDA, "cuda_ipc"
-// (cuda_ipc_transport.h: device memory between processes of one host).
+// fabric, for tests of the layers above), in builds with CUDA "cuda_ipc"
+// (cuda_ipc_transport.h: device memory between processes of one host), and in builds with
+// CUDA and NCCL "nccl" (nccl_transport.h: device memory between GPUs, over NCCL).
 #ifndef KVSTREAM_TRANSFER_TRANSPORT_FACTORY_H_
 #define KVSTREAM_TRANSFER_TRANSPORT_FACTORY_H_
 
@@ -29,9 +30,13 @@ namespace kvstream {
 // Every transport's settings; each transport reads its own and ignores the others.
 struct TransportOptions {
   std::string name = "ucx";
-  // Device transports (cuda_ipc; ucx's staged device path): the GPU this worker's caches
-  // live on.
+  // Device transports (cuda_ipc, nccl; ucx's staged device path): the GPU this worker's
+  // caches live on.
   int cuda_device = 0;
+  // nccl (NcclTransportOptions): the job peers must share, and the numeric IPv4 address its
+  // side connection listens on (peers on other hosts need one they can reach).
+  std::string nccl_job_id;
+  std::string nccl_listen_host = "127.0.0.1";
   // ucx (UcxTransportOptions): UCX_TLS, UCX_NET_DEVICES and copy threads.
   std::string ucx_tls = "shm";
   std::string ucx_net_devices;
