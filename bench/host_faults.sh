@@ -21,11 +21,11 @@
 #   bench/host_faults.sh [--bin=PATH] [--timeout-ms=1000] [--silent-attempt]
 #                                                               (KEEP=1: keep the outputs)
 #
-# Known failure (docs/scale-out.md, "Measured: fault timings"): when the link stays down
-# long enough for the decode worker's UCX to time its endpoint out (as with
-# --silent-attempt), the prefill worker's put fragments still queued in its socket arrive
-# once the link is back and UCX 1.13 aborts the decode worker ("Fatal: unexpected error:
-# Endpoint timeout" in ucp_put_handler); the script then exits 1 after wave 1.
+# Known failure (docs/scale-out.md, "Measured: fault timings"): when the decode worker's UCX
+# has failed its endpoint by the time the link is back (mostly with --silent-attempt, at
+# times without), the prefill worker's put fragments still queued in its socket arrive and
+# UCX 1.13 aborts the decode worker ("Fatal: unexpected error: Endpoint timeout" in
+# ucp_put_handler); the script then exits 1 after wave 1.
 #
 # --timeout-ms sets load_timeout_ms, send_timeout_ms and handshake_timeout_ms alike. Needs
 # root; the hosts are removed on exit. Exit status 0, 1 when a step failed.
@@ -108,17 +108,25 @@ t_err0=$(first_after "$work/decode.out" "$t_cut" "load error")
 why0=$(why_after "$t_cut")
 t_w0=$(first_after "$work/decode.out" "$t_cut" "wave 0 done")
 
+# Wave N whose requests fail: opens its gate, waits for it, and sets t_gN (its start),
+# t_errNa and t_errNb (its first and last load error), n_errN (their number) and whyN.
+failing_wave() {
+  local n=$1 t
+  t=$(now)
+  : >"$gate.w$n"
+  wait_for "$gate.d0.w$n.done"
+  printf -v "t_g$n" %s "$t"
+  printf -v "t_err${n}a" %s "$(first_after "$work/decode.out" "$t" "load error")"
+  printf -v "t_err${n}b" %s "$(LAST=1 first_after "$work/decode.out" "$t" "load error")"
+  printf -v "n_err$n" %s "$(awk -v t="$t" '$1 >= t && /load error/' "$work/decode.out" | wc -l)"
+  printf -v "why$n" %s "$(why_after "$t")"
+}
+
 # Wave 1: the host is silent. The decode worker closed its link when the prefill worker
 # did not confirm the aborts of wave 0 (send_timeout_ms); with --silent-attempt, waiting out
 # the first reconnect backoff (200 ms) makes wave 1's first request try to reach it.
 [ -n "$silent_attempt" ] && sleep 0.3
-t_g1=$(now)
-: >"$gate.w1"
-wait_for "$gate.d0.w1.done"
-t_err1a=$(first_after "$work/decode.out" "$t_g1" "load error")
-t_err1b=$(LAST=1 first_after "$work/decode.out" "$t_g1" "load error")
-n_err1=$(awk -v t="$t_g1" '$1 >= t && /load error/' "$work/decode.out" | wc -l)
-why1=$(why_after "$t_g1")
+failing_wave 1
 
 # Wave 2: link back, prefill worker killed.
 "$sim" link $h0 up --prefix=$prefix
@@ -130,13 +138,7 @@ for _ in $(seq 1 100); do
   sleep 0.05
 done
 { kill -KILL $ppid; wait $ppid; } 2>/dev/null
-t_g2=$(now)
-: >"$gate.w2"
-wait_for "$gate.d0.w2.done"
-t_err2a=$(first_after "$work/decode.out" "$t_g2" "load error")
-t_err2b=$(LAST=1 first_after "$work/decode.out" "$t_g2" "load error")
-n_err2=$(awk -v t="$t_g2" '$1 >= t && /load error/' "$work/decode.out" | wc -l)
-why2=$(why_after "$t_g2")
+failing_wave 2
 
 # Wave 3: a new prefill worker on the same host.
 old=$(cat "$addr")
