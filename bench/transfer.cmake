@@ -29,6 +29,11 @@ if(KVSTREAM_HAVE_CUDA)
   target_include_directories(kvstream_bench_copy_pattern PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)
   kvstream_set_warnings(kvstream_bench_copy_pattern)
 endif()
+# Benchmark: KV layers over one network link between two hosts (UCX over TCP), beside a
+# plain TCP stream on the same link; bench/host_links.sh runs it between simulated hosts.
+add_executable(kvstream_bench_link link_bench.cc)
+target_link_libraries(kvstream_bench_link PRIVATE kvstream::transfer)
+kvstream_set_warnings(kvstream_bench_link)
 # Benchmark: the nccl transport from GPU 0 to GPU 1 (two processes), beside a raw contiguous
 # ncclSend/ncclRecv of the same bytes in the same run (a plain program: it spawns its peer).
 if(KVSTREAM_HAVE_NCCL)

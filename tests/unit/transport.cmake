@@ -15,6 +15,10 @@ kvstream_add_gtest(cuda_ipc_transport_test LABELS unit SOURCES cuda_ipc_transpor
 kvstream_add_gtest(ucx_staged_test LABELS unit SOURCES ucx_staged_test.cc
                    DEPS kvstream::transfer)
 target_include_directories(ucx_staged_test PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)
+# The UCX configuration derived from the transport's options (ucx/ucx_setup.h).
+kvstream_add_gtest(ucx_setup_test LABELS unit SOURCES ucx_setup_test.cc
+                   DEPS kvstream::transfer)
+target_include_directories(ucx_setup_test PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)
 # The check of a peer's mapped memory against this process's mappings (ucx/remote_mapping.h).
 kvstream_add_gtest(ucx_remote_mapping_test LABELS unit SOURCES ucx_remote_mapping_test.cc
                    DEPS kvstream::transfer)

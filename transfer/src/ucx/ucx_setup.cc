@@ -5,6 +5,7 @@
 
 #include <random>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -49,26 +50,28 @@ bool MayUseSharedMemory(const std::string& tls) {
   return false;
 }
 
+// Whether UCX_TLS may select UCX's tcp transport.
+bool MayUseTcp(const std::string& tls) {
+  for (absl::string_view name : absl::StrSplit(tls, ',')) {
+    if (name == "tcp" || name == "all" || (!name.empty() && name[0] == '^')) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<UcxCore>> CreateUcxCore(const UcxTransportOptions& options) {
-  ucp_config_t* raw_config = nullptr;
-  RETURN_IF_ERROR(UcxStatusToStatus(ucp_config_read(nullptr, nullptr, &raw_config),
-                                    "config_read"));
-  UcxConfig config(NoOwner{}, raw_config);
+UcxSettings UcxConfigFor(const UcxTransportOptions& options) {
+  UcxSettings settings;
   const std::string tls = TlsFor(options.tls);
-  auto set = [&](const char* name, const std::string& value) {
-    return UcxStatusToStatus(ucp_config_modify(config.get(), name, value.c_str()),
-                             absl::StrCat("config_modify ", name, "=", value));
+  auto set = [&](const char* name, std::string value) {
+    settings.emplace_back(name, std::move(value));
   };
-  RETURN_IF_ERROR(set("TLS", tls));
-  if (!options.net_devices.empty()) RETURN_IF_ERROR(set("NET_DEVICES", options.net_devices));
+  set("TLS", tls);
+  if (!options.net_devices.empty()) set("NET_DEVICES", options.net_devices);
   // Keepalive probes are how a peer that died without closing its sockets, or whose
   // shared-memory segment just stops being read, is detected.
   const int64_t keepalive_ms = absl::ToInt64Milliseconds(options.keepalive_interval);
-  if (keepalive_ms > 0) {
-    RETURN_IF_ERROR(set("KEEPALIVE_INTERVAL", absl::StrCat(keepalive_ms, "ms")));
-  }
+  if (keepalive_ms > 0) set("KEEPALIVE_INTERVAL", absl::StrCat(keepalive_ms, "ms"));
   // Error mode PEER excludes transports without peer-failure support, and UCX's
   // shared-memory transports (posix, sysv) only advertise it when asked to; without them no
   // shared-memory transport carries active messages. The key is the field's name within the
@@ -81,16 +84,41 @@ absl::StatusOr<std::shared_ptr<UcxCore>> CreateUcxCore(const UcxTransportOptions
   // ucp_am_send_nbx, half the time of a 1 MiB layer (docs/benchmarks-transfer.md, Run F).
   // Progressing every interface costs a few polls per Progress() with the few this
   // transport opens.
-  RETURN_IF_ERROR(set("ADAPTIVE_PROGRESS", "n"));
+  set("ADAPTIVE_PROGRESS", "n");
   if (MayUseSharedMemory(tls)) {
-    RETURN_IF_ERROR(set("MM_ERROR_HANDLING", "y"));
+    set("MM_ERROR_HANDLING", "y");
     // Puts into ordinary memory travel as active-message fragments of at most one FIFO
     // segment; 64 KiB segments (UCX's default is 8 KiB) carry a typical KV block in one
     // fragment and doubled the bandwidth of 16-64 MiB layers here (docs/benchmarks.md).
     // The cost is shared memory: FIFO_SIZE (64) segments per worker, 4 MiB.
-    RETURN_IF_ERROR(set("MM_SEG_SIZE", "64k"));
+    set("MM_SEG_SIZE", "64k");
   }
-  for (const auto& [name, value] : options.ucx_config) RETURN_IF_ERROR(set(name.c_str(), value));
+  if (MayUseTcp(tls)) {
+    // Puts over TCP travel as active-message fragments of at most TX_SEG_SIZE (UCX's
+    // default 8 KiB: one send per 8 KiB); 256 KiB fragments (the receive side must be at
+    // least as large) tripled a link's KV throughput between two hosts, 5 -> 16 Gbit/s on
+    // an unlimited veth link, against 21 for a plain TCP stream (docs/scale-out.md). The
+    // cost is memory: buffers of that size per endpoint while a fragment is in flight. The
+    // keys are the fields of UCX's tcp table (the environment spells them UCX_TCP_*).
+    set("TX_SEG_SIZE", "256k");
+    set("RX_SEG_SIZE", "256k");
+  }
+  // The caller's own settings come last, so UCX applies them over kvstream's.
+  for (const auto& [name, value] : options.ucx_config) settings.emplace_back(name, value);
+  return settings;
+}
+
+absl::StatusOr<std::shared_ptr<UcxCore>> CreateUcxCore(const UcxTransportOptions& options) {
+  ucp_config_t* raw_config = nullptr;
+  RETURN_IF_ERROR(UcxStatusToStatus(ucp_config_read(nullptr, nullptr, &raw_config),
+                                    "config_read"));
+  UcxConfig config(NoOwner{}, raw_config);
+  const std::string tls = TlsFor(options.tls);
+  for (const auto& [name, value] : UcxConfigFor(options)) {
+    RETURN_IF_ERROR(
+        UcxStatusToStatus(ucp_config_modify(config.get(), name.c_str(), value.c_str()),
+                          absl::StrCat("config_modify ", name, "=", value)));
+  }
 
   auto core = std::make_shared<UcxCore>();
   ucp_params_t params;

@@ -5,6 +5,9 @@
 #define KVSTREAM_TRANSFER_SRC_UCX_UCX_SETUP_H_
 
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvstream/transfer/ucx_transport.h"
@@ -12,6 +15,14 @@
 
 namespace kvstream {
 namespace internal {
+
+// UCX configuration settings (ucp_config_modify names and values), applied in order.
+using UcxSettings = std::vector<std::pair<std::string, std::string>>;
+
+// The settings kvstream gives UCX for these options: UCX_TLS, devices, keepalive, progress,
+// the shared-memory and TCP fragment sizes where UCX_TLS may select those transports, and
+// last the options' own ucx_config (so it wins).
+UcxSettings UcxConfigFor(const UcxTransportOptions& options);
 
 // A core with its context, worker (UCS_THREAD_MODE_SERIALIZED), uid and local info. The
 // UCX error naming the call when UCX cannot start with these options. Does not validate
