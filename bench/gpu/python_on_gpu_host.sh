@@ -62,6 +62,8 @@ try:
     print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
     if torch.cuda.is_available():
         print("gpu", torch.cuda.get_device_name(0))
+        # kvstream's module binds to the libnccl.so.2 that torch loaded (conftest.py).
+        print("torch nccl", torch.cuda.nccl.version())
 except ImportError as e:
     print("torch missing:", e)
 EOF
