@@ -4,9 +4,6 @@ engine logic (blocks, metadata, hand-off, the per-layer waits) is written out he
 engine would drive the connector's two sides. The consumer's blocks must come out
 bit-identical to the producer's."""
 
-import os
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -15,7 +12,6 @@ import pytest
 import kvstream
 import kvtest_util as u
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SEED = 1234
 TIMEOUT_S = 30
 
@@ -23,28 +19,12 @@ TIMEOUT_S = 30
 @pytest.fixture
 def producer(request):
     layout, source = request.param
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "stream_producer.py"), str(SEED), layout, source],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=HERE,
-        env=dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", "")))
-    reader = u.LineReader(proc.stdout)
-    try:
-        port = int(reader.read_message("KVS ready", TIMEOUT_S))
+    with u.producer_process(SEED, layout, source, timeout_s=TIMEOUT_S) as (proc, reader, port):
         yield proc, reader, port, layout
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=TIMEOUT_S)
 
 
 def consumer_config(load_timeout_ms=10000):
-    return {
-        "kv_connector": "LayerwiseConnector",
-        "kv_role": "kv_consumer",
-        "engine_id": "decode-0",
-        "kv_connector_extra_config": {"transport": "ucx", "ucx_tls": "shm",
-                                      "load_timeout_ms": load_timeout_ms},
-    }
+    return u.connector_config("kv_consumer", load_timeout_ms=load_timeout_ms)
 
 
 @pytest.mark.parametrize("producer", [("NHD", "numpy"), ("HND", "worker")], indirect=True,
@@ -83,14 +63,13 @@ def test_streams_every_layer_bit_identical(producer):
 
     def go():
         if entering.wait(TIMEOUT_S):
-            proc.stdin.write(b"go\n")
-            proc.stdin.flush()
+            u.tell(proc, "go")
 
     sender = threading.Thread(target=go)
     sender.start()
     expected = u.expected_layers(SEED)
-    # The producer's blocks for the request: it counts down from its last block.
-    p_blocks = list(range(u.NUM_BLOCKS - 1, u.NUM_BLOCKS - 1 - len(blocks), -1))
+    # The producer's blocks for the request: the first of its scattered free list.
+    p_blocks = u.PRODUCER_BLOCKS[:len(blocks)]
     for layer in range(u.NUM_LAYERS):
         if layer == 0:
             entering.set()
@@ -129,8 +108,7 @@ def test_streams_every_layer_bit_identical(producer):
     assert len(request_stats[0]["layer_arrival_ms"]) == u.NUM_LAYERS
     assert scheduler.request_finished("req-1") is False  # its load is over: free the blocks
 
-    proc.stdin.write(b"quit\n")
-    proc.stdin.flush()
+    u.tell(proc, "quit")
     done = reader.read_message("KVS done", TIMEOUT_S).split()
     assert int(done[0]) == per_layer * u.NUM_LAYERS and int(done[1]) == u.NUM_LAYERS
     assert proc.wait(timeout=TIMEOUT_S) == 0
@@ -148,11 +126,7 @@ def test_lost_producer_is_a_load_error(producer):
     # The producer dies before it runs anything: the request's layers never come.
     proc.kill()
     proc.wait(timeout=TIMEOUT_S)
-    request = kvstream.Request("req-2", list(range(9)), remote_prefill=("127.0.0.1", port))
-    num_tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
-    scheduler.update_state_after_alloc(request, [3, 7, 11], num_tokens)
-    worker.bind_connector_metadata(scheduler.build_connector_meta([("req-2", 0, 9)]))
-    worker.start_load_kv()
+    u.hand_over(scheduler, worker, "req-2", list(range(9)), [3, 7, 11], port)
     # The hand-off fails (nothing listens): the request becomes a load error and the layers'
     # waits return for the rest of the batch (there is none) instead of raising.
     for layer in range(u.NUM_LAYERS):
