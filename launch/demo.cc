@@ -129,7 +129,8 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   const std::string config = absl::StrCat(
       R"({"kv_connector": "LayerwiseConnector", "kv_port": 0, "kv_load_failure_policy": ")",
       o.failure_policy, R"(", "kv_connector_extra_config": {"verify_checksum": )",
-      o.verify_checksum ? "true" : "false", R"(, "ucx_tls": ")", tls, "\"",
+      o.verify_checksum ? "true" : "false", R"(, "load_async": )",
+      o.load_async ? "true" : "false", R"(, "ucx_tls": ")", tls, "\"",
       tls == "tcp" ? R"(, "ucx_net_devices": "lo")" : "", "}}");
 
   if (cuda) {
@@ -260,6 +261,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
                         {"transfer_ms", transfer_ms},
                         {"exposed_transfer_ms",
                          t != report.transfer.end() ? t->second.exposed_ms : 0.0},
+                        {"layer_wait_ms", t != report.transfer.end() ? t->second.wait_ms : 0.0},
                         {"output_tokens", r.output_tokens},
                         {"matches_colocated", match},
                         {"status", r.status.ToString()}};
@@ -329,6 +331,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     j["transfer_gbps"] = total_gbps;
     j["transfer_bytes"] = total_bytes;
     j["transport"] = cuda ? std::string("cuda_ipc") : absl::StrCat("ucx-", tls);
+    j["load_async"] = o.load_async;
     j["backend"] = cuda ? std::string("cuda") : o.model.backend;
     j["device"] = cuda ? "cuda" : "cpu";
     j["load_errors"] = report.stats.load_errors;

@@ -45,6 +45,8 @@ struct DemoOptions {
   bool one_at_a_time = false;
   // The connector's verify_checksum (docs/configuration.md), for both workers.
   bool verify_checksum = true;
+  // The connector's load_async (docs/configuration.md), for the decode worker.
+  bool load_async = false;
   // The prefill worker's idle timeout, and the limit of each of the disaggregated and the
   // colocated runs.
   double timeout_s = 600;

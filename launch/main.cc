@@ -173,6 +173,10 @@ int main(int argc, char** argv) {
   real_demo->add_option("--verify-checksum", demo_options.verify_checksum,
                         "Checksum every layer and request and verify it at the decode worker "
                         "(the connector's verify_checksum; true or false)");
+  real_demo->add_option("--load-async", demo_options.load_async,
+                        "The decode worker runs a request once all its layers arrived, rather "
+                        "than waiting for each layer in its first step (the connector's "
+                        "load_async; true or false)");
   real_demo->add_flag("--one-at-a-time", demo_options.one_at_a_time,
                       "Start each request once the one before it finished, in both runs (time "
                       "to first token without queueing)");

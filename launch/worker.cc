@@ -198,7 +198,8 @@ absl::Status Drain(Engine& engine, absl::Time deadline, std::ostream* progress =
     }
     auto ran = engine.Step();
     if (!ran.ok()) return ran.status();
-    if (!*ran) absl::SleepFor(absl::Milliseconds(1));
+    // Nothing ran: the engine waits for blocks or for KV to arrive.
+    if (!*ran) absl::SleepFor(absl::Microseconds(100));
   }
   return absl::OkStatus();
 }

@@ -97,6 +97,8 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
       RETURN_IF_ERROR(GetInt(v, key, 0, 3600000, s.reconnect_backoff_max_ms));
     } else if (it.key() == "verify_checksum") {
       RETURN_IF_ERROR(GetBool(v, key, s.verify_checksum));
+    } else if (it.key() == "load_async") {
+      RETURN_IF_ERROR(GetBool(v, key, s.load_async));
     } else if (it.key() == "secret") {
       RETURN_IF_ERROR(GetString(v, key, s.secret));
     } else if (it.key() == "pipeline_parallel_size") {
@@ -129,7 +131,7 @@ absl::Status ParseExtra(const json& extra, KvstreamSettings& s) {
           " (known: transport, cuda_device, ucx_tls, ucx_net_devices, ucx_copy_threads, "
           "nccl_job_id, nccl_listen_host, load_timeout_ms, send_timeout_ms, "
           "handshake_timeout_ms, reconnect_backoff_ms, reconnect_backoff_max_ms, "
-          "verify_checksum, secret, pipeline_parallel_size, "
+          "verify_checksum, load_async, secret, pipeline_parallel_size, "
           "pipeline_rank, pipeline_layers, pipeline_group, max_connections, "
           "max_requests_per_consumer, max_tokens_per_consumer)"));
     }

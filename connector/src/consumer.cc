@@ -88,6 +88,7 @@ absl::Status ConsumerSide::Bind(const KvConnectorMetadata& meta) {
       r.load = load;
       r.producer = absl::StrCat(load.remote.host, ":", load.remote.port);
       r.layers.assign(table->slots(), LayerState::kMissing);
+      r.landed.assign(table->slots(), LayerNotice());
       step_loads_.push_back(load);
     }
     waits_ = meta.waits;
@@ -291,6 +292,7 @@ absl::Status ConsumerSide::WaitForLayer(absl::string_view layer_name) {
   const int32_t index = layer->index;
   const int64_t timeout_ms = shared_.config.kvstream.load_timeout_ms;
   std::vector<Abort> aborts;
+  std::vector<Verification> verifications;
   {
     absl::MutexLock lock(&mu_);
     if (waits_.empty()) return absl::OkStatus();
@@ -298,7 +300,7 @@ absl::Status ConsumerSide::WaitForLayer(absl::string_view layer_name) {
       for (const std::string& id : waits_) {
         auto r = recv_.find(id);
         if (r == recv_.end() || r->second.state != RecvState::kLoading) continue;
-        if (r->second.layers[index] != LayerState::kArrived) return false;
+        if (!InPlace(r->second.layers[index])) return false;
       }
       return true;
     };
@@ -307,7 +309,7 @@ absl::Status ConsumerSide::WaitForLayer(absl::string_view layer_name) {
     for (const std::string& id : waits_) {
       auto r = recv_.find(id);
       if (r != recv_.end() && r->second.state == RecvState::kLoading &&
-          r->second.layers[index] != LayerState::kArrived) {
+          !InPlace(r->second.layers[index])) {
         owing.insert(PeerOf(r->second));
       }
     }
@@ -324,7 +326,8 @@ absl::Status ConsumerSide::WaitForLayer(absl::string_view layer_name) {
       // Exposed transfer: the part of the wait when the layer was already posted and in
       // flight (the rest was the producer still computing it).
       // Unknown for device caches (post_ns 0: the host posts ahead of the GPU).
-      if (r.layers[index] == LayerState::kArrived && r.arrival_ns[index] != 0 &&
+      if (InPlace(r.layers[index]) && r.arrival_ns.size() > static_cast<size_t>(index) &&
+          r.arrival_ns[index] != 0 &&
           r.post_ns[index] != 0) {
         const uint64_t from = std::max(r.post_ns[index], wait_start_ns);
         if (r.arrival_ns[index] > from) {
@@ -334,11 +337,17 @@ absl::Status ConsumerSide::WaitForLayer(absl::string_view layer_name) {
         }
       }
     }
-    if (ready()) return absl::OkStatus();
+    // The layer's deferred verifications start now, just before its own kernels.
+    for (const std::string& id : waits_) {
+      auto it = recv_.find(id);
+      if (it != recv_.end() && it->second.state == RecvState::kLoading) {
+        TakeLanded(it->second, index, verifications);
+      }
+    }
     for (const std::string& id : waits_) {
       auto it = recv_.find(id);
       if (it == recv_.end() || it->second.state != RecvState::kLoading ||
-          it->second.layers[index] == LayerState::kArrived) {
+          InPlace(it->second.layers[index])) {
         continue;
       }
       Fail(it->second, absl::DeadlineExceededError(absl::StrCat(
@@ -349,12 +358,77 @@ absl::Status ConsumerSide::WaitForLayer(absl::string_view layer_name) {
     }
   }
   SendAborts(aborts);
+  StartVerifications(std::move(verifications));
   // The failed requests are load errors; the layer runs for the rest of the batch.
   return absl::OkStatus();
 }
 
+void ConsumerSide::TakeLanded(RecvRequest& r, int32_t layer, std::vector<Verification>& out) {
+  const int32_t begin = layer < 0 ? 0 : layer;
+  const int32_t end = layer < 0 ? static_cast<int32_t>(r.layers.size()) : layer + 1;
+  for (int32_t l = begin; l < end; ++l) {
+    if (r.layers[l] != LayerState::kLanded) continue;
+    r.layers[l] = LayerState::kVerifying;
+    out.push_back({std::move(r.landed[l]), r.load.block_ids, r.load.num_tokens});
+    r.landed[l] = LayerNotice();
+  }
+}
+
+void ConsumerSide::StartVerifications(std::vector<Verification> verifications) {
+  if (verifications.empty()) return;
+  std::shared_ptr<const LayerTable> table = shared_.layers();
+  for (Verification& v : verifications) {
+    const KvCacheView view = table->ByIndex(static_cast<int32_t>(v.notice.layer))->cache->view();
+    absl::StatusOr<LayerRuns> runs = PlanLayerRuns(view, v.block_ids, v.block_ids, v.num_tokens);
+    absl::Status s = runs.status();
+    if (s.ok()) {
+      absl::MutexLock lock(&verifier_mu_);
+      s = device_verifier_->Start(view, *runs, v.notice);
+    }
+    if (!s.ok()) Arrived(v.notice.request_id, v.notice, s);
+  }
+  shared_.Wake();  // the progress thread polls for the verdicts
+}
+
+bool ConsumerSide::StepVerified() const {
+  for (const std::string& id : waits_) {
+    auto it = recv_.find(id);
+    if (it == recv_.end() || it->second.state != RecvState::kLoading) continue;
+    for (LayerState l : it->second.layers) {
+      if (l == LayerState::kLanded || l == LayerState::kVerifying) return false;
+    }
+  }
+  return true;
+}
+
 void ConsumerSide::ClearStep() {
+  // The step's outputs are read once this returns: its requests' verdicts come first.
+  std::vector<Verification> verifications;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& id : waits_) {
+      auto it = recv_.find(id);
+      if (it != recv_.end() && it->second.state == RecvState::kLoading) {
+        TakeLanded(it->second, -1, verifications);
+      }
+    }
+  }
+  StartVerifications(std::move(verifications));
+  std::vector<Abort> aborts;
+  {
   absl::MutexLock lock(&mu_);
+  const int64_t timeout_ms = shared_.config.kvstream.load_timeout_ms;
+  if (!mu_.AwaitWithDeadline(absl::Condition(this, &ConsumerSide::StepVerified),
+                             absl::Now() + absl::Milliseconds(timeout_ms))) {
+    for (const std::string& id : waits_) {
+      auto it = recv_.find(id);
+      if (it == recv_.end() || it->second.state != RecvState::kLoading) continue;
+      Fail(it->second, absl::DeadlineExceededError(absl::StrCat(
+                           "the GPU did not verify the checksums of request ",
+                           absl::CHexEscape(id), " within ", timeout_ms, " ms")));
+      QueueAbort(it->second, aborts);
+    }
+  }
   waits_.clear();
   step_loads_.clear();
   for (auto it = recv_.begin(); it != recv_.end();) {
@@ -368,6 +442,8 @@ void ConsumerSide::ClearStep() {
          r.in_flight_ms, r.handoff_ns});
     it = recv_.erase(it);
   }
+  }
+  SendAborts(aborts);
 }
 
 void ConsumerSide::OnNotice(const Notification& n) {
@@ -388,7 +464,7 @@ void ConsumerSide::OnNotice(const Notification& n) {
         r->second.layers[notice->layer] != LayerState::kMissing) {
       return;  // late (aborted, or of an earlier attempt of this id) or duplicate
     }
-    r->second.layers[notice->layer] = LayerState::kVerifying;
+    r->second.layers[notice->layer] = LayerState::kChecking;
     load = r->second.load;
   }
   const KvCacheView view = table->ByIndex(static_cast<int32_t>(notice->layer))->cache->view();
@@ -405,9 +481,19 @@ void ConsumerSide::OnNotice(const Notification& n) {
              notice->checksum_kind != ChecksumKind::kNone) {
     const bool device = view.memory == MemoryKind::kDevice;
     if (device && notice->checksum_kind == ChecksumKind::kKvsum64 && device_verifier_ != nullptr) {
-      // Checked on the GPU; Poll completes the arrival.
-      verdict = device_verifier_->Start(view, *runs, *notice);
-      if (verdict.ok()) return;
+      // In place; verified on the GPU later (see the header), Arrived then completes it.
+      absl::MutexLock lock(&mu_);
+      auto it = recv_.find(notice->request_id);
+      if (it == recv_.end() || it->second.state != RecvState::kLoading ||
+          it->second.attempt != notice->attempt ||
+          it->second.layers[notice->layer] != LayerState::kChecking) {
+        return;
+      }
+      RecvRequest& r = it->second;
+      r.layers[notice->layer] = LayerState::kLanded;
+      r.landed[notice->layer] = *notice;
+      RecordLanding(r, *notice);
+      return;
     } else if (!device) {
       uint64_t sum = 0;
       if (notice->checksum_kind == ChecksumKind::kXxh3) {
@@ -456,43 +542,62 @@ void ConsumerSide::Arrived(const std::string& id, const LayerNotice& notice,
   }
   RecvRequest& r = it->second;
   const size_t l = notice.layer;
+  if (r.layers[l] == LayerState::kChecking) RecordLanding(r, notice);
   r.layers[l] = LayerState::kArrived;
   ++r.arrived;
   r.bytes += notice.bytes;
+  const double latency_ms = r.in_flight_ms[l] > 0 ? r.in_flight_ms[l] : -1;
+  shared_.stats.LayerReceived(PeerOf(r), notice.bytes, latency_ms);
+  if (r.arrived == table->count()) r.state = RecvState::kComplete;
+}
+
+void ConsumerSide::RecordLanding(RecvRequest& r, const LayerNotice& notice) {
+  const size_t l = notice.layer;
+  ++r.in_place;
   const uint64_t now_ns = MonotonicNs();
-  double latency_ms = -1;
-  if (notice.post_ns != 0 && now_ns > notice.post_ns) {
-    latency_ms = static_cast<double>(now_ns - notice.post_ns) / 1e6;
-    r.transfer_ms += latency_ms;
-  }
   if (r.post_ns.size() < r.layers.size()) {
     r.post_ns.assign(r.layers.size(), 0);
     r.arrival_ns.assign(r.layers.size(), 0);
     r.layer_ms.assign(r.layers.size(), 0.0);
     r.in_flight_ms.assign(r.layers.size(), 0.0);
   }
-  if (latency_ms > 0) r.in_flight_ms[l] = latency_ms;
+  if (notice.post_ns != 0 && now_ns > notice.post_ns) {
+    const double latency_ms = static_cast<double>(now_ns - notice.post_ns) / 1e6;
+    r.transfer_ms += latency_ms;
+    r.in_flight_ms[l] = latency_ms;
+  }
   r.post_ns[l] = notice.post_ns;
   r.arrival_ns[l] = now_ns;
   r.layer_ms[l] = static_cast<double>(now_ns - r.handoff_ns) / 1e6;
-  shared_.stats.LayerReceived(PeerOf(r), notice.bytes, latency_ms);
-  if (r.arrived == table->count()) r.state = RecvState::kComplete;
 }
 
 bool ConsumerSide::Poll() {
   std::vector<std::shared_ptr<ProducerLink>> close;
   bool outstanding = false;
+  std::vector<Verification> verifications;
   if (device_verifier_ != nullptr) {
-    for (DeviceVerifier::Verdict& v : device_verifier_->Poll()) {
+    std::vector<DeviceVerifier::Verdict> verdicts;
+    {
+      absl::MutexLock lock(&verifier_mu_);
+      verdicts = device_verifier_->Poll();
+      outstanding = device_verifier_->busy();
+    }
+    for (DeviceVerifier::Verdict& v : verdicts) {
       Arrived(v.notice.request_id, v.notice, v.status);
     }
-    outstanding = device_verifier_->busy();
   }
   {
+    std::shared_ptr<const LayerTable> table = shared_.layers();
     absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
     for (auto& [id, r] : recv_) {
       if (r.state == RecvState::kLoading) outstanding = true;
+      // A request no step waits for: all its layers verified together once all landed.
+      if (r.state == RecvState::kLoading && table != nullptr && r.in_place == table->count() &&
+          r.arrived < r.in_place &&
+          std::find(waits_.begin(), waits_.end(), id) == waits_.end()) {
+        TakeLanded(r, -1, verifications);
+      }
       // A failed request whose producer never confirmed it stopped: after the send
       // deadline the link is closed, so the producer stops every request of ours.
       if (r.state == RecvState::kFailed) {
@@ -505,6 +610,7 @@ bool ConsumerSide::Poll() {
       }
     }
   }
+  StartVerifications(std::move(verifications));
   for (auto& link : close) {
     Log(LogLevel::kWarning, absl::StrCat("producer ", absl::CHexEscape(link->address),
                                          " did not confirm an abort; closing the link"));

@@ -15,6 +15,20 @@
 //                           refused or stopped it, the link broke, or the engine finished it
 //   kFailed   -> kStopped   the producer confirmed it stopped writing, the link is gone, or
 //                           the abort deadline passed (the link is then closed)
+// A layer's lifecycle within a request (LayerState):
+//   kMissing   -> kChecking   its notice is being checked on the host (byte count, and for
+//                             host caches the checksum)
+//   kChecking  -> kArrived    checked (host caches, or no checksum)
+//   kChecking  -> kLanded     device cache: in place, its checksum not yet verified
+//   kLanded    -> kVerifying  its GPU verification started
+//   kVerifying -> kArrived    verified
+// A device layer's verification is deferred so that the decode worker's GPU work comes in
+// as few bursts as it can (on a GPU shared with the producer, every burst is a switch of
+// contexts that the producer's prefill pays for): the forward pass starts it when it
+// reaches the layer (WaitForLayer, then the layer's own kernels follow at once), a request
+// no step waits for has all its layers verified together once the last one landed (Poll),
+// and ClearStep waits for the verdicts of the step's requests before the engine reads the
+// step's outputs, so that a corrupt layer still fails its request in that step.
 // A load error is reported when the request fails; kComplete and kStopped requests are
 // reported finished (their blocks may be freed) by TakeOutput, which forgets kStopped ones;
 // ClearStep forgets kReported ones, recording their RequestTransferStats.
@@ -91,7 +105,11 @@ class ConsumerSide {
   using ProducerLink = ProducerPeers::Link;
 
   enum class RecvState { kPending, kLoading, kComplete, kReported, kFailed, kStopped };
-  enum class LayerState : uint8_t { kMissing, kVerifying, kArrived };
+  enum class LayerState : uint8_t { kMissing, kChecking, kLanded, kVerifying, kArrived };
+  // Whether the forward pass may use the layer (its verdict may still be to come).
+  static bool InPlace(LayerState s) {
+    return s == LayerState::kLanded || s == LayerState::kVerifying || s == LayerState::kArrived;
+  }
 
   struct RecvRequest {
     RecvState state = RecvState::kPending;
@@ -101,7 +119,9 @@ class ConsumerSide {
     std::string producer_id;  // its engine id once handed off (metrics label)
     uint64_t attempt = 0;     // this hand-off's (HandOffMsg::attempt); notices must match
     std::vector<LayerState> layers;  // by layer index
-    int32_t arrived = 0;
+    std::vector<LayerNotice> landed;  // by layer index: the notices of kLanded layers
+    int32_t in_place = 0;             // layers kLanded, kVerifying or kArrived
+    int32_t arrived = 0;              // layers kArrived
     absl::Status error;
     absl::Time abort_deadline = absl::InfiniteFuture();
     absl::Time handoff_time;
@@ -118,6 +138,13 @@ class ConsumerSide {
   };
 
   using Abort = std::pair<std::shared_ptr<ProducerLink>, AbortMsg>;
+
+  // A device layer's verification to start (outside mu_).
+  struct Verification {
+    LayerNotice notice;
+    std::vector<int32_t> block_ids;
+    int32_t num_tokens = 0;
+  };
 
   static const std::string& PeerOf(const RecvRequest& r) {
     return r.producer_id.empty() ? r.producer : r.producer_id;
@@ -136,10 +163,23 @@ class ConsumerSide {
   void QueueAbort(RecvRequest& r, std::vector<Abort>& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendAborts(const std::vector<Abort>& aborts);
   void Arrived(const std::string& id, const LayerNotice& notice, const absl::Status& verdict);
+  // Notes that `notice`'s layer of `r` is in place (arrival time and time in flight).
+  void RecordLanding(RecvRequest& r, const LayerNotice& notice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves `r`'s kLanded layers (only `layer`, or all with -1) to kVerifying, into `out`.
+  void TakeLanded(RecvRequest& r, int32_t layer, std::vector<Verification>& out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts them on the GPU (a failure to start fails its request). Without mu_.
+  void StartVerifications(std::vector<Verification> verifications)
+      ABSL_LOCKS_EXCLUDED(mu_, verifier_mu_);
+  // Whether no request of the step's waits has a layer in place but not yet verified.
+  bool StepVerified() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   WorkerShared& shared_;
-  // Device caches with checksums: set by Prepare, used by the progress thread only.
+  // Device caches with checksums: set by Prepare; used by the progress thread (Poll) and
+  // the forward pass (WaitForLayer, ClearStep), under verifier_mu_ (never taken before mu_
+  // is released, nor mu_ under it).
   std::unique_ptr<DeviceVerifier> device_verifier_;
+  absl::Mutex verifier_mu_;
 
   mutable absl::Mutex mu_;
   std::map<std::string, RecvRequest> recv_ ABSL_GUARDED_BY(mu_);

@@ -45,7 +45,8 @@ struct SaveEntry {
 
 class LayerwiseScheduler final : public KvConnectorScheduler {
  public:
-  LayerwiseScheduler(KvRole role, int32_t block_size) : role_(role), block_size_(block_size) {}
+  LayerwiseScheduler(KvRole role, int32_t block_size, bool load_async)
+      : role_(role), block_size_(block_size), load_async_(load_async) {}
 
   KvRole role() const override { return role_; }
 
@@ -57,7 +58,7 @@ class LayerwiseScheduler final : public KvConnectorScheduler {
     // one itself to produce the first token.
     const int32_t remote = static_cast<int32_t>(request.prompt_token_ids.size()) - 1;
     m.num_tokens = std::max(0, remote - num_computed_tokens);
-    m.load_async = false;
+    m.load_async = load_async_ && m.num_tokens > 0;
     return m;
   }
 
@@ -229,6 +230,7 @@ class LayerwiseScheduler final : public KvConnectorScheduler {
 
   const KvRole role_;
   const int32_t block_size_;
+  const bool load_async_;  // KvstreamSettings::load_async
   std::map<std::string, LoadEntry> loads_;
   std::vector<std::string> awaiting_hand_off_;  // in allocation order
   std::map<std::string, SaveEntry> saves_;
@@ -245,7 +247,8 @@ absl::StatusOr<std::unique_ptr<KvConnectorScheduler>> CreateLayerwiseScheduler(
         absl::StrCat("LayerwiseConnector scheduler: block size ", block_size, " must be >= 1"));
   }
   RETURN_IF_ERROR(ValidateLayerwiseConfig(config));
-  return std::unique_ptr<KvConnectorScheduler>(new LayerwiseScheduler(config.kv_role, block_size));
+  return std::unique_ptr<KvConnectorScheduler>(new LayerwiseScheduler(config.kv_role, block_size,
+                                                                    config.kvstream.load_async));
 }
 
 }  // namespace kvstream

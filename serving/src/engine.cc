@@ -154,7 +154,7 @@ absl::Status Engine::AddRequest(RequestSpec spec) {
 }
 
 bool Engine::HasWork() const {
-  return !waiting_.empty() || !running_.empty() || !held_blocks_.empty();
+  return !waiting_.empty() || !running_.empty() || !loading_.empty() || !held_blocks_.empty();
 }
 
 std::vector<RequestResult> Engine::TakeFinished() { return std::move(finished_); }
@@ -196,8 +196,53 @@ absl::Status Engine::PollConnector() {
       held_blocks_.erase(it);
     }
   }
-  for (LoadError& e : out.load_errors) load_errors_.push_back(std::move(e));
+  for (LoadError& e : out.load_errors) {
+    auto it = loading_.find(e.request_id);
+    if (it == loading_.end()) {
+      load_errors_.push_back(std::move(e));
+      continue;
+    }
+    std::unique_ptr<Request> r = std::move(it->second);
+    loading_.erase(it);
+    RETURN_IF_ERROR(ReleaseFailedLoad(*r));
+    AfterFailedLoad(std::move(r), e.status);
+  }
+  // Asynchronous loads that completed: their requests run from the next step on.
+  for (const std::string& id : out.finished_recving) {
+    auto it = loading_.find(id);
+    if (it == loading_.end()) continue;
+    recv_finished_.erase(id);
+    running_.push_back(std::move(it->second));
+    loading_.erase(it);
+  }
   return absl::OkStatus();
+}
+
+absl::Status Engine::ReleaseFailedLoad(Request& r) {
+  if (recv_finished_.erase(r.spec.id) != 0) {
+    RETURN_IF_ERROR(pool_->Free(r.blocks));
+  } else {
+    held_blocks_[r.spec.id] = std::move(r.blocks);
+  }
+  r.blocks.clear();
+  r.detached = true;
+  return absl::OkStatus();
+}
+
+void Engine::AfterFailedLoad(std::unique_ptr<Request> r, const absl::Status& error) {
+  r->detached = true;
+  if (options_.failure_policy == LoadFailurePolicy::kFail) {
+    r->result.status = error;
+    finished_.push_back(std::move(r->result));
+    return;
+  }
+  Log(LogLevel::kWarning, absl::StrCat("request ", r->spec.id, ": ", error.ToString(),
+                                       "; recomputing its prompt locally"));
+  r->spec.remote.reset();
+  r->computed = 0;
+  r->result.remote_tokens = 0;
+  r->result.recomputed = true;
+  waiting_.push_front(std::move(r));
 }
 
 absl::Status Engine::BindStep(absl::Span<const ScheduledRequest> scheduled) {
@@ -217,15 +262,22 @@ absl::Status Engine::Admit() {
     if (need > pool_->num_free()) break;  // wait for blocks to come back
     ASSIGN_OR_RETURN(r.blocks, pool_->Allocate(static_cast<int32_t>(need)));
     int32_t matched = 0;
+    bool load_async = false;
     if (c != nullptr && !r.detached) {
       const KvRequest kr = AsKvRequest(r.spec);
       ASSIGN_OR_RETURN(MatchedTokens m, c->GetNumNewMatchedTokens(kr, 0));
       matched = m.num_tokens;
+      load_async = m.load_async && matched > 0;
       RETURN_IF_ERROR(c->UpdateStateAfterAlloc(kr, r.blocks, matched));
     }
     r.computed = matched;
     r.result.remote_tokens = matched;
-    running_.push_back(std::move(waiting_.front()));
+    if (load_async) {
+      const std::string id = r.spec.id;
+      loading_[id] = std::move(waiting_.front());
+    } else {
+      running_.push_back(std::move(waiting_.front()));
+    }
     waiting_.pop_front();
   }
   return absl::OkStatus();
@@ -429,11 +481,7 @@ absl::StatusOr<bool> Engine::Step() {
       if (own_errors.count(r->spec.id) != 0 || c == nullptr) {
         // The blocks may still receive writes until the connector says the producer stopped
         // (unless it said so already).
-        if (recv_finished_.erase(r->spec.id) != 0) {
-          RETURN_IF_ERROR(pool_->Free(r->blocks));
-        } else {
-          held_blocks_[r->spec.id] = std::move(r->blocks);
-        }
+        RETURN_IF_ERROR(ReleaseFailedLoad(*r));
       } else {
         // Another pipeline stage failed to load its layers: give up this stage's part too.
         auto delay = c->RequestFinished(r->spec.id);
@@ -444,19 +492,7 @@ absl::StatusOr<bool> Engine::Step() {
         }
       }
       r->blocks.clear();
-      r->detached = true;
-      if (options_.failure_policy == LoadFailurePolicy::kFail) {
-        r->result.status = err->second;
-        finished_.push_back(std::move(r->result));
-        continue;
-      }
-      Log(LogLevel::kWarning, absl::StrCat("request ", r->spec.id, ": ", err->second.ToString(),
-                                           "; recomputing its prompt locally"));
-      r->spec.remote.reset();
-      r->computed = 0;
-      r->result.remote_tokens = 0;
-      r->result.recomputed = true;
-      waiting_.push_front(std::move(r));
+      AfterFailedLoad(std::move(r), err->second);
       continue;
     }
     const int32_t prompt = static_cast<int32_t>(r->spec.prompt.size());

@@ -300,6 +300,77 @@ TEST_P(ConnectorDeviceGpuTest, ProducerKilledMidStreamIsALoadErrorAndRecomputeIs
   peer_.reset();  // already dead: reap it
 }
 
+// Passes the forward pass's calls to the worker, but first, at `layer`, waits until the
+// producer's bytes of one token are in place in this cache and flips a bit of them: the
+// layer has landed, and its checksum is not verified yet (the consumer verifies a device
+// layer when the forward pass reaches it), so the verification must see the flipped bit.
+class CorruptingHook : public TransferHook {
+ public:
+  CorruptingHook(TransferHook* inner, DeviceModel* model, int layer, int32_t block,
+                 std::vector<char> expected)
+      : inner_(inner), model_(model), layer_(layer), block_(block),
+        expected_(std::move(expected)) {}
+
+  absl::Status BeforeAttention(absl::string_view name, void* stream) override {
+    if (name == test::DeviceLayerName(layer_)) {
+      const absl::Time deadline = Deadline();
+      for (;;) {
+        ASSIGN_OR_RETURN(std::vector<char> got, model_->TokenBytes(layer_, block_, 0));
+        if (got == expected_) break;
+        if (absl::Now() > deadline) return absl::DeadlineExceededError("the token never landed");
+        absl::SleepFor(absl::Microseconds(200));
+      }
+      const KvCacheView v = model_->cache(layer_).view();
+      char* at = static_cast<char*>(v.k) + v.k_strides.Offset(block_, 0, 0, 0) * 2;
+      const char flipped = static_cast<char>(expected_[0] ^ 0x10);
+      RETURN_IF_ERROR(test::CudaCheck(cudaMemcpy(at, &flipped, 1, cudaMemcpyHostToDevice),
+                                      "corrupting a token"));
+      corrupted_ = true;
+    }
+    return inner_->BeforeAttention(name, stream);
+  }
+  absl::Status AfterAttention(absl::string_view name, const KvCache& cache,
+                              const AttentionMetadata& md, void* stream) override {
+    return inner_->AfterAttention(name, cache, md, stream);
+  }
+  bool corrupted() const { return corrupted_; }
+
+ private:
+  TransferHook* inner_;
+  DeviceModel* model_;
+  int layer_;
+  int32_t block_;
+  std::vector<char> expected_;
+  bool corrupted_ = false;
+};
+
+TEST_P(ConnectorDeviceGpuTest, ALayerCorruptedAfterItLandedIsADataLossLoadError) {
+  ASSERT_NO_FATAL_FAILURE(Start({}));
+  std::vector<Request> requests = {{"req-c", 13, 45, {}}};
+  Allocate(requests);
+  // The producer's bytes of layer 2's first token, from a local prefill into the same blocks.
+  DeviceModel local;
+  ASSERT_TRUE(local.Init(false).ok());
+  ASSERT_TRUE(local.Step({{{0, requests[0].prompt - 1, requests[0].blocks}, 13}}).ok());
+  auto expected = local.TokenBytes(2, requests[0].blocks[0], 0);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  CorruptingHook hook(worker_.get(), &model_, 2, requests[0].blocks[0], *expected);
+  model_.registry().SetTransferHook(&hook);
+  auto got = DisaggregatedStep(requests);
+  ASSERT_TRUE(got.ok()) << got.status();  // the step runs; the corrupt request is a load error
+  EXPECT_TRUE(hook.corrupted());
+  KvConnectorOutput out = AwaitFinished(requests);
+  ASSERT_EQ(out.load_errors.size(), 1u);
+  EXPECT_EQ(out.load_errors[0].request_id, "req-c");
+  EXPECT_EQ(out.load_errors[0].status.code(), absl::StatusCode::kDataLoss)
+      << out.load_errors[0].status;
+  EXPECT_THAT(std::string(out.load_errors[0].status.message()),
+              ::testing::HasSubstr("layer 2: checksum mismatch"));
+  EXPECT_TRUE(out.finished_recving.count("req-c"));
+  EXPECT_EQ(worker_->stats().blocks_in_flight, 0);
+  model_.registry().SetTransferHook(worker_.get());
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, ConnectorDeviceGpuTest,
                          ::testing::Values(std::string("cuda_ipc"), std::string("ucx")),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });

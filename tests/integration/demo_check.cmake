@@ -1,8 +1,10 @@
 # Runs `kvstream demo` small (its defaults take about a minute) and checks its exit status,
 # its report and its JSON fields.
 file(REMOVE ${JSON})
+# LOAD_ASYNC: the connector's load_async for the decode worker (true: requests run once their
+# KV arrived, so the forward pass never waits for a layer; false: it waits for each).
 execute_process(COMMAND ${KVSTREAM} demo --model=toy --layers=2 --requests=3 --prompts=40,150,300
-                        --decode-steps=3 --json=${JSON}
+                        --decode-steps=3 --json=${JSON} --load-async=${LOAD_ASYNC}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 message("${out}${err}")
 if(NOT rc EQUAL 0)
@@ -40,6 +42,13 @@ foreach(i RANGE ${last})
       message(FATAL_ERROR "request ${i}: ${key} is ${v}, not positive")
     endif()
   endforeach()
+  string(JSON wait GET "${j}" requests ${i} layer_wait_ms)
+  if(LOAD_ASYNC AND NOT wait EQUAL 0)
+    message(FATAL_ERROR "request ${i}: the forward pass waited ${wait} ms for layers of a request "
+                        "loaded asynchronously")
+  elseif(NOT LOAD_ASYNC AND NOT wait GREATER 0)
+    message(FATAL_ERROR "request ${i}: the forward pass did not wait for its layers")
+  endif()
   string(JSON layers ERROR_VARIABLE e LENGTH "${j}" requests ${i} layers layer_ready_ms)
   string(JSON exposed ERROR_VARIABLE e2 GET "${j}" requests ${i} layers last_layer_exposed_ms)
   if(e OR e2 OR NOT layers EQUAL 2)

@@ -24,6 +24,7 @@ TEST(KvTransferConfigTest, ParsesVllmConfigWithKvstreamSettings) {
       "kv_connector_extra_config": {"transport": "ucx", "ucx_tls": "tcp",
                                     "ucx_net_devices": "lo", "load_timeout_ms": 250,
                                     "send_timeout_ms": 900, "verify_checksum": false,
+                                    "load_async": true,
                                     "secret": "s3", "handshake_timeout_ms": 77,
                                     "ucx_copy_threads": 4, "cuda_device": 3,
                                     "nccl_job_id": "deploy-7",
@@ -44,6 +45,7 @@ TEST(KvTransferConfigTest, ParsesVllmConfigWithKvstreamSettings) {
   EXPECT_EQ(c->kvstream.send_timeout_ms, 900);
   EXPECT_EQ(c->kvstream.handshake_timeout_ms, 77);
   EXPECT_FALSE(c->kvstream.verify_checksum);
+  EXPECT_TRUE(c->kvstream.load_async);
   EXPECT_EQ(c->kvstream.secret, "s3");
   EXPECT_EQ(c->kvstream.ucx_copy_threads, 4);
   EXPECT_EQ(c->kvstream.transport, "ucx");
@@ -60,6 +62,7 @@ TEST(KvTransferConfigTest, DefaultsAndGeneratedEngineId) {
   EXPECT_EQ(a->kv_ip, "127.0.0.1");
   EXPECT_EQ(a->kv_load_failure_policy, LoadFailurePolicy::kRecompute);
   EXPECT_TRUE(a->kvstream.verify_checksum);
+  EXPECT_FALSE(a->kvstream.load_async);
   EXPECT_EQ(a->kvstream.ucx_copy_threads, 0);
   // No transport named: the connector picks one for kv_buffer_device's memory.
   EXPECT_EQ(a->kvstream.transport, "");

@@ -20,10 +20,11 @@ using ::testing::IsEmpty;
 
 constexpr int kBlock = 4;
 
-std::unique_ptr<KvConnectorScheduler> Make(KvRole role) {
+std::unique_ptr<KvConnectorScheduler> Make(KvRole role, bool load_async = false) {
   KvTransferConfig c;
   c.kv_connector = "LayerwiseConnector";
   c.kv_role = role;
+  c.kvstream.load_async = load_async;
   auto s = CreateKvConnectorScheduler(c, kBlock);
   EXPECT_TRUE(s.ok()) << s.status();
   return std::move(s).value();
@@ -71,6 +72,21 @@ TEST(ConnectorSchedulerTest, ConsumerHandsOffOnceAndWaitsUntilTheWorkerReportsAr
   auto delay = s->RequestFinished("a");
   ASSERT_TRUE(delay.ok());
   EXPECT_FALSE(*delay);
+}
+
+TEST(ConnectorSchedulerTest, ConsumerLoadsAsynchronouslyWhenConfigured) {
+  for (bool async : {false, true}) {
+    auto s = Make(KvRole::kConsumer, async);
+    auto m = s->GetNumNewMatchedTokens(Remote("a", 10), 0);
+    ASSERT_TRUE(m.ok());
+    EXPECT_EQ(m->num_tokens, 9);
+    EXPECT_EQ(m->load_async, async);
+    // Nothing to load: never asynchronous.
+    auto none = s->GetNumNewMatchedTokens(Remote("b", 10), 9);
+    ASSERT_TRUE(none.ok());
+    EXPECT_EQ(none->num_tokens, 0);
+    EXPECT_FALSE(none->load_async);
+  }
 }
 
 TEST(ConnectorSchedulerTest, ConsumerRefusesTooFewBlocks) {

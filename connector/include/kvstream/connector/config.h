@@ -56,6 +56,12 @@ struct KvstreamSettings {
   int64_t reconnect_backoff_ms = 200;
   int64_t reconnect_backoff_max_ms = 5000;
   bool verify_checksum = true;           // per-layer checksum checked by the consumer
+  // Consumer: false (the default), a request whose KV comes from a producer runs its first
+  // step at once, the forward pass waiting for each layer as it arrives; true, it runs once
+  // all of its layers arrived and were verified (vLLM's asynchronous load). The first hides
+  // the decode worker's own compute of the request behind the stream on separate GPUs; the
+  // second keeps a GPU that the producer shares free for the producer's prefill.
+  bool load_async = false;
   std::string secret;                    // shared secret for the control channel; empty = none
   // Pipeline-parallel decode (consumers only): this worker is stage `pipeline_rank` of a
   // decode group of `pipeline_parallel_size` stages. It registers, receives and waits for

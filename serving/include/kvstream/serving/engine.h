@@ -146,6 +146,12 @@ class Engine {
   // Takes the worker's output, gives it to the scheduler side, queues incoming requests,
   // frees held blocks, keeps load errors for the step's end.
   absl::Status PollConnector();
+  // A request whose remote KV failed to load (its blocks already freed or held): fails it
+  // (LoadFailurePolicy::kFail) or queues it to recompute its prompt locally.
+  void AfterFailedLoad(std::unique_ptr<Request> r, const absl::Status& error);
+  // Frees a failed load's blocks when nothing can land in them any more, else holds them
+  // until the connector says so.
+  absl::Status ReleaseFailedLoad(Request& r);
   // The step's metadata, from the scheduler side to the worker side as bytes.
   absl::Status BindStep(absl::Span<const ScheduledRequest> scheduled);
   bool connected() const { return options_.worker != nullptr; }
@@ -160,6 +166,9 @@ class Engine {
   std::unique_ptr<BlockPool> pool_;
   std::deque<std::unique_ptr<Request>> waiting_;
   std::vector<std::unique_ptr<Request>> running_;
+  // Consumer with the connector's asynchronous load: requests whose KV is still arriving;
+  // they run once the connector reports them finished receiving.
+  std::map<std::string, std::unique_ptr<Request>> loading_;
   std::map<std::string, std::vector<int32_t>> held_blocks_;  // freed when the connector says
   // Reported finished receiving while still running: a later load error frees at once.
   std::set<std::string> recv_finished_;
