@@ -262,6 +262,8 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
                         {"exposed_transfer_ms",
                          t != report.transfer.end() ? t->second.exposed_ms : 0.0},
                         {"layer_wait_ms", t != report.transfer.end() ? t->second.wait_ms : 0.0},
+                        {"kv_complete_ms",
+                         t != report.transfer.end() ? t->second.complete_ms : 0.0},
                         {"output_tokens", r.output_tokens},
                         {"matches_colocated", match},
                         {"status", r.status.ToString()}};

@@ -439,7 +439,7 @@ void ConsumerSide::ClearStep() {
     }
     finished_stats_.push_back(
         {it->first, r.bytes, r.layer_ms, r.wait_ms, r.transfer_ms, r.exposed_ms,
-         r.in_flight_ms, r.handoff_ns});
+         r.in_flight_ms, r.handoff_ns, r.complete_ms});
     it = recv_.erase(it);
   }
   }
@@ -548,7 +548,10 @@ void ConsumerSide::Arrived(const std::string& id, const LayerNotice& notice,
   r.bytes += notice.bytes;
   const double latency_ms = r.in_flight_ms[l] > 0 ? r.in_flight_ms[l] : -1;
   shared_.stats.LayerReceived(PeerOf(r), notice.bytes, latency_ms);
-  if (r.arrived == table->count()) r.state = RecvState::kComplete;
+  if (r.arrived == table->count()) {
+    r.state = RecvState::kComplete;
+    r.complete_ms = static_cast<double>(MonotonicNs() - r.handoff_ns) / 1e6;
+  }
 }
 
 void ConsumerSide::RecordLanding(RecvRequest& r, const LayerNotice& notice) {
@@ -633,7 +636,7 @@ void ConsumerSide::TakeOutput(KvConnectorOutput& out) {
       } else {
         finished_stats_.push_back(
             {it->first, r.bytes, r.layer_ms, r.wait_ms, r.transfer_ms, r.exposed_ms,
-         r.in_flight_ms, r.handoff_ns});
+         r.in_flight_ms, r.handoff_ns, r.complete_ms});
         it = recv_.erase(it);
       }
     } else if (r.state == RecvState::kStopped) {

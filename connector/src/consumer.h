@@ -134,6 +134,7 @@ class ConsumerSide {
     double transfer_ms = 0;
     double exposed_ms = 0;
     double wait_ms = 0;
+    double complete_ms = 0;
     uint64_t bytes = 0;
   };
 

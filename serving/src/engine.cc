@@ -342,6 +342,7 @@ absl::StatusOr<bool> Engine::Step() {
   std::vector<int32_t> positions;
   std::vector<int32_t> segments;
   std::vector<int64_t> last_rows;
+  std::vector<int64_t> logit_index;  // per running request: its row of the logits, or -1
   Digest digest;
   for (const auto& r : running_) {
     const int32_t prompt = static_cast<int32_t>(r->spec.prompt.size());
@@ -365,7 +366,14 @@ absl::StatusOr<bool> Engine::Step() {
     for (int32_t j = 0; j < n; ++j) positions.push_back(r->computed + j);
     schedule.push_back({r->computed, n, r->blocks});
     scheduled.push_back({r->spec.id, r->computed, n});
-    last_rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
+    // Logits only for the rows a token is sampled from: a prefill chunk's and a prefill
+    // worker's (its consumer samples) are never read.
+    if (!r->from_consumer && r->computed + n >= prompt) {
+      logit_index.push_back(static_cast<int64_t>(last_rows.size()));
+      last_rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
+    } else {
+      logit_index.push_back(-1);
+    }
     digest.Add(r->spec.id);
     digest.Add(r->computed);
     digest.Add(n);
@@ -509,7 +517,10 @@ absl::StatusOr<bool> Engine::Step() {
       still_running.push_back(std::move(r));  // the prompt's last token is still to come
       continue;
     }
-    const float* row = logits->data() + i * static_cast<size_t>(vocab);
+    if (logit_index[i] < 0) {
+      return absl::InternalError(absl::StrCat("request ", r->spec.id, " has no logits row"));
+    }
+    const float* row = logits->data() + static_cast<size_t>(logit_index[i]) * vocab;
     const int32_t token = Argmax(absl::MakeConstSpan(row, vocab));
     r->generated.push_back(token);
     r->result.output_tokens.push_back(token);

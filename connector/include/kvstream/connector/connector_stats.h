@@ -69,6 +69,8 @@ struct RequestTransferStats {
   // handoff_ns + layer_arrival_ms[l] * 1e6, comparable with a producer's RequestSendStats on
   // the same host.
   uint64_t handoff_ns = 0;
+  // Ms after the hand-off when every layer had arrived and been verified (0: it did not).
+  double complete_ms = 0;
 };
 
 // Producer: one request's sends to its consumers, once they all ended.
