@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <vector>
@@ -65,8 +66,9 @@ struct Seq {
   std::vector<int32_t> segments;
 };
 
-// Runs one step; returns the logits of each sequence's last row.
-absl::StatusOr<std::vector<float>> Step(Instance& in, const std::vector<Seq>& seqs) {
+// Runs one step; returns the logits of each sequence's last row (none with `logits` false).
+absl::StatusOr<std::vector<float>> Step(Instance& in, const std::vector<Seq>& seqs,
+                                        bool logits = true) {
   std::vector<SequenceSchedule> schedule;
   std::vector<int32_t> tokens, positions, segments;
   std::vector<int64_t> rows;
@@ -77,14 +79,14 @@ absl::StatusOr<std::vector<float>> Step(Instance& in, const std::vector<Seq>& se
       positions.push_back(s.context + static_cast<int32_t>(i));
     }
     segments.insert(segments.end(), s.segments.begin(), s.segments.end());
-    rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
+    if (logits) rows.push_back(static_cast<int64_t>(tokens.size()) - 1);
   }
   auto md = BuildAttentionMetadata(schedule, SmallConfig().block_size);
   if (!md.ok()) return md.status();
   in.registry.SetForwardContext({&*md});
-  auto logits = in.model->Forward(tokens, positions, segments, rows);
+  auto out = in.model->Forward(tokens, positions, segments, rows);
   in.registry.SetForwardContext({});
-  return logits;
+  return out;
 }
 
 std::vector<int32_t> Blocks(int32_t first, int n) {
@@ -185,6 +187,27 @@ TEST_F(CudaModelGpuTest, DecodingOverCopiedKvEqualsComputingIt) {
   auto lc = Step(*c, {last});
   ASSERT_TRUE(ld.ok() && lc.ok());
   EXPECT_EQ(*ld, *lc);
+}
+
+// A pass without logit rows (a prefill worker's) stops the last layer after its attention:
+// every layer's KV must still be what a full pass leaves, so a decode step over it gives the
+// same logits.
+TEST_F(CudaModelGpuTest, APassWithoutLogitsLeavesTheSameKv) {
+  auto full = Make();
+  auto kv_only = Make();
+  ASSERT_TRUE(full && kv_only);
+  const std::vector<int32_t> prompt = Prompt(41, 4);
+  const Seq prefill{std::vector<int32_t>(prompt.begin(), prompt.end() - 1), 0, Blocks(0, 3), {40}};
+  ASSERT_TRUE(Step(*full, {prefill}).ok());
+  auto none = Step(*kv_only, {prefill}, /*logits=*/false);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->empty());
+  const Seq decode{{prompt.back()}, 40, Blocks(0, 3), {1}};
+  auto a = Step(*full, {decode});
+  auto b = Step(*kv_only, {decode});
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->size(), b->size());
+  EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->size() * sizeof(float)));
 }
 
 TEST_F(CudaModelGpuTest, BadInputsAreErrors) {

@@ -111,7 +111,9 @@ struct CudaModel::State {
     return absl::OkStatus();
   }
 
-  absl::Status RunLayer(Layer& layer, int64_t rows, absl::Span<const int32_t> segments) {
+  // `kv_only`: the layer's KV (cache update and hook) and attention, not what follows it.
+  absl::Status RunLayer(Layer& layer, int64_t rows, absl::Span<const int32_t> segments,
+                        bool kv_only) {
     const int64_t hid = hidden(), kvw = kv(), width = hid + 2 * kvw;
     const int64_t inter = config.intermediate_size;
     RETURN_IF_ERROR(internal::LaunchRmsNorm(Bf16(x), Bf16(layer.attn_norm), rows, hid, kRmsEps,
@@ -142,6 +144,7 @@ struct CudaModel::State {
     RETURN_IF_ERROR(layer.attention->Forward(tq, tk, tv, to));
     RETURN_IF_ERROR(layer.output_ready.Record(layer.attention_stream));
     RETURN_IF_ERROR(layer.output_ready.MakeStreamWait(s()));
+    if (kv_only) return absl::OkStatus();
     RETURN_IF_ERROR(Products(Bf16(attn), layer.wo, Bf16(x), segments, hid, hid, true));
     RETURN_IF_ERROR(internal::LaunchRmsNorm(Bf16(x), Bf16(layer.mlp_norm), rows, hid, kRmsEps,
                                             Bf16(h), s()));
@@ -322,7 +325,8 @@ absl::StatusOr<std::vector<float>> CudaModel::Forward(absl::Span<const int32_t> 
                                               static_cast<int64_t>(hid),
                                               st.tokens.data_as<int32_t>(), rows, Bf16(st.x), s);
   for (size_t i = 0; status.ok() && i < st.layers.size(); ++i) {
-    status = st.RunLayer(st.layers[i], rows, segments);
+    const bool kv_only = logit_rows.empty() && i + 1 == st.layers.size();
+    status = st.RunLayer(st.layers[i], rows, segments, kv_only);
   }
   st.registry->SetForwardContext(context);
   RETURN_IF_ERROR(status);

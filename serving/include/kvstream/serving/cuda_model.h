@@ -61,7 +61,9 @@ class CudaModel {
   // One step of a model with every layer, in the registry's current forward context (host
   // metadata describing `tokens` at `positions`; the model uploads its device copy):
   // embedding, every layer, and the logits ([logit_rows.size(), vocab], fp32, on the host)
-  // of the given rows. `segments` are row counts in row order summing to the rows.
+  // of the given rows. `segments` are row counts in row order summing to the rows. Without
+  // logit rows (a prefill worker's pass: its KV is what it is for) the last layer stops
+  // after its attention, whose output nothing would read.
   // InvalidArgument for a token outside the vocabulary, mismatched sizes or a bad segment
   // or row; FailedPrecondition for a model without every layer or without a forward
   // context; DeadlineExceeded when the GPU's work has not finished within `timeout`.
