@@ -71,6 +71,21 @@
 
 namespace kvstream {
 
+// How host writes travel (UcxTransportOptions::write_protocol).
+enum class UcxWriteProtocol {
+  // Active messages where UCX would only emulate puts with acknowledged active messages
+  // (UCX_TLS naming nothing but tcp and self), UCX puts elsewhere.
+  kAuto,
+  // UCX one-sided puts (ucp_put_nbx), emulated by UCX over TCP. The UCX this was built on
+  // (1.13) then aborts a receiver that cannot acknowledge a put fragment because the
+  // writer's connection was reset after the fragment arrived.
+  kPut,
+  // kvstream's own eager active messages, copied into the destination by the receiver
+  // (which drops any whose destination is not inside memory it has registered) and never
+  // answered. Both sides must be of a kvstream version that has them.
+  kActiveMessage,
+};
+
 struct UcxTransportOptions {
   // UCX transports to use (UCX_TLS syntax): "shm" (shared memory, same host), "tcp"
   // (sockets, also across hosts), or any UCX_TLS value such as "all".
@@ -102,6 +117,8 @@ struct UcxTransportOptions {
   // staged_slots * staged_chunk_bytes of pinned host memory and as much device staging.
   uint64_t staged_chunk_bytes = uint64_t{4} << 20;
   int staged_slots = 4;
+  // How writes from host memory travel (see UcxWriteProtocol). Device writes are staged.
+  UcxWriteProtocol write_protocol = UcxWriteProtocol::kAuto;
 };
 
 inline constexpr int kMaxCopyThreads = 64;
