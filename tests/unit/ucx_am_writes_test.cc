@@ -2,8 +2,9 @@
 // inside one process over loopback: segments longer than a piece, at odd offsets and sizes,
 // land byte for byte before their notification with either write protocol and with UCX's
 // small default TCP segments (pieces then span several fragments); a piece whose
-// destination is no longer registered at the receiver is dropped, not written; the write
-// header decodes strictly.
+// destination is no longer registered at the receiver is dropped, not written, and so is
+// what a sender the receiver disconnected from writes until it connects to it again; the
+// write header decodes strictly.
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -138,6 +139,52 @@ TEST_P(UcxWritePiecesTest, PiecesIntoMemoryNoLongerRegisteredAreDropped) {
   ASSERT_EQ(notes.size(), 1u);
   EXPECT_EQ(notes[0].payload, "late");
   EXPECT_TRUE(dst_ == std::vector<char>(kBytes, 0)) << "a piece landed in deregistered memory";
+}
+
+// The receiver gives the sender up (Disconnect on the peer its notifications came from):
+// what the sender writes afterwards, data and notification, is dropped; once the receiver
+// connects to it again, its writes land again.
+TEST_P(UcxWritePiecesTest, DisconnectedSendersWritesAreRefusedUntilConnectedAgain) {
+  if (GetParam().protocol != UcxWriteProtocol::kActiveMessage) {
+    GTEST_SKIP() << "emulated puts are not checked at the receiver";
+  }
+  auto warm = p_->PostNotification(to_d_, "warm-up");
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  std::vector<Notification> notes = WaitForNotification();
+  ASSERT_EQ(notes.size(), 1u);
+  ASSERT_TRUE(d_->Disconnect(notes[0].peer).ok());
+
+  const Segment first{0, 0, kBytes / 2};
+  auto refused = p_->PostWrite(to_d_, *src_reg_, *remote_, {first}, "refused");
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  // Both sides progress until the sender is done (the receiver must read for the last
+  // pieces to leave), then a bounded number of turns more for what is still in the sockets.
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  absl::StatusOr<TransferState> state = TransferState::kInProgress;
+  while (state.ok() && *state == TransferState::kInProgress && absl::Now() < deadline) {
+    ASSERT_TRUE(p_->Progress().ok());
+    ASSERT_TRUE(d_->Progress().ok());
+    ASSERT_TRUE(d_->PollNotifications().empty()) << "a refused sender's notification came";
+    state = p_->Test(*refused);
+  }
+  ASSERT_TRUE(state.ok()) << state.status();
+  ASSERT_EQ(*state, TransferState::kDone);
+  for (int i = 0; i < 2000; ++i) {
+    ASSERT_TRUE(p_->Progress().ok());
+    ASSERT_TRUE(d_->Progress().ok());
+    ASSERT_TRUE(d_->PollNotifications().empty()) << "a refused sender's notification came";
+  }
+  auto back = d_->Connect(*p_->LocalInfo());
+  ASSERT_TRUE(back.ok()) << back.status();
+  const Segment second{kBytes / 2, kBytes / 2, kBytes / 2};
+  auto accepted = p_->PostWrite(to_d_, *src_reg_, *remote_, {second}, "accepted");
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  notes = WaitForNotification();
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0].payload, "accepted");
+  std::vector<char> expected(kBytes, 0);
+  std::memcpy(expected.data() + kBytes / 2, src_.data() + kBytes / 2, kBytes / 2);
+  EXPECT_TRUE(dst_ == expected) << "refused data landed, or accepted data did not";
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -99,6 +99,7 @@ class UcxTransport final : public Transport {
     ASSIGN_OR_RETURN(UcxWorkerInfo info, DecodeWorkerInfo(peer_info));
     absl::MutexLock lock(&core_->mu);
     RETURN_IF_ERROR(CheckNotShutDown("Connect"));
+    core_->refused_uids.erase(info.uid);  // heard from again
     UcxPeer* peer = nullptr;
     for (auto& [id, p] : core_->peers) {
       if (p->uid != info.uid || p->disconnected || !p->status.ok()) continue;
@@ -311,6 +312,8 @@ class UcxTransport final : public Transport {
                                  peer->label)));
     }
     peer->disconnected = true;
+    // Its write pieces and notifications still on their way are dropped from now on.
+    core_->refused_uids.insert(peer->uid);
     // A healthy endpoint is closed gracefully (its pending operations flushed); a failed
     // one must be forced. Either way Progress() finishes the close and erases the peer.
     if (peer->ep) peer->close_request = peer->ep.StartClose(/*force=*/!peer->status.ok());

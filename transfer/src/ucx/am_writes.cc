@@ -114,6 +114,11 @@ ucs_status_t OnWritePiece(void* arg, const void* header, size_t header_length, v
     CountDropped(core, "a rendezvous message (not from this version of kvstream)");
     return UCS_OK;
   }
+  if (core->refused_uids.count(fields->sender_uid) != 0) {
+    CountDropped(core, absl::StrCat("from uid ", absl::Hex(fields->sender_uid),
+                                    ", which this side disconnected from"));
+    return UCS_OK;
+  }
   if (!InsideHostRegion(*core, fields->address, length)) {
     CountDropped(core, absl::StrCat(length, " bytes at ", absl::Hex(fields->address),
                                     " from uid ", absl::Hex(fields->sender_uid),

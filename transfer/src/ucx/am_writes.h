@@ -12,8 +12,11 @@
 // as kvstream's own active message needs no answer. The receiver's handler copies the
 // payload into its memory and returns, and a connection that fails later only fails that
 // endpoint. The handler also checks what an emulated put never did: the destination must
-// lie inside a host region the receiver has registered at that moment. A late write into
-// memory deregistered meanwhile is dropped and counted.
+// lie inside a host region the receiver has registered at that moment (a late write into
+// memory deregistered meanwhile is dropped and counted), and the sender must not be one the
+// receiver has disconnected from (Transport::Disconnect; until it connects to it again):
+// that is how a consumer that gives a producer up fences that producer's late writes out
+// of blocks it is about to reuse.
 //
 // Protocol: every segment is cut into pieces of at most kWriteMessageBytes, each one eager
 // active message (id kWriteAmId, header ucx_wire.h's WriteHeader: the sender's uid and the

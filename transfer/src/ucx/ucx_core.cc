@@ -74,6 +74,8 @@ ucs_status_t OnNotification(void* arg, const void* header, size_t header_length,
     Log(LogLevel::kWarning, "UCX: dropped a rendezvous notification");
     return UCS_OK;
   }
+  // From a sender this side disconnected from: a notice of writes it refused too.
+  if (core->refused_uids.count(sender->sender_uid) != 0) return UCS_OK;
   UcxPeer* peer = core->PeerForUid(sender->sender_uid);
   Notification n;
   n.peer = peer->id;
