@@ -122,8 +122,9 @@ UcxSettings UcxConfigFor(const UcxTransportOptions& options) {
   if (MayUseTcp(tls)) {
     // Writes over TCP (kvstream's write pieces, ucx/am_writes.h, or UCX's emulated puts)
     // travel as active-message fragments of at most TX_SEG_SIZE (UCX's default 8 KiB: one
-    // send per 8 KiB); 256 KiB fragments (the receive side must be at least as large) tripled a link's KV throughput between two hosts, 5 -> 16 Gbit/s on
-    // an unlimited veth link, against 21 for a plain TCP stream (docs/scale-out.md). The
+    // send per 8 KiB); 256 KiB fragments (the receive side must be at least as large)
+    // tripled a link's KV throughput between two hosts, 5 -> 16 Gbit/s on an unlimited veth
+    // link, against 21 for a plain TCP stream (docs/scale-out.md). The
     // cost is memory: buffers of that size per endpoint while a fragment is in flight. The
     // keys are the fields of UCX's tcp table (the environment spells them UCX_TCP_*).
     set("TX_SEG_SIZE", "256k");
