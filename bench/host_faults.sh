@@ -21,11 +21,11 @@
 #   bench/host_faults.sh [--bin=PATH] [--timeout-ms=1000] [--silent-attempt]
 #                                                               (KEEP=1: keep the outputs)
 #
-# Known failure (docs/scale-out.md, "Measured: fault timings"): the prefill worker's put
-# fragments still queued in its socket arrive once the link is back, its connection is then
-# reset (killed for wave 2), and UCX 1.13 aborts the decode worker acknowledging such a put
-# ("Fatal: unexpected error: Endpoint timeout" in ucp_put_handler): mostly with
-# --silent-attempt, at times without; the script then exits 1 after wave 1.
+# Late writes (docs/scale-out.md, "Late writes after a connection reset"): the prefill
+# worker's writes still queued in its socket may arrive once the link is back. Over UCX's
+# emulated puts UCX 1.13 aborted the decode worker then (fixed: writes over TCP are
+# kvstream's own active messages); until the consumer fences a given-up producer off, such
+# writes can still land in reused blocks, which shows as "OUTPUTS DIFFER" (exit 1).
 #
 # --timeout-ms sets load_timeout_ms, send_timeout_ms and handshake_timeout_ms alike. Needs
 # root; the hosts are removed on exit. Exit status 0, 1 when a step failed.

@@ -8,6 +8,7 @@
 //   kvstream_bench_link send --connect=IP:PORT [--tls=tcp] [--net-devices=eth0]
 //       [--seconds=3] [--layer-mib=16] [--block-kib=64] [--depth=4] [--tcp-seconds=3]
 //       [--ucx=NAME=VALUE ...]   (UCX settings without the UCX_ prefix, both sides alike)
+//       [--writes=auto|puts|pieces]   (UcxTransportOptions::write_protocol; auto: pieces)
 //
 // The receiver allocates a 256 MiB pool from the transport, listens on IP:PORT, and serves
 // one sender: it sends its transport's address and the pool's descriptor over a control
@@ -24,7 +25,9 @@
 //   kv_gbps=9.412 kv_layers=140 kv_seconds=3.05 tcp_gbps=9.705 tcp_seconds=3.00 notices=141
 //
 // kv_gbps is the KV bytes of completed layers over the time from the first post to the last
-// completion (a UCX put over TCP completes once the target has it), in 10^9 bits per second;
+// completion, in 10^9 bits per second (a UCX put over TCP completes once the target has it;
+// write pieces once the notification has left, so what the sockets hold, a few MiB, may
+// not have landed yet);
 // tcp_gbps is the plain stream as the receiver counted it. Exit status 0, or 1 with the
 // error on stderr.
 #include <poll.h>
@@ -75,6 +78,7 @@ struct Flags {
   int64_t block_kib = 64;
   int depth = 4;
   std::vector<std::pair<std::string, std::string>> ucx_config;  // --ucx=NAME=VALUE
+  UcxWriteProtocol write_protocol = UcxWriteProtocol::kAuto;  // --writes=auto|puts|pieces
 };
 
 absl::StatusOr<std::pair<std::string, uint16_t>> SplitAddress(const std::string& a) {
@@ -92,6 +96,7 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const Flags& f) {
   o.tls = f.tls;
   o.net_devices = f.net_devices;
   o.ucx_config = f.ucx_config;
+  o.write_protocol = f.write_protocol;
   return CreateUcxTransport(o);
 }
 
@@ -320,6 +325,18 @@ bool ParseFlag(const std::string& arg, Flags& f) {
     f.ucx_config.emplace_back(v.substr(0, eq), v.substr(eq + 1));
     return true;
   }
+  if (value("--writes=", &v)) {
+    if (v == "auto") {
+      f.write_protocol = UcxWriteProtocol::kAuto;
+    } else if (v == "puts") {
+      f.write_protocol = UcxWriteProtocol::kPut;
+    } else if (v == "pieces") {
+      f.write_protocol = UcxWriteProtocol::kActiveMessage;
+    } else {
+      return false;
+    }
+    return true;
+  }
   if (value("--seconds=", &v)) return absl::SimpleAtod(v, &f.seconds);
   if (value("--tcp-seconds=", &v)) return absl::SimpleAtod(v, &f.tcp_seconds);
   if (value("--layer-mib=", &v)) return absl::SimpleAtoi(v, &f.layer_mib);
@@ -343,7 +360,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: %s receive --listen=IP:PORT | send --connect=IP:PORT [--tls=tcp] "
                  "[--net-devices=DEV] [--seconds=S] [--tcp-seconds=S] [--layer-mib=M] "
-                 "[--block-kib=K] [--depth=D] [--ucx=NAME=VALUE]\n",
+                 "[--block-kib=K] [--depth=D] [--ucx=NAME=VALUE] [--writes=auto|puts|pieces]\n",
                  argv[0]);
     return 2;
   }

@@ -334,6 +334,63 @@ TEST_P(UcxMultiProcessTest, PeerKilledMidStreamFailsOutstandingTransfers) {
   EXPECT_EQ(transport_->PeerStatus(peer_).code(), absl::StatusCode::kNotFound);
 }
 
+// Over TCP, the writer's data still queued in the sockets when the writer goes away lands
+// at the receiver after the writer's connection is gone, the case of a prefill worker that
+// dies with writes in flight or whose partition heals after it was given up
+// (docs/scale-out.md). The receiver must live through it. With UCX's emulated puts it did
+// not: the receiver acknowledges every put fragment, and UCX 1.13 aborted it ("Fatal:
+// unexpected error") when the acknowledgement met the reset connection. Here the receiver
+// is stopped (SIGSTOP) while a large write fills the sockets, this side's transport is
+// destroyed (its connections closed), and the receiver continues and drains what arrives.
+TEST_P(UcxMultiProcessTest, LateWritesFromAWriterThatIsGoneDoNotKillTheReceiver) {
+  if (GetParam() != "tcp") GTEST_SKIP() << "late socket data is a TCP case";
+  constexpr size_t kBytes = size_t{32} << 20;
+  Spawn({"--role=receiver", absl::StrCat("--bytes=", kBytes), "--memory=heap"});
+  ASSERT_NO_FATAL_FAILURE(ConnectToReceiver());
+  std::vector<char> src(kBytes, 7);
+  ASSERT_NO_FATAL_FAILURE(RegisterLocal(src));
+  // A first write, so that the endpoint is wired up before the receiver stops.
+  auto hello = transport_->PostWrite(peer_, *reg_, *remote_, {Segment{0, 0, 4096}}, "hello");
+  ASSERT_TRUE(hello.ok()) << hello.status();
+  auto noted = ReadLineProgressing();
+  ASSERT_TRUE(noted.ok()) << noted.status();
+  ASSERT_EQ(*noted, "NOTE hello");
+  ASSERT_TRUE(WaitForTransfer(*transport_, *hello, Deadline()).ok());
+
+  child_->Stop();
+  // The whole region in one write: more than the sockets hold, so some of it waits here
+  // and the rest sits in the sockets until the receiver reads again.
+  auto big = transport_->PostWrite(peer_, *reg_, *remote_, {Segment{0, 0, kBytes}}, "late");
+  ASSERT_TRUE(big.ok()) << big.status();
+  for (int i = 0; i < 100; ++i) ASSERT_TRUE(transport_->Progress().ok());
+  auto state = transport_->Test(*big);
+  ASSERT_TRUE(state.ok()) << state.status();
+  ASSERT_EQ(*state, TransferState::kInProgress) << "nothing in flight: the test proves nothing";
+  transport_.reset();  // closes this side's connections; the registrations go after it
+  remote_.reset();
+  reg_.reset();
+
+  child_->Continue();
+  ASSERT_TRUE(WriteLine(child_->to_child(), "drain").ok());
+  auto landed = child_->reader().ReadLine(Deadline());
+  if (!landed.ok()) {
+    auto exit_code = child_->Wait(Deadline());
+    FAIL() << "the receiver died draining the late writes: " << landed.status() << "; "
+           << (exit_code.ok() ? absl::StrCat("exit ", *exit_code) : exit_code.status().ToString());
+  }
+  absl::string_view count = *landed;
+  size_t bytes = 0;
+  ASSERT_TRUE(absl::ConsumePrefix(&count, "LANDED ") && absl::SimpleAtoi(count, &bytes))
+      << *landed;
+  // The receiver must have handled late data for the test to mean anything (the first
+  // 4096 bytes are the first write's).
+  EXPECT_GT(bytes, 4096u) << "no late data reached the receiver";
+  ASSERT_TRUE(WriteLine(child_->to_child(), "exit").ok());
+  auto exit_code = child_->Wait(Deadline());
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0);
+}
+
 // Writes `segments` from the local registration into `remote` with a "dump" notification
 // and checks the receiver's whole region (as it dumps it) against `expected`, updated here.
 void UcxMultiProcessTest::WriteAndCheck(const RemoteMemory& remote,

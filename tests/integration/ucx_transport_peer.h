@@ -218,6 +218,17 @@ class ChildProcess {
     pid_ = -1;
   }
 
+  // SIGSTOP, returning once the child has stopped; SIGCONT.
+  void Stop() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGSTOP);
+    int status = 0;
+    ::waitpid(pid_, &status, WUNTRACED);
+  }
+  void Continue() {
+    if (pid_ > 0) ::kill(pid_, SIGCONT);
+  }
+
   // Waits (bounded) for a normal exit; returns the exit status or an error.
   absl::StatusOr<int> Wait(absl::Time deadline) {
     while (pid_ > 0) {

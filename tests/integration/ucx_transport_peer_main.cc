@@ -12,6 +12,9 @@
 //     With --claim-bytes=M the descriptor handed out is forged: the real one re-encoded
 //     (ucx/ucx_wire.h) with length M, a hostile peer claiming memory it did not register;
 //     the real one follows as "REAL <hex descriptor>" before "READY".
+//     "drain" on stdin: progresses until no byte of the buffer has changed for a second
+//     (writes that were still on their way, say from a writer that died), then writes
+//     "LANDED <number of non-zero bytes in the buffer>" to fd 3.
 //
 //   kvstream_ucx_transport_peer --role=writer --tls=shm --bytes=N --block=B --count=C --seed=S
 //     Reads "INFO <hex>" and "DESC <hex>" lines from stdin, fills N bytes with the seed's
@@ -38,6 +41,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kvstream/transfer/transport.h"
 #include "kvstream/transfer/ucx_transport.h"
 #include "tests/integration/ucx_transport_peer.h"
@@ -85,6 +90,49 @@ bool StdinClosedOrSays(const std::string& word) {
   ssize_t n = ::read(0, buffer, sizeof(buffer));
   if (n <= 0) return true;
   return absl::StrContains(absl::string_view(buffer, static_cast<size_t>(n)), word);
+}
+
+enum class Command { kNone, kExit, kDrain };
+
+// The receiver's commands on stdin ("exit" or closed stdin, "drain").
+Command ReadCommand() {
+  pollfd p{0, POLLIN, 0};
+  if (::poll(&p, 1, 0) <= 0) return Command::kNone;
+  char buffer[256];
+  ssize_t n = ::read(0, buffer, sizeof(buffer));
+  if (n <= 0) return Command::kExit;
+  absl::string_view text(buffer, static_cast<size_t>(n));
+  if (absl::StrContains(text, "exit")) return Command::kExit;
+  if (absl::StrContains(text, "drain")) return Command::kDrain;
+  return Command::kNone;
+}
+
+size_t NonZeroBytes(const char* data, size_t bytes) {
+  size_t n = 0;
+  for (size_t i = 0; i < bytes; ++i) n += data[i] != 0;
+  return n;
+}
+
+// "drain": progress until the buffer stays the same for a second (at most 30 s).
+int Drain(Transport& transport, const char* data, size_t bytes) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  size_t landed = NonZeroBytes(data, bytes);
+  absl::Time changed = absl::Now();
+  while (absl::Now() - changed < absl::Seconds(1) && absl::Now() < give_up) {
+    for (int i = 0; i < 100; ++i) {
+      absl::Status progress = transport.Progress();
+      if (!progress.ok()) return Fail(progress.ToString());
+    }
+    const size_t now = NonZeroBytes(data, bytes);
+    if (now != landed) {
+      landed = now;
+      changed = absl::Now();
+    }
+  }
+  if (!WriteLine(kPeerOutFd, absl::StrCat("LANDED ", landed)).ok()) {
+    return Fail("cannot write to the parent");
+  }
+  return 0;
 }
 
 // `bytes` of zeroed read-write memory followed by 3 * `bytes` of inaccessible pages (never
@@ -154,7 +202,15 @@ int RunReceiver(Transport& transport, size_t bytes, const std::string& memory, u
         return Fail("cannot write to the parent");
       }
     }
-    if (StdinClosedOrSays("exit")) return 0;
+    switch (ReadCommand()) {
+      case Command::kExit:
+        return 0;
+      case Command::kDrain:
+        if (Drain(transport, data, bytes) != 0) return 1;
+        break;
+      case Command::kNone:
+        break;
+    }
   }
 }
 

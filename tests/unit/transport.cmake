@@ -19,6 +19,10 @@ target_include_directories(ucx_staged_test PRIVATE ${PROJECT_SOURCE_DIR}/transfe
 kvstream_add_gtest(ucx_setup_test LABELS unit SOURCES ucx_setup_test.cc
                    DEPS kvstream::transfer)
 target_include_directories(ucx_setup_test PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)
+# Host writes as active messages over TCP (ucx/am_writes.h).
+kvstream_add_gtest(ucx_am_writes_test LABELS unit SOURCES ucx_am_writes_test.cc
+                   DEPS kvstream::transfer)
+target_include_directories(ucx_am_writes_test PRIVATE ${PROJECT_SOURCE_DIR}/transfer/src)
 # The check of a peer's mapped memory against this process's mappings (ucx/remote_mapping.h).
 kvstream_add_gtest(ucx_remote_mapping_test LABELS unit SOURCES ucx_remote_mapping_test.cc
                    DEPS kvstream::transfer)

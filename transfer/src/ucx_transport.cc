@@ -1,8 +1,9 @@
 // The UCX transport (see ucx_transport.h): the Transport facade over UcxCore
 // (ucx/ucx_core.h), which holds the peers and transfers and whose callbacks move transfers
 // on. This file validates arguments, registers memory, connects, and posts writes: UCX puts
-// (then the core's flush and notification), jobs for the copy threads, or, between device
-// regions, staged writes (ucx/staged_engine.h, which documents that protocol).
+// or, over TCP, write pieces (ucx/am_writes.h, which says why), then the core's flush and
+// notification; jobs for the copy threads; or, between device regions, staged writes
+// (ucx/staged_engine.h, which documents that protocol).
 //
 // Threading: every UCX call runs with UcxCore::mu held (see ucx/ucx_core.h). The user's
 // peer-error callback is queued by the core and called by Progress() after mu is released.
@@ -41,6 +42,7 @@
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
+#include "ucx/am_writes.h"
 #include "ucx/staged_cuda.h"
 #include "ucx/staged_engine.h"
 #include "ucx/ucx_core.h"
@@ -97,6 +99,7 @@ class UcxTransport final : public Transport {
     ASSIGN_OR_RETURN(UcxWorkerInfo info, DecodeWorkerInfo(peer_info));
     absl::MutexLock lock(&core_->mu);
     RETURN_IF_ERROR(CheckNotShutDown("Connect"));
+    core_->refused_uids.erase(info.uid);  // heard from again
     UcxPeer* peer = nullptr;
     for (auto& [id, p] : core_->peers) {
       if (p->uid != info.uid || p->disconnected || !p->status.ok()) continue;
@@ -176,6 +179,17 @@ class UcxTransport final : public Transport {
     }
     if (pool_ != nullptr && rem->mapped() != nullptr) {
       return PostCopies(peer, *reg, *rem, segments, notification);
+    }
+    if (core_->am_writes) {
+      UcxTransfer* t = NewTransfer(peer, notification);
+      absl::Status posted =
+          PostWritePieces(core_.get(), t, static_cast<const char*>(reg->base()), reg->memh(),
+                          rem->address(), segments);
+      if (!posted.ok()) {
+        DropTransfer(t);
+        return posted;
+      }
+      return FlushAndNotify(t);
     }
     ucp_ep_h ep = peer->ep.get();
     // No callback: a put's completion is observed through the flush that follows. The
@@ -298,6 +312,8 @@ class UcxTransport final : public Transport {
                                  peer->label)));
     }
     peer->disconnected = true;
+    // Its write pieces and notifications still on their way are dropped from now on.
+    core_->refused_uids.insert(peer->uid);
     // A healthy endpoint is closed gracefully (its pending operations flushed); a failed
     // one must be forced. Either way Progress() finishes the close and erases the peer.
     if (peer->ep) peer->close_request = peer->ep.StartClose(/*force=*/!peer->status.ok());
@@ -403,7 +419,13 @@ class UcxTransport final : public Transport {
   // still waiting for their copies, in turn.
   absl::StatusOr<TransferId> StartFlushAndNotify(UcxPeer* peer, absl::string_view notification)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu) {
-    UcxTransfer* t = NewTransfer(peer, notification);
+    return FlushAndNotify(NewTransfer(peer, notification));
+  }
+
+  // The same for a transfer already made (whose writes are posted).
+  absl::StatusOr<TransferId> FlushAndNotify(UcxTransfer* t)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu) {
+    UcxPeer* peer = t->peer;
     const TransferId id = t->id;
     if (!peer->waiting.empty()) {
       t->phase = Phase::kCopying;  // nothing of its own to copy: no job
@@ -412,11 +434,17 @@ class UcxTransport final : public Transport {
     }
     absl::Status status = core_->StartFlush(t);
     if (!status.ok()) {
-      peer->outstanding.erase(t);
-      core_->transfers.erase(id);
+      if (!t->write_headers.empty()) core_->orphan_headers.push_back(std::move(t->write_headers));
+      DropTransfer(t);
       return status;
     }
     return id;
+  }
+
+  // Forgets a transfer that was never handed to UCX as a whole (its post failed).
+  void DropTransfer(UcxTransfer* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu) {
+    t->peer->outstanding.erase(t);
+    core_->transfers.erase(t->id);
   }
 
   // PostWrite through the copy threads: the segments are copied into the peer's mapped

@@ -1,7 +1,8 @@
 // UcxCore's transitions and the UCX callbacks that drive them (see ucx_core.h).
 //
-// A transfer: every segment is posted with ucp_put_nbx (no callback; a returned request is
-// freed at once, since the flush below covers it), then one ucp_ep_flush_nbx; when the flush
+// A transfer: every segment is posted with ucp_put_nbx, or as write pieces over TCP
+// (ucx/am_writes.h) (no callback; a returned request is freed at once, since the flush
+// below covers it), then one ucp_ep_flush_nbx; when the flush
 // completes - all puts are then complete at the target - the notification is sent as an
 // eager active message whose header carries the sender's uid, so the receiver can name the
 // sender even if it never connected back. The transfer is kDone when that send completes.
@@ -21,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "kvstream/common/logging.h"
 #include "kvstream/common/status_macros.h"
+#include "ucx/am_writes.h"
 #include "ucx/staged_engine.h"
 #include "ucx/ucx_status.h"
 
@@ -46,7 +48,9 @@ void OnFlushed(void* request, ucs_status_t status, void* user_data)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   auto* t = static_cast<UcxTransfer*>(user_data);
   UcxCore* core = t->core;
-  if (!core->RequestDone(t, request) || t->phase != Phase::kFlushing) return;
+  if (!core->RequestDone(t, request)) return;
+  t->write_headers = {};  // every piece before the flush has left: UCX is done with them
+  if (t->phase != Phase::kFlushing) return;
   if (status == UCS_OK) {
     core->SendNotification(t);
   } else {
@@ -70,6 +74,8 @@ ucs_status_t OnNotification(void* arg, const void* header, size_t header_length,
     Log(LogLevel::kWarning, "UCX: dropped a rendezvous notification");
     return UCS_OK;
   }
+  // From a sender this side disconnected from: a notice of writes it refused too.
+  if (core->refused_uids.count(sender->sender_uid) != 0) return UCS_OK;
   UcxPeer* peer = core->PeerForUid(sender->sender_uid);
   Notification n;
   n.peer = peer->id;
@@ -124,6 +130,10 @@ absl::Status UcxCore::InstallHandlers() {
   am.arg = this;
   RETURN_IF_ERROR(UcxStatusToStatus(ucp_worker_set_am_recv_handler(worker.get(), &am),
                                     "set_am_recv_handler"));
+  am.id = kWriteAmId;
+  am.cb = OnWritePiece;
+  RETURN_IF_ERROR(UcxStatusToStatus(ucp_worker_set_am_recv_handler(worker.get(), &am),
+                                    "set_am_recv_handler (writes)"));
   am.id = kStagedAmId;
   am.cb = OnStagedMessage;
   return UcxStatusToStatus(ucp_worker_set_am_recv_handler(worker.get(), &am),
@@ -383,6 +393,7 @@ void UcxCore::Shutdown() {
   transfers.clear();
   zombies.clear();
   control_sends.clear();
+  orphan_headers.clear();
   peers.clear();
   inbox.clear();
   staged_inbox.clear();

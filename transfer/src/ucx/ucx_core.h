@@ -105,6 +105,8 @@ struct UcxTransfer {
   size_t tail_bytes = 0;
   // Staged writes posted to the peer before the notification (ucx/staged_engine.h).
   uint64_t watermark = 0;
+  // Write pieces' headers (ucx/am_writes.h), which UCX reads until the flush completes.
+  std::vector<WriteHeader> write_headers;
 
   UcxTransfer();
   ~UcxTransfer();
@@ -156,10 +158,21 @@ struct UcxCore {
   uint64_t uid = 0;
   std::string local_info;
   bool network = false;  // the chosen transports can leave this host
+  bool am_writes = false;  // host writes travel as active messages (ucx/am_writes.h)
 
   // Memory from AllocateMemory, by base address, so that RegisterMemory of a range inside
   // one reuses its memory handle (and so its shared-memory remote key).
   std::map<uintptr_t, UcxAllocation> allocations ABSL_GUARDED_BY(mu);
+  // Every host registration's range (base -> length), where write pieces may land; and the
+  // pieces dropped because they did not (ucx/am_writes.h).
+  std::multimap<uintptr_t, size_t> host_regions ABSL_GUARDED_BY(mu);
+  uint64_t dropped_write_pieces ABSL_GUARDED_BY(mu) = 0;
+  // Senders (by uid) this side disconnected from: their write pieces and notifications are
+  // dropped until Connect to them again (ucx_transport.h: Disconnect).
+  std::set<uint64_t> refused_uids ABSL_GUARDED_BY(mu);
+  // Headers of write pieces whose transfer could not be posted, kept until Shutdown because
+  // UCX may still read them.
+  std::vector<std::vector<WriteHeader>> orphan_headers ABSL_GUARDED_BY(mu);
   std::map<PeerId, std::unique_ptr<UcxPeer>> peers ABSL_GUARDED_BY(mu);
   std::map<TransferId, std::unique_ptr<UcxTransfer>> transfers ABSL_GUARDED_BY(mu);
   std::map<UcxTransfer*, std::unique_ptr<UcxTransfer>> zombies ABSL_GUARDED_BY(mu);
@@ -183,7 +196,8 @@ struct UcxCore {
   UcxCore();
   ~UcxCore();
 
-  // Installs the notification handler on the worker (once, at creation).
+  // Installs the handlers of notifications, write pieces and staged messages on the worker
+  // (once, at creation).
   absl::Status InstallHandlers();
 
   UcxPeer* NewPeer(uint64_t peer_uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/status_macros.h"
+#include "ucx/am_writes.h"
 #include "ucx/remote_mapping.h"
 #include "ucx/staged_cuda.h"
 #include "ucx/staged_engine.h"
@@ -76,6 +77,7 @@ UcxRegistration::~UcxRegistration() {
     core_->device_regions.erase(region_id_);  // chunks arriving from now on are dropped
     WaitForStagedRegionIdle(core_.get(), this, region_id_);
   }
+  if (!device()) RemoveHostRegion(core_.get(), base_, length_);  // later pieces are dropped
   if (allocated_) core_->allocations.erase(reinterpret_cast<uintptr_t>(base_));
   memh_.reset();  // unmaps (and frees an allocation) if this was the last user
 }
@@ -109,6 +111,7 @@ absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterUcxMemory(
     --it;
     const uintptr_t offset = address - it->first;
     if (offset < it->second.length && length <= it->second.length - offset) {
+      AddHostRegion(core.get(), base, length);
       return std::unique_ptr<MemoryRegistration>(
           new UcxRegistration(core, it->second.memh, base, length, kind,
                               Descriptor(address, length, it->second.rkey),
@@ -124,6 +127,7 @@ absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterUcxMemory(
       UcxStatusToStatus(ucp_mem_map(core->context.get(), &params, &raw_memh), "mem_map"));
   auto memh = std::make_shared<UcxMemHandle>(core->context.get(), raw_memh);
   ASSIGN_OR_RETURN(std::string rkey, PackRkey(core.get(), memh->get()));
+  AddHostRegion(core.get(), base, length);
   return std::unique_ptr<MemoryRegistration>(
       new UcxRegistration(core, std::move(memh), base, length, kind,
                           Descriptor(address, length, rkey), /*allocated=*/false));
@@ -194,6 +198,7 @@ absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateUcxMemory(
   allocation.memh = memh;
   allocation.rkey = std::move(rkey);
   core->allocations[address] = std::move(allocation);
+  AddHostRegion(core.get(), base, length);
   return std::unique_ptr<MemoryRegistration>(new UcxRegistration(
       core, std::move(memh), base, length, kind, std::move(descriptor), /*allocated=*/true));
 }

@@ -58,7 +58,33 @@ bool MayUseTcp(const std::string& tls) {
   return false;
 }
 
+// Whether UCX_TLS names nothing but tcp and self: then every put between two processes is
+// an emulated one (rma_am over tcp).
+bool OnlyTcp(const std::string& tls) {
+  bool tcp = false;
+  for (absl::string_view name : absl::StrSplit(tls, ',')) {
+    if (name == "tcp") {
+      tcp = true;
+    } else if (name != "self") {
+      return false;
+    }
+  }
+  return tcp;
+}
+
 }  // namespace
+
+bool UsesActiveMessageWrites(const UcxTransportOptions& options) {
+  switch (options.write_protocol) {
+    case UcxWriteProtocol::kPut:
+      return false;
+    case UcxWriteProtocol::kActiveMessage:
+      return true;
+    case UcxWriteProtocol::kAuto:
+      break;
+  }
+  return OnlyTcp(TlsFor(options.tls));
+}
 
 UcxSettings UcxConfigFor(const UcxTransportOptions& options) {
   UcxSettings settings;
@@ -94,10 +120,11 @@ UcxSettings UcxConfigFor(const UcxTransportOptions& options) {
     set("MM_SEG_SIZE", "64k");
   }
   if (MayUseTcp(tls)) {
-    // Puts over TCP travel as active-message fragments of at most TX_SEG_SIZE (UCX's
-    // default 8 KiB: one send per 8 KiB); 256 KiB fragments (the receive side must be at
-    // least as large) tripled a link's KV throughput between two hosts, 5 -> 16 Gbit/s on
-    // an unlimited veth link, against 21 for a plain TCP stream (docs/scale-out.md). The
+    // Writes over TCP (kvstream's write pieces, ucx/am_writes.h, or UCX's emulated puts)
+    // travel as active-message fragments of at most TX_SEG_SIZE (UCX's default 8 KiB: one
+    // send per 8 KiB); 256 KiB fragments (the receive side must be at least as large)
+    // tripled a link's KV throughput between two hosts, 5 -> 16 Gbit/s on an unlimited veth
+    // link, against 21 for a plain TCP stream (docs/scale-out.md). The
     // cost is memory: buffers of that size per endpoint while a fragment is in flight. The
     // keys are the fields of UCX's tcp table (the environment spells them UCX_TCP_*).
     set("TX_SEG_SIZE", "256k");
@@ -150,6 +177,7 @@ absl::StatusOr<std::shared_ptr<UcxCore>> CreateUcxCore(const UcxTransportOptions
   core->uid = info.uid;
   core->local_info = EncodeWorkerInfo(info);
   core->network = AllowsNetwork(tls);
+  core->am_writes = UsesActiveMessageWrites(options);
   return core;
 }
 

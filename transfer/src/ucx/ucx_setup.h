@@ -24,6 +24,10 @@ using UcxSettings = std::vector<std::pair<std::string, std::string>>;
 // last the options' own ucx_config (so it wins).
 UcxSettings UcxConfigFor(const UcxTransportOptions& options);
 
+// Whether host writes travel as kvstream's active messages (ucx/am_writes.h) under these
+// options: UcxWriteProtocol's kAuto resolved from options.tls.
+bool UsesActiveMessageWrites(const UcxTransportOptions& options);
+
 // A core with its context, worker (UCS_THREAD_MODE_SERIALIZED), uid and local info. The
 // UCX error naming the call when UCX cannot start with these options. Does not validate
 // the options' other fields (the caller does).

@@ -15,6 +15,7 @@ namespace {
 constexpr uint32_t kWorkerInfoMagic = 0x57555653;    // bytes "SVUW"
 constexpr uint32_t kDescriptorMagic = 0x4D555653;    // bytes "SVUM"
 constexpr uint32_t kNotificationMagic = 0x4E555653;  // bytes "SVUN"
+constexpr uint32_t kWriteMagic = 0x44555653;         // bytes "SVUD"
 
 // Prefixes a ByteReader's error with what was being decoded.
 absl::Status In(absl::string_view what, absl::Status status) {
@@ -180,6 +181,28 @@ absl::StatusOr<NotificationHeaderFields> DecodeNotificationHeader(absl::string_v
   NotificationHeaderFields fields;
   RETURN_IF_ERROR(In(kWhat, r.U64("uid", &fields.sender_uid)));
   RETURN_IF_ERROR(In(kWhat, r.U64("watermark", &fields.watermark)));
+  RETURN_IF_ERROR(In(kWhat, r.ExpectEnd(kWhat)));
+  return fields;
+}
+
+WriteHeader EncodeWriteHeader(uint64_t sender_uid, uint64_t address) {
+  std::string out;
+  PutUcxPreamble(out, kWriteMagic);
+  ByteWriter w(&out);
+  w.U64(sender_uid);
+  w.U64(address);
+  WriteHeader header;
+  std::memcpy(header.data(), out.data(), header.size());
+  return header;
+}
+
+absl::StatusOr<WriteHeaderFields> DecodeWriteHeader(absl::string_view bytes) {
+  constexpr absl::string_view kWhat = "UCX write header";
+  ByteReader r(bytes);
+  RETURN_IF_ERROR(ReadPreamble(r, kWriteMagic, kWhat));
+  WriteHeaderFields fields;
+  RETURN_IF_ERROR(In(kWhat, r.U64("uid", &fields.sender_uid)));
+  RETURN_IF_ERROR(In(kWhat, r.U64("address", &fields.address)));
   RETURN_IF_ERROR(In(kWhat, r.ExpectEnd(kWhat)));
   return fields;
 }

@@ -75,6 +75,18 @@ struct NotificationHeaderFields {
 NotificationHeader EncodeNotificationHeader(uint64_t sender_uid, uint64_t watermark);
 absl::StatusOr<NotificationHeaderFields> DecodeNotificationHeader(absl::string_view bytes);
 
+// Write active-message header (writes sent as active messages, ucx/am_writes.h):
+//   u32 magic   u16 version   u16 reserved   u64 sender uid   u64 destination address
+// The payload is the bytes to write at the destination, an address in the receiver.
+inline constexpr size_t kWriteHeaderBytes = 24;
+using WriteHeader = std::array<char, kWriteHeaderBytes>;
+struct WriteHeaderFields {
+  uint64_t sender_uid = 0;
+  uint64_t address = 0;
+};
+WriteHeader EncodeWriteHeader(uint64_t sender_uid, uint64_t address);
+absl::StatusOr<WriteHeaderFields> DecodeWriteHeader(absl::string_view bytes);
+
 // Preamble and checksum helpers for the other UCX wire messages (ucx/staged_wire.h).
 void PutUcxPreamble(std::string& out, uint32_t magic);
 uint64_t UcxChecksum(absl::string_view bytes);

@@ -28,7 +28,12 @@
 //   whose remote key lets the writer attach the segment, and puts into it are then plain
 //   copies by the writer over UCX's sysv/posix RMA lanes: the data lands without the
 //   target's progress (notifications still need it). Over TCP the memory is ordinary
-//   (anonymous mmap) and puts stay emulated. Observed with UCX 1.13: a new endpoint's
+//   (anonymous mmap) and puts stay emulated, each fragment acknowledged by the target, and
+//   UCX 1.13 aborts a target whose acknowledgement meets a connection reset after the
+//   fragment arrived. So over TCP alone (UCX_TLS of tcp and self) writes are, by default,
+//   kvstream's own active messages ("write pieces", UcxWriteProtocol below), which land
+//   the same way, only while the target progresses, and are never answered. Observed with
+//   UCX 1.13: a new endpoint's
 //   first write completes only after the target progressed once (connection handshake).
 // - A peer that dies before UCX's connection handshake with it completed is not detected by
 //   UCX; transfers to it stay in progress until the caller's deadline (WaitForTransfer),
@@ -42,12 +47,13 @@
 // lies in what the key mapped here and in none of this transport's own shared memory; the
 // staged path checks a receiver's landing area the same way. So no descriptor makes this
 // process store outside memory it mapped for the peer. Where the key maps nothing here
-// (emulated puts, TCP) the writer cannot check the claim, and UCX 1.13 places the bytes on
-// the receiver's side at the address the writer names without checking the receiver's
-// registrations (observed: a receiver whose descriptor claims more than it registered
-// crashes itself when written past its registration). A receiver that lies hurts only
-// itself; but a hostile *writer* can likewise place bytes anywhere in a receiver that takes
-// emulated puts.
+// (emulated puts, TCP) the writer cannot check the claim. With emulated puts UCX 1.13
+// places the bytes on the receiver's side at the address the writer names without checking
+// the receiver's registrations (observed: a receiver whose descriptor claims more than it
+// registered crashes itself when written past its registration), so a hostile *writer* can
+// place bytes anywhere in a receiver that takes emulated puts. Write pieces are checked by
+// the receiver instead: a piece lands only inside a host region it has registered at that
+// moment, and is dropped otherwise.
 //
 // Thread safety: as Transport (every method from any thread); internally one mutex
 // serialises every UCX call and the worker runs in UCS_THREAD_MODE_SERIALIZED. With
@@ -70,6 +76,21 @@
 #include "kvstream/transfer/transport.h"
 
 namespace kvstream {
+
+// How host writes travel (UcxTransportOptions::write_protocol).
+enum class UcxWriteProtocol {
+  // Active messages where UCX would only emulate puts with acknowledged active messages
+  // (UCX_TLS naming nothing but tcp and self), UCX puts elsewhere.
+  kAuto,
+  // UCX one-sided puts (ucp_put_nbx), emulated by UCX over TCP. The UCX this was built on
+  // (1.13) then aborts a receiver that cannot acknowledge a put fragment because the
+  // writer's connection was reset after the fragment arrived.
+  kPut,
+  // kvstream's own eager active messages, copied into the destination by the receiver
+  // (which drops any whose destination is not inside memory it has registered) and never
+  // answered. Both sides must be of a kvstream version that has them.
+  kActiveMessage,
+};
 
 struct UcxTransportOptions {
   // UCX transports to use (UCX_TLS syntax): "shm" (shared memory, same host), "tcp"
@@ -102,10 +123,19 @@ struct UcxTransportOptions {
   // staged_slots * staged_chunk_bytes of pinned host memory and as much device staging.
   uint64_t staged_chunk_bytes = uint64_t{4} << 20;
   int staged_slots = 4;
+  // How writes from host memory travel (see UcxWriteProtocol). Device writes are staged.
+  UcxWriteProtocol write_protocol = UcxWriteProtocol::kAuto;
 };
 
 inline constexpr int kMaxCopyThreads = 64;
 
+// Disconnect(peer) also fences the peer off: write pieces (UcxWriteProtocol::
+// kActiveMessage) and notifications it sends afterwards, or that were still on their way,
+// are dropped, until Connect to that peer again. A consumer that gives a producer up
+// disconnects it before reusing the blocks the producer was writing, so that a partition
+// that heals later cannot land the producer's queued writes in them. (UCX's emulated puts
+// cannot be refused at the target.)
+//
 // A transport with its own UCP context and worker. InvalidArgument for an empty tls or
 // options out of their ranges; the UCX
 // error (naming the UCX call) when UCX cannot start with these options, for example a
