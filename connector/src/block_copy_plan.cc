@@ -37,34 +37,53 @@ absl::StatusOr<std::vector<ByteRun>> PlanBlockCopy(const CacheStrides& s, int bl
   // Visit rows in address order within a block: the order of the two inner strides.
   const bool token_major = s.token >= s.head;
   std::vector<ByteRun> runs;
-  auto emit = [&](uint64_t src, uint64_t dst) {
+  auto emit = [&](uint64_t src, uint64_t dst, uint64_t length) {
     if (!runs.empty()) {
       ByteRun& last = runs.back();
       if (last.src_offset + last.length == src && last.dst_offset + last.length == dst) {
-        last.length += row;
+        last.length += length;
         return;
       }
     }
-    runs.push_back({src, dst, row});
+    runs.push_back({src, dst, length});
   };
+  // Dense blocks (the rows of a block tile it in address order without gaps, as in every
+  // cache kvstream allocates): a block's rows in visiting order form runs of many rows at
+  // once, so the plan costs a few steps per block rather than one per token and head (a
+  // layer of 8k tokens has 65536 rows).
+  const bool dense =
+      token_major ? (s.head == head_size && s.token == static_cast<int64_t>(num_kv_heads) * head_size)
+                  : (s.token == head_size && s.head == static_cast<int64_t>(block_size) * head_size);
   for (int64_t i = 0; i < blocks; ++i) {
     if (src_blocks[i] < 0 || dst_blocks[i] < 0) {
       return absl::InvalidArgumentError(absl::StrCat("block copy plan: negative block id at ", i));
     }
     const int64_t n = std::min<int64_t>(block_size, num_tokens - i * block_size);
     const int64_t sb = src_blocks[i], db = dst_blocks[i];
-    if (token_major) {
+    if (dense && token_major) {
+      // Tokens [0, n) of the block: n * num_kv_heads rows from its start.
+      emit(static_cast<uint64_t>(s.Offset(sb, 0, 0, 0)) * element_bytes,
+           static_cast<uint64_t>(s.Offset(db, 0, 0, 0)) * element_bytes,
+           static_cast<uint64_t>(n) * num_kv_heads * row);
+    } else if (dense) {
+      // Per head, tokens [0, n): n rows from the head's start in the block.
+      for (int h = 0; h < num_kv_heads; ++h) {
+        emit(static_cast<uint64_t>(s.Offset(sb, 0, h, 0)) * element_bytes,
+             static_cast<uint64_t>(s.Offset(db, 0, h, 0)) * element_bytes,
+             static_cast<uint64_t>(n) * row);
+      }
+    } else if (token_major) {
       for (int64_t t = 0; t < n; ++t) {
         for (int h = 0; h < num_kv_heads; ++h) {
           emit(static_cast<uint64_t>(s.Offset(sb, t, h, 0)) * element_bytes,
-               static_cast<uint64_t>(s.Offset(db, t, h, 0)) * element_bytes);
+               static_cast<uint64_t>(s.Offset(db, t, h, 0)) * element_bytes, row);
         }
       }
     } else {
       for (int h = 0; h < num_kv_heads; ++h) {
         for (int64_t t = 0; t < n; ++t) {
           emit(static_cast<uint64_t>(s.Offset(sb, t, h, 0)) * element_bytes,
-               static_cast<uint64_t>(s.Offset(db, t, h, 0)) * element_bytes);
+               static_cast<uint64_t>(s.Offset(db, t, h, 0)) * element_bytes, row);
         }
       }
     }

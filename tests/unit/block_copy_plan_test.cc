@@ -1,6 +1,7 @@
 // Tests of PlanBlockCopy: byte runs between caches of one layout.
 #include "kvstream/connector/block_copy_plan.h"
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -83,6 +84,70 @@ TEST(BlockCopyPlanTest, CopyingTheRunsMovesExactlyTheTokens) {
           } else {
             ASSERT_EQ(dst[dof], 0) << "token " << t << " must not be copied";
           }
+        }
+      }
+    }
+  }
+}
+
+// The plan row by row, merged as PlanBlockCopy merges: what its per-block paths must equal.
+std::vector<ByteRun> RowByRow(const CacheStrides& s, int block_size, int heads, int head_size,
+                              size_t es, const std::vector<int32_t>& sb,
+                              const std::vector<int32_t>& db, int64_t tokens) {
+  std::vector<ByteRun> runs;
+  const uint64_t row = static_cast<uint64_t>(head_size) * es;
+  const bool token_major = s.token >= s.head;
+  for (size_t i = 0; static_cast<int64_t>(i * block_size) < tokens; ++i) {
+    const int64_t n = std::min<int64_t>(block_size, tokens - static_cast<int64_t>(i) * block_size);
+    for (int64_t a = 0; a < (token_major ? n : heads); ++a) {
+      for (int64_t b = 0; b < (token_major ? heads : n); ++b) {
+        const int64_t t = token_major ? a : b, h = token_major ? b : a;
+        const uint64_t src = static_cast<uint64_t>(s.Offset(sb[i], t, h, 0)) * es;
+        const uint64_t dst = static_cast<uint64_t>(s.Offset(db[i], t, h, 0)) * es;
+        if (!runs.empty() && runs.back().src_offset + runs.back().length == src &&
+            runs.back().dst_offset + runs.back().length == dst) {
+          runs.back().length += row;
+        } else {
+          runs.push_back({src, dst, row});
+        }
+      }
+    }
+  }
+  return runs;
+}
+
+TEST(BlockCopyPlanTest, EqualsTheRowByRowPlanForDenseAndPaddedLayouts) {
+  std::mt19937 rng(17);
+  for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
+    for (bool padded : {false, true}) {
+      const KvCacheSpec spec = Spec(16, 8, 128);
+      CacheStrides st = MakeCacheStrides(spec, layout, false);
+      if (padded) {  // rows 16 elements apart from the next: no dense fast path
+        if (layout == KvLayout::kNHD) {
+          st.head = 144;
+          st.token = 8 * 144;
+          st.block = 16 * st.token;
+        } else {
+          st.token = 144;
+          st.head = 16 * 144;
+          st.block = 8 * st.head;
+        }
+      }
+      std::vector<int32_t> sb(64), db(64);
+      for (int i = 0; i < 64; ++i) sb[i] = db[i] = i;
+      std::shuffle(sb.begin(), sb.end(), rng);
+      std::shuffle(db.begin(), db.end(), rng);
+      sb[1] = sb[0] + 1;  // one pair consecutive on both sides: merged across blocks
+      db[1] = db[0] + 1;
+      for (int64_t tokens : {int64_t{0}, int64_t{1}, int64_t{16}, int64_t{500}, int64_t{1024}}) {
+        auto runs = PlanBlockCopy(st, 16, 8, 128, 2, sb, db, tokens);
+        ASSERT_TRUE(runs.ok()) << runs.status();
+        const std::vector<ByteRun> want = RowByRow(st, 16, 8, 128, 2, sb, db, tokens);
+        ASSERT_EQ(runs->size(), want.size()) << static_cast<int>(layout) << padded << tokens;
+        for (size_t i = 0; i < want.size(); ++i) {
+          EXPECT_EQ((*runs)[i].src_offset, want[i].src_offset) << i;
+          EXPECT_EQ((*runs)[i].dst_offset, want[i].dst_offset) << i;
+          EXPECT_EQ((*runs)[i].length, want[i].length) << i;
         }
       }
     }
