@@ -154,7 +154,8 @@ absl::Status Engine::AddRequest(RequestSpec spec) {
 }
 
 bool Engine::HasWork() const {
-  return !waiting_.empty() || !running_.empty() || !loading_.empty() || !held_blocks_.empty();
+  return !waiting_.empty() || !running_.empty() || !loading_.empty() || !loaded_.empty() ||
+         !held_blocks_.empty();
 }
 
 std::vector<RequestResult> Engine::TakeFinished() { return std::move(finished_); }
@@ -212,7 +213,7 @@ absl::Status Engine::PollConnector() {
     auto it = loading_.find(id);
     if (it == loading_.end()) continue;
     recv_finished_.erase(id);
-    running_.push_back(std::move(it->second));
+    loaded_.push_back(std::move(it->second));
     loading_.erase(it);
   }
   return absl::OkStatus();
@@ -254,6 +255,8 @@ absl::Status Engine::BindStep(absl::Span<const ScheduledRequest> scheduled) {
 }
 
 absl::Status Engine::Admit() {
+  for (std::unique_ptr<Request>& r : loaded_) running_.push_back(std::move(r));
+  loaded_.clear();
   KvConnectorScheduler* c = options_.scheduler;
   while (!waiting_.empty()) {
     Request& r = *waiting_.front();

@@ -169,6 +169,9 @@ class Engine {
   // Consumer with the connector's asynchronous load: requests whose KV is still arriving;
   // they run once the connector reports them finished receiving.
   std::map<std::string, std::unique_ptr<Request>> loading_;
+  // Their loads completed (PollConnector, which may run in the middle of a step): they join
+  // running_ at the next step's start.
+  std::vector<std::unique_ptr<Request>> loaded_;
   std::map<std::string, std::vector<int32_t>> held_blocks_;  // freed when the connector says
   // Reported finished receiving while still running: a later load error frees at once.
   std::set<std::string> recv_finished_;
