@@ -191,9 +191,11 @@ struct NodeOptions {
 };
 
 // One worker: a connector and its layers' caches (null for layers it does not own).
+// The caches come first so that they outlive the connector, which registered them and
+// whose peers' writes may still land in them until it is destroyed.
 struct Node {
-  std::unique_ptr<TestConnector> connector;
   std::vector<std::unique_ptr<KvCache>> caches;
+  std::unique_ptr<TestConnector> connector;
   absl::Status register_status;
 };
 

@@ -66,7 +66,9 @@ class KvConnectorWorker : public TransferHook {
 
   // The layers' caches by layer name (each name must hold exactly one layer index; every
   // cache the same spec, block count and memory kind). Registers their memory with the
-  // transport. Call once, before any step; a failed call leaves nothing registered.
+  // transport. Call once, before any step; a failed call leaves nothing registered. Their
+  // memory must stay valid until the connector is destroyed (its peers may write into it
+  // until then), unless it came from AllocateCacheMemory, whose release deregisters it.
   virtual absl::Status RegisterKvCaches(const std::map<std::string, KvCache*>& caches) = 0;
 
   // This step's metadata (it replaces the previous step's). A load for a request already
