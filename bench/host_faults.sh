@@ -24,8 +24,9 @@
 # Late writes (docs/scale-out.md, "Late writes after a connection reset"): the prefill
 # worker's writes still queued in its socket may arrive once the link is back. Over UCX's
 # emulated puts UCX 1.13 aborted the decode worker then (fixed: writes over TCP are
-# kvstream's own active messages); until the consumer fences a given-up producer off, such
-# writes can still land in reused blocks, which shows as "OUTPUTS DIFFER" (exit 1).
+# kvstream's own active messages), and the decode worker fences a producer it gave up off
+# (Transport::Disconnect) before it reuses the blocks: such writes landing in reused blocks
+# would show as "OUTPUTS DIFFER" (exit 1).
 #
 # --timeout-ms sets load_timeout_ms, send_timeout_ms and handshake_timeout_ms alike. Needs
 # root; the hosts are removed on exit. Exit status 0, 1 when a step failed.

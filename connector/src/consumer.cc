@@ -39,6 +39,7 @@ ConsumerSide::ConsumerSide(WorkerShared& shared)
         o.max_connections = static_cast<size_t>(k.max_connections);
         o.dial = [this](const std::string& host, int port) { return Dial(host, port); };
         o.on_message = [this](ProducerLink& link, ConnectorMessage m) { OnMessage(link, m); };
+        o.on_end = [this](ProducerLink& link) { FenceOff(link); };
         o.on_lost = [this](ProducerLink& link, const absl::Status& why) { LinkLost(link, why); };
         o.stopping = &shared_.stopping;
         return o;
@@ -149,10 +150,12 @@ absl::StatusOr<ProducerPeers::Dialed> ConsumerSide::Dial(const std::string& host
   out.conn = std::move(*connected);
   const KvTransferConfig& config = shared_.config;
   const std::string transport(shared_.transport->name());
+  std::string transport_info;
   hs.check = [&](const HelloMsg& peer) -> absl::Status {
     ASSIGN_OR_RETURN(ConnectorHello theirs, DecodeConnectorHello(peer.payload));
     RETURN_IF_ERROR(
         CheckCompatible(*table, config.engine_id, transport, theirs, peer.engine_id));
+    transport_info = theirs.transport_info;
     return CheckStageLayers(config.kvstream, table->indices(), HelloLayers(theirs),
                             absl::StrCat("'", absl::CHexEscape(peer.engine_id), "'"));
   };
@@ -165,7 +168,25 @@ absl::StatusOr<ProducerPeers::Dialed> ConsumerSide::Dial(const std::string& host
                                      absl::CHexEscape(peer.status().message())));
   }
   out.engine_id = peer->engine_id;
+  // Its writes are accepted from now on (lifting the fence of an earlier link's end).
+  absl::StatusOr<PeerId> accepted = shared_.transport->Accept(transport_info);
+  if (!accepted.ok()) {
+    return absl::Status(accepted.status().code(),
+                        absl::StrCat("producer ", absl::CHexEscape(key), "'s transport: ",
+                                     absl::CHexEscape(accepted.status().message())));
+  }
+  out.transport_peer = *accepted;
   return out;
+}
+
+void ConsumerSide::FenceOff(ProducerLink& link) {
+  if (!link.transport_peer.has_value()) return;
+  absl::Status s = shared_.transport->Disconnect(*link.transport_peer);
+  // NotFound: the transport had already forgotten it (it failed and was closed).
+  if (!s.ok() && !absl::IsNotFound(s)) {
+    Log(LogLevel::kWarning, absl::StrCat("fencing off producer ", absl::CHexEscape(link.address),
+                                         "'s transport: ", s.ToString()));
+  }
 }
 
 int64_t ConsumerSide::connections() const { return peers_.connections(); }

@@ -14,7 +14,8 @@
 //   kLoading  -> kFailed    a layer missed its deadline, failed its checksum, the producer
 //                           refused or stopped it, the link broke, or the engine finished it
 //   kFailed   -> kStopped   the producer confirmed it stopped writing, the link is gone, or
-//                           the abort deadline passed (the link is then closed)
+//                           the abort deadline passed (the link is then closed); a link that
+//                           ends fences the producer's transport off first (FenceOff)
 // A layer's lifecycle within a request (LayerState):
 //   kMissing   -> kChecking   its notice is being checked on the host (byte count, and for
 //                             host caches the checksum)
@@ -157,6 +158,12 @@ class ConsumerSide {
   // From a link's reader: a message, and the link's end (its requests fail).
   void OnMessage(ProducerLink& link, const ConnectorMessage& message);
   void LinkLost(ProducerLink& link, const absl::Status& why);
+  // At a link's end, before LinkLost lets its requests' blocks be freed: disconnects the
+  // producer's transport peer, so that its writes still on their way (a partition that
+  // heals, a killed producer whose kernel still sends what its socket held) are dropped
+  // instead of landing in blocks that another request may hold by then (transport.h:
+  // Disconnect). The next link's handshake accepts its writes again (Dial).
+  void FenceOff(ProducerLink& link);
   // The live link a request of `r` was handed to, or null when that link is gone.
   std::shared_ptr<ProducerLink> LinkOf(const RecvRequest& r) const;
   void Fail(RecvRequest& r, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -56,6 +56,7 @@ absl::StatusOr<std::shared_ptr<ProducerPeers::Link>> ProducerPeers::LinkFor(
     link->conn = std::move(dialed->conn);
     link->address = key;
     link->engine_id = std::move(dialed->engine_id);
+    link->transport_peer = dialed->transport_peer;
     link->serial = next_serial_++;
     peer.link = link;
     peer.engine_id = link->engine_id;
@@ -80,6 +81,7 @@ std::shared_ptr<ProducerPeers::Link> ProducerPeers::Find(const std::string& addr
 void ProducerPeers::Lose(Link& link, const absl::Status& why) {
   if (!link.alive.exchange(false)) return;
   link.conn->Close();
+  if (options_.on_end) options_.on_end(link);
   {
     absl::MutexLock lock(&mu_);
     auto it = peers_.find(link.address);

@@ -12,7 +12,9 @@
 //
 // Links are numbered (Link::serial, never reused), so that requests name the link they were
 // handed to: the loss of an old link fails only its own requests, never those a
-// reconnection has handed to the new one.
+// reconnection has handed to the new one. A link's end runs Options::on_end first, before
+// the peer goes down (so before any redial), then on_lost: the consumer fences the
+// producer's transport off in on_end, which a redial's Accept must come after.
 //
 // Thread safety: thread-safe. The handlers are called without any lock of this class held
 // (from a reader thread, or from the thread calling Lose), so they may call back into it.
@@ -24,6 +26,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,6 +37,7 @@
 #include "absl/synchronization/mutex.h"
 #include "control_messages.h"
 #include "kvstream/transfer/control_channel.h"
+#include "kvstream/transfer/transport.h"
 #include "peer_lifecycle.h"
 
 namespace kvstream {
@@ -46,26 +50,34 @@ class ProducerPeers {
     std::string address;
     std::string engine_id;  // from its hello
     uint64_t serial = 0;    // > 0, unique among this consumer's links
+    // The producer's transport as this side's transport knows it (Transport::Accept),
+    // while its writes are accepted; none where the dialer did not accept it.
+    std::optional<PeerId> transport_peer;
     std::atomic<bool> alive{true};
   };
 
-  // Connects to `address` and handshakes (with its own deadline); the connection and the
-  // producer's engine id.
+  // Connects to `address` and handshakes (with its own deadline); the connection, the
+  // producer's engine id and its transport peer.
   struct Dialed {
     std::unique_ptr<ControlConnection> conn;
     std::string engine_id;
+    std::optional<PeerId> transport_peer;
   };
   using Dialer = std::function<absl::StatusOr<Dialed>(const std::string& host, int port)>;
   // A message the producer sent on `link` (from its reader thread).
   using MessageHandler = std::function<void(Link& link, ConnectorMessage message)>;
   // `link` ended with `why` (once per link).
   using LostHandler = std::function<void(Link& link, const absl::Status& why)>;
+  using EndHandler = std::function<void(Link& link)>;
 
   struct Options {
     ReconnectPolicy reconnect;
     size_t max_connections = 256;  // live links at once
     Dialer dial;
     MessageHandler on_message;
+    // When a link ends, once: on_end before its peer goes down (nothing can dial it yet),
+    // then on_lost.
+    EndHandler on_end;
     LostHandler on_lost;
     // Set when the consumer stops: readers end.
     const std::atomic<bool>* stopping = nullptr;

@@ -256,6 +256,10 @@ absl::StatusOr<TransferState> FaultyTransport::Test(TransferId id) {
 }
 
 absl::Status FaultyTransport::Cancel(TransferId id) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (hold_writes_) return absl::OkStatus();  // already "in the socket"
+  }
   absl::Status s = TransportWrapper::Cancel(id);
   if (s.ok()) {
     absl::MutexLock lock(&mu_);
@@ -272,6 +276,19 @@ void FaultyTransport::Release(TransferId id) {
     cancelled_.erase(id);
   }
   TransportWrapper::Release(id);
+}
+
+absl::Status FaultyTransport::Progress() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (hold_writes_) return absl::OkStatus();
+  }
+  return TransportWrapper::Progress();
+}
+
+void FaultyTransport::HoldWrites(bool hold) {
+  absl::MutexLock lock(&mu_);
+  hold_writes_ = hold;
 }
 
 void FaultyTransport::HoldNotifications(bool hold) {

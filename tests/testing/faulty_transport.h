@@ -50,6 +50,12 @@
 //                                                delivered after it
 //   HoldNotifications()     receiver / Poll      every notification held until released (for
 //                                                a fault placed at a chosen moment)
+//   HoldWrites()            sender / Progress,   the wrapped transport is not progressed and
+//                           Cancel               cancellations are not passed on until
+//                                                released: what was posted waits, as writes in
+//                                                the socket of a cut link, and still goes
+//                                                once released (for a transport that moves
+//                                                data only in Progress, as the loopback)
 //
 // Drop, truncate and flip act on a notification as received; delay and reorder then act on
 // each copy a duplicate makes (so a duplicate may come late). flip_source_byte acts only on
@@ -151,6 +157,10 @@ class FaultyTransport final : public TransportWrapper {
   // notification received is kept back (counted as delayed); HoldNotifications(false)
   // delivers those kept, in arrival order, with the next PollNotifications.
   void HoldNotifications(bool hold);
+  // Sender side: while held, Progress does not progress the wrapped transport and Cancel is
+  // answered OK without reaching it, so what was posted stays in progress and cannot be
+  // taken back; HoldWrites(false) lets the next Progress deliver it all, cancelled or not.
+  void HoldWrites(bool hold);
 
   FaultCounts counts() const;
   // Notifications held back by delay_notification or reorder_notification, not yet delivered.
@@ -166,6 +176,7 @@ class FaultyTransport final : public TransportWrapper {
   absl::StatusOr<TransferState> Test(TransferId id) override;
   absl::Status Cancel(TransferId id) override;
   void Release(TransferId id) override;
+  absl::Status Progress() override;
   std::vector<Notification> PollNotifications() override;
 
  private:
@@ -202,6 +213,7 @@ class FaultyTransport final : public TransportWrapper {
   std::vector<Held> held_ ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   bool hold_all_ ABSL_GUARDED_BY(mu_) = false;
+  bool hold_writes_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace kvstream

@@ -299,6 +299,25 @@ TEST_F(FaultyTransportTest, HeldNotificationsComeInOrderWhenReleased) {
   EXPECT_EQ(receiver_->held_notifications(), 0u);
 }
 
+TEST_F(FaultyTransportTest, HeldWritesWaitAndCannotBeCancelledUntilReleased) {
+  Start({}, {});
+  sender_->HoldWrites(true);
+  auto id = Write("late");
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_TRUE(Receive(10).empty());
+  EXPECT_TRUE(sender_->Cancel(*id).ok());
+  EXPECT_TRUE(Receive(10).empty());
+  EXPECT_EQ(*sender_->Test(*id), TransferState::kInProgress);
+  uint8_t zeros[kBytes] = {};
+  EXPECT_EQ(std::memcmp(dst_, zeros, kBytes), 0) << "a held write landed";
+  sender_->HoldWrites(false);
+  EXPECT_EQ(Receive(10), std::vector<std::string>{"late"});
+  EXPECT_EQ(std::memcmp(src_, dst_, kBytes), 0) << "the write cancelled while held was lost";
+  auto state = Wait(*id);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(*state, TransferState::kDone);
+}
+
 TEST(FaultCountsTest, SumsAndPrints) {
   FaultCounts a;
   a.posts = 3;

@@ -54,6 +54,9 @@ class TransportWrapper : public Transport {
   absl::StatusOr<PeerId> Connect(absl::string_view peer_info) override {
     return target_->Connect(peer_info);
   }
+  absl::StatusOr<PeerId> Accept(absl::string_view peer_info) override {
+    return target_->Accept(peer_info);
+  }
   absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
       PeerId peer, absl::string_view descriptor) override {
     return target_->ImportRemote(peer, descriptor);

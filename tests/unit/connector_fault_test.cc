@@ -25,6 +25,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -175,9 +176,11 @@ class TestConnector {
   std::map<std::string, std::string> scoped_;  // consumer's id -> the scheduler side's
 };
 
+// The caches come first so that they outlive the connector, which registered them and
+// whose peers' writes may still land in them until it is destroyed.
 struct Node {
-  std::unique_ptr<TestConnector> connector;
   std::vector<std::unique_ptr<KvCache>> caches;  // by layer
+  std::unique_ptr<TestConnector> connector;
   FaultyTransport* faults = nullptr;             // owned by the connector's worker
 };
 
@@ -567,6 +570,120 @@ TEST_P(ConnectorFaultTest, EveryRequestLoadsExactlyOrFailsCleanly) {
 
 // ---- faults placed at chosen moments ----
 
+// A producer and a consumer with no planned faults (each test places its own through the
+// nodes' FaultyTransports), driven one request at a time of kPromptLen tokens from the
+// consumer's blocks kDBlocks and the producer's kPBlocks.
+class DirectedFaultTest : public ::testing::Test {
+ protected:
+  static constexpr int kPromptLen = 8;
+  static constexpr int kTokens = 7;  // remote tokens: all but the last prompt token
+
+  void SetUp() override {
+    const Timeouts timeouts{300, 500};
+    p_ = MakeNode(fabric_, "p", KvRole::kProducer, {}, timeouts, KvLayout::kNHD);
+    d_ = MakeNode(fabric_, "d", KvRole::kConsumer, {}, timeouts, KvLayout::kNHD);
+    ASSERT_TRUE(p_ != nullptr && d_ != nullptr);
+    const std::string addr = pc().worker().control_address();
+    remote_.host = addr.substr(0, addr.rfind(':'));
+    remote_.port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  }
+
+  TestConnector& pc() { return *p_->connector; }
+  TestConnector& dc() { return *d_->connector; }
+
+  // The consumer admits `id` and hands it over; returns once the producer has it.
+  void HandOver(const std::string& id) {
+    KvRequest kr;
+    kr.request_id = id;
+    for (int t = 0; t < kPromptLen; ++t) kr.prompt_token_ids.push_back(100 + t);
+    kr.remote_prefill = remote_;
+    ASSERT_TRUE(dc().scheduler().UpdateStateAfterAlloc(kr, kDBlocks, kTokens).ok());
+    auto meta = dc().BuildConnectorMeta({{id, 0, kPromptLen}});
+    ASSERT_TRUE(meta.ok());
+    ASSERT_TRUE(dc().worker().BindConnectorMetadata(*meta).ok());
+    ASSERT_TRUE(dc().worker().StartLoadKv().ok());
+    std::vector<KvRequest> incoming;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (incoming.empty() && absl::Now() < deadline) {
+      incoming = pc().TakeIncomingRequests();
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    ASSERT_EQ(incoming.size(), 1u);
+    ASSERT_TRUE(pc().UpdateStateAfterAlloc(incoming[0], kPBlocks, 0).ok());
+  }
+
+  // The producer's prefill of `id`, with fresh bytes; returns them by layer.
+  std::vector<std::string> Prefill(const std::string& id) {
+    std::vector<std::string> bytes;
+    for (int l = 0; l < kLayers; ++l) {
+      FillRandom(*p_->caches[l], kPBlocks, kTokens, rng_);
+      bytes.push_back(TokenBytes(*p_->caches[l], kPBlocks, kTokens));
+    }
+    auto meta = pc().BuildConnectorMeta({{id, 0, kPromptLen}});
+    EXPECT_TRUE(meta.ok());
+    EXPECT_TRUE(pc().worker().BindConnectorMetadata(*meta).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_TRUE(
+          pc().worker().AfterAttention(LayerName(l), *p_->caches[l], unused_, nullptr).ok());
+    }
+    (void)pc().worker().WaitForSave();
+    pc().worker().ClearConnectorMetadata();
+    EXPECT_TRUE(pc().RequestFinished(id).ok());
+    return bytes;
+  }
+
+  // The consumer's forward pass over every layer, without reading anything.
+  void ForwardWithoutReading() {
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(dc().worker().BeforeAttention(LayerName(l), nullptr).ok());
+    }
+    dc().worker().ClearConnectorMetadata();
+  }
+
+  // The consumer's forward pass, on a thread of its own while the producer prefills `id`
+  // (after `compute`, its time before the first layer): what attention read, by layer, and
+  // what the producer wrote.
+  std::pair<std::vector<std::string>, std::vector<std::string>> StreamWhileReading(
+      const std::string& id, absl::Duration compute) {
+    std::vector<std::string> read;
+    std::thread forward([&] {
+      for (int l = 0; l < kLayers; ++l) {
+        EXPECT_TRUE(dc().worker().BeforeAttention(LayerName(l), nullptr).ok());
+        read.push_back(TokenBytes(*d_->caches[l], kDBlocks, kTokens));
+      }
+      dc().worker().ClearConnectorMetadata();
+    });
+    absl::SleepFor(compute);
+    std::vector<std::string> written = Prefill(id);
+    forward.join();
+    return {read, written};
+  }
+
+  // Pumps both sides until `done` holds or 10 s pass (far beyond any deadline here).
+  template <typename Done>
+  bool Until(Done done) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      dc().Pump();
+      pc().Pump();
+      if (done()) return true;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return false;
+  }
+  bool FinishedBoth(const std::string& id) {
+    return Until([&] { return dc().recving_reports(id) > 0 && pc().sending_reports(id) > 0; });
+  }
+
+  const std::vector<int32_t> kDBlocks = {3, 4};
+  const std::vector<int32_t> kPBlocks = {7, 8};
+  LoopbackFabric fabric_;
+  std::unique_ptr<Node> p_, d_;
+  RemotePrefill remote_;
+  std::mt19937_64 rng_{5};
+  AttentionMetadata unused_;
+};
+
 // A notice that arrives after its request failed must not count for a later request of the
 // same id (an engine retrying a request under its id, or a restarted client reusing ids).
 // Attempt 1's notices are held back until its load failed at the deadline; they are let go
@@ -576,104 +693,26 @@ TEST_P(ConnectorFaultTest, EveryRequestLoadsExactlyOrFailsCleanly) {
 //
 // Every hand-off carries an attempt number that the producer echoes in each layer notice
 // (HandOffMsg::attempt); the consumer ignores notices of another attempt.
-TEST(DirectedFaultTest, LateNoticeOfAFailedRequestDoesNotCountForItsRetry) {
-  LoopbackFabric fabric;
-  const Timeouts timeouts{300, 500};
-  auto p = MakeNode(fabric, "p", KvRole::kProducer, {}, timeouts, KvLayout::kNHD);
-  auto d = MakeNode(fabric, "d", KvRole::kConsumer, {}, timeouts, KvLayout::kNHD);
-  ASSERT_TRUE(p != nullptr && d != nullptr);
-  TestConnector& pc = *p->connector;
-  TestConnector& dc = *d->connector;
-  const std::string addr = pc.worker().control_address();
-  RemotePrefill remote;
-  remote.host = addr.substr(0, addr.rfind(':'));
-  remote.port = std::stoi(addr.substr(addr.rfind(':') + 1));
-  const std::vector<int32_t> dblocks = {3, 4}, pblocks = {7, 8};
-  const int prompt_len = 8, tokens = 7;
-  std::mt19937_64 rng(5);
-  AttentionMetadata unused;
-
-  // One attempt: admit and hand over; wait for the producer to have it.
-  auto hand_over = [&] {
-    KvRequest kr;
-    kr.request_id = "x";
-    for (int t = 0; t < prompt_len; ++t) kr.prompt_token_ids.push_back(100 + t);
-    kr.remote_prefill = remote;
-    ASSERT_TRUE(dc.scheduler().UpdateStateAfterAlloc(kr, dblocks, tokens).ok());
-    auto meta = dc.BuildConnectorMeta({{"x", 0, prompt_len}});
-    ASSERT_TRUE(meta.ok());
-    ASSERT_TRUE(dc.worker().BindConnectorMetadata(*meta).ok());
-    ASSERT_TRUE(dc.worker().StartLoadKv().ok());
-    std::vector<KvRequest> incoming;
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (incoming.empty() && absl::Now() < deadline) {
-      incoming = pc.TakeIncomingRequests();
-      absl::SleepFor(absl::Milliseconds(1));
-    }
-    ASSERT_EQ(incoming.size(), 1u);
-    ASSERT_TRUE(pc.UpdateStateAfterAlloc(incoming[0], pblocks, 0).ok());
-  };
-  // The producer's prefill of the attempt, with fresh bytes; returns them by layer.
-  auto prefill = [&] {
-    std::vector<std::string> bytes;
-    for (int l = 0; l < kLayers; ++l) {
-      FillRandom(*p->caches[l], pblocks, tokens, rng);
-      bytes.push_back(TokenBytes(*p->caches[l], pblocks, tokens));
-    }
-    auto meta = pc.BuildConnectorMeta({{"x", 0, prompt_len}});
-    EXPECT_TRUE(meta.ok());
-    EXPECT_TRUE(pc.worker().BindConnectorMetadata(*meta).ok());
-    for (int l = 0; l < kLayers; ++l) {
-      EXPECT_TRUE(pc.worker().AfterAttention(LayerName(l), *p->caches[l], unused, nullptr).ok());
-    }
-    (void)pc.worker().WaitForSave();
-    pc.worker().ClearConnectorMetadata();
-    EXPECT_TRUE(pc.RequestFinished("x").ok());
-    return bytes;
-  };
-  auto finished_both = [&] {
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (absl::Now() < deadline) {
-      dc.Pump();
-      pc.Pump();
-      if (dc.recving_reports("x") > 0 && pc.sending_reports("x") > 0) return true;
-      absl::SleepFor(absl::Milliseconds(1));
-    }
-    return false;
-  };
-
+TEST_F(DirectedFaultTest, LateNoticeOfAFailedRequestDoesNotCountForItsRetry) {
   // Attempt 1: its notices never come in time; its load fails at the deadline.
-  d->faults->HoldNotifications(true);
-  hand_over();
-  const std::vector<std::string> first = prefill();
-  for (int l = 0; l < kLayers; ++l) {
-    ASSERT_TRUE(dc.worker().BeforeAttention(LayerName(l), nullptr).ok());
-  }
-  dc.worker().ClearConnectorMetadata();
-  ASSERT_TRUE(finished_both());
-  ASSERT_EQ(dc.errors().at("x").size(), 1u);
-  ASSERT_EQ(dc.errors().at("x")[0].code(), absl::StatusCode::kDeadlineExceeded);
+  d_->faults->HoldNotifications(true);
+  HandOver("x");
+  const std::vector<std::string> first = Prefill("x");
+  ForwardWithoutReading();
+  ASSERT_TRUE(FinishedBoth("x"));
+  ASSERT_EQ(dc().errors().at("x").size(), 1u);
+  ASSERT_EQ(dc().errors().at("x")[0].code(), absl::StatusCode::kDeadlineExceeded);
 
   // Attempt 2: handed over; attempt 1's notices are let go before the producer prefills.
-  dc.Forget("x");
-  pc.Forget("x");
-  hand_over();
-  d->faults->HoldNotifications(false);
+  dc().Forget("x");
+  pc().Forget("x");
+  HandOver("x");
+  d_->faults->HoldNotifications(false);
   absl::SleepFor(absl::Milliseconds(50));  // the consumer's progress thread takes them in
-  std::vector<std::string> read;
-  std::thread forward([&] {
-    for (int l = 0; l < kLayers; ++l) {
-      EXPECT_TRUE(dc.worker().BeforeAttention(LayerName(l), nullptr).ok());
-      read.push_back(TokenBytes(*d->caches[l], dblocks, tokens));
-    }
-    dc.worker().ClearConnectorMetadata();
-  });
-  absl::SleepFor(absl::Milliseconds(100));  // the producer's compute before the first layer
-  const std::vector<std::string> expected = prefill();
-  forward.join();
-  ASSERT_TRUE(finished_both());
-  auto e = dc.errors().find("x");
-  if (e != dc.errors().end() && !e->second.empty()) {
+  auto [read, expected] = StreamWhileReading("x", absl::Milliseconds(100));
+  ASSERT_TRUE(FinishedBoth("x"));
+  auto e = dc().errors().find("x");
+  if (e != dc().errors().end() && !e->second.empty()) {
     EXPECT_EQ(e->second.size(), 1u);  // failing the retry is safe
   } else {
     for (int l = 0; l < kLayers; ++l) {
@@ -682,8 +721,54 @@ TEST(DirectedFaultTest, LateNoticeOfAFailedRequestDoesNotCountForItsRetry) {
           << (read[l] == first[l] ? " (they are attempt 1's)" : "");
     }
   }
-  EXPECT_EQ(dc.worker().stats().blocks_in_flight, 0);
-  EXPECT_EQ(pc.worker().stats().blocks_in_flight, 0);
+  EXPECT_EQ(dc().worker().stats().blocks_in_flight, 0);
+  EXPECT_EQ(pc().worker().stats().blocks_in_flight, 0);
+}
+
+// A producer's writes wait in its socket (a cut link: they can no longer be taken back) when
+// the consumer gives the request up: its load fails at the layer deadline, the producer
+// never confirms the abort (its transfers cannot end), and the consumer closes the link at
+// the abort deadline and reports the request finished, so that its blocks can be reused.
+// When the writes go out at last (the partition heals), they must not land in those
+// blocks: the consumer fenced the producer's transport off when it closed the link. The
+// next request to the same producer (a new link, whose handshake accepts its writes again)
+// loads bit-identical.
+TEST_F(DirectedFaultTest, WritesOfAProducerGivenUpDoNotLandInReusedBlocks) {
+  // Request "a": its writes wait in the producer's socket; the consumer gives it up.
+  p_->faults->HoldWrites(true);
+  HandOver("a");
+  (void)Prefill("a");
+  ForwardWithoutReading();
+  ASSERT_TRUE(Until([&] { return dc().recving_reports("a") > 0; }))
+      << "the consumer never gave request a up";
+  ASSERT_EQ(dc().errors().at("a").size(), 1u);
+  EXPECT_EQ(dc().errors().at("a")[0].code(), absl::StatusCode::kDeadlineExceeded);
+
+  // Its blocks now hold another request's KV (recomputed here); then the writes go out.
+  std::vector<std::string> reused;
+  for (int l = 0; l < kLayers; ++l) {
+    FillRandom(*d_->caches[l], kDBlocks, kTokens, rng_);
+    reused.push_back(TokenBytes(*d_->caches[l], kDBlocks, kTokens));
+  }
+  p_->faults->HoldWrites(false);
+  ASSERT_TRUE(Until([&] { return pc().sending_reports("a") > 0; }))
+      << "the producer's transfers of request a never ended";
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_TRUE(TokenBytes(*d_->caches[l], kDBlocks, kTokens) == reused[l])
+        << "layer " << l << ": the given-up producer's late writes landed in reused blocks";
+  }
+
+  // Request "b" to the same producer once its reconnect backoff (200 ms) passed.
+  absl::SleepFor(absl::Milliseconds(300));
+  HandOver("b");
+  auto [read, expected] = StreamWhileReading("b", absl::ZeroDuration());
+  ASSERT_TRUE(FinishedBoth("b"));
+  EXPECT_EQ(dc().errors().count("b"), 0u) << dc().errors().at("b")[0];
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_TRUE(read[l] == expected[l]) << "layer " << l << " of request b";
+  }
+  EXPECT_EQ(dc().worker().stats().blocks_in_flight, 0);
+  EXPECT_EQ(pc().worker().stats().blocks_in_flight, 0);
 }
 
 // ---- the scenarios ----

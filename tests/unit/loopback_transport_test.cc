@@ -423,6 +423,48 @@ TEST_F(LoopbackTest, DisconnectCancelsOutstanding) {
   EXPECT_EQ(p_->PostNotification(to_d_, "x").status().code(), absl::StatusCode::kNotFound);
 }
 
+// The receiver's side of Disconnect: a writer it gave up (the peer Accept named) has its
+// writes and notifications dropped, queued ones included, until Accept or Connect again.
+TEST_F(LoopbackTest, AReceiverFencesOffAWriterItDisconnectedFrom) {
+  auto from_p = d_->Accept(*p_->LocalInfo());
+  ASSERT_TRUE(from_p.ok()) << from_p.status();
+  TransferId before = Post(Scattered(4, 3), "queued before");
+  ASSERT_TRUE(d_->Disconnect(*from_p).ok());
+  TransferId after = Post(Scattered(4, 5), "posted after");
+  for (TransferId id : {before, after}) {
+    auto state = WaitForTransfer(*p_, id, Deadline());
+    EXPECT_EQ(state.status().code(), absl::StatusCode::kFailedPrecondition) << state.status();
+  }
+  EXPECT_EQ(dst_, std::vector<char>(kBytes, 0)) << "a fenced-off writer's data landed";
+  EXPECT_TRUE(d_->PollNotifications().empty()) << "a fenced-off writer's notification came";
+
+  auto again = d_->Accept(*p_->LocalInfo());
+  ASSERT_TRUE(again.ok()) << again.status();
+  std::vector<Segment> segments = Scattered(4, 7);
+  auto done = WaitForTransfer(*p_, Post(segments, "accepted"), Deadline());
+  ASSERT_TRUE(done.ok()) << done.status();
+  std::vector<Notification> notes = d_->PollNotifications();
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0].peer, *again) << "Accept names another peer than the notifications";
+  EXPECT_EQ(dst_, Expected(segments));
+
+  // Connect lifts the fence too.
+  ASSERT_TRUE(d_->Disconnect(*again).ok());
+  ASSERT_TRUE(d_->Connect(*p_->LocalInfo()).ok());
+  done = WaitForTransfer(*p_, Post(segments, "connected"), Deadline());
+  EXPECT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(d_->PollNotifications().size(), 1u);
+}
+
+TEST_F(LoopbackTest, AcceptRefusesItsOwnAndMalformedInfo) {
+  EXPECT_EQ(d_->Accept(*d_->LocalInfo()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(d_->Accept("loopback:nonsense").status().code(), absl::StatusCode::kInvalidArgument);
+  auto other = Make("other");
+  const std::string info = *other->LocalInfo();
+  other.reset();
+  EXPECT_EQ(d_->Accept(info).status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(LoopbackTest, DeregisteredDestinationFailsTheTransfer) {
   TransferId id = Post(Scattered(2, 4), "x");
   dst_reg_.reset();

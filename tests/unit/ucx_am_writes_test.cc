@@ -3,8 +3,9 @@
 // land byte for byte before their notification with either write protocol and with UCX's
 // small default TCP segments (pieces then span several fragments); a piece whose
 // destination is no longer registered at the receiver is dropped, not written, and so is
-// what a sender the receiver disconnected from writes until it connects to it again; the
-// write header decodes strictly.
+// what a sender the receiver disconnected from writes until it accepts (or connects to) it
+// again; Accept names the peer its notifications come from; the write header decodes
+// strictly.
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -141,10 +142,10 @@ TEST_P(UcxWritePiecesTest, PiecesIntoMemoryNoLongerRegisteredAreDropped) {
   EXPECT_TRUE(dst_ == std::vector<char>(kBytes, 0)) << "a piece landed in deregistered memory";
 }
 
-// The receiver gives the sender up (Disconnect on the peer its notifications came from):
-// what the sender writes afterwards, data and notification, is dropped; once the receiver
-// connects to it again, its writes land again.
-TEST_P(UcxWritePiecesTest, DisconnectedSendersWritesAreRefusedUntilConnectedAgain) {
+// The receiver gives the sender up (Disconnect on the peer Accept named, which its
+// notifications come from): what the sender writes afterwards, data and notification, is
+// dropped; once the receiver accepts it again, its writes land again.
+TEST_P(UcxWritePiecesTest, DisconnectedSendersWritesAreRefusedUntilAcceptedAgain) {
   if (GetParam().protocol != UcxWriteProtocol::kActiveMessage) {
     GTEST_SKIP() << "emulated puts are not checked at the receiver";
   }
@@ -152,7 +153,10 @@ TEST_P(UcxWritePiecesTest, DisconnectedSendersWritesAreRefusedUntilConnectedAgai
   ASSERT_TRUE(warm.ok()) << warm.status();
   std::vector<Notification> notes = WaitForNotification();
   ASSERT_EQ(notes.size(), 1u);
-  ASSERT_TRUE(d_->Disconnect(notes[0].peer).ok());
+  auto from_p = d_->Accept(*p_->LocalInfo());
+  ASSERT_TRUE(from_p.ok()) << from_p.status();
+  EXPECT_EQ(*from_p, notes[0].peer) << "Accept names another peer than the notifications";
+  ASSERT_TRUE(d_->Disconnect(*from_p).ok());
 
   const Segment first{0, 0, kBytes / 2};
   auto refused = p_->PostWrite(to_d_, *src_reg_, *remote_, {first}, "refused");
@@ -174,7 +178,7 @@ TEST_P(UcxWritePiecesTest, DisconnectedSendersWritesAreRefusedUntilConnectedAgai
     ASSERT_TRUE(d_->Progress().ok());
     ASSERT_TRUE(d_->PollNotifications().empty()) << "a refused sender's notification came";
   }
-  auto back = d_->Connect(*p_->LocalInfo());
+  auto back = d_->Accept(*p_->LocalInfo());
   ASSERT_TRUE(back.ok()) << back.status();
   const Segment second{kBytes / 2, kBytes / 2, kBytes / 2};
   auto accepted = p_->PostWrite(to_d_, *src_reg_, *remote_, {second}, "accepted");
@@ -182,9 +186,28 @@ TEST_P(UcxWritePiecesTest, DisconnectedSendersWritesAreRefusedUntilConnectedAgai
   notes = WaitForNotification();
   ASSERT_EQ(notes.size(), 1u);
   EXPECT_EQ(notes[0].payload, "accepted");
+  EXPECT_EQ(notes[0].peer, *back);
   std::vector<char> expected(kBytes, 0);
   std::memcpy(expected.data() + kBytes / 2, src_.data() + kBytes / 2, kBytes / 2);
   EXPECT_TRUE(dst_ == expected) << "refused data landed, or accepted data did not";
+}
+
+// Connect lifts the fence as Accept does.
+TEST_P(UcxWritePiecesTest, ConnectingBackAlsoLiftsTheFence) {
+  if (GetParam().protocol != UcxWriteProtocol::kActiveMessage) {
+    GTEST_SKIP() << "emulated puts are not checked at the receiver";
+  }
+  auto from_p = d_->Accept(*p_->LocalInfo());
+  ASSERT_TRUE(from_p.ok()) << from_p.status();
+  ASSERT_TRUE(d_->Disconnect(*from_p).ok());
+  auto back = d_->Connect(*p_->LocalInfo());
+  ASSERT_TRUE(back.ok()) << back.status();
+  auto id = p_->PostWrite(to_d_, *src_reg_, *remote_, {Segment{0, 0, kBytes}}, "after");
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<Notification> notes = WaitForNotification();
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0].payload, "after");
+  EXPECT_TRUE(dst_ == src_) << "the writes of a peer connected to again did not land";
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -193,6 +216,33 @@ INSTANTIATE_TEST_SUITE_P(
                       Protocol{"pieces_small_segments", UcxWriteProtocol::kActiveMessage, true},
                       Protocol{"puts", UcxWriteProtocol::kPut, false}),
     [](const ::testing::TestParamInfo<Protocol>& param) { return param.param.name; });
+
+// Accept before any traffic: the id the peer's notifications will carry; this transport's
+// own info and malformed info are refused.
+TEST(UcxAcceptTest, NamesThePeerBeforeItsFirstNotification) {
+  const Protocol pieces{"pieces", UcxWriteProtocol::kActiveMessage, false};
+  std::unique_ptr<Transport> p = MakeTcp(pieces), d = MakeTcp(pieces);
+  ASSERT_TRUE(p != nullptr && d != nullptr);
+  auto from_p = d->Accept(*p->LocalInfo());
+  ASSERT_TRUE(from_p.ok()) << from_p.status();
+  auto again = d->Accept(*p->LocalInfo());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, *from_p) << "one peer, two ids";
+  auto to_d = p->Connect(*d->LocalInfo());
+  ASSERT_TRUE(to_d.ok()) << to_d.status();
+  ASSERT_TRUE(p->PostNotification(*to_d, "hello").ok());
+  std::vector<Notification> notes;
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (notes.empty() && absl::Now() < deadline) {
+    ASSERT_TRUE(p->Progress().ok());
+    ASSERT_TRUE(d->Progress().ok());
+    notes = d->PollNotifications();
+  }
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0].peer, *from_p);
+  EXPECT_EQ(d->Accept(*d->LocalInfo()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(d->Accept("not ucx info").status().code(), absl::StatusCode::kInvalidArgument);
+}
 
 TEST(UcxWriteProtocolTest, AutoMeansPiecesWhereUcxOnlyEmulatesPuts) {
   UcxTransportOptions options;

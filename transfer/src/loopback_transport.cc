@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <new>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,6 +79,9 @@ struct LoopbackNode {
   PeerErrorCallback callback;
   bool failed = false;  // FailEndpoint() was called on this node
   absl::Status failure;
+  // Nodes this one disconnected from: their writes into it and their notifications are
+  // dropped (their transfers fail) until Accept or Connect of them again.
+  std::set<uint64_t> refused;
 
   std::string PeerName(PeerId peer) const {
     auto it = peers.find(peer);
@@ -260,24 +264,23 @@ class LoopbackTransport final : public Transport {
     return Register(base, length, kind, std::move(memory));
   }
 
-  absl::StatusOr<PeerId> Connect(absl::string_view peer_info) override {
-    std::vector<absl::string_view> parts = absl::StrSplit(peer_info, absl::MaxSplits(':', 3));
-    uint64_t node_id = 0;
-    if (parts.size() != 4 || parts[0] != kInfoPrefix || !absl::SimpleAtoi(parts[2], &node_id)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("loopback Connect: malformed peer info '", peer_info, "'"));
-    }
-    if (parts[1] != kVersion) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("loopback Connect: unsupported peer info version ", parts[1]));
-    }
+  absl::StatusOr<PeerId> Accept(absl::string_view peer_info) override {
     absl::MutexLock lock(&state_->mu);
-    LoopbackNode* other = state_->Find(node_id);
-    if (other == nullptr || other->name != parts[3]) {
-      return absl::NotFoundError(
-          absl::StrCat("loopback Connect: no transport '", parts[3], "' on this fabric"));
-    }
+    ASSIGN_OR_RETURN(LoopbackNode * other, FindInfo(peer_info, "Accept"));
     LoopbackNode& self = Self();
+    if (other == &self) {
+      return absl::InvalidArgumentError("loopback Accept: the peer info is this transport's own");
+    }
+    self.refused.erase(other->id);
+    return self.PeerIdFor(*other);
+  }
+
+  absl::StatusOr<PeerId> Connect(absl::string_view peer_info) override {
+    absl::MutexLock lock(&state_->mu);
+    ASSIGN_OR_RETURN(LoopbackNode * other, FindInfo(peer_info, "Connect"));
+    const uint64_t node_id = other->id;
+    LoopbackNode& self = Self();
+    self.refused.erase(node_id);
     for (auto& [id, entry] : self.peers) {
       if (entry.node_id == node_id && entry.status.ok()) {
         entry.connected = true;
@@ -435,7 +438,7 @@ class LoopbackTransport final : public Transport {
     absl::MutexLock lock(&state_->mu);
     LoopbackNode& self = Self();
     ASSIGN_OR_RETURN(PeerEntry * entry, FindPeer(self, peer, "Disconnect"));
-    (void)entry;
+    self.refused.insert(entry->node_id);
     for (auto& [id, transfer] : self.transfers) {
       if (transfer.peer == peer && transfer.phase == Phase::kQueued) {
         transfer.phase = Phase::kFailed;
@@ -482,6 +485,28 @@ class LoopbackTransport final : public Transport {
   LoopbackNode& Self() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
     // The node lives as long as this transport: only the destructor erases it.
     return *state_->Find(node_id_);
+  }
+
+  // The node whose LocalInfo() is `peer_info`: InvalidArgument when malformed, NotFound when
+  // no such transport is on this fabric.
+  absl::StatusOr<LoopbackNode*> FindInfo(absl::string_view peer_info, absl::string_view op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+    std::vector<absl::string_view> parts = absl::StrSplit(peer_info, absl::MaxSplits(':', 3));
+    uint64_t node_id = 0;
+    if (parts.size() != 4 || parts[0] != kInfoPrefix || !absl::SimpleAtoi(parts[2], &node_id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("loopback ", op, ": malformed peer info '", peer_info, "'"));
+    }
+    if (parts[1] != kVersion) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("loopback ", op, ": unsupported peer info version ", parts[1]));
+    }
+    LoopbackNode* other = state_->Find(node_id);
+    if (other == nullptr || other->name != parts[3]) {
+      return absl::NotFoundError(
+          absl::StrCat("loopback ", op, ": no transport '", parts[3], "' on this fabric"));
+    }
+    return other;
   }
 
   absl::StatusOr<PeerEntry*> FindPeer(LoopbackNode& self, PeerId peer, absl::string_view op) {
@@ -532,6 +557,13 @@ class LoopbackTransport final : public Transport {
     if (dest == nullptr) {
       self.FailPeer(t.peer, absl::UnavailableError(
                                 absl::StrCat(self.PeerName(t.peer), " is gone (destroyed)")));
+      return;
+    }
+    if (dest->refused.count(self.id) != 0) {
+      t.phase = Phase::kFailed;
+      t.status = absl::FailedPreconditionError(
+          absl::StrCat("loopback transfer ", id, " to ", self.PeerName(t.peer),
+                       ": dropped by the receiver, which disconnected from this transport"));
       return;
     }
     if (!t.segments.empty()) {

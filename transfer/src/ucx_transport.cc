@@ -116,6 +116,17 @@ class UcxTransport final : public Transport {
     return peer->id;
   }
 
+  absl::StatusOr<PeerId> Accept(absl::string_view peer_info) override {
+    ASSIGN_OR_RETURN(UcxWorkerInfo info, DecodeWorkerInfo(peer_info));
+    absl::MutexLock lock(&core_->mu);
+    RETURN_IF_ERROR(CheckNotShutDown("Accept"));
+    if (info.uid == core_->uid) {
+      return absl::InvalidArgumentError("UCX Accept: the peer info is this transport's own");
+    }
+    core_->refused_uids.erase(info.uid);
+    return core_->PeerForUid(info.uid)->id;
+  }
+
   absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
       PeerId peer_id, absl::string_view descriptor) override {
     ASSIGN_OR_RETURN(UcxMemoryDescriptor d, DecodeMemoryDescriptor(descriptor));

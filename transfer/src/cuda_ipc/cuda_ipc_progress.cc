@@ -100,9 +100,12 @@ void CudaIpcTransport::ReadPending() {
     }
     absl::StatusOr<IpcHello> hello =
         problem.ok() ? DecodeIpcHello(payload) : absl::StatusOr<IpcHello>(problem);
-    if (!hello.ok() || hello->uid == uid_) {
-      const std::string why = hello.ok() ? std::string("it claims this transport's own uid")
-                                         : std::string(hello.status().message());
+    const bool refused = hello.ok() && refused_uids_.count(hello->uid) != 0;
+    if (!hello.ok() || hello->uid == uid_ || refused) {
+      const std::string why =
+          !hello.ok() ? std::string(hello.status().message())
+          : refused   ? std::string("this side disconnected from its transport")
+                      : std::string("it claims this transport's own uid");
       Log(LogLevel::kWarning,
           absl::StrCat("cuda_ipc: dropped connection ", conn.label(), ": ", why));
       pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));

@@ -109,6 +109,16 @@ IpcPeer* CudaIpcTransport::NewPeer(uint64_t uid, uint32_t pid) {
   return raw;
 }
 
+absl::StatusOr<PeerId> CudaIpcTransport::Accept(absl::string_view peer_info) {
+  ASSIGN_OR_RETURN(CudaIpcPeerInfo info, DecodeCudaIpcPeerInfo(peer_info));
+  if (info.uid == uid_) {
+    return absl::InvalidArgumentError("cuda_ipc Accept: the peer info is this transport's own");
+  }
+  absl::MutexLock lock(&mu_);
+  refused_uids_.erase(info.uid);
+  return PeerForUid(info.uid, info.pid)->id;
+}
+
 absl::StatusOr<PeerId> CudaIpcTransport::Connect(absl::string_view peer_info) {
   ASSIGN_OR_RETURN(CudaIpcPeerInfo info, DecodeCudaIpcPeerInfo(peer_info));
   if (info.uid == uid_) {
@@ -117,6 +127,7 @@ absl::StatusOr<PeerId> CudaIpcTransport::Connect(absl::string_view peer_info) {
         "allocation in the process that made it)");
   }
   absl::MutexLock lock(&mu_);
+  refused_uids_.erase(info.uid);
   IpcPeer* peer = nullptr;
   for (auto& [id, p] : peers_) {
     if (p->uid != info.uid || !p->status.ok()) continue;
@@ -290,6 +301,9 @@ absl::Status CudaIpcTransport::Disconnect(PeerId peer_id) {
     peer->out->Queue(IpcFrameType::kBye, "");
     (void)peer->out->Flush();
   }
+  // Its notifications still on their way are dropped with the connections; a connection
+  // it opens from now on is refused at its hello.
+  refused_uids_.insert(peer->uid);
   // Closes both connections; each mapping closes once no copy in flight holds it.
   peers_.erase(it);
   return absl::OkStatus();

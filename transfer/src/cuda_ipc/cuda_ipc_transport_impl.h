@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,6 +85,7 @@ class CudaIpcTransport final : public Transport {
   absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateMemory(size_t length,
                                                                       MemoryKind kind) override;
   absl::StatusOr<PeerId> Connect(absl::string_view peer_info) override;
+  absl::StatusOr<PeerId> Accept(absl::string_view peer_info) override;
   absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
       PeerId peer, absl::string_view descriptor) override;
   absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
@@ -177,6 +179,9 @@ class CudaIpcTransport final : public Transport {
   IpcTransfers transfers_ ABSL_GUARDED_BY(mu_){"cuda_ipc"};
   PeerErrorReports peer_errors_ ABSL_GUARDED_BY(mu_);
   PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
+  // Transports (by uid) this side disconnected from: a connection they open is dropped at
+  // its hello, until Accept or Connect of them again (transport.h: Disconnect).
+  std::set<uint64_t> refused_uids_ ABSL_GUARDED_BY(mu_);
   // Scratch of EnqueueCopy: segments for the copy engine (src, dst, length).
   struct EngineCopy {
     const char* src;

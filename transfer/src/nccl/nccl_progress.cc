@@ -141,7 +141,9 @@ void NcclTransport::AcceptHello(std::unique_ptr<IpcConnection> conn, const NcclH
   };
   absl::Status refused =
       hello.uid == uid_ ? absl::InvalidArgumentError("it claims this transport's own uid")
-                        : CheckPeer(hello.job_id, hello.nccl_version, hello.device_uuid, who);
+      : refused_uids_.count(hello.uid) != 0
+          ? absl::FailedPreconditionError("this side disconnected from its transport")
+          : CheckPeer(hello.job_id, hello.nccl_version, hello.device_uuid, who);
   if (!refused.ok()) return refuse(refused);
   NcclPeer* peer = nullptr;
   for (auto& [id, p] : peers_) {

@@ -174,6 +174,19 @@ void NcclTransport::ReturnEvent(CudaEvent event) {
   if (!event.empty()) free_events_.push_back(std::move(event));
 }
 
+absl::StatusOr<PeerId> NcclTransport::Accept(absl::string_view peer_info) {
+  ASSIGN_OR_RETURN(NcclPeerInfo info, DecodeNcclPeerInfo(peer_info));
+  if (info.uid == uid_) {
+    return absl::InvalidArgumentError("nccl Accept: the peer info is this transport's own");
+  }
+  absl::MutexLock lock(&mu_);
+  refused_uids_.erase(info.uid);
+  for (auto& [id, p] : peers_) {
+    if (p->uid == info.uid && p->status.ok()) return id;
+  }
+  return NewPeer(info.uid, info.pid)->id;
+}
+
 absl::StatusOr<PeerId> NcclTransport::Connect(absl::string_view peer_info) {
   ASSIGN_OR_RETURN(NcclPeerInfo info, DecodeNcclPeerInfo(peer_info));
   if (info.uid == uid_) {
@@ -185,6 +198,7 @@ absl::StatusOr<PeerId> NcclTransport::Connect(absl::string_view peer_info) {
   absl::Status refused = CheckPeer(info.job_id, info.nccl_version, info.device_uuid, who);
   if (!refused.ok()) return absl::Status(refused.code(), absl::StrCat("nccl Connect: ", refused.message()));
   absl::MutexLock lock(&mu_);
+  refused_uids_.erase(info.uid);
   NcclPeer* peer = nullptr;
   for (auto& [id, p] : peers_) {
     if (p->uid != info.uid || !p->status.ok()) continue;
@@ -376,6 +390,7 @@ absl::Status NcclTransport::Disconnect(PeerId peer_id) {
     }
     EndLink(*link, /*fail=*/false, absl::OkStatus());
   }
+  refused_uids_.insert(peer.uid);  // its hellos from now on are refused
   peers_.erase(it);
   return absl::OkStatus();
 }

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,6 +58,7 @@ class NcclTransport final : public Transport, public NcclTransportCore {
   absl::StatusOr<std::unique_ptr<MemoryRegistration>> AllocateMemory(size_t length,
                                                                       MemoryKind kind) override;
   absl::StatusOr<PeerId> Connect(absl::string_view peer_info) override;
+  absl::StatusOr<PeerId> Accept(absl::string_view peer_info) override;
   absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
       PeerId peer, absl::string_view descriptor) override;
   absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
@@ -196,6 +198,9 @@ class NcclTransport final : public Transport, public NcclTransportCore {
   std::vector<CudaEvent> free_events_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<LinkGpu>> retired_ ABSL_GUARDED_BY(mu_);
   PeerId next_peer_ ABSL_GUARDED_BY(mu_) = 1;
+  // Transports (by uid) this side disconnected from: their hellos are refused until Accept
+  // or Connect of them again (transport.h: Disconnect).
+  std::set<uint64_t> refused_uids_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace internal

@@ -487,6 +487,11 @@ void ProgressStaged(UcxCore* core) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   std::deque<StagedInbound> inbox;
   inbox.swap(core->staged_inbox);
   for (StagedInbound& m : inbox) {
+    // What a writer this side disconnected from still sends into it is dropped (ucx_core.h:
+    // refused_uids); answers to this side's own writes (welcome, credits) are not writes.
+    const bool into_this_side =
+        m.header.type != StagedType::kWelcome && m.header.type != StagedType::kCredit;
+    if (into_this_side && core->refused_uids.count(m.header.sender_uid) != 0) continue;
     UcxPeer* peer = core->PeerForUid(m.header.sender_uid);
     switch (m.header.type) {
       case StagedType::kWelcome:

@@ -168,7 +168,7 @@ struct UcxCore {
   std::multimap<uintptr_t, size_t> host_regions ABSL_GUARDED_BY(mu);
   uint64_t dropped_write_pieces ABSL_GUARDED_BY(mu) = 0;
   // Senders (by uid) this side disconnected from: their write pieces and notifications are
-  // dropped until Connect to them again (ucx_transport.h: Disconnect).
+  // dropped until Accept or Connect of them again (ucx_transport.h: Disconnect).
   std::set<uint64_t> refused_uids ABSL_GUARDED_BY(mu);
   // Headers of write pieces whose transfer could not be posted, kept until Shutdown because
   // UCX may still read them.

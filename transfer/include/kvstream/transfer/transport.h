@@ -157,6 +157,14 @@ class Transport {
   // malformed info.
   virtual absl::StatusOr<PeerId> Connect(absl::string_view peer_info) = 0;
 
+  // Names the peer whose LocalInfo() is `peer_info` as one that writes into this side,
+  // without connecting to it: returns the id its notifications carry (Connect's id where
+  // this side is connected to it too). Lifts the fence an earlier Disconnect of that peer
+  // put up (see Disconnect), as Connect does. A receiver that may later give the peer up
+  // calls it when it starts accepting the peer's writes (a consumer, after its handshake
+  // with a producer). InvalidArgument for malformed info or this transport's own.
+  virtual absl::StatusOr<PeerId> Accept(absl::string_view peer_info) = 0;
+
   // Imports a region the peer registered. InvalidArgument for a malformed or truncated
   // descriptor; NotFound for an unknown peer.
   virtual absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
@@ -201,7 +209,15 @@ class Transport {
   // Returns and clears the notifications received so far, in arrival order per peer.
   virtual std::vector<Notification> PollNotifications() = 0;
 
-  // Closes the connection; outstanding transfers to the peer fail with Cancelled.
+  // Closes the connection; outstanding transfers to the peer fail with Cancelled. It also
+  // fences the peer off as a writer into this side: what it still sends afterwards, or what
+  // was on its way (a partition that heals, a killed process whose kernel still sends what
+  // its socket held), is dropped where this side receives it, until Accept or Connect of
+  // that peer. Where the writer itself stores into this side's memory (CUDA IPC, UCX's
+  // shared-memory and emulated puts) the fence covers its notifications only; such writers
+  // share a host with this side and end their writes when they see the connection close.
+  // So a receiver disconnects a writer it gives up before it reuses the memory the writer
+  // was writing into.
   virtual absl::Status Disconnect(PeerId peer) = 0;
 
   // OK while the peer is healthy; its error once it failed.

@@ -129,12 +129,13 @@ struct UcxTransportOptions {
 
 inline constexpr int kMaxCopyThreads = 64;
 
-// Disconnect(peer) also fences the peer off: write pieces (UcxWriteProtocol::
+// Disconnect(peer) also fences the peer off (transport.h): write pieces (UcxWriteProtocol::
 // kActiveMessage) and notifications it sends afterwards, or that were still on their way,
-// are dropped, until Connect to that peer again. A consumer that gives a producer up
-// disconnects it before reusing the blocks the producer was writing, so that a partition
+// are dropped, until Accept or Connect of that peer again. A consumer that gives a producer
+// up disconnects it before reusing the blocks the producer was writing, so that a partition
 // that heals later cannot land the producer's queued writes in them. (UCX's emulated puts
-// cannot be refused at the target.)
+// cannot be refused at the target.) Accept creates no endpoint: the peer's entry is the one
+// its notifications arrive under.
 //
 // A transport with its own UCP context and worker. InvalidArgument for an empty tls or
 // options out of their ranges; the UCX
