@@ -248,12 +248,19 @@ void ConsumerSide::OnMessage(ProducerLink& link, const ConnectorMessage& msg) {
     MarkStopped(it->second);  // refused: nothing of it is written
   } else if (auto* abort = std::get_if<AbortMsg>(&msg)) {
     auto it = recv_.find(abort->request_id);
-    if (it == recv_.end() || it->second.link != link.serial) return;
+    if (it == recv_.end() || it->second.link != link.serial ||
+        it->second.attempt != abort->attempt) {
+      return;
+    }
     Fail(it->second, absl::AbortedError(absl::StrCat(
                          "producer ", absl::CHexEscape(link.address),
                          " stopped sending request ", absl::CHexEscape(abort->request_id), ": ",
                          absl::CHexEscape(abort->reason))));
-    MarkStopped(it->second);
+    // The producer sends this once its transfers of the request completed. Where that
+    // means delivered, nothing of it is on its way; elsewhere (UCX over TCP: in the socket)
+    // this channel can overtake the writes, and the request stops at the producer's stop
+    // notice, which comes behind them (OnStopNotice), or when the link is given up.
+    if (shared_.transport->capabilities().delivered_at_completion) MarkStopped(it->second);
   } else {
     Log(LogLevel::kWarning, absl::StrCat("producer ", absl::CHexEscape(link.address),
                                          " sent an unexpected ", ConnectorMessageName(msg),
@@ -295,7 +302,7 @@ void ConsumerSide::QueueAbort(RecvRequest& r, std::vector<Abort>& out) {
     MarkStopped(r);
     return;
   }
-  out.push_back({std::move(link), AbortMsg{r.load.request_id, r.error.ToString()}});
+  out.push_back({std::move(link), AbortMsg{r.load.request_id, r.error.ToString(), r.attempt}});
 }
 
 void ConsumerSide::SendAborts(const std::vector<Abort>& aborts) {
@@ -467,7 +474,33 @@ void ConsumerSide::ClearStep() {
   SendAborts(aborts);
 }
 
+void ConsumerSide::OnStopNotice(const Notification& n) {
+  absl::StatusOr<StopNotice> stop = DecodeStopNotice(n.payload);
+  if (!stop.ok()) {
+    Log(LogLevel::kWarning, absl::StrCat("dropping a notification from peer ", n.peer, ": ",
+                                         stop.status().message()));
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = recv_.find(stop->request_id);
+  if (it == recv_.end() || it->second.attempt != stop->attempt) return;  // late, or another's
+  RecvRequest& r = it->second;
+  std::shared_ptr<ProducerLink> link = LinkOf(r);
+  // Only the producer it was handed to can stop it (another peer's notice is ignored).
+  if (link == nullptr || link->transport_peer != n.peer) return;
+  if (r.state == RecvState::kLoading) {
+    Fail(r, absl::AbortedError(absl::StrCat("producer ", absl::CHexEscape(link->address),
+                                            " stopped sending request ",
+                                            absl::CHexEscape(stop->request_id))));
+  }
+  MarkStopped(r);  // nothing of it is on its way any more
+}
+
 void ConsumerSide::OnNotice(const Notification& n) {
+  if (IsStopNotice(n.payload)) {
+    OnStopNotice(n);
+    return;
+  }
   absl::StatusOr<LayerNotice> notice = DecodeLayerNotice(n.payload);
   if (!notice.ok()) {
     Log(LogLevel::kWarning, absl::StrCat("dropping a notification from peer ", n.peer, ": ",
@@ -627,9 +660,14 @@ bool ConsumerSide::Poll() {
       if (r.state == RecvState::kFailed) {
         outstanding = true;
         if (now > r.abort_deadline) {
+          // Stopped by the link's end (LinkLost), after FenceOff: not before, or its blocks
+          // could be reused while the producer's writes still land.
           std::shared_ptr<ProducerLink> link = LinkOf(r);
-          if (link != nullptr) close.push_back(std::move(link));
-          MarkStopped(r);
+          if (link != nullptr) {
+            close.push_back(std::move(link));
+          } else {
+            MarkStopped(r);  // its link already ended, and fenced the producer off
+          }
         }
       }
     }

@@ -13,9 +13,15 @@
 //                           incompatible, or the send failed): nothing can land
 //   kLoading  -> kFailed    a layer missed its deadline, failed its checksum, the producer
 //                           refused or stopped it, the link broke, or the engine finished it
-//   kFailed   -> kStopped   the producer confirmed it stopped writing, the link is gone, or
+//   kFailed   -> kStopped   the producer's stop notice came (through the transport, behind
+//                           every write of the request: OnStopNotice), the link is gone, or
 //                           the abort deadline passed (the link is then closed); a link that
-//                           ends fences the producer's transport off first (FenceOff)
+//                           ends fences the producer's transport off first (FenceOff). The
+//                           producer's AbortMsg on the control channel stops it too where the
+//                           transport's completions mean delivery (TransportCapabilities::
+//                           delivered_at_completion); elsewhere it only says why, as it can
+//                           overtake writes still in the transport's socket.
+//   kLoading  -> kStopped   the producer's stop notice came first (failed, then stopped)
 // A layer's lifecycle within a request (LayerState):
 //   kMissing   -> kChecking   its notice is being checked on the host (byte count, and for
 //                             host caches the checksum)
@@ -158,6 +164,8 @@ class ConsumerSide {
   // From a link's reader: a message, and the link's end (its requests fail).
   void OnMessage(ProducerLink& link, const ConnectorMessage& message);
   void LinkLost(ProducerLink& link, const absl::Status& why);
+  // A stop notice (layer_notice.h) from the producer a request was handed to: it stops.
+  void OnStopNotice(const Notification& notification);
   // At a link's end, before LinkLost lets its requests' blocks be freed: disconnects the
   // producer's transport peer, so that its writes still on their way (a partition that
   // heals, a killed producer whose kernel still sends what its socket held) are dropped

@@ -111,7 +111,9 @@ absl::Status Encode(const HandOffAckMsg& m, ByteWriter& w) {
 absl::Status Encode(const AbortMsg& m, ByteWriter& w) {
   w.U16(static_cast<uint16_t>(Kind::kAbort));
   RETURN_IF_ERROR(w.Bytes("Abort.request_id", m.request_id, kMaxIdBytes));
-  return w.Bytes("Abort.reason", m.reason, kMaxMessageBytes);
+  RETURN_IF_ERROR(w.Bytes("Abort.reason", m.reason, kMaxMessageBytes));
+  w.U64(m.attempt);
+  return absl::OkStatus();
 }
 
 absl::Status Decode(ByteReader& r, HandOffMsg* m) {
@@ -132,7 +134,8 @@ absl::Status Decode(ByteReader& r, HandOffAckMsg* m) {
 
 absl::Status Decode(ByteReader& r, AbortMsg* m) {
   RETURN_IF_ERROR(r.Bytes("Abort.request_id", kMaxIdBytes, &m->request_id));
-  return r.Bytes("Abort.reason", kMaxMessageBytes, &m->reason);
+  RETURN_IF_ERROR(r.Bytes("Abort.reason", kMaxMessageBytes, &m->reason));
+  return r.U64("Abort.attempt", &m->attempt);
 }
 
 template <typename Msg>

@@ -12,7 +12,7 @@
 //   kind 1 hand-off:  str request_id, list i32 prompt_token_ids, list i32 dest_block_ids,
 //                     u32 num_tokens, u64 attempt
 //   kind 2 ack:       str request_id, i32 status_code, str message
-//   kind 3 abort:     str request_id, str reason
+//   kind 3 abort:     str request_id, str reason, u64 attempt
 //
 // Decoding is strict (byte_io.h): a truncated or oversized field, a count past the bytes
 // left, trailing bytes, an unknown kind or version, a negative token/block id or layer, a
@@ -36,7 +36,8 @@
 namespace kvstream {
 namespace internal {
 
-inline constexpr uint16_t kConnectorWireVersion = 3;  // 2: the hello's group; 3: attempts
+// 2: the hello's group; 3: attempts; 4: the abort's attempt, and stop notices (layer_notice.h)
+inline constexpr uint16_t kConnectorWireVersion = 4;
 inline constexpr uint32_t kMaxBlobBytes = 1u << 20;    // transport info, memory descriptors
 inline constexpr uint32_t kMaxListEntries = 1u << 22;  // tokens, blocks, regions
 
@@ -78,10 +79,13 @@ struct HandOffAckMsg {
   std::string message;
 };
 
-// Either side: stop (consumer to producer), or stopped (producer to consumer).
+// Either side: stop (consumer to producer), or stopped, and why (producer to consumer). The
+// consumer lets the request's blocks go only at the producer's stop notice, which travels
+// behind the data (layer_notice.h), or when it gives the link up.
 struct AbortMsg {
   std::string request_id;
   std::string reason;
+  uint64_t attempt = 0;  // the hand-off's (HandOffMsg::attempt)
 };
 
 using ConnectorMessage = std::variant<HandOffMsg, HandOffAckMsg, AbortMsg>;

@@ -11,6 +11,18 @@ namespace internal {
 namespace {
 
 constexpr uint32_t kNoticeMagic = 0x334E564B;  // bytes "KVN3"
+constexpr uint32_t kStopMagic = 0x3153564B;    // bytes "KVS1"
+
+// The notice's first field; InvalidArgument unless it is `magic`.
+absl::Status ExpectMagic(ByteReader& r, uint32_t magic, absl::string_view what) {
+  uint32_t got = 0;
+  RETURN_IF_ERROR(r.U32(absl::StrCat(what, " magic"), &got));
+  if (got != magic) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": bad magic (not a kvstream ", what, ")"));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -35,11 +47,7 @@ absl::StatusOr<std::string> EncodeLayerNotice(const LayerNotice& n) {
 
 absl::StatusOr<LayerNotice> DecodeLayerNotice(absl::string_view payload) {
   ByteReader r(payload);
-  uint32_t magic = 0;
-  RETURN_IF_ERROR(r.U32("layer notice magic", &magic));
-  if (magic != kNoticeMagic) {
-    return absl::InvalidArgumentError("layer notification: bad magic (not a kvstream layer notice)");
-  }
+  RETURN_IF_ERROR(ExpectMagic(r, kNoticeMagic, "layer notice"));
   LayerNotice n;
   RETURN_IF_ERROR(r.Bytes("layer notice request id", kMaxIdBytes, &n.request_id));
   RETURN_IF_ERROR(r.U64("layer notice attempt", &n.attempt));
@@ -55,6 +63,30 @@ absl::StatusOr<LayerNotice> DecodeLayerNotice(absl::string_view payload) {
   RETURN_IF_ERROR(r.U64("layer notice post time", &n.post_ns));
   RETURN_IF_ERROR(r.U64("layer notice checksum", &n.checksum));
   RETURN_IF_ERROR(r.ExpectEnd("layer notice"));
+  return n;
+}
+
+absl::StatusOr<std::string> EncodeStopNotice(const StopNotice& n) {
+  std::string out;
+  ByteWriter w(&out);
+  w.U32(kStopMagic);
+  RETURN_IF_ERROR(w.Bytes("stop notice request id", n.request_id, kMaxIdBytes));
+  w.U64(n.attempt);
+  return out;
+}
+
+bool IsStopNotice(absl::string_view payload) {
+  ByteReader r(payload);
+  return ExpectMagic(r, kStopMagic, "stop notice").ok();
+}
+
+absl::StatusOr<StopNotice> DecodeStopNotice(absl::string_view payload) {
+  ByteReader r(payload);
+  RETURN_IF_ERROR(ExpectMagic(r, kStopMagic, "stop notice"));
+  StopNotice n;
+  RETURN_IF_ERROR(r.Bytes("stop notice request id", kMaxIdBytes, &n.request_id));
+  RETURN_IF_ERROR(r.U64("stop notice attempt", &n.attempt));
+  RETURN_IF_ERROR(r.ExpectEnd("stop notice"));
   return n;
 }
 

@@ -1,5 +1,6 @@
 // The layer notice: the notification a producer's layer write carries, which the consumer
-// receives only after that layer's bytes are in place (transport.h's ordering).
+// receives only after that layer's bytes are in place (transport.h's ordering); and the stop
+// notice (below).
 //
 //   u32 magic "KVN3"   str request_id (u32 length, at most kMaxIdBytes)   u64 attempt
 //   u32 layer   u64 bytes   u8 checksum kind   u64 post time (ns, CLOCK_MONOTONIC:
@@ -51,6 +52,23 @@ absl::StatusOr<std::string> EncodeLayerNotice(const LayerNotice& notice);
 // the bytes of a little-endian u64 appended later.
 absl::StatusOr<std::string> EncodeLayerNoticeHead(const LayerNotice& notice);
 absl::StatusOr<LayerNotice> DecodeLayerNotice(absl::string_view payload);
+
+// The stop notice: what a producer posts through the transport, to the consumer's peer,
+// once every transfer of a request it stopped (it failed, or the consumer aborted it) has
+// ended. The transport delivers it after the data of every write posted before it to that
+// peer (transport.h's ordering), so a consumer that receives it knows that nothing of the
+// request is still on its way and may let its blocks be reused; a confirmation on the
+// control channel could overtake data still in the transport's socket.
+//
+//   u32 magic "KVS1"   str request_id (at most kMaxIdBytes)   u64 attempt
+struct StopNotice {
+  std::string request_id;
+  uint64_t attempt = 0;  // the hand-off's (HandOffMsg::attempt)
+};
+absl::StatusOr<std::string> EncodeStopNotice(const StopNotice& notice);
+absl::StatusOr<StopNotice> DecodeStopNotice(absl::string_view payload);
+// Whether `payload` starts as a stop notice does (which kind of notice to decode it as).
+bool IsStopNotice(absl::string_view payload);
 
 }  // namespace internal
 }  // namespace kvstream

@@ -174,10 +174,15 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
       sent = SendConnectorMessage(*conn, ack, absl::Now() + absl::Seconds(1));
     } else if (auto* abort = std::get_if<AbortMsg>(&*msg)) {
       if (!HandleAbort(*abort, link)) {
-        // Finished and forgotten, or never handed over on this link: nothing of it can
-        // still land, so confirm at once (the consumer would otherwise close the link at
-        // its deadline, failing every other request on it).
-        AbortMsg confirm{abort->request_id, "no transfer of it is in flight"};
+        // Finished and forgotten, or never handed over on this link: nothing of it is in
+        // flight here, so confirm at once (the consumer would otherwise close the link at
+        // its deadline, failing every other request on it), with a stop notice behind
+        // whatever of it the transport may still carry.
+        {
+          absl::MutexLock lock(&mu_);
+          PostStopNotice(*link, abort->request_id, abort->attempt);
+        }
+        AbortMsg confirm{abort->request_id, "no transfer of it is in flight", abort->attempt};
         sent = SendConnectorMessage(*conn, confirm, absl::Now() + absl::Seconds(1));
       }
     } else {
@@ -245,6 +250,21 @@ void ProducerSide::Fail(SendRequest& s, const absl::Status& why) {
   s.stop_reason = why.ToString();
   Log(LogLevel::kWarning, absl::StrCat("send of request ", s.id, " failed: ", s.stop_reason));
   for (TransferId t : s.pending) (void)shared_.transport->Cancel(t);
+}
+
+void ProducerSide::PostStopNotice(const ConsumerLink& link, const std::string& request_id,
+                                  uint64_t attempt) {
+  absl::StatusOr<std::string> notice = EncodeStopNotice(StopNotice{request_id, attempt});
+  absl::StatusOr<TransferId> id =
+      notice.ok() ? shared_.transport->PostNotification(link.peer, *notice)
+                  : absl::StatusOr<TransferId>(notice.status());
+  if (!id.ok()) {
+    Log(LogLevel::kWarning, absl::StrCat("stop notice of request ", absl::CHexEscape(request_id),
+                                         " to consumer ", link.name, ": ",
+                                         id.status().ToString()));
+    return;
+  }
+  stop_notices_.push_back(*id);
 }
 
 void ProducerSide::Settle(SendRequest& s) {
@@ -377,6 +397,16 @@ bool ProducerSide::Poll() {
     absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
     if (sender_ != nullptr) sender_->PollReady();
+    for (auto it = stop_notices_.begin(); it != stop_notices_.end();) {
+      absl::StatusOr<TransferState> state = transport.Test(*it);
+      if (state.ok() && *state == TransferState::kInProgress) {
+        outstanding = true;
+        ++it;
+        continue;
+      }
+      transport.Release(*it);
+      it = stop_notices_.erase(it);
+    }
     for (auto si = send_.begin(); si != send_.end();) {
       SendRequest& s = si->second;
       for (auto it = s.pending.begin(); it != s.pending.end();) {
@@ -442,7 +472,10 @@ bool ProducerSide::Poll() {
         s.state = SendState::kStopped;
         Settle(s);
         for (const Destination& d : s.dests) {
-          if (d.link->alive) notify.push_back({d.link, AbortMsg{s.consumer_id, s.stop_reason}});
+          if (!d.link->alive) continue;
+          PostStopNotice(*d.link, s.consumer_id, d.attempt);
+          outstanding = true;
+          notify.push_back({d.link, AbortMsg{s.consumer_id, s.stop_reason, d.attempt}});
         }
       }
       if (!s.pending.empty() || s.state == SendState::kSending) outstanding = true;

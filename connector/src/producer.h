@@ -173,6 +173,12 @@ class ProducerSide {
   bool HandleAbort(const AbortMsg& m, const std::shared_ptr<ConsumerLink>& link);
   void ConsumerLost(const std::shared_ptr<ConsumerLink>& link, const absl::Status& why);
   void Fail(SendRequest& s, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells `link`'s consumer, through the transport and behind every write posted to it so
+  // far, that nothing of attempt `attempt` of its request `request_id` is on its way any
+  // more (a StopNotice). Best effort: a consumer that never gets it gives the link up at
+  // its abort deadline.
+  void PostStopNotice(const ConsumerLink& link, const std::string& request_id,
+                      uint64_t attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Once a request is done or stopped: it no longer counts against its consumers' bounds.
   void Settle(SendRequest& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string DestinationNames(const SendRequest& s);
@@ -207,6 +213,8 @@ class ProducerSide {
   };
   std::map<std::string, RejectedStage> rejected_stages_ ABSL_GUARDED_BY(mu_);
   std::map<TransferId, LayerSend> layer_sends_ ABSL_GUARDED_BY(mu_);
+  // Stop notices in flight (layer_notice.h), released by Poll once they ended.
+  std::vector<TransferId> stop_notices_ ABSL_GUARDED_BY(mu_);
   std::deque<RequestSendStats> send_stats_ ABSL_GUARDED_BY(mu_);
   std::vector<IncomingRequest> incoming_ ABSL_GUARDED_BY(mu_);
 };

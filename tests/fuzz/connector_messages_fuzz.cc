@@ -1,5 +1,6 @@
 // Fuzz target for the connector's control messages and hello (connector/src/
-// control_messages.h) and its layer notice (layer_notice.h): the bytes a peer controls.
+// control_messages.h) and its layer and stop notices (layer_notice.h): the bytes a peer
+// controls.
 // Any input decodes to a value or an error, never a crash; an accepted input re-encodes to
 // exactly itself. The first byte picks the decoder.
 #include <cstddef>
@@ -13,7 +14,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const absl::string_view input(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 3) {
+  switch (data[0] % 4) {
     case 0: {
       auto m = kvstream::internal::DecodeConnectorMessage(input);
       if (m.ok()) {
@@ -26,6 +27,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       auto h = kvstream::internal::DecodeConnectorHello(input);
       if (h.ok()) {
         auto again = kvstream::internal::EncodeConnectorHello(*h);
+        if (!again.ok() || *again != input) std::abort();
+      }
+      break;
+    }
+    case 3: {
+      auto n = kvstream::internal::DecodeStopNotice(input);
+      if (n.ok()) {
+        auto again = kvstream::internal::EncodeStopNotice(*n);
         if (!again.ok() || *again != input) std::abort();
       }
       break;

@@ -46,7 +46,8 @@ int Run(const std::string& root) {
         *internal::EncodeConnectorMessage(internal::HandOffMsg{"req-0", {1, 2, 3}, {7, 8}, 2}));
   Write(msg, "ack", 0,
         *internal::EncodeConnectorMessage(internal::HandOffAckMsg{"req-0", 11, "out of range"}));
-  Write(msg, "abort", 0, *internal::EncodeConnectorMessage(internal::AbortMsg{"req-0", "stop"}));
+  Write(msg, "abort", 0,
+        *internal::EncodeConnectorMessage(internal::AbortMsg{"req-0", "stop", 7}));
   internal::ConnectorHello h;
   h.protocol_version = 1;
   h.compat_hash = 42;
@@ -63,6 +64,7 @@ int Run(const std::string& root) {
   n.post_ns = 1;
   n.checksum = 0x1234;
   Write(msg, "notice", 2, *internal::EncodeLayerNotice(n));
+  Write(msg, "stop", 3, *internal::EncodeStopNotice(internal::StopNotice{"req-0", 7}));
 
   Write(cfg, "vllm", 0,
         R"({"kv_connector": "LayerwiseConnector", "kv_role": "kv_consumer", "kv_port": 14579,

@@ -206,7 +206,18 @@ absl::StatusOr<TransferId> FaultyTransport::PostWrite(PeerId peer, const MemoryR
   return id;
 }
 
+TransportCapabilities FaultyTransport::capabilities() const {
+  TransportCapabilities caps = TransportWrapper::capabilities();
+  absl::MutexLock lock(&mu_);
+  if (plan_.completion_before_delivery) caps.delivered_at_completion = false;
+  return caps;
+}
+
 void FaultyTransport::AfterPost(const absl::StatusOr<TransferId>& id, bool fail, bool stall) {
+  if (id.ok()) {
+    absl::MutexLock lock(&mu_);
+    if (hold_writes_ && held_done_) held_done_ids_.insert(*id);
+  }
   if (!fail && !stall) return;
   {
     absl::MutexLock lock(&mu_);
@@ -240,6 +251,10 @@ absl::StatusOr<TransferId> FaultyTransport::PostNotification(PeerId peer,
 }
 
 absl::StatusOr<TransferState> FaultyTransport::Test(TransferId id) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (hold_writes_ && held_done_ids_.count(id) != 0) return TransferState::kDone;
+  }
   absl::StatusOr<TransferState> state = TransportWrapper::Test(id);
   if (!state.ok() && absl::IsNotFound(state.status())) return state;  // unknown or released
   absl::MutexLock lock(&mu_);
@@ -271,6 +286,10 @@ absl::Status FaultyTransport::Cancel(TransferId id) {
 void FaultyTransport::Release(TransferId id) {
   {
     absl::MutexLock lock(&mu_);
+    if (hold_writes_ && held_done_ids_.count(id) != 0) {
+      deferred_releases_.push_back(id);  // releasing would drop it from the "socket"
+      return;
+    }
     failing_.erase(id);
     stalled_.erase(id);
     cancelled_.erase(id);
@@ -286,9 +305,18 @@ absl::Status FaultyTransport::Progress() {
   return TransportWrapper::Progress();
 }
 
-void FaultyTransport::HoldWrites(bool hold) {
-  absl::MutexLock lock(&mu_);
-  hold_writes_ = hold;
+void FaultyTransport::HoldWrites(bool hold, bool report_done) {
+  std::vector<TransferId> releases;
+  {
+    absl::MutexLock lock(&mu_);
+    hold_writes_ = hold;
+    held_done_ = hold && report_done;
+    if (hold) return;
+    held_done_ids_.clear();
+    releases.swap(deferred_releases_);
+  }
+  (void)TransportWrapper::Progress();  // what was held goes now
+  for (TransferId id : releases) TransportWrapper::Release(id);
 }
 
 void FaultyTransport::HoldNotifications(bool hold) {

@@ -51,11 +51,15 @@
 //   HoldNotifications()     receiver / Poll      every notification held until released (for
 //                                                a fault placed at a chosen moment)
 //   HoldWrites()            sender / Progress,   the wrapped transport is not progressed and
-//                           Cancel               cancellations are not passed on until
-//                                                released: what was posted waits, as writes in
+//                           Cancel, Test,        cancellations are not passed on until
+//                           Release              released: what was posted waits, as writes in
 //                                                the socket of a cut link, and still goes
 //                                                once released (for a transport that moves
-//                                                data only in Progress, as the loopback)
+//                                                data only in Progress, as the loopback);
+//                                                with report_done, Test says kDone at once, as
+//                                                for sends a socket took
+//   completion_before_delivery  either / capabilities  delivered_at_completion is false, as
+//                                                for UCX over TCP
 //
 // Drop, truncate and flip act on a notification as received; delay and reorder then act on
 // each copy a duplicate makes (so a duplicate may come late). flip_source_byte acts only on
@@ -117,6 +121,8 @@ struct FaultPlan {
   absl::Duration max_delay = absl::Milliseconds(20);
   FaultRate reorder_notification;
   absl::Duration max_hold = absl::Milliseconds(5);
+  // capabilities().delivered_at_completion reports false (see HoldWrites' report_done).
+  bool completion_before_delivery = false;
 };
 
 // What a FaultyTransport saw and injected.
@@ -158,14 +164,18 @@ class FaultyTransport final : public TransportWrapper {
   // delivers those kept, in arrival order, with the next PollNotifications.
   void HoldNotifications(bool hold);
   // Sender side: while held, Progress does not progress the wrapped transport and Cancel is
-  // answered OK without reaching it, so what was posted stays in progress and cannot be
-  // taken back; HoldWrites(false) lets the next Progress deliver it all, cancelled or not.
-  void HoldWrites(bool hold);
+  // answered OK without reaching it, so what was posted cannot be taken back; it stays in
+  // progress, or with `report_done` Test reports what is posted from now on kDone at once
+  // (and its Release waits for the release of the hold). HoldWrites(false) progresses the
+  // wrapped transport, which delivers it all, cancelled or not, then passes those Releases
+  // on.
+  void HoldWrites(bool hold, bool report_done = false);
 
   FaultCounts counts() const;
   // Notifications held back by delay_notification or reorder_notification, not yet delivered.
   size_t held_notifications() const;
 
+  TransportCapabilities capabilities() const override;
   using Transport::PostWrite;
   absl::StatusOr<TransferId> PostWrite(PeerId peer, const MemoryRegistration& local,
                                        const RemoteMemory& remote,
@@ -214,6 +224,9 @@ class FaultyTransport final : public TransportWrapper {
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   bool hold_all_ ABSL_GUARDED_BY(mu_) = false;
   bool hold_writes_ ABSL_GUARDED_BY(mu_) = false;
+  bool held_done_ ABSL_GUARDED_BY(mu_) = false;  // HoldWrites' report_done
+  std::set<TransferId> held_done_ids_ ABSL_GUARDED_BY(mu_);  // posted while so held
+  std::vector<TransferId> deferred_releases_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvstream

@@ -318,6 +318,29 @@ TEST_F(FaultyTransportTest, HeldWritesWaitAndCannotBeCancelledUntilReleased) {
   EXPECT_EQ(*state, TransferState::kDone);
 }
 
+// As a socket takes a send: done at once for the sender, delivered only when released, and
+// a Release in between does not drop it.
+TEST_F(FaultyTransportTest, WritesHeldAsDoneAreDeliveredOnlyWhenReleased) {
+  FaultPlan plan;
+  plan.completion_before_delivery = true;
+  Start({}, plan);
+  EXPECT_TRUE(fabric_.CreateTransport("plain").value()->capabilities().delivered_at_completion);
+  EXPECT_FALSE(receiver_->capabilities().delivered_at_completion);
+  EXPECT_TRUE(sender_->capabilities().delivered_at_completion);
+  sender_->HoldWrites(true, /*report_done=*/true);
+  auto id = Write("in the socket");
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(*sender_->Test(*id), TransferState::kDone);
+  sender_->Release(*id);
+  EXPECT_TRUE(Receive(10).empty());
+  uint8_t zeros[kBytes] = {};
+  EXPECT_EQ(std::memcmp(dst_, zeros, kBytes), 0) << "a held write landed";
+  sender_->HoldWrites(false);
+  EXPECT_EQ(std::memcmp(src_, dst_, kBytes), 0) << "the held write was lost";
+  EXPECT_EQ(Receive(10), std::vector<std::string>{"in the socket"});
+  EXPECT_EQ(sender_->Test(*id).status().code(), absl::StatusCode::kNotFound) << "not released";
+}
+
 TEST(FaultCountsTest, SumsAndPrints) {
   FaultCounts a;
   a.posts = 3;

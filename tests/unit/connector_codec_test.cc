@@ -219,7 +219,7 @@ TEST(ConnectorOutputCodecTest, RoundTripsAndRefusesHostileBytes) {
 TEST(ControlMessagesTest, EveryMessageRoundTrips) {
   HandOffMsg h{"req", {1, 2, 3}, {9, 0}, 3};
   HandOffAckMsg a{"req", 11, "out of range"};
-  AbortMsg x{"req", "stop"};
+  AbortMsg x{"req", "stop", 0x0123456789abcdefULL};
   for (const ConnectorMessage& m : {ConnectorMessage(h), ConnectorMessage(a), ConnectorMessage(x)}) {
     auto bytes = internal::EncodeConnectorMessage(m);
     ASSERT_TRUE(bytes.ok()) << bytes.status();
@@ -327,6 +327,29 @@ TEST(LayerNoticeTest, RoundTripAndTheHeadPlusATailIsTheWholeNotice) {
               HasSubstr("unknown checksum kind 3"));
   Mutate(*whole, [](absl::string_view b) { return internal::DecodeLayerNotice(b); },
          [](const LayerNotice& x) { return internal::EncodeLayerNotice(x); }, 10000);
+}
+
+TEST(StopNoticeTest, RoundTripsDecodesStrictlyAndIsToldFromALayerNotice) {
+  internal::StopNotice n{"req-9", 0x8000000000000001ull};
+  auto bytes = internal::EncodeStopNotice(n);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_TRUE(internal::IsStopNotice(*bytes));
+  auto back = internal::DecodeStopNotice(*bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->request_id, n.request_id);
+  EXPECT_EQ(back->attempt, n.attempt);
+  ExpectPrefixesAndTrailingRejected(*bytes, [](absl::string_view b) { return internal::DecodeStopNotice(b); });
+  LayerNotice layer;
+  layer.request_id = "req-9";
+  auto layer_bytes = internal::EncodeLayerNotice(layer);
+  ASSERT_TRUE(layer_bytes.ok());
+  EXPECT_FALSE(internal::IsStopNotice(*layer_bytes));
+  EXPECT_FALSE(internal::IsStopNotice("KVS"));
+  EXPECT_THAT(internal::DecodeStopNotice(*layer_bytes).status().message(), HasSubstr("magic"));
+  EXPECT_FALSE(internal::DecodeLayerNotice(*bytes).ok());
+  EXPECT_FALSE(internal::EncodeStopNotice({std::string(kMaxIdBytes + 1, 'x'), 1}).ok());
+  Mutate(*bytes, [](absl::string_view b) { return internal::DecodeStopNotice(b); },
+         [](const internal::StopNotice& x) { return internal::EncodeStopNotice(x); }, 10000);
 }
 
 }  // namespace

@@ -570,18 +570,18 @@ TEST_P(ConnectorFaultTest, EveryRequestLoadsExactlyOrFailsCleanly) {
 
 // ---- faults placed at chosen moments ----
 
-// A producer and a consumer with no planned faults (each test places its own through the
-// nodes' FaultyTransports), driven one request at a time of kPromptLen tokens from the
-// consumer's blocks kDBlocks and the producer's kPBlocks.
+// A producer and a consumer (each test places its faults through the nodes'
+// FaultyTransports), driven one request at a time of kPromptLen tokens from the consumer's
+// blocks kDBlocks and the producer's kPBlocks.
 class DirectedFaultTest : public ::testing::Test {
  protected:
   static constexpr int kPromptLen = 8;
   static constexpr int kTokens = 7;  // remote tokens: all but the last prompt token
 
-  void SetUp() override {
-    const Timeouts timeouts{300, 500};
-    p_ = MakeNode(fabric_, "p", KvRole::kProducer, {}, timeouts, KvLayout::kNHD);
-    d_ = MakeNode(fabric_, "d", KvRole::kConsumer, {}, timeouts, KvLayout::kNHD);
+  void Start(const FaultPlan& producer = {}, const FaultPlan& consumer = {},
+             const Timeouts& timeouts = {300, 500}) {
+    p_ = MakeNode(fabric_, "p", KvRole::kProducer, producer, timeouts, KvLayout::kNHD);
+    d_ = MakeNode(fabric_, "d", KvRole::kConsumer, consumer, timeouts, KvLayout::kNHD);
     ASSERT_TRUE(p_ != nullptr && d_ != nullptr);
     const std::string addr = pc().worker().control_address();
     remote_.host = addr.substr(0, addr.rfind(':'));
@@ -694,6 +694,7 @@ class DirectedFaultTest : public ::testing::Test {
 // Every hand-off carries an attempt number that the producer echoes in each layer notice
 // (HandOffMsg::attempt); the consumer ignores notices of another attempt.
 TEST_F(DirectedFaultTest, LateNoticeOfAFailedRequestDoesNotCountForItsRetry) {
+  ASSERT_NO_FATAL_FAILURE(Start());
   // Attempt 1: its notices never come in time; its load fails at the deadline.
   d_->faults->HoldNotifications(true);
   HandOver("x");
@@ -734,6 +735,7 @@ TEST_F(DirectedFaultTest, LateNoticeOfAFailedRequestDoesNotCountForItsRetry) {
 // next request to the same producer (a new link, whose handshake accepts its writes again)
 // loads bit-identical.
 TEST_F(DirectedFaultTest, WritesOfAProducerGivenUpDoNotLandInReusedBlocks) {
+  ASSERT_NO_FATAL_FAILURE(Start());
   // Request "a": its writes wait in the producer's socket; the consumer gives it up.
   p_->faults->HoldWrites(true);
   HandOver("a");
@@ -767,6 +769,41 @@ TEST_F(DirectedFaultTest, WritesOfAProducerGivenUpDoNotLandInReusedBlocks) {
   for (int l = 0; l < kLayers; ++l) {
     EXPECT_TRUE(read[l] == expected[l]) << "layer " << l << " of request b";
   }
+  EXPECT_EQ(dc().worker().stats().blocks_in_flight, 0);
+  EXPECT_EQ(pc().worker().stats().blocks_in_flight, 0);
+}
+
+// Over a transport whose completions do not mean delivery (UCX over TCP: a send completes in
+// the socket), the producer's confirmation of an abort, on the control channel, can come
+// before its writes: here they "complete" at once but wait in the producer's socket while
+// the consumer's load fails at the deadline and the producer, its sends done, confirms the
+// abort. The consumer must not let the request's blocks go on that confirmation, only on
+// the producer's stop notice, which the transport delivers behind the writes.
+TEST_F(DirectedFaultTest, AConfirmationThatOvertakesTheWritesDoesNotFreeTheBlocks) {
+  FaultPlan consumer;
+  consumer.completion_before_delivery = true;
+  // The abort deadline (5 s) far beyond the wait below: the link is not given up meanwhile.
+  ASSERT_NO_FATAL_FAILURE(Start({}, consumer, {300, 5000}));
+  p_->faults->HoldWrites(true, /*report_done=*/true);
+  HandOver("a");
+  (void)Prefill("a");
+  ASSERT_TRUE(Until([&] { return pc().sending_reports("a") > 0; }))
+      << "the producer never saw its sends of request a done";
+  ForwardWithoutReading();  // fails at the layer deadline; the abort goes to the producer
+  ASSERT_TRUE(Until([&] { return dc().errors().count("a") > 0; }));
+  EXPECT_EQ(dc().errors().at("a")[0].code(), absl::StatusCode::kDeadlineExceeded);
+  // The producer confirms at once ("no transfer of it is in flight"); the writes still wait.
+  const absl::Time until = absl::Now() + absl::Milliseconds(300);
+  while (absl::Now() < until) {
+    dc().Pump();
+    ASSERT_EQ(dc().recving_reports("a"), 0)
+        << "the consumer let request a's blocks go while its writes were still on their way";
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  // The writes land (in blocks the request still holds), then the stop notice.
+  p_->faults->HoldWrites(false);
+  ASSERT_TRUE(Until([&] { return dc().recving_reports("a") > 0; }))
+      << "the producer's stop notice never stopped request a";
   EXPECT_EQ(dc().worker().stats().blocks_in_flight, 0);
   EXPECT_EQ(pc().worker().stats().blocks_in_flight, 0);
 }

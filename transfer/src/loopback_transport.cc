@@ -225,6 +225,7 @@ class LoopbackTransport final : public Transport {
     caps.device_memory = false;
     caps.inter_process = false;
     caps.inter_node = false;
+    caps.delivered_at_completion = true;  // Progress copies, then completes
     return caps;
   }
 

@@ -80,6 +80,8 @@ class UcxTransport final : public Transport {
     caps.device_memory = BuiltWithCuda();
     caps.inter_process = true;
     caps.inter_node = core_->network;
+    // Not delivered_at_completion: a send over TCP completes once in the socket, and a
+    // staged device write before the peer scattered it.
     return caps;
   }
 

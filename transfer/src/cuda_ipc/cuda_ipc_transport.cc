@@ -52,6 +52,7 @@ TransportCapabilities CudaIpcTransport::capabilities() const {
   caps.device_memory = true;
   caps.inter_process = true;
   caps.inter_node = false;
+  caps.delivered_at_completion = true;  // the copy kernel completed in the peer's memory
   return caps;
 }
 

@@ -52,6 +52,7 @@ TransportCapabilities NcclTransport::capabilities() const {
   caps.device_memory = true;
   caps.inter_process = true;
   caps.inter_node = true;
+  // Not delivered_at_completion: the peer scatters from its staging buffer after the receive.
   return caps;
 }
 

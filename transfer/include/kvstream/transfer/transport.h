@@ -59,6 +59,11 @@ struct TransportCapabilities {
   bool device_memory = false;
   bool inter_process = false;
   bool inter_node = false;
+  // A write's kDone (Test) means its data is in place at the peer, not merely handed to a
+  // socket or a staging buffer: the peer may then reuse the memory it wrote into as soon as
+  // the writer says it is done, by any channel. Otherwise only a notification posted after
+  // the write (the ordering above) tells the peer that nothing of it is still on its way.
+  bool delivered_at_completion = false;
 };
 
 // A registered local memory region. Deregisters on destruction. Not copyable.
