@@ -491,7 +491,8 @@ void ConsumerSide::OnStopNotice(const Notification& n) {
   if (r.state == RecvState::kLoading) {
     Fail(r, absl::AbortedError(absl::StrCat("producer ", absl::CHexEscape(link->address),
                                             " stopped sending request ",
-                                            absl::CHexEscape(stop->request_id))));
+                                            absl::CHexEscape(stop->request_id), ": ",
+                                            absl::CHexEscape(stop->reason))));
   }
   MarkStopped(r);  // nothing of it is on its way any more
 }

@@ -72,6 +72,7 @@ absl::StatusOr<std::string> EncodeStopNotice(const StopNotice& n) {
   w.U32(kStopMagic);
   RETURN_IF_ERROR(w.Bytes("stop notice request id", n.request_id, kMaxIdBytes));
   w.U64(n.attempt);
+  RETURN_IF_ERROR(w.Bytes("stop notice reason", n.reason, kMaxStopReasonBytes));
   return out;
 }
 
@@ -86,6 +87,7 @@ absl::StatusOr<StopNotice> DecodeStopNotice(absl::string_view payload) {
   StopNotice n;
   RETURN_IF_ERROR(r.Bytes("stop notice request id", kMaxIdBytes, &n.request_id));
   RETURN_IF_ERROR(r.U64("stop notice attempt", &n.attempt));
+  RETURN_IF_ERROR(r.Bytes("stop notice reason", kMaxStopReasonBytes, &n.reason));
   RETURN_IF_ERROR(r.ExpectEnd("stop notice"));
   return n;
 }

@@ -61,10 +61,13 @@ absl::StatusOr<LayerNotice> DecodeLayerNotice(absl::string_view payload);
 // control channel could overtake data still in the transport's socket.
 //
 //   u32 magic "KVS1"   str request_id (at most kMaxIdBytes)   u64 attempt
+//   str reason (at most kMaxStopReasonBytes)
 struct StopNotice {
   std::string request_id;
   uint64_t attempt = 0;  // the hand-off's (HandOffMsg::attempt)
+  std::string reason;    // why it stopped (the consumer's load error quotes it)
 };
+inline constexpr uint32_t kMaxStopReasonBytes = 1024;
 absl::StatusOr<std::string> EncodeStopNotice(const StopNotice& notice);
 absl::StatusOr<StopNotice> DecodeStopNotice(absl::string_view payload);
 // Whether `payload` starts as a stop notice does (which kind of notice to decode it as).

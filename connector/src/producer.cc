@@ -180,7 +180,8 @@ void ProducerSide::ConsumerLoop(std::shared_ptr<ControlConnection> conn) {
         // whatever of it the transport may still carry.
         {
           absl::MutexLock lock(&mu_);
-          PostStopNotice(*link, abort->request_id, abort->attempt);
+          PostStopNotice(*link, abort->request_id, abort->attempt,
+                         "no transfer of it is in flight");
         }
         AbortMsg confirm{abort->request_id, "no transfer of it is in flight", abort->attempt};
         sent = SendConnectorMessage(*conn, confirm, absl::Now() + absl::Seconds(1));
@@ -253,8 +254,9 @@ void ProducerSide::Fail(SendRequest& s, const absl::Status& why) {
 }
 
 void ProducerSide::PostStopNotice(const ConsumerLink& link, const std::string& request_id,
-                                  uint64_t attempt) {
-  absl::StatusOr<std::string> notice = EncodeStopNotice(StopNotice{request_id, attempt});
+                                  uint64_t attempt, absl::string_view reason) {
+  absl::StatusOr<std::string> notice = EncodeStopNotice(
+      StopNotice{request_id, attempt, std::string(reason.substr(0, kMaxStopReasonBytes))});
   absl::StatusOr<TransferId> id =
       notice.ok() ? shared_.transport->PostNotification(link.peer, *notice)
                   : absl::StatusOr<TransferId>(notice.status());
@@ -473,7 +475,7 @@ bool ProducerSide::Poll() {
         Settle(s);
         for (const Destination& d : s.dests) {
           if (!d.link->alive) continue;
-          PostStopNotice(*d.link, s.consumer_id, d.attempt);
+          PostStopNotice(*d.link, s.consumer_id, d.attempt, s.stop_reason);
           outstanding = true;
           notify.push_back({d.link, AbortMsg{s.consumer_id, s.stop_reason, d.attempt}});
         }

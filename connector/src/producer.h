@@ -178,7 +178,8 @@ class ProducerSide {
   // more (a StopNotice). Best effort: a consumer that never gets it gives the link up at
   // its abort deadline.
   void PostStopNotice(const ConsumerLink& link, const std::string& request_id,
-                      uint64_t attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                      uint64_t attempt, absl::string_view reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Once a request is done or stopped: it no longer counts against its consumers' bounds.
   void Settle(SendRequest& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string DestinationNames(const SendRequest& s);

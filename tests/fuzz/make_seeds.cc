@@ -64,7 +64,7 @@ int Run(const std::string& root) {
   n.post_ns = 1;
   n.checksum = 0x1234;
   Write(msg, "notice", 2, *internal::EncodeLayerNotice(n));
-  Write(msg, "stop", 3, *internal::EncodeStopNotice(internal::StopNotice{"req-0", 7}));
+  Write(msg, "stop", 3, *internal::EncodeStopNotice(internal::StopNotice{"req-0", 7, "stop"}));
 
   Write(cfg, "vllm", 0,
         R"({"kv_connector": "LayerwiseConnector", "kv_role": "kv_consumer", "kv_port": 14579,

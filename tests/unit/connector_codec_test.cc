@@ -330,7 +330,7 @@ TEST(LayerNoticeTest, RoundTripAndTheHeadPlusATailIsTheWholeNotice) {
 }
 
 TEST(StopNoticeTest, RoundTripsDecodesStrictlyAndIsToldFromALayerNotice) {
-  internal::StopNotice n{"req-9", 0x8000000000000001ull};
+  internal::StopNotice n{"req-9", 0x8000000000000001ull, "a reason"};
   auto bytes = internal::EncodeStopNotice(n);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   EXPECT_TRUE(internal::IsStopNotice(*bytes));
@@ -338,6 +338,7 @@ TEST(StopNoticeTest, RoundTripsDecodesStrictlyAndIsToldFromALayerNotice) {
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->request_id, n.request_id);
   EXPECT_EQ(back->attempt, n.attempt);
+  EXPECT_EQ(back->reason, n.reason);
   ExpectPrefixesAndTrailingRejected(*bytes, [](absl::string_view b) { return internal::DecodeStopNotice(b); });
   LayerNotice layer;
   layer.request_id = "req-9";
@@ -347,7 +348,10 @@ TEST(StopNoticeTest, RoundTripsDecodesStrictlyAndIsToldFromALayerNotice) {
   EXPECT_FALSE(internal::IsStopNotice("KVS"));
   EXPECT_THAT(internal::DecodeStopNotice(*layer_bytes).status().message(), HasSubstr("magic"));
   EXPECT_FALSE(internal::DecodeLayerNotice(*bytes).ok());
-  EXPECT_FALSE(internal::EncodeStopNotice({std::string(kMaxIdBytes + 1, 'x'), 1}).ok());
+  EXPECT_FALSE(internal::EncodeStopNotice({std::string(kMaxIdBytes + 1, 'x'), 1, ""}).ok());
+  EXPECT_FALSE(
+      internal::EncodeStopNotice({"r", 1, std::string(internal::kMaxStopReasonBytes + 1, 'x')})
+          .ok());
   Mutate(*bytes, [](absl::string_view b) { return internal::DecodeStopNotice(b); },
          [](const internal::StopNotice& x) { return internal::EncodeStopNotice(x); }, 10000);
 }
