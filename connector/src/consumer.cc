@@ -28,6 +28,15 @@ std::set<int32_t> HelloLayers(const ConnectorHello& hello) {
   return layers;
 }
 
+// The load error of a request its producer stopped (its AbortMsg or its stop notice).
+absl::Status StoppedByProducer(absl::string_view address, absl::string_view request_id,
+                               absl::string_view reason) {
+  return absl::AbortedError(absl::StrCat("producer ", absl::CHexEscape(address),
+                                         " stopped sending request ",
+                                         absl::CHexEscape(request_id), ": ",
+                                         absl::CHexEscape(reason)));
+}
+
 }  // namespace
 
 ConsumerSide::ConsumerSide(WorkerShared& shared)
@@ -252,10 +261,7 @@ void ConsumerSide::OnMessage(ProducerLink& link, const ConnectorMessage& msg) {
         it->second.attempt != abort->attempt) {
       return;
     }
-    Fail(it->second, absl::AbortedError(absl::StrCat(
-                         "producer ", absl::CHexEscape(link.address),
-                         " stopped sending request ", absl::CHexEscape(abort->request_id), ": ",
-                         absl::CHexEscape(abort->reason))));
+    Fail(it->second, StoppedByProducer(link.address, abort->request_id, abort->reason));
     // The producer sends this once its transfers of the request completed. Where that
     // means delivered, nothing of it is on its way; elsewhere (UCX over TCP: in the socket)
     // this channel can overtake the writes, and the request stops at the producer's stop
@@ -489,10 +495,7 @@ void ConsumerSide::OnStopNotice(const Notification& n) {
   // Only the producer it was handed to can stop it (another peer's notice is ignored).
   if (link == nullptr || link->transport_peer != n.peer) return;
   if (r.state == RecvState::kLoading) {
-    Fail(r, absl::AbortedError(absl::StrCat("producer ", absl::CHexEscape(link->address),
-                                            " stopped sending request ",
-                                            absl::CHexEscape(stop->request_id), ": ",
-                                            absl::CHexEscape(stop->reason))));
+    Fail(r, StoppedByProducer(link->address, stop->request_id, stop->reason));
   }
   MarkStopped(r);  // nothing of it is on its way any more
 }
