@@ -101,6 +101,12 @@ class PrefillProcess {
 
 }  // namespace
 
+int DemoDecodeGpu(int gpu_count) { return gpu_count >= 2 ? 1 : 0; }
+
+bool DefaultDemoLoadAsync(ModelDevice device, int decode_gpu) {
+  return device == ModelDevice::kCuda && decode_gpu == 0;
+}
+
 int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
   std::vector<int> lengths = o.prompt_lengths;
   if (lengths.empty()) {
@@ -125,22 +131,34 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
       return 1;
     }
   }
+  const int decode_gpu = cuda ? DemoDecodeGpu(GpuCount()) : 0;
+  const bool load_async = o.load_async.value_or(DefaultDemoLoadAsync(o.device, decode_gpu));
   const std::string tls = o.transport == "tcp" ? "tcp" : "shm";
-  const std::string config = absl::StrCat(
-      R"({"kv_connector": "LayerwiseConnector", "kv_port": 0, "kv_load_failure_policy": ")",
-      o.failure_policy, R"(", "kv_connector_extra_config": {"verify_checksum": )",
-      o.verify_checksum ? "true" : "false", R"(, "load_async": )",
-      o.load_async ? "true" : "false", R"(, "ucx_tls": ")", tls, "\"",
-      tls == "tcp" ? R"(, "ucx_net_devices": "lo")" : "", "}}");
+  // The workers' kv_transfer_config; `gpu`: the worker's cuda_device.
+  const auto config_for = [&](int gpu) {
+    return absl::StrCat(
+        R"({"kv_connector": "LayerwiseConnector", "kv_port": 0, "kv_load_failure_policy": ")",
+        o.failure_policy, R"(", "kv_connector_extra_config": {"verify_checksum": )",
+        o.verify_checksum ? "true" : "false", R"(, "load_async": )",
+        load_async ? "true" : "false",
+        cuda ? absl::StrCat(R"(, "cuda_device": )", gpu) : std::string(), R"(, "ucx_tls": ")", tls,
+        "\"", tls == "tcp" ? R"(, "ucx_net_devices": "lo")" : "", "}}");
+  };
 
   if (cuda) {
-    out << "kvstream demo: one prefill and one decode worker process on GPU 0, KV over CUDA "
-           "IPC, the CUDA model (bf16, cuBLAS) with the batch-invariant cuda attention backend\n";
+    out << "kvstream demo: one prefill worker process on GPU 0 and one decode worker on GPU "
+        << decode_gpu
+        << ", KV over CUDA IPC, the CUDA model (bf16, cuBLAS) with the batch-invariant cuda "
+           "attention backend\n";
   } else {
     out << "kvstream demo: one prefill and one decode worker process on this machine, UCX over "
         << (tls == "tcp" ? "TCP (loopback)" : "shared memory") << ", " << o.model.backend
         << " attention backend\n";
   }
+  out << (load_async ? "KV streamed layer by layer; the decode worker runs a request once all "
+                         "its layers arrived (load_async)\n"
+                       : "KV streamed layer by layer; the decode worker's first step waits for "
+                         "each layer as it arrives\n");
   out
       << absl::StrFormat("model: %d layers, %d query / %d KV heads x %d, MLP %d, vocabulary %d "
                          "(%.0f M parameters), block size %d, cache %s %s; %d requests, %d "
@@ -151,7 +169,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
                          o.model.kv_cache_dtype, o.model.layout, lengths.size(), o.decode_steps);
 
   std::vector<std::string> args = {SelfExe(), "worker", "--role=prefill",
-                                   "--kv-transfer-config=" + config,
+                                   "--kv-transfer-config=" + config_for(0),
                                    "--address-file=" + address_file,
                                    absl::StrCat("--serve=", lengths.size()),
                                    absl::StrCat("--num-blocks=", o.num_blocks),
@@ -168,7 +186,7 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
 
   WorkerOptions w;
   w.role = "decode";
-  w.kv_transfer_config = config;
+  w.kv_transfer_config = config_for(decode_gpu);
   w.model = o.model;
   w.device = o.device;
   w.num_blocks = o.num_blocks;
@@ -333,7 +351,8 @@ int RunDemo(const DemoOptions& o, std::ostream& out, std::ostream& err) {
     j["transfer_gbps"] = total_gbps;
     j["transfer_bytes"] = total_bytes;
     j["transport"] = cuda ? std::string("cuda_ipc") : absl::StrCat("ucx-", tls);
-    j["load_async"] = o.load_async;
+    j["load_async"] = load_async;
+    if (cuda) j["decode_gpu"] = decode_gpu;
     j["backend"] = cuda ? std::string("cuda") : o.model.backend;
     j["device"] = cuda ? "cuda" : "cpu";
     j["load_errors"] = report.stats.load_errors;

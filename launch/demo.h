@@ -9,6 +9,7 @@
 #ifndef KVSTREAM_LAUNCH_DEMO_H_
 #define KVSTREAM_LAUNCH_DEMO_H_
 
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -45,12 +46,23 @@ struct DemoOptions {
   bool one_at_a_time = false;
   // The connector's verify_checksum (docs/configuration.md), for both workers.
   bool verify_checksum = true;
-  // The connector's load_async (docs/configuration.md), for the decode worker.
-  bool load_async = false;
+  // The connector's load_async (docs/configuration.md), for the decode worker; unset:
+  // DefaultDemoLoadAsync.
+  std::optional<bool> load_async;
   // The prefill worker's idle timeout, and the limit of each of the disaggregated and the
   // colocated runs.
   double timeout_s = 600;
 };
+
+// The GPU of the demo's decode worker with `gpu_count` GPUs visible: 1 where there are two
+// or more (the prefill worker has GPU 0), else 0 (both share GPU 0).
+int DemoDecodeGpu(int gpu_count);
+
+// load_async where the options do not say: true when both workers run on one GPU, where a
+// decode worker waiting layer by layer would interleave its kernels with the prefill's
+// (contexts time-slice one GPU: 3-8% slower prefill at 8k tokens, against 0-2% with
+// load_async, docs/benchmarks.md); false on the CPU and with a GPU each.
+bool DefaultDemoLoadAsync(ModelDevice device, int decode_gpu);
 
 // Exit status as `kvstream worker` (0 ok; 2 tokens differ; 3 a request failed; ...); a
 // request whose KV did not arrive and was recomputed counts as failed (3) here.

@@ -3,6 +3,7 @@
 // reference). Only launch/ reads argv and the environment.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -12,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_join.h"
+#include "kvstream/common/cuda_status.h"
 #include "kvstream/connector/config.h"
 #include "kvstream/connector/layer_routing.h"
 #include "attention_example.h"
@@ -54,6 +56,16 @@ std::string RoleFromMpiRank(kvstream::WorkerOptions& w) {
     w.pp_rank = (r - w.num_prefill) % pp;
   }
   return "";
+}
+
+// Under mpirun: this rank's local rank (OMPI_COMM_WORLD_LOCAL_RANK) modulo the GPUs
+// visible, so that the ranks of one host take one GPU each where there are enough (and share
+// GPU 0 where it is the only one).
+int MpiLocalGpu() {
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  const int gpus = kvstream::GpuCount();
+  if (local == nullptr || gpus <= 0) return 0;
+  return std::max(0, std::atoi(local)) % gpus;
 }
 
 // Applies the --model preset to the shape fields whose flags were not given.
@@ -161,8 +173,9 @@ int main(int argc, char** argv) {
   real_demo->add_option("--num-blocks", demo_options.num_blocks, "KV-cache blocks per layer")
       ->capture_default_str()->check(CLI::Range(1, 1 << 24));
   real_demo->add_option("--device", demo_device,
-                        "cpu, or cuda: both workers run the CUDA model on GPU 0 and the KV goes "
-                        "over CUDA IPC (exits 1 without a usable GPU)")
+                        "cpu, or cuda: the workers run the CUDA model, the prefill worker on GPU 0 "
+                        "and the decode worker on GPU 1 (GPU 0 too where it is the only one), "
+                        "KV over CUDA IPC (exits 1 without a usable GPU)")
       ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
   real_demo->add_option("--transport", demo_options.transport, "UCX over shm or tcp")
       ->capture_default_str()->check(CLI::IsMember({"shm", "tcp"}));
@@ -173,10 +186,12 @@ int main(int argc, char** argv) {
   real_demo->add_option("--verify-checksum", demo_options.verify_checksum,
                         "Checksum every layer and request and verify it at the decode worker "
                         "(the connector's verify_checksum; true or false)");
-  real_demo->add_option("--load-async", demo_options.load_async,
-                        "The decode worker runs a request once all its layers arrived, rather "
-                        "than waiting for each layer in its first step (the connector's "
-                        "load_async; true or false)");
+  bool demo_load_async_value = false;
+  CLI::Option* demo_load_async = real_demo->add_option(
+      "--load-async", demo_load_async_value,
+      "The decode worker runs a request once all its layers arrived, rather than waiting for "
+      "each layer in its first step (the connector's load_async; true or false; default: true "
+      "where both workers share GPU 0, false on the CPU or with a GPU each)");
   real_demo->add_flag("--one-at-a-time", demo_options.one_at_a_time,
                       "Start each request once the one before it finished, in both runs (time "
                       "to first token without queueing)");
@@ -229,6 +244,12 @@ int main(int argc, char** argv) {
                          "cpu (the CPU model, host caches) or cuda (the CUDA model on the GPU "
                          "kv_connector_extra_config.cuda_device names, device caches, cuda_ipc)")
       ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+  int worker_gpu = 0;
+  CLI::Option* worker_gpu_option = worker_cmd->add_option(
+      "--gpu", worker_gpu,
+      "With --device=cuda: this GPU instead of the config's cuda_device; under --mpi the "
+      "default is the rank's local rank modulo the GPUs visible (one GPU each where there are "
+      "enough)")->check(CLI::Range(0, 1023));
   worker_cmd->add_flag("--mpi", worker_mpi,
                        "Take the role from the mpirun rank: ranks below --prefill-workers "
                        "prefill, the others decode (xPyD)");
@@ -339,6 +360,7 @@ int main(int argc, char** argv) {
     }
     demo_options.device =
         demo_device == "cuda" ? kvstream::ModelDevice::kCuda : kvstream::ModelDevice::kCpu;
+    if (demo_load_async->count() > 0) demo_options.load_async = demo_load_async_value;
     return kvstream::RunDemo(demo_options, std::cout, std::cerr);
   }
   if (worker_cmd->parsed()) {
@@ -359,6 +381,11 @@ int main(int argc, char** argv) {
     }
     worker.device =
         worker_device == "cuda" ? kvstream::ModelDevice::kCuda : kvstream::ModelDevice::kCpu;
+    if (worker_gpu_option->count() > 0) {
+      worker.gpu = worker_gpu;
+    } else if (worker_mpi && worker.device == kvstream::ModelDevice::kCuda) {
+      worker.gpu = MpiLocalGpu();
+    }
     return kvstream::RunWorker(worker, std::cout, std::cerr);
   }
 

@@ -28,6 +28,8 @@
 # unless MPIRUN_FLAGS=--enable-recovery; the restarted worker is then started outside the
 # job (ssh, a service manager) with the same --index, --prefill-workers and rendezvous, and
 # the decode workers, which read the rendezvous again before each --waves wave, use it.
+# With --device=cuda every rank takes the GPU of its local rank modulo the GPUs visible (one
+# each where there are enough, all on GPU 0 where it is the only one; --gpu=N overrides).
 # Environment: KVSTREAM (the binary; default build/launch/kvstream), HOSTFILE, RENDEZVOUS,
 # KVSTREAM_UCX_TLS, MPIRUN_FLAGS (more mpirun flags, split on spaces).
 set -eu

@@ -330,8 +330,11 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
       return Fail(err, absl::FailedPreconditionError(
                            absl::StrCat("--device=cuda: ", available.message())));
     }
+    if (o.gpu) config->kvstream.cuda_device = *o.gpu;
     gpu.emplace(config->kvstream.cuda_device);
     if (!gpu->status().ok()) return Fail(err, gpu->status());
+    out << o.role << " worker " << o.index << " on GPU " << config->kvstream.cuda_device
+        << std::endl;
   }
   // Pipeline-parallel decode: flags override the config's keys.
   KvstreamSettings& k = config->kvstream;

@@ -35,6 +35,9 @@ struct WorkerOptions {
   // caches, kv_buffer_device "cuda" (so the transport defaults to cuda_ipc); the colocated
   // check runs on the same GPU.
   ModelDevice device = ModelDevice::kCpu;
+  // kCuda: this GPU instead of the config's cuda_device (`kvstream worker --gpu`; under
+  // --mpi, unless given, the rank's local rank modulo the GPUs visible).
+  std::optional<int> gpu;
   int64_t num_blocks = 512;
   std::vector<int> prompt_lengths = {37, 120, 9, 64};
   int decode_steps = 8;

@@ -3,7 +3,9 @@
 # benchmark of docs/benchmarks.md: `kvstream demo --device=cuda` with Llama-3-8B shapes
 # (random weights from the seed), a prefill and a decode worker process sharing GPU 0,
 # each prompt length twice (the first of each pair warms up), one request at a time in the
-# disaggregated and in the colocated run. Leaves each run's report and JSON in OUT_DIR.
+# disaggregated and in the colocated run, with the decode worker loading each request
+# asynchronously (the GPU demo's default) and layer by layer. Leaves each run's report and
+# JSON in OUT_DIR (ttft-RUN-async.json, ttft-RUN-layerwise.json).
 #
 #   bench/gpu/ttft_on_gpu_host.sh BUILD_DIR OUT_DIR [cmake args...]
 #
@@ -22,10 +24,13 @@ cmake --build "$build" --target kvstream_cli > "$out/build.log" 2>&1 \
 status=0
 prompts=${PROMPTS:-1024,1024,8192,8192,32768,32768}
 for i in $(seq 1 "${RUNS:-2}"); do
-  "$build/launch/kvstream" demo --device=cuda --model=llama3-8b --prompts="$prompts" \
-    --decode-steps=1 --one-at-a-time --num-blocks=2200 --json="$out/ttft-$i.json" \
-    > "$out/ttft-$i.txt" 2>&1 || status=1
-  echo "== run $i (exit $status)"
-  sed -n '/^request/,/^total/p' "$out/ttft-$i.txt"
+  for mode in async layerwise; do
+    async=$([ $mode = async ] && echo true || echo false)
+    "$build/launch/kvstream" demo --device=cuda --model=llama3-8b --prompts="$prompts" \
+      --decode-steps=1 --one-at-a-time --num-blocks=2200 --load-async=$async \
+      --json="$out/ttft-$i-$mode.json" > "$out/ttft-$i-$mode.txt" 2>&1 || status=1
+    echo "== run $i, $mode (exit $status)"
+    sed -n '/^request/,/^total/p' "$out/ttft-$i-$mode.txt"
+  done
 done
 exit $status

@@ -2,9 +2,15 @@
 # its report and its JSON fields.
 file(REMOVE ${JSON})
 # LOAD_ASYNC: the connector's load_async for the decode worker (true: requests run once their
-# KV arrived, so the forward pass never waits for a layer; false: it waits for each).
+# KV arrived, so the forward pass never waits for a layer; false: it waits for each; default:
+# no flag, which on the CPU must be false).
+set(async_flag --load-async=${LOAD_ASYNC})
+if(LOAD_ASYNC STREQUAL "default")
+  set(async_flag)
+  set(LOAD_ASYNC false)
+endif()
 execute_process(COMMAND ${KVSTREAM} demo --model=toy --layers=2 --requests=3 --prompts=40,150,300
-                        --decode-steps=3 --json=${JSON} --load-async=${LOAD_ASYNC}
+                        --decode-steps=3 --json=${JSON} ${async_flag}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 message("${out}${err}")
 if(NOT rc EQUAL 0)
@@ -15,6 +21,15 @@ if(NOT out MATCHES "bit-identical to the colocated run" OR NOT out MATCHES "laye
   message(FATAL_ERROR "the report misses its check or timeline")
 endif()
 file(READ ${JSON} j)
+string(JSON async_reported GET "${j}" load_async)
+if((async_reported AND NOT LOAD_ASYNC) OR (LOAD_ASYNC AND NOT async_reported))
+  message(FATAL_ERROR "the JSON report says load_async ${async_reported}, not ${LOAD_ASYNC}")
+endif()
+if(LOAD_ASYNC AND NOT out MATCHES "runs a request once all its layers arrived")
+  message(FATAL_ERROR "the report does not say that requests are loaded asynchronously")
+elseif(NOT LOAD_ASYNC AND NOT out MATCHES "first step waits for each layer")
+  message(FATAL_ERROR "the report does not say that the first step waits for each layer")
+endif()
 foreach(key tokens_match transfer_gbps transport backend requests_recomputed)
   string(JSON value ERROR_VARIABLE e GET "${j}" ${key})
   if(e)

@@ -34,9 +34,11 @@
 #                      device caches streamed over cuda_ipc, outputs bit-identical to a
 #                      colocated run on the same GPU (SKIPPED where no GPU can be used)
 #   demo-cuda          `kvstream demo --device=cuda` (small): exit 0, tokens equal to the
-#                      colocated run, no block leaked (SKIPPED where no GPU can be used)
+#                      colocated run, no block leaked, the decode worker on GPU 1 where two
+#                      are visible (SKIPPED where no GPU can be used)
 #   mpirun-cuda        launch/mpirun_xpyd.sh 1 1 --device=cuda: the cuda scenario's workers
-#                      as mpirun's two ranks (SKIPPED where no GPU can be used)
+#                      as mpirun's two ranks, one GPU each where two are visible (SKIPPED
+#                      where no GPU can be used)
 set -u
 bin=$1
 scenario=$2
@@ -116,6 +118,13 @@ case "$scenario" in
     grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
     grep -q '"tokens_match": true' "$work/report.json" || fail "report says tokens differ"
     grep -q "served 4 requests" "$work/prefill.out" || fail "prefill did not serve 4 requests"
+    # A GPU past the last one is an error naming it, before anything connects.
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    "$bin" worker --role=decode --device=cuda --gpu="$n" $model \
+        --address-file="$work/none.addr" >"$work/bad-gpu.out" 2>&1
+    rc=$?
+    [ $rc -eq 1 ] || fail "--gpu=$n (of $n GPUs) exited $rc, not 1"
+    grep -q "cudaSetDevice($n)" "$work/bad-gpu.out" || fail "--gpu=$n: the error does not name GPU $n"
     ;;
   mpirun-cuda)
     model=$cuda_model
@@ -127,6 +136,10 @@ case "$scenario" in
     [ $rc -eq 0 ] || fail "mpirun_xpyd.sh 1 1 --device=cuda exited $rc"
     grep -q "outputs bit-identical to the colocated run" "$work/decode.out" || fail "no match line"
     grep -q "served 4 requests" "$work/decode.out" || fail "the prefill rank did not serve 4 requests"
+    # One GPU each where there are two (the ranks' local ranks), else both on GPU 0.
+    gpu=0; [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ] && gpu=1
+    grep -q "prefill worker 0 on GPU 0" "$work/decode.out" || fail "the prefill rank is not on GPU 0"
+    grep -q "decode worker 0 on GPU $gpu" "$work/decode.out" || fail "the decode rank is not on GPU $gpu"
     ;;
   demo-cuda)
     "$bin" demo --device=cuda --requests=4 --decode-steps=8 --num-blocks=512 \
@@ -137,6 +150,11 @@ case "$scenario" in
     grep -q '"tokens_match": *true' "$work/report.json" || fail "report says tokens differ"
     grep -q '"blocks_leaked": *false' "$work/report.json" || fail "report says blocks leaked"
     grep -q '"transport": *"cuda_ipc"' "$work/report.json" || fail "report names another transport"
+    # One GPU: both workers on it, loading asynchronously; two or more: the decode worker on
+    # GPU 1, layer by layer.
+    if [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then gpu=1 async=false; else gpu=0 async=true; fi
+    grep -q "\"decode_gpu\": *$gpu" "$work/report.json" || fail "decode worker not on GPU $gpu"
+    grep -q "\"load_async\": *$async" "$work/report.json" || fail "load_async is not $async"
     ;;
   one-at-a-time)
     start_prefill --serve=4
