@@ -49,6 +49,13 @@ prompts="--prompts=37,120,9,64 --decode-steps=6"
 kv_bytes=$(( (36 + 119 + 8 + 63) * 4 * 2 * 2 * 16 * 4 ))
 
 tx_bytes() { ip netns exec "$1" cat /sys/class/net/eth0/statistics/tx_bytes; }
+# Hosts with an established connection to prefill worker 0's control port, seen on host $1.
+control_peers() {
+  local addr
+  addr=$(cat "$work/rendezvous/prefill.addr.0" 2>/dev/null) || { echo 0; return; }
+  ip netns exec "$1" ss -Htn state established "( sport = :${addr##*:} )" |
+    awk '{ sub(/:[0-9]+$/, "", $4); print $4 }' | sort -u | wc -l
+}
 # The link-cut run: long prompts, short deadlines, no idle exit before the link is back.
 cut_model="--layers=4 --heads=4 --kv-heads=2 --head-size=16 --block-size=16 --num-blocks=256"
 cut_prompts="--prompts=500,400,300,200 --decode-steps=4 --idle-timeout=10"
@@ -121,14 +128,16 @@ if [ "$scenario" = inside ]; then
         "$launch/mpirun_xpyd.sh" 2 2 $cut_model $cut_prompts --kv-transfer-config="$cut_config" \
         >"$work/mpirun.out" 2>&1 &
     mpid=$!
-    # Cut prefill host 0's link once part of its stream has crossed it.
+    # Cut prefill host 0's link once part of its stream has crossed it and both decode
+    # workers hold a control connection to it (a slow start could otherwise leave one of
+    # them still dialing: cut then, it never meets prefill worker 0 and gives up its run).
     for _ in $(seq 1 600); do
-      [ "$(tx_bytes "$h0")" -ge $cut_after ] && break
+      [ "$(tx_bytes "$h0")" -ge $cut_after ] && [ "$(control_peers "$h0")" -ge 2 ] && break
       kill -0 $mpid 2>/dev/null || break
       sleep 0.05
     done
     "$launch/sim_hosts.sh" link "$h0" down --prefix=$prefix
-    echo "cut $h0 at $(tx_bytes "$h0") bytes sent" >"$work/cut"
+    echo "cut $h0 at $(tx_bytes "$h0") bytes sent, $(control_peers "$h0") decode hosts connected" >"$work/cut"
     # Restore it when both decode workers have finished (their hosts' links are up, so
     # their reports reach mpirun), or after 60 s.
     for _ in $(seq 1 600); do
@@ -157,7 +166,7 @@ leftovers() {  # what of this test's hosts exists now
 # run killed before it could.
 trap '"$launch/sim_hosts.sh" down --prefix=$prefix >/dev/null 2>&1; rm -rf "$work"' EXIT
 show() {
-  for f in sim_hosts.out mpirun.out restart restarted.out counters; do
+  for f in sim_hosts.out mpirun.out cut restart restarted.out counters; do
     [ -e "$work/$f" ] && { echo "--- $f"; cat "$work/$f"; }
   done
 }
