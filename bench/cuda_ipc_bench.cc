@@ -339,8 +339,11 @@ struct Variant {
 
 std::vector<Variant> SweepVariants(const CudaIpcTransportOptions& defaults) {
   std::vector<Variant> out;
+  // Each variant is the defaults with the table read in place (kZeroCopy) unless its edit
+  // says otherwise.
   auto add = [&](std::string label, auto edit) {
     CudaIpcTransportOptions o = defaults;
+    o.table = CudaIpcTableMode::kZeroCopy;
     edit(o);
     out.push_back({std::move(label), o});
   };
@@ -359,7 +362,8 @@ std::vector<Variant> SweepVariants(const CudaIpcTransportOptions& defaults) {
   });
   // Whole entries per CTA: every table placement.
   add("cta v8 params", [](auto& o) { o.table = T::kParams; });
-  add("cta v8 zero-copy (default)", [](auto&) {});
+  add("cta v8 auto (default)", [](auto& o) { o.table = T::kAuto; });
+  add("cta v8 zero-copy", [](auto&) {});
   add("cta v8 stream-copy", [](auto& o) { o.table = T::kStreamCopy; });
   add("cta v8 side-copy", [](auto& o) { o.table = T::kSideStreamCopy; });
   // Shapes around the default.
@@ -372,6 +376,13 @@ std::vector<Variant> SweepVariants(const CudaIpcTransportOptions& defaults) {
   add("cta v8 params unit/entry", [](auto& o) {
     o.table = T::kParams; o.unit_per_entry = true;
   });
+  add("cta v8 side-copy unit/entry", [](auto& o) {
+    o.table = T::kSideStreamCopy; o.unit_per_entry = true;
+  });
+  add("cta v8 side-copy piece 1M", [](auto& o) {
+    o.table = T::kSideStreamCopy; o.max_piece_bytes = 1 << 20;
+  });
+  add("cta v8 side-copy 2 cta/SM", [](auto& o) { o.table = T::kSideStreamCopy; o.ctas_per_sm = 2; });
   add("cta v8 zero-copy CE>=64K", [](auto& o) { o.copy_engine_min_bytes = 64 << 10; });
   // Whole entries per 1024-thread CTA.
   for (int v : {2, 4}) {

@@ -114,6 +114,8 @@ std::vector<CopyVariant> CopyVariants() {
       Variant("CtaStreamCopy", K::kCtaPerSegment, T::kStreamCopy),
       Variant("CtaSideCopy", K::kCtaPerSegment, T::kSideStreamCopy),
       Variant("CtaZeroCopy", K::kCtaPerSegment, T::kZeroCopy, 4),
+      Variant("ChunkedAuto", K::kChunked, T::kAuto, 4),
+      Variant("WarpAuto", K::kWarpPerSegment, T::kAuto),
       Variant("CtaParamsV2", K::kCtaPerSegment, T::kParams, 2),
       Variant("WarpParams", K::kWarpPerSegment, T::kParams),
       Variant("WarpZeroCopy", K::kWarpPerSegment, T::kZeroCopy, 4),
@@ -123,6 +125,7 @@ std::vector<CopyVariant> CopyVariants() {
       Variant("WideCtaStreamCopyV8", K::kWideCtaPerSegment, T::kStreamCopy, 8),
   };
   CopyVariant per_entry{"CtaParamsUnitPerEntry", CudaIpcTransportOptions{}};
+  per_entry.options.table = T::kParams;
   per_entry.options.unit_per_entry = true;
   v.push_back(per_entry);
   CopyVariant wide_per_entry = Variant("WideCtaZeroCopyUnitPerEntry", K::kWideCtaPerSegment,
@@ -135,6 +138,7 @@ std::vector<CopyVariant> CopyVariants() {
   v.push_back(warp_per_entry);
   // 4 KiB pieces: every block is 8 entries, more than any parameter table holds.
   CopyVariant small{"CtaParamsSmallPieces", CudaIpcTransportOptions{}};
+  small.options.table = T::kParams;
   small.options.max_piece_bytes = 4 << 10;
   v.push_back(small);
   // Long segments through the copy engine, the rest through the kernel.
@@ -145,6 +149,11 @@ std::vector<CopyVariant> CopyVariants() {
   CopyVariant tiny = Variant("CtaZeroCopyTinyRing", K::kCtaPerSegment, T::kZeroCopy);
   tiny.options.staging_segments = 16;
   v.push_back(tiny);
+  // The same with the default table mode: the ring grows under tables copied on the side
+  // stream and tables read in place.
+  CopyVariant tiny_auto{"DefaultTinyRing", CudaIpcTransportOptions{}};
+  tiny_auto.options.staging_segments = 16;
+  v.push_back(tiny_auto);
   return v;
 }
 

@@ -53,7 +53,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
   }
   if (options.table != CudaIpcTableMode::kStreamCopy &&
       options.table != CudaIpcTableMode::kSideStreamCopy &&
-      options.table != CudaIpcTableMode::kZeroCopy && options.table != CudaIpcTableMode::kParams) {
+      options.table != CudaIpcTableMode::kZeroCopy && options.table != CudaIpcTableMode::kParams &&
+      options.table != CudaIpcTableMode::kAuto) {
     return absl::InvalidArgumentError("cuda_ipc: unknown table mode");
   }
   if (options.kernel == CudaIpcKernel::kChunked && options.table == CudaIpcTableMode::kParams) {
@@ -108,7 +109,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(
   setup.grid = std::max(1, sms * std::max(1, per_sm));
   ASSIGN_OR_RETURN(setup.device_uuid, internal::DeviceUuid(options.device));
   ASSIGN_OR_RETURN(setup.stream, internal::IpcStream::Create());
-  if (options.table == CudaIpcTableMode::kSideStreamCopy) {
+  if (options.table == CudaIpcTableMode::kSideStreamCopy ||
+      options.table == CudaIpcTableMode::kAuto) {
     ASSIGN_OR_RETURN(setup.side_stream, internal::IpcStream::Create());
     ASSIGN_OR_RETURN(setup.table_ready, CudaEvent::Create(/*enable_timing=*/false));
   }

@@ -170,8 +170,11 @@ absl::StatusOr<InFlightCopy> CudaIpcTransport::EnqueueCopy(absl::Span<const Segm
   // The table's copy to device memory, if the mode has one (kParams spilling over reads
   // the ring in place, as kZeroCopy).
   const bool stream_copy = options_.table == CudaIpcTableMode::kStreamCopy;
-  const bool side_copy = options_.table == CudaIpcTableMode::kSideStreamCopy;
+  const bool auto_side_copy = options_.table == CudaIpcTableMode::kAuto &&
+                              n >= options_.auto_side_copy_min_entries;
+  const bool side_copy = options_.table == CudaIpcTableMode::kSideStreamCopy || auto_side_copy;
   const bool zero_copy = !stream_copy && !side_copy && !in_params;
+  const bool unit_per_entry = options_.unit_per_entry || auto_side_copy;
   StagingRing* ring = nullptr;
   size_t begin = 0;
   if (n > 0 && !in_params) {
@@ -298,7 +301,7 @@ absl::StatusOr<InFlightCopy> CudaIpcTransport::EnqueueCopy(absl::Span<const Segm
       const IpcCopyUnit unit = IpcUnitOf(options_.kernel);
       const uint64_t per_cta = unit == IpcCopyUnit::kWarp ? kIpcWarpsPerCta : 1;
       const uint64_t units = (n + per_cta - 1) / per_cta;
-      const int grid = static_cast<int>(options_.unit_per_entry ? units : std::min(units, full));
+      const int grid = static_cast<int>(unit_per_entry ? units : std::min(units, full));
       if (in_params) {
         status = LaunchIpcSegmentCopyParams(*param_table_, unit, options_.vectors_per_thread,
                                             grid, stream);

@@ -51,7 +51,7 @@ struct CudaIpcSetup {
   std::string socket_name;
   ScopedFd listener;
   IpcStream stream;
-  // CudaIpcTableMode::kSideStreamCopy: the table copies' stream and the event the copy
+  // CudaIpcTableMode::kSideStreamCopy and kAuto: the table copies' stream and the event the copy
   // stream waits for (re-recorded by every write: a wait captures the state at its call).
   IpcStream side_stream;
   CudaEvent table_ready;

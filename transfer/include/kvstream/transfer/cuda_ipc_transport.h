@@ -84,6 +84,11 @@ enum class CudaIpcTableMode {
   // entries (CUDA 12.1+ on Volta and later allow 32764 bytes of parameters), else as
   // kZeroCopy. Only for the per-segment kernels (the chunked one searches its table).
   kParams,
+  // By the write's size: below auto_side_copy_min_entries entries kZeroCopy (a small
+  // table's copy would cost more than the bus reads it saves), from there kSideStreamCopy
+  // with one unit per entry (reading a long table from device memory made the copy kernel
+  // 4-7% faster at 256-4096 entries on the H200, docs/benchmarks.md).
+  kAuto,
 };
 
 // Entries a table in the launch parameters holds (24 bytes each).
@@ -110,7 +115,9 @@ struct CudaIpcTransportOptions {
   // How the copy runs. The defaults are the fastest measured shape; the rest exist to be
   // compared (bench/cuda_ipc_bench.cc --sweep) and are all tested for correctness.
   CudaIpcKernel kernel = CudaIpcKernel::kCtaPerSegment;
-  CudaIpcTableMode table = CudaIpcTableMode::kZeroCopy;
+  CudaIpcTableMode table = CudaIpcTableMode::kAuto;
+  // kAuto: the entries from which a write's table is copied to device memory.
+  size_t auto_side_copy_min_entries = 256;
   // CTAs per SM (0: as many as fit), and 16-byte vectors each thread moves per pass (2, 4
   // or 8).
   int ctas_per_sm = 0;
