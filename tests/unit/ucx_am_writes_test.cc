@@ -4,7 +4,7 @@
 // small default TCP segments (pieces then span several fragments); a piece whose
 // destination is no longer registered at the receiver is dropped, not written, and so is
 // what a sender the receiver disconnected from writes until it accepts (or connects to) it
-// again; Accept names the peer its notifications come from; the write header decodes
+// again and the sender connected with its new info; Accept names the peer its notifications come from; the write header decodes
 // strictly.
 #include <cstdint>
 #include <cstring>
@@ -76,6 +76,27 @@ class UcxWritePiecesTest : public ::testing::TestWithParam<Protocol> {
   }
 
   // Progresses both sides until a notification arrives at d (empty on timeout).
+  // Both sides progress until the sender is done with `id` (the receiver must read for the
+  // last pieces to leave), then a bounded number of turns more for what is still in the
+  // sockets; no notification may reach the receiver meanwhile.
+  void ExpectDropped(TransferId id, const char* whose) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    absl::StatusOr<TransferState> state = TransferState::kInProgress;
+    for (int turns_after = 0; turns_after < 2000;) {
+      ASSERT_TRUE(p_->Progress().ok());
+      ASSERT_TRUE(d_->Progress().ok());
+      ASSERT_TRUE(d_->PollNotifications().empty()) << whose << " notification came";
+      if (state.ok() && *state == TransferState::kInProgress) {
+        ASSERT_LT(absl::Now(), deadline) << "the sender's write did not finish";
+        state = p_->Test(id);
+      } else {
+        ASSERT_TRUE(state.ok()) << state.status();
+        ASSERT_EQ(*state, TransferState::kDone);
+        ++turns_after;
+      }
+    }
+  }
+
   std::vector<Notification> WaitForNotification() {
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
     while (absl::Now() < deadline) {
@@ -144,7 +165,10 @@ TEST_P(UcxWritePiecesTest, PiecesIntoMemoryNoLongerRegisteredAreDropped) {
 
 // The receiver gives the sender up (Disconnect on the peer Accept named, which its
 // notifications come from): what the sender writes afterwards, data and notification, is
-// dropped; once the receiver accepts it again, its writes land again.
+// dropped; once the receiver accepts it again, what the sender still sends under its old
+// connection (as a TCP stream still holding a given-up request's pieces would deliver them)
+// stays dropped, and its writes land again once it connected with the receiver's info
+// from after the fence (its new fence epoch).
 TEST_P(UcxWritePiecesTest, DisconnectedSendersWritesAreRefusedUntilAcceptedAgain) {
   if (GetParam().protocol != UcxWriteProtocol::kActiveMessage) {
     GTEST_SKIP() << "emulated puts are not checked at the receiver";
@@ -161,25 +185,19 @@ TEST_P(UcxWritePiecesTest, DisconnectedSendersWritesAreRefusedUntilAcceptedAgain
   const Segment first{0, 0, kBytes / 2};
   auto refused = p_->PostWrite(to_d_, *src_reg_, *remote_, {first}, "refused");
   ASSERT_TRUE(refused.ok()) << refused.status();
-  // Both sides progress until the sender is done (the receiver must read for the last
-  // pieces to leave), then a bounded number of turns more for what is still in the sockets.
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  absl::StatusOr<TransferState> state = TransferState::kInProgress;
-  while (state.ok() && *state == TransferState::kInProgress && absl::Now() < deadline) {
-    ASSERT_TRUE(p_->Progress().ok());
-    ASSERT_TRUE(d_->Progress().ok());
-    ASSERT_TRUE(d_->PollNotifications().empty()) << "a refused sender's notification came";
-    state = p_->Test(*refused);
-  }
-  ASSERT_TRUE(state.ok()) << state.status();
-  ASSERT_EQ(*state, TransferState::kDone);
-  for (int i = 0; i < 2000; ++i) {
-    ASSERT_TRUE(p_->Progress().ok());
-    ASSERT_TRUE(d_->Progress().ok());
-    ASSERT_TRUE(d_->PollNotifications().empty()) << "a refused sender's notification came";
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectDropped(*refused, "a refused sender's"));
   auto back = d_->Accept(*p_->LocalInfo());
   ASSERT_TRUE(back.ok()) << back.status();
+  // Accepted again, but not yet connected with the receiver's new info: still dropped.
+  const Segment stale{kBytes / 4, kBytes / 4, kBytes / 4};
+  auto old_stream = p_->PostWrite(to_d_, *src_reg_, *remote_, {stale}, "stale");
+  ASSERT_TRUE(old_stream.ok()) << old_stream.status();
+  ASSERT_NO_FATAL_FAILURE(ExpectDropped(*old_stream, "a stale write's"));
+  EXPECT_TRUE(dst_ == std::vector<char>(kBytes, 0))
+      << "what the sender wrote before it connected with the receiver's new info landed";
+  auto reconnected = p_->Connect(*d_->LocalInfo());
+  ASSERT_TRUE(reconnected.ok()) << reconnected.status();
+  EXPECT_EQ(*reconnected, to_d_);
   const Segment second{kBytes / 2, kBytes / 2, kBytes / 2};
   auto accepted = p_->PostWrite(to_d_, *src_reg_, *remote_, {second}, "accepted");
   ASSERT_TRUE(accepted.ok()) << accepted.status();
@@ -192,16 +210,20 @@ TEST_P(UcxWritePiecesTest, DisconnectedSendersWritesAreRefusedUntilAcceptedAgain
   EXPECT_TRUE(dst_ == expected) << "refused data landed, or accepted data did not";
 }
 
-// Connect lifts the fence as Accept does.
+// Connect lifts the fence as Accept does (once the sender connected with the receiver's
+// info from after it).
 TEST_P(UcxWritePiecesTest, ConnectingBackAlsoLiftsTheFence) {
   if (GetParam().protocol != UcxWriteProtocol::kActiveMessage) {
     GTEST_SKIP() << "emulated puts are not checked at the receiver";
   }
   auto from_p = d_->Accept(*p_->LocalInfo());
   ASSERT_TRUE(from_p.ok()) << from_p.status();
+  const std::string before = *d_->LocalInfo();
   ASSERT_TRUE(d_->Disconnect(*from_p).ok());
+  EXPECT_NE(*d_->LocalInfo(), before) << "the fence epoch did not change the receiver's info";
   auto back = d_->Connect(*p_->LocalInfo());
   ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_TRUE(p_->Connect(*d_->LocalInfo()).ok());
   auto id = p_->PostWrite(to_d_, *src_reg_, *remote_, {Segment{0, 0, kBytes}}, "after");
   ASSERT_TRUE(id.ok()) << id.status();
   std::vector<Notification> notes = WaitForNotification();
@@ -263,16 +285,17 @@ TEST(UcxWriteProtocolTest, AutoMeansPiecesWhereUcxOnlyEmulatesPuts) {
 }
 
 TEST(UcxWriteHeaderTest, RoundTripsAndDecodesStrictly) {
-  const WriteHeader header = EncodeWriteHeader(0x1122334455667788u, 0xdeadbeef00u);
+  const WriteHeader header = EncodeWriteHeader(0x1122334455667788u, 7, 0xdeadbeef00u);
   const std::string bytes(header.data(), header.size());
   auto fields = DecodeWriteHeader(bytes);
   ASSERT_TRUE(fields.ok()) << fields.status();
   EXPECT_EQ(fields->sender_uid, 0x1122334455667788u);
+  EXPECT_EQ(fields->stamp, 7u);
   EXPECT_EQ(fields->address, 0xdeadbeef00u);
   // Short, long, another message's magic, another version, a reserved field set.
   EXPECT_FALSE(DecodeWriteHeader(bytes.substr(0, bytes.size() - 1)).ok());
   EXPECT_FALSE(DecodeWriteHeader(bytes + "x").ok());
-  const NotificationHeader note = EncodeNotificationHeader(1, 2);
+  const NotificationHeader note = EncodeNotificationHeader(1, 2, 3);
   EXPECT_FALSE(DecodeWriteHeader(std::string(note.data(), note.size())).ok());
   for (size_t at : {4, 6}) {
     std::string bad = bytes;

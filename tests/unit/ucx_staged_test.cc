@@ -191,12 +191,13 @@ void ExpectTruncationsAndTrailingFail(const std::string& good, Decode decode) {
 }
 
 TEST(StagedWireTest, HeaderRoundTripAndStrictness) {
-  const std::string good = EncodeStagedHeader(StagedType::kChunk, 0x1234567890abcdefull);
+  const std::string good = EncodeStagedHeader(StagedType::kChunk, 0x1234567890abcdefull, 9);
   ASSERT_EQ(good.size(), kStagedHeaderBytes);
   auto h = DecodeStagedHeader(good);
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_EQ(h->type, StagedType::kChunk);
   EXPECT_EQ(h->sender_uid, 0x1234567890abcdefull);
+  EXPECT_EQ(h->stamp, 9u);
   ExpectTruncationsAndTrailingFail(good, DecodeStagedHeader);
   for (size_t i : {size_t{0}, size_t{4}, size_t{6}, size_t{7}}) {  // magic, version, type, reserved
     std::string bad = good;
@@ -393,11 +394,12 @@ TEST(UcxWireV2Test, DescriptorKindMustMatchItsFields) {
 }
 
 TEST(UcxWireV2Test, NotificationHeaderCarriesTheWatermark) {
-  const NotificationHeader header = EncodeNotificationHeader(0xabcdef, 17);
+  const NotificationHeader header = EncodeNotificationHeader(0xabcdef, 5, 17);
   const std::string good(header.data(), header.size());
   auto fields = DecodeNotificationHeader(good);
   ASSERT_TRUE(fields.ok()) << fields.status();
   EXPECT_EQ(fields->sender_uid, 0xabcdefu);
+  EXPECT_EQ(fields->stamp, 5u);
   EXPECT_EQ(fields->watermark, 17u);
   ExpectTruncationsAndTrailingFail(good, DecodeNotificationHeader);
   std::string old = good;

@@ -25,6 +25,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -85,7 +86,10 @@ class UcxTransport final : public Transport {
     return caps;
   }
 
-  absl::StatusOr<std::string> LocalInfo() override { return core_->local_info; }
+  absl::StatusOr<std::string> LocalInfo() override {
+    absl::MutexLock lock(&core_->mu);
+    return core_->local_info;
+  }
 
   absl::StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* base, size_t length,
                                                                      MemoryKind kind) override {
@@ -105,11 +109,17 @@ class UcxTransport final : public Transport {
     UcxPeer* peer = nullptr;
     for (auto& [id, p] : core_->peers) {
       if (p->uid != info.uid || p->disconnected || !p->status.ok()) continue;
-      if (p->connected) return id;  // already connected: one endpoint per peer transport
-      peer = p.get();               // known from its notifications: give it an endpoint
+      if (p->connected) {
+        // Already connected (one endpoint per peer transport): what it sends from now on
+        // carries the info's fence epoch, which the peer accepts.
+        p->stamp = std::max(p->stamp, info.fence_epoch);
+        return id;
+      }
+      peer = p.get();  // known from its notifications: give it an endpoint
     }
     const bool fresh = peer == nullptr;
     if (fresh) peer = core_->NewPeer(info.uid);
+    peer->stamp = std::max(peer->stamp, info.fence_epoch);
     absl::Status status = core_->ConnectPeer(peer, info.address);
     if (!status.ok()) {
       if (fresh) core_->peers.erase(peer->id);
@@ -325,8 +335,9 @@ class UcxTransport final : public Transport {
                                  peer->label)));
     }
     peer->disconnected = true;
-    // Its write pieces and notifications still on their way are dropped from now on.
-    core_->refused_uids.insert(peer->uid);
+    // Its write pieces and notifications still on their way are dropped from now on, and
+    // what it sent before now stays dropped after an Accept (ucx_wire.h: fence epoch).
+    core_->Fence(peer->uid);
     // A healthy endpoint is closed gracefully (its pending operations flushed); a failed
     // one must be forced. Either way Progress() finishes the close and erases the peer.
     if (peer->ep) peer->close_request = peer->ep.StartClose(/*force=*/!peer->status.ok());

@@ -63,8 +63,8 @@ absl::Status PostWritePieces(UcxCore* core, UcxTransfer* t, const char* local_ba
     for (uint64_t done = 0; done < s.length;) {
       const size_t bytes = static_cast<size_t>(std::min<uint64_t>(kWriteMessageBytes,
                                                                   s.length - done));
-      t->write_headers.push_back(EncodeWriteHeader(core->uid, remote_base + s.remote_offset +
-                                                                  done));
+      t->write_headers.push_back(EncodeWriteHeader(
+          core->uid, t->peer->stamp, remote_base + s.remote_offset + done));
       const WriteHeader& header = t->write_headers.back();
       ucs_status_ptr_t request =
           ucp_am_send_nbx(ep, kWriteAmId, header.data(), header.size(),
@@ -114,9 +114,9 @@ ucs_status_t OnWritePiece(void* arg, const void* header, size_t header_length, v
     CountDropped(core, "a rendezvous message (not from this version of kvstream)");
     return UCS_OK;
   }
-  if (core->refused_uids.count(fields->sender_uid) != 0) {
-    CountDropped(core, absl::StrCat("from uid ", absl::Hex(fields->sender_uid),
-                                    ", which this side disconnected from"));
+  if (core->Fenced(fields->sender_uid, fields->stamp)) {
+    CountDropped(core, absl::StrCat("from uid ", absl::Hex(fields->sender_uid), " (stamp ",
+                                    fields->stamp, "), which this side fenced off"));
     return UCS_OK;
   }
   if (!InsideHostRegion(*core, fields->address, length)) {

@@ -197,7 +197,7 @@ absl::Status IssueChunk(UcxCore* core, UcxPeer* peer, UcxTransfer* t, SenderSlot
   slot->state = recorded.ok() ? SenderSlot::State::kGpu : SenderSlot::State::kBroken;
   if (!status.ok()) return status;
   if (!recorded.ok()) return recorded;
-  slot->header = EncodeStagedHeader(StagedType::kChunk, core->uid);
+  slot->header = EncodeStagedHeader(StagedType::kChunk, core->uid, peer->stamp);
   slot->body = EncodeChunk(message);
   ++s.next_chunk;
   return absl::OkStatus();
@@ -491,7 +491,7 @@ void ProgressStaged(UcxCore* core) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     // refused_uids); answers to this side's own writes (welcome, credits) are not writes.
     const bool into_this_side =
         m.header.type != StagedType::kWelcome && m.header.type != StagedType::kCredit;
-    if (into_this_side && core->refused_uids.count(m.header.sender_uid) != 0) continue;
+    if (into_this_side && core->Fenced(m.header.sender_uid, m.header.stamp)) continue;
     UcxPeer* peer = core->PeerForUid(m.header.sender_uid);
     switch (m.header.type) {
       case StagedType::kWelcome:

@@ -8,6 +8,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -115,6 +116,7 @@ void HandleHello(UcxCore* core, UcxPeer* peer, const StagedInbound& m)
   }
   if (!peer->ep) {
     // Credits and the welcome travel back over an endpoint of our own.
+    peer->stamp = std::max(peer->stamp, info->fence_epoch);
     absl::Status connected = core->ConnectPeer(peer, info->address);
     if (!connected.ok()) {
       Log(LogLevel::kWarning, absl::StrCat("UCX staged path: cannot connect back to ",

@@ -22,7 +22,7 @@ absl::Status In(absl::string_view what, absl::Status status) {
 
 }  // namespace
 
-std::string EncodeStagedHeader(StagedType type, uint64_t sender_uid) {
+std::string EncodeStagedHeader(StagedType type, uint64_t sender_uid, uint64_t stamp) {
   std::string out;
   ByteWriter w(&out);
   w.U32(kStagedMagic);
@@ -30,6 +30,7 @@ std::string EncodeStagedHeader(StagedType type, uint64_t sender_uid) {
   w.U8(static_cast<uint8_t>(type));
   w.U8(0);
   w.U64(sender_uid);
+  w.U64(stamp);
   return out;
 }
 
@@ -50,6 +51,7 @@ absl::StatusOr<StagedHeader> DecodeStagedHeader(absl::string_view bytes) {
   RETURN_IF_ERROR(In("header", r.U8("type", &type)));
   RETURN_IF_ERROR(In("header", r.U8("reserved", &reserved)));
   RETURN_IF_ERROR(In("header", r.U64("sender uid", &h.sender_uid)));
+  RETURN_IF_ERROR(In("header", r.U64("stamp", &h.stamp)));
   RETURN_IF_ERROR(In("header", r.ExpectEnd("header")));
   if (reserved != 0) return absl::InvalidArgumentError("UCX staged header: reserved byte set");
   if (type < static_cast<uint8_t>(StagedType::kHello) ||

@@ -4,7 +4,7 @@
 // little-endian (common/byte_io.h).
 //
 //   header:  u32 magic "SVUS"   u16 version (kUcxWireVersion)   u8 type   u8 reserved (0)
-//            u64 sender uid
+//            u64 sender uid   u64 stamp (the receiver's fence epoch, ucx_wire.h)
 //   hello    (sender -> receiver): u32 n, n bytes: the sender's encoded UcxWorkerInfo
 //   welcome  (receiver -> sender): u8 0 (ok) u32 slots u64 slot bytes u32 n, n bytes: the
 //            encoded UcxMemoryDescriptor of the landing area (slots * slot bytes, host);
@@ -34,7 +34,7 @@ namespace internal {
 
 // Active-message id of the staged path's messages.
 inline constexpr unsigned kStagedAmId = 18;
-inline constexpr size_t kStagedHeaderBytes = 16;
+inline constexpr size_t kStagedHeaderBytes = 24;
 inline constexpr uint32_t kMaxStagedSlots = 64;
 inline constexpr uint32_t kMaxStagedCredits = 1024;
 inline constexpr uint32_t kMaxRefusalBytes = 1024;
@@ -44,6 +44,7 @@ enum class StagedType : uint8_t { kHello = 1, kWelcome = 2, kChunk = 3, kCredit 
 struct StagedHeader {
   StagedType type = StagedType::kHello;
   uint64_t sender_uid = 0;
+  uint64_t stamp = 0;
 };
 
 struct StagedWelcome {
@@ -73,7 +74,7 @@ struct StagedAbort {
   uint32_t chunks_sent = 0;
 };
 
-std::string EncodeStagedHeader(StagedType type, uint64_t sender_uid);
+std::string EncodeStagedHeader(StagedType type, uint64_t sender_uid, uint64_t stamp);
 absl::StatusOr<StagedHeader> DecodeStagedHeader(absl::string_view bytes);
 
 std::string EncodeHello(absl::string_view worker_info);

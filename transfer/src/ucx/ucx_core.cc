@@ -74,8 +74,8 @@ ucs_status_t OnNotification(void* arg, const void* header, size_t header_length,
     Log(LogLevel::kWarning, "UCX: dropped a rendezvous notification");
     return UCS_OK;
   }
-  // From a sender this side disconnected from: a notice of writes it refused too.
-  if (core->refused_uids.count(sender->sender_uid) != 0) return UCS_OK;
+  // From a sender this side fenced off: a notice of writes it refused too.
+  if (core->Fenced(sender->sender_uid, sender->stamp)) return UCS_OK;
   UcxPeer* peer = core->PeerForUid(sender->sender_uid);
   Notification n;
   n.peer = peer->id;
@@ -161,7 +161,7 @@ void UcxCore::SendControl(UcxPeer* peer, StagedType type, std::string body) {
   auto owned = std::make_unique<ControlSend>();
   ControlSend* send = owned.get();
   send->core = this;
-  send->header = EncodeStagedHeader(type, uid);
+  send->header = EncodeStagedHeader(type, uid, peer->stamp);
   send->body = std::move(body);
   ucp_request_param_t param;
   param.op_attr_mask =
@@ -200,6 +200,27 @@ UcxPeer* UcxCore::PeerForUid(uint64_t sender_uid) {
   }
   if (found == nullptr) found = NewPeer(sender_uid);
   return found;
+}
+
+bool UcxCore::Fenced(uint64_t sender_uid, uint64_t stamp) const {
+  if (refused_uids.count(sender_uid) != 0) return true;
+  const auto it = stamps_from.find(sender_uid);
+  return it != stamps_from.end() && stamp < it->second;
+}
+
+void UcxCore::Fence(uint64_t sender_uid) {
+  refused_uids.insert(sender_uid);
+  ++fence_epoch;
+  stamps_from[sender_uid] = fence_epoch;
+  RefreshLocalInfo();
+}
+
+void UcxCore::RefreshLocalInfo() {
+  UcxWorkerInfo info;
+  info.uid = uid;
+  info.fence_epoch = fence_epoch;
+  info.address = worker_address;
+  local_info = EncodeWorkerInfo(info);
 }
 
 void UcxCore::FailTransfer(UcxTransfer* t, absl::Status status) {
@@ -285,7 +306,7 @@ void UcxCore::SendNotification(UcxTransfer* t) {
     t->payload.append(static_cast<const char*>(t->tail), t->tail_bytes);
     t->tail = nullptr;
   }
-  t->header = EncodeNotificationHeader(uid, t->watermark);
+  t->header = EncodeNotificationHeader(uid, t->peer->stamp, t->watermark);
   ucp_request_param_t param;
   param.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;

@@ -125,6 +125,9 @@ struct UcxPeer {
   UcxEndpoint ep;     // empty for a peer known only from its notifications, or once closing
   bool connected = false;
   bool disconnected = false;  // Disconnect() was called: erase once the close is done
+  // The fence epoch of the worker info this side connected with (ucx_wire.h), stamped on
+  // everything it sends to the peer.
+  uint64_t stamp = 0;
   void* close_request = nullptr;
   absl::Status status;                // OK while healthy
   std::set<UcxTransfer*> outstanding;  // active transfers to this peer
@@ -156,7 +159,11 @@ struct UcxCore {
   UcxContext context;
   UcxWorker worker;
   uint64_t uid = 0;
-  std::string local_info;
+  std::string worker_address;  // this worker's UCX address
+  // LocalInfo(): the uid, the fence epoch and the address (RefreshLocalInfo).
+  std::string local_info ABSL_GUARDED_BY(mu);
+  // Writers this side fenced off (Disconnect) so far.
+  uint64_t fence_epoch ABSL_GUARDED_BY(mu) = 0;
   bool network = false;  // the chosen transports can leave this host
   bool am_writes = false;  // host writes travel as active messages (ucx/am_writes.h)
 
@@ -170,6 +177,9 @@ struct UcxCore {
   // Senders (by uid) this side disconnected from: their write pieces and notifications are
   // dropped until Accept or Connect of them again (ucx_transport.h: Disconnect).
   std::set<uint64_t> refused_uids ABSL_GUARDED_BY(mu);
+  // Senders (by uid) this side disconnected from, and the fence epoch from which their
+  // stamps are accepted again: whatever they sent stamped below it is dropped for good.
+  std::map<uint64_t, uint64_t> stamps_from ABSL_GUARDED_BY(mu);
   // Headers of write pieces whose transfer could not be posted, kept until Shutdown because
   // UCX may still read them.
   std::vector<std::vector<WriteHeader>> orphan_headers ABSL_GUARDED_BY(mu);
@@ -211,6 +221,15 @@ struct UcxCore {
   // The peer under which notifications from `sender_uid` are reported: the connected one
   // if any, else one created for it.
   UcxPeer* PeerForUid(uint64_t sender_uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Whether what `sender_uid` sent stamped `stamp` is to be dropped: this side disconnected
+  // from it and has not accepted it since (refused_uids), or the stamp is from before a
+  // fence (stamps_from).
+  bool Fenced(uint64_t sender_uid, uint64_t stamp) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Fences `sender_uid` off: refused until accepted, and its stamps from before now for
+  // good (a new fence epoch, which local_info carries from now on).
+  void Fence(uint64_t sender_uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Re-encodes local_info from uid, fence_epoch and worker_address.
+  void RefreshLocalInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   void FailTransfer(UcxTransfer* t, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Moves the peer's waiting transfers on to their flush, in post order, as far as their

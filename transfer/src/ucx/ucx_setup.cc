@@ -170,12 +170,13 @@ absl::StatusOr<std::shared_ptr<UcxCore>> CreateUcxCore(const UcxTransportOptions
   size_t address_length = 0;
   RETURN_IF_ERROR(UcxStatusToStatus(ucp_worker_get_address(worker, &address, &address_length),
                                     "worker_get_address"));
-  UcxWorkerInfo info;
-  info.uid = internal::NewTransportUid();
-  info.address.assign(reinterpret_cast<const char*>(address), address_length);
+  core->uid = internal::NewTransportUid();
+  core->worker_address.assign(reinterpret_cast<const char*>(address), address_length);
   ucp_worker_release_address(worker, address);
-  core->uid = info.uid;
-  core->local_info = EncodeWorkerInfo(info);
+  {
+    absl::MutexLock lock(&core->mu);
+    core->RefreshLocalInfo();
+  }
   core->network = AllowsNetwork(tls);
   core->am_writes = UsesActiveMessageWrites(options);
   return core;

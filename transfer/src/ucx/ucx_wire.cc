@@ -84,6 +84,7 @@ std::string EncodeWorkerInfo(const UcxWorkerInfo& info) {
   PutUcxPreamble(out, kWorkerInfoMagic);
   ByteWriter w(&out);
   w.U64(info.uid);
+  w.U64(info.fence_epoch);
   w.U32(static_cast<uint32_t>(info.address.size()));
   w.Raw(info.address);
   PutChecksum(out);
@@ -96,6 +97,7 @@ absl::StatusOr<UcxWorkerInfo> DecodeWorkerInfo(absl::string_view bytes) {
   RETURN_IF_ERROR(ReadPreamble(r, kWorkerInfoMagic, kWhat));
   UcxWorkerInfo info;
   RETURN_IF_ERROR(In(kWhat, r.U64("uid", &info.uid)));
+  RETURN_IF_ERROR(In(kWhat, r.U64("fence epoch", &info.fence_epoch)));
   RETURN_IF_ERROR(In(kWhat, r.Bytes("worker address", kMaxUcxAddressBytes, &info.address)));
   if (info.address.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(kWhat, ": empty worker address"));
@@ -163,11 +165,13 @@ absl::StatusOr<UcxMemoryDescriptor> DecodeMemoryDescriptor(absl::string_view byt
   return d;
 }
 
-NotificationHeader EncodeNotificationHeader(uint64_t sender_uid, uint64_t watermark) {
+NotificationHeader EncodeNotificationHeader(uint64_t sender_uid, uint64_t stamp,
+                                            uint64_t watermark) {
   std::string out;
   PutUcxPreamble(out, kNotificationMagic);
   ByteWriter w(&out);
   w.U64(sender_uid);
+  w.U64(stamp);
   w.U64(watermark);
   NotificationHeader header;
   std::memcpy(header.data(), out.data(), header.size());
@@ -180,16 +184,18 @@ absl::StatusOr<NotificationHeaderFields> DecodeNotificationHeader(absl::string_v
   RETURN_IF_ERROR(ReadPreamble(r, kNotificationMagic, kWhat));
   NotificationHeaderFields fields;
   RETURN_IF_ERROR(In(kWhat, r.U64("uid", &fields.sender_uid)));
+  RETURN_IF_ERROR(In(kWhat, r.U64("stamp", &fields.stamp)));
   RETURN_IF_ERROR(In(kWhat, r.U64("watermark", &fields.watermark)));
   RETURN_IF_ERROR(In(kWhat, r.ExpectEnd(kWhat)));
   return fields;
 }
 
-WriteHeader EncodeWriteHeader(uint64_t sender_uid, uint64_t address) {
+WriteHeader EncodeWriteHeader(uint64_t sender_uid, uint64_t stamp, uint64_t address) {
   std::string out;
   PutUcxPreamble(out, kWriteMagic);
   ByteWriter w(&out);
   w.U64(sender_uid);
+  w.U64(stamp);
   w.U64(address);
   WriteHeader header;
   std::memcpy(header.data(), out.data(), header.size());
@@ -202,6 +208,7 @@ absl::StatusOr<WriteHeaderFields> DecodeWriteHeader(absl::string_view bytes) {
   RETURN_IF_ERROR(ReadPreamble(r, kWriteMagic, kWhat));
   WriteHeaderFields fields;
   RETURN_IF_ERROR(In(kWhat, r.U64("uid", &fields.sender_uid)));
+  RETURN_IF_ERROR(In(kWhat, r.U64("stamp", &fields.stamp)));
   RETURN_IF_ERROR(In(kWhat, r.U64("address", &fields.address)));
   RETURN_IF_ERROR(In(kWhat, r.ExpectEnd(kWhat)));
   return fields;

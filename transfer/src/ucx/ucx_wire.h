@@ -4,8 +4,9 @@
 // common/byte_io.h (ByteWriter / ByteReader).
 //
 // Worker info and memory descriptor, all integers little-endian:
-//   u32 magic   u16 version (2)   u16 reserved (0)
-//   worker info: u64 transport uid   u32 n   n bytes of UCX worker address (n >= 1)
+//   u32 magic   u16 version (3)   u16 reserved (0)
+//   worker info: u64 transport uid   u64 fence epoch   u32 n   n bytes of UCX worker
+//                address (n >= 1)
 //   descriptor:  u8 kind (1 host, 2 device)   u8 reserved (0)   u16 reserved (0)
 //                u64 address   u64 length   u64 region id   u32 n   n bytes of packed rkey
 //   u64 FNV-1a-64 checksum of every byte before it
@@ -19,8 +20,16 @@
 // InvalidArgument. The checksum is there because UCX unpacks worker addresses and rkeys
 // without a length: garbled bytes must never reach it.
 //
+// The fence epoch: how many times the transport had fenced a writer off (Disconnect) when
+// it gave out this info. A writer stamps everything it sends to this transport with the
+// epoch of the info it connected with, and the receiver drops what a writer it fenced off
+// sent with a stamp from before that fence, even once it accepted that writer again: what
+// was still in a TCP stream when the receiver gave the writer up, and arrives after a new
+// handshake, cannot land in memory the receiver has given to others since.
+//
 // Version history: 1 had no kind, region id or notification watermark (host memory only);
-// 2 added them. A version-1 peer's bytes are refused by their version.
+// 2 added them; 3 added the fence epoch and the stamps. Older peers' bytes are refused by
+// their version.
 #ifndef KVSTREAM_TRANSFER_SRC_UCX_UCX_WIRE_H_
 #define KVSTREAM_TRANSFER_SRC_UCX_UCX_WIRE_H_
 
@@ -35,13 +44,14 @@
 namespace kvstream {
 namespace internal {
 
-inline constexpr uint16_t kUcxWireVersion = 2;
+inline constexpr uint16_t kUcxWireVersion = 3;
 // Generous bounds on the blobs (UCX's are at most a few hundred bytes).
 inline constexpr uint32_t kMaxUcxAddressBytes = 1u << 16;
 inline constexpr uint32_t kMaxUcxRkeyBytes = 1u << 16;
 
 struct UcxWorkerInfo {
   uint64_t uid = 0;  // identifies the transport instance (notifications carry it)
+  uint64_t fence_epoch = 0;
   std::string address;
 };
 
@@ -62,29 +72,35 @@ std::string EncodeMemoryDescriptor(const UcxMemoryDescriptor& descriptor);
 absl::StatusOr<UcxMemoryDescriptor> DecodeMemoryDescriptor(absl::string_view bytes);
 
 // Notification active-message header:
-//   u32 magic   u16 version   u16 reserved   u64 sender uid   u64 staged watermark
+//   u32 magic   u16 version   u16 reserved   u64 sender uid   u64 stamp   u64 staged
+//   watermark
+// The stamp is the receiver's fence epoch from the worker info the sender connected with.
 // The watermark is how many staged (device) writes the sender had posted to the receiver
 // when it posted this notification: the receiver delivers the notification only once that
 // many of the sender's staged writes have landed (ucx/staged_engine.h).
-inline constexpr size_t kNotificationHeaderBytes = 24;
+inline constexpr size_t kNotificationHeaderBytes = 32;
 using NotificationHeader = std::array<char, kNotificationHeaderBytes>;
 struct NotificationHeaderFields {
   uint64_t sender_uid = 0;
+  uint64_t stamp = 0;
   uint64_t watermark = 0;
 };
-NotificationHeader EncodeNotificationHeader(uint64_t sender_uid, uint64_t watermark);
+NotificationHeader EncodeNotificationHeader(uint64_t sender_uid, uint64_t stamp,
+                                            uint64_t watermark);
 absl::StatusOr<NotificationHeaderFields> DecodeNotificationHeader(absl::string_view bytes);
 
 // Write active-message header (writes sent as active messages, ucx/am_writes.h):
-//   u32 magic   u16 version   u16 reserved   u64 sender uid   u64 destination address
+//   u32 magic   u16 version   u16 reserved   u64 sender uid   u64 stamp   u64 destination
+//   address
 // The payload is the bytes to write at the destination, an address in the receiver.
-inline constexpr size_t kWriteHeaderBytes = 24;
+inline constexpr size_t kWriteHeaderBytes = 32;
 using WriteHeader = std::array<char, kWriteHeaderBytes>;
 struct WriteHeaderFields {
   uint64_t sender_uid = 0;
+  uint64_t stamp = 0;
   uint64_t address = 0;
 };
-WriteHeader EncodeWriteHeader(uint64_t sender_uid, uint64_t address);
+WriteHeader EncodeWriteHeader(uint64_t sender_uid, uint64_t stamp, uint64_t address);
 absl::StatusOr<WriteHeaderFields> DecodeWriteHeader(absl::string_view bytes);
 
 // Preamble and checksum helpers for the other UCX wire messages (ucx/staged_wire.h).

@@ -218,11 +218,16 @@ class Transport {
   // fences the peer off as a writer into this side: what it still sends afterwards, or what
   // was on its way (a partition that heals, a killed process whose kernel still sends what
   // its socket held), is dropped where this side receives it, until Accept or Connect of
-  // that peer. Where the writer itself stores into this side's memory (CUDA IPC, UCX's
-  // shared-memory and emulated puts) the fence covers its notifications only; such writers
-  // share a host with this side and end their writes when they see the connection close.
-  // So a receiver disconnects a writer it gives up before it reuses the memory the writer
-  // was writing into.
+  // that peer. Where the transport can tell (ucx: LocalInfo carries a fence epoch that
+  // every disconnect raises, and writers stamp what they send with the epoch of the info
+  // they connected with), what the peer sent before it connected again with this side's
+  // LocalInfo from after the Disconnect stays dropped even after the Accept: a stream still
+  // draining toward this side when it is accepted again cannot land. Where the writer
+  // itself stores into this side's memory (CUDA IPC, UCX's shared-memory and emulated
+  // puts) the fence covers its notifications only; such writers share a host with this
+  // side and end their writes when they see the connection close. So a receiver
+  // disconnects a writer it gives up before it reuses the memory the writer was writing
+  // into.
   virtual absl::Status Disconnect(PeerId peer) = 0;
 
   // OK while the peer is healthy; its error once it failed.
