@@ -13,8 +13,9 @@ the same inputs in one process, on torch's current stream.
          sliding window, ALiBi): kvstream's output against SDPA on the gathered, dequantised
          K/V; fails (exit 1) when the largest difference passes the tolerance or when either
          side has a NaN.
---bench  prefill (bf16, causal, d128, 8k tokens, 32/8 heads): kvstream TFLOP/s beside SDPA's
-         flash and cuDNN backends; decode (bf16, 32/8 heads, d128, block size 16, 64 x 4k and
+--bench  prefill (bf16, causal, d128, 4k/8k/16k/32k tokens, 32/8 heads, block size 16 and
+         64): kvstream TFLOP/s beside SDPA's flash and cuDNN backends (medians of
+         PREFILL_ROUNDS interleaved rounds); decode (bf16, 32/8 heads, d128, block size 16, 64 x 4k and
          16 x 32k): TB/s of KV read beside SDPA (enable_gqa, not paged), each backend forced
          and the plain call (torch's own backend choice), with ratios to the fastest backend
          and to the plain call. Decode is timed in DECODE_ROUNDS interleaved rounds (kvstream,
@@ -278,6 +279,8 @@ def check(lib, report):
 
 
 DECODE_ROUNDS = 5
+PREFILL_ROUNDS = 3
+PREFILL_TOKENS = (4096, 8192, 16384, 32768)
 
 
 def time_ms(fn, iters):
@@ -294,33 +297,46 @@ def time_ms(fn, iters):
 
 def bench(lib, report):
     stream = torch.cuda.current_stream().cuda_stream
-    # Prefill: one sequence of 8k tokens, causal, 32/8 heads, d128, bf16.
-    n, h, kvh, d = 8192, 32, 8, 128
-    p = Problem([(0, n)], h, kvh, d, seed=1)
+    # Prefill: one sequence of n tokens, causal, 32/8 heads, d128, bf16, block size 16 and 64.
+    h, kvh, d = 32, 8, 128
     scale = 1.0 / math.sqrt(d)
-    flops = 4.0 * n * n * d * h / 2
-    a = p.args(scale, stream, iterations=1)
-    kv_ms = time_ms(lambda: run_kvstream(lib, a), 20)
-    k, v = p.gathered(0)
-    qq = p.q.transpose(0, 1).unsqueeze(0).contiguous()
-    kk = k.to(torch.bfloat16).repeat_interleave(h // kvh, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
-    vv = v.to(torch.bfloat16).repeat_interleave(h // kvh, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
-    row = {"shape": f"prefill b1 h{h} kv{kvh} n{n} d{d} causal bf16", "kvstream_tflops": flops / kv_ms / 1e9}
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            with sdpa_kernel(backend):
-                ms = time_ms(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale), 20)
-            row[f"torch_{name}_tflops"] = flops / ms / 1e9
-        except RuntimeError as e:  # backend not available for this shape or build
-            row[f"torch_{name}_tflops"] = None
-            print(f"  torch {name}: unavailable ({str(e).splitlines()[0]})")
-    fl = row.get("torch_flash_tflops")
-    cd = row.get("torch_cudnn_tflops")
-    print(f"{row['shape']}: kvstream {row['kvstream_tflops']:.1f} TFLOP/s | torch flash "
-          f"{fl or float('nan'):.1f} (ratio {row['kvstream_tflops'] / fl if fl else float('nan'):.2f}) | "
-          f"torch cudnn {cd or float('nan'):.1f} (ratio {row['kvstream_tflops'] / cd if cd else float('nan'):.2f})")
-    report.setdefault("bench", []).append(row)
-    del p, k, v, qq, kk, vv
+    for n in PREFILL_TOKENS:
+        for bs in (16, 64):
+            p = Problem([(0, n)], h, kvh, d, block_size=bs, seed=1)
+            flops = 4.0 * n * n * d * h / 2
+            iters = max(3, int(20 * (8192 / n) ** 2))
+            a = p.args(scale, stream, iterations=1)
+            k, v = p.gathered(0)
+            qq = p.q.transpose(0, 1).unsqueeze(0).contiguous()
+            kk = k.to(torch.bfloat16).repeat_interleave(h // kvh, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+            vv = v.to(torch.bfloat16).repeat_interleave(h // kvh, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+            row = {"shape": f"prefill b1 h{h} kv{kvh} n{n} d{d} causal bf16 bs{bs}"}
+            ms = {"kvstream": [], "flash": [], "cudnn": []}
+            for _ in range(PREFILL_ROUNDS):  # interleaved, so that clock drift picks no side
+                ms["kvstream"].append(time_ms(lambda: run_kvstream(lib, a), iters))
+                for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                                      ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    if ms[name] is None:
+                        continue
+                    try:
+                        with sdpa_kernel(backend):
+                            ms[name].append(time_ms(lambda: F.scaled_dot_product_attention(
+                                qq, kk, vv, is_causal=True, scale=scale), iters))
+                    except RuntimeError as e:  # backend not available for this shape or build
+                        ms[name] = None
+                        print(f"  torch {name}: unavailable ({str(e).splitlines()[0]})")
+            tf = {name: (flops / statistics.median(v) / 1e9 if v else None) for name, v in ms.items()}
+            row["kvstream_tflops"] = tf["kvstream"]
+            row["torch_flash_tflops"] = tf["flash"]
+            row["torch_cudnn_tflops"] = tf["cudnn"]
+            fl, cd = tf["flash"], tf["cudnn"]
+            print(f"{row['shape']}: kvstream {tf['kvstream']:.1f} TFLOP/s | torch flash "
+                  f"{fl or float('nan'):.1f} (ratio {tf['kvstream'] / fl if fl else float('nan'):.2f}) | "
+                  f"torch cudnn {cd or float('nan'):.1f} (ratio {tf['kvstream'] / cd if cd else float('nan'):.2f})"
+                  f" (medians of {PREFILL_ROUNDS} rounds)", flush=True)
+            report.setdefault("bench", []).append(row)
+            del p, k, v, qq, kk, vv
+            torch.cuda.empty_cache()
 
     # Decode: bf16, 32/8 heads, d128, block size 16.
     for batch, n in ((64, 4096), (16, 32768)):

@@ -5,7 +5,11 @@
 // query/output rows, causal and bidirectional masks, sliding windows, ALiBi and soft caps,
 // over mixed batches of prefills, chunked prefills, decode rows and empty queries. Also the
 // exact extent of the masks, the limits the launcher rejects, and a timing of the large
-// causal prefill the kernel is tuned for.
+// causal prefill the kernel is tuned for. Each grid runs every variant: the baseline, the
+// fast one and, on a compute capability 9.0 device of a build with sm_90a code, the wgmma
+// kernel (prefill_wgmma.cuh), each where it applies; the wgmma kernel's own edge cases
+// (block sizes 16 to 256, page boundaries, tiny and ragged sequences) have a test of
+// their own.
 //
 // Every test skips where no GPU can be used.
 #include <cuda_runtime.h>
@@ -106,15 +110,37 @@ struct GpuIo {
   // false: the problem's own strided rows (odd token strides: unaligned, element path);
   // true: dense rows [num_tokens][num_heads][head_size] (16-byte chunks when sizes allow).
   bool dense = false;
-  // Which kernel configuration runs. kFast where it does not apply: RunOnGpu returns
-  // Unimplemented and launches nothing.
+  // Which kernel configuration runs. kFast or kWgmma where it does not apply (or, for
+  // kWgmma, where the device cannot run it): RunOnGpu returns Unimplemented and launches
+  // nothing.
   internal::PrefillVariant variant = internal::PrefillVariant::kAuto;
 };
 
 using internal::PrefillVariant;
 const char* VariantName(PrefillVariant v) {
-  return v == PrefillVariant::kFast ? "fast" : v == PrefillVariant::kBaseline ? "baseline"
-                                                                             : "auto";
+  switch (v) {
+    case PrefillVariant::kFast: return "fast";
+    case PrefillVariant::kBaseline: return "baseline";
+    case PrefillVariant::kWgmma: return "wgmma";
+    default: return "auto";
+  }
+}
+
+// Whether this device and build run the wgmma kernel (PrefillLaunchOptions::wgmma).
+bool DeviceRunsWgmma() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  return major == 9 && minor == 0 && internal::PrefillWgmmaCompiled();
+}
+
+const std::vector<PrefillVariant>& AllVariants() {
+  static const std::vector<PrefillVariant> v = {PrefillVariant::kBaseline, PrefillVariant::kFast,
+                                                PrefillVariant::kWgmma};
+  return v;
 }
 
 // Runs the CUDA kernel on device copies of `host` (a problem's host params) and leaves the
@@ -196,8 +222,17 @@ absl::Status RunOnGpu(const PagedAttentionParams& host, std::vector<uint8_t>& ou
                                            host.cache.spec.dtype)) {
     return absl::UnimplementedError("the fast variant does not apply");
   }
+  const bool wgmma = DeviceRunsWgmma();
+  if (io.variant == PrefillVariant::kWgmma) {
+    if (!wgmma) return absl::UnimplementedError("this device does not run the wgmma kernel");
+    if (!internal::PrefillWgmmaApplies(*kernel_params, host.q_dtype, host.out_dtype,
+                                       host.cache.spec.dtype)) {
+      return absl::UnimplementedError("the wgmma kernel does not apply");
+    }
+  }
   internal::PrefillLaunchOptions launch_options;
   launch_options.variant = io.variant;
+  launch_options.wgmma = wgmma;
   cudaEvent_t start = nullptr, stop = nullptr;
   if (milliseconds != nullptr) {
     cudaEventCreate(&start);
@@ -247,6 +282,14 @@ bool FastVariantExpected(const AttnCase& c) {
          (c.head_size == 64 || c.head_size == 128) && c.layout != TestLayout::kPadded;
 }
 
+// Whether the wgmma kernel must run `c` on a device that runs it (PrefillWgmmaApplies):
+// the fast variant's conditions, dense (16-byte aligned) activations, and a block size
+// that is a power of two in [16, 256].
+bool WgmmaExpected(const AttnCase& c, const GpuIo& io) {
+  return FastVariantExpected(c) && io.dense && c.block_size >= 16 && c.block_size <= 256 &&
+         (c.block_size & (c.block_size - 1)) == 0;
+}
+
 void ExpectVariantMatchesReference(AttnProblem& pb, const std::vector<uint8_t>& ref_out,
                                    const GpuIo& io);
 
@@ -258,7 +301,7 @@ void ExpectGpuMatchesReference(AttnProblem& pb, const GpuIo& io = {}) {
   std::vector<uint8_t> ref_out = pb.NewOut();
   const absl::Status ref_status = RunAttentionReference(pb.params(ref_out));
   ASSERT_TRUE(ref_status.ok()) << ref_status;
-  for (PrefillVariant variant : {PrefillVariant::kBaseline, PrefillVariant::kFast}) {
+  for (PrefillVariant variant : AllVariants()) {
     SCOPED_TRACE(absl::StrCat(VariantName(variant), " variant"));
     GpuIo variant_io = io;
     variant_io.variant = variant;
@@ -273,6 +316,11 @@ void ExpectVariantMatchesReference(AttnProblem& pb, const std::vector<uint8_t>& 
   const absl::Status st = RunOnGpu(pb.params(out), out, io);
   if (io.variant == PrefillVariant::kFast && absl::IsUnimplemented(st)) {
     EXPECT_FALSE(FastVariantExpected(c)) << "the fast variant should apply: " << st;
+    return;
+  }
+  if (io.variant == PrefillVariant::kWgmma && absl::IsUnimplemented(st)) {
+    EXPECT_FALSE(DeviceRunsWgmma() && WgmmaExpected(c, io))
+        << "the wgmma kernel should apply: " << st;
     return;
   }
   ASSERT_TRUE(st.ok()) << st;
@@ -493,7 +541,8 @@ TEST(CudaPrefillMaskTest, OneKeyMovesExactlyTheRowsThatSeeIt) {
   for (MaskCase mc : {MaskCase{true, 0}, MaskCase{false, 0}, MaskCase{true, 4},
                       MaskCase{false, 4}, MaskCase{true, 70}, MaskCase{false, 65}}) {
     for (int pos : {0, 63, 64, 70, 127, 149}) {
-      for (PrefillVariant variant : {PrefillVariant::kBaseline, PrefillVariant::kFast}) {
+      for (PrefillVariant variant : AllVariants()) {
+        if (variant == PrefillVariant::kWgmma && !DeviceRunsWgmma()) continue;
         SCOPED_TRACE(absl::StrCat(mc.causal ? "causal" : "bidirectional", " window ", mc.window,
                                   " key ", pos, " ", VariantName(variant), " variant"));
         AttnCase c;
@@ -512,7 +561,9 @@ TEST(CudaPrefillMaskTest, OneKeyMovesExactlyTheRowsThatSeeIt) {
         std::vector<uint8_t> before = pb.NewOut();
         GpuIo io;
         io.variant = variant;
-        ASSERT_TRUE(RunOnGpu(pb.params(before), before, io).ok());
+        io.dense = variant == PrefillVariant::kWgmma;  // its rows must be 16-byte aligned
+        const absl::Status first = RunOnGpu(pb.params(before), before, io);
+        ASSERT_TRUE(first.ok()) << first;
         for (int d = 0; d < c.head_size; ++d) pb.SetCache(false, 0, pos, 0, d, 0.9f);
         for (int d = 0; d < c.head_size_v; ++d) pb.SetCache(true, 0, pos, 0, d, 5.0f);
         std::vector<uint8_t> after = pb.NewOut();
@@ -580,12 +631,16 @@ TEST(CudaPrefillLimitsTest, UnsupportedCombinationsAreInvalidArgument) {
       {big_head, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, "head_size=512"},
       {big_head_v, DType::kFloat16, DType::kFloat16, DType::kFloat8E4M3, "head_size_v=320"},
   };
-  for (const Bad& bad : cases) {
+  // Rejected with InvalidArgument naming what was wrong (bad.names and `also`).
+  auto expect_rejected = [](const Bad& bad, const internal::PrefillLaunchOptions& options,
+                            const char* also) {
     const absl::Status st =
-        internal::LaunchPrefillAttention(bad.params, bad.q, bad.out, bad.cache, nullptr);
+        internal::LaunchPrefillAttention(bad.params, bad.q, bad.out, bad.cache, options, nullptr);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     EXPECT_NE(std::string(st.message()).find(bad.names), std::string::npos) << st;
-  }
+    EXPECT_NE(std::string(st.message()).find(also), std::string::npos) << st;
+  };
+  for (const Bad& bad : cases) expect_rejected(bad, {}, "");
   // The fast variant, asked for where it does not apply.
   internal::PrefillLaunchOptions fast;
   fast.variant = PrefillVariant::kFast;
@@ -597,12 +652,77 @@ TEST(CudaPrefillLimitsTest, UnsupportedCombinationsAreInvalidArgument) {
                              "head_size_v"},
                          Bad{unequal, DType::kFloat16, DType::kFloat16, DType::kFloat16,
                              "fast variant"}}) {
-    const absl::Status st =
-        internal::LaunchPrefillAttention(bad.params, bad.q, bad.out, bad.cache, fast, nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-    EXPECT_NE(std::string(st.message()).find(bad.names), std::string::npos) << st;
+    expect_rejected(bad, fast, "");
+  }
+  // The wgmma kernel, asked for where it does not apply or where the device cannot run it.
+  internal::PrefillLaunchOptions wgmma;
+  wgmma.variant = PrefillVariant::kWgmma;
+  wgmma.wgmma = true;
+  internal::PagedKernelParams odd_block = ok;
+  odd_block.block_size = 24;
+  for (const Bad& bad : {Bad{ok, DType::kBFloat16, DType::kBFloat16, DType::kFloat8E4M3,
+                             "cache dtype is not q's"},
+                         Bad{unequal, DType::kFloat16, DType::kFloat16, DType::kFloat16,
+                             "head sizes 128/64"},
+                         Bad{odd_block, DType::kFloat16, DType::kFloat16, DType::kFloat16,
+                             "block size 24"}}) {
+    expect_rejected(bad, wgmma, "wgmma kernel does not apply");
+  }
+  wgmma.wgmma = false;
+  expect_rejected(Bad{ok, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, "wgmma"}, wgmma,
+                  "sm_90a");
+}
+
+// ---------------------------------------------------------------------------------------
+// The wgmma kernel's own edges: every block size it takes (one TMA box per page below 128
+// keys, one per 128-key tile of a larger block), sequences that end one key before, at and
+// after a page or a 128-key tile, tiny ones (1 and 2 keys, a single query row against
+// cached keys), and ragged batches, over both layouts, both 16-bit types and both head
+// sizes; the cache is NaN past every sequence's end, in the last page too.
+
+using WgmmaEdgeParam = std::tuple<int, int, DType>;
+class CudaPrefillWgmmaEdgeTest : public ::testing::TestWithParam<WgmmaEdgeParam> {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
+};
+
+TEST_P(CudaPrefillWgmmaEdgeTest, MatchesReference) {
+  const auto& [block_size, head_size, dtype] = GetParam();
+  for (TestLayout layout : {TestLayout::kNHD, TestLayout::kHND}) {
+    for (bool causal : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(TestLayoutName(layout), causal ? " causal" : " bidirectional"));
+      AttnCase c;
+      c.q_dtype = dtype;
+      c.out_dtype = dtype;
+      c.cache_dtype = dtype;
+      c.layout = layout;
+      c.causal = causal;
+      c.block_size = block_size;
+      c.head_size = head_size;
+      c.head_size_v = head_size;
+      c.num_kv_heads = 2;
+      c.group = 3;  // 128-row tiles that end inside a token's heads
+      const int b = block_size;
+      c.seqs = {{0, 1},          {0, 2},       {b - 1, 1},   {b - 1, 2},   {0, b - 1},
+                {0, b},          {0, b + 1},   {127, 1},     {128, 1},     {127, 2},
+                {0, 127},        {0, 129},     {b, 128},     {255, 130},   {3, 200},
+                {2 * b + 1, 40}, {5, 0},       {0, 300}};
+      c.seed = static_cast<uint32_t>(block_size * 31 + head_size);
+      AttnProblem pb(c);
+      ExpectGpuMatchesReference(pb, GpuIo{/*dense=*/true});
+      if (HasFailure()) return;
+    }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Pages, CudaPrefillWgmmaEdgeTest,
+    ::testing::Combine(::testing::Values(16, 32, 64, 128, 256), ::testing::Values(64, 128),
+                       ::testing::Values(DType::kBFloat16, DType::kFloat16)),
+    [](const auto& test_info) {
+      return absl::StrCat("bs", std::get<0>(test_info.param), "_d", std::get<1>(test_info.param),
+                          "_", ShortDType(std::get<2>(test_info.param)));
+    });
 
 // ---------------------------------------------------------------------------------------
 // The shape the kernel is tuned for: one 8k-token causal prefill, bfloat16, head size 128,
@@ -624,9 +744,11 @@ TEST(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
   c.cache_dtype = DType::kBFloat16;
   c.pad_tokens = 0;
   AttnProblem pb(c);
-  // The baseline (the default) first, then the fast variant, whose output is checked below.
+  // The baseline first, then the fast variant, then (where the device runs it) the wgmma
+  // kernel: the last one's output is checked below.
   std::vector<uint8_t> out;
-  for (PrefillVariant variant : {PrefillVariant::kBaseline, PrefillVariant::kFast}) {
+  for (PrefillVariant variant : AllVariants()) {
+    if (variant == PrefillVariant::kWgmma && !DeviceRunsWgmma()) continue;
     out = pb.NewOut();
     float ms = 0;
     GpuIo io;
@@ -639,7 +761,9 @@ TEST(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
         "[ PERF     ] causal prefill 8k bf16 d128 32/8 heads bs16, %s variant: %.3f ms, "
         "%.1f TFLOP/s\n",
         VariantName(variant), ms, flops / (ms * 1e-3) / 1e12);
-    RecordProperty(variant == PrefillVariant::kFast ? "tflops_fast" : "tflops",
+    RecordProperty(variant == PrefillVariant::kFast    ? "tflops_fast"
+                   : variant == PrefillVariant::kWgmma ? "tflops_wgmma"
+                                                       : "tflops",
                    static_cast<int>(flops / (ms * 1e-3) / 1e12));
   }
 

@@ -40,7 +40,7 @@ __device__ void QkT(const uint8_t* q, const uint8_t* k, float (&s)[32]) {
   w::Fence();
 #pragma unroll
   for (int step = 0; step < 8; ++step) {
-    w::WgmmaSS_m64n64k16<T>(s, w::KMajorStep(Shared(q), kPanelBytes, step),
+    w::WgmmaSS<64, T>(s, w::KMajorStep(Shared(q), kPanelBytes, step),
                             w::KMajorStep(Shared(k), kPanelBytes, step), step > 0);
   }
   w::Commit();
@@ -56,7 +56,7 @@ __device__ void Pv(const float (&p)[32], const uint8_t* v, float (&o)[64]) {
   w::Fence();
 #pragma unroll
   for (int step = 0; step < 4; ++step) {
-    w::WgmmaRS_m64n128k16<T, true>(o, a[step], w::MnMajorStep(Shared(v), kPanelBytes, step),
+    w::WgmmaRS<128, T, true>(o, a[step], w::MnMajorStep(Shared(v), kPanelBytes, step),
                                    step > 0);
   }
   w::Commit();

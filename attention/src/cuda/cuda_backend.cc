@@ -25,11 +25,12 @@ namespace {
 
 class CudaBackend final : public CudaAttentionBackend {
  public:
-  CudaBackend(int device, int num_sms, int compute_major, bool batch_invariant,
+  CudaBackend(int device, int num_sms, int compute_major, bool wgmma, bool batch_invariant,
               CudaStream owned_stream, void* stream, CudaEvent done)
       : device_(device),
         num_sms_(num_sms),
         compute_major_(compute_major),
+        wgmma_(wgmma),
         batch_invariant_(batch_invariant),
         owned_stream_(std::move(owned_stream)),
         stream_(stream),
@@ -148,13 +149,16 @@ class CudaBackend final : public CudaAttentionBackend {
 
   absl::Status Prefill(const internal::PagedKernelParams& kp, const PagedAttentionParams& params,
                        DType cache_dtype) {
+    internal::PrefillLaunchOptions options;
+    options.wgmma = wgmma_;
     return internal::LaunchPrefillAttention(kp, params.q_dtype, params.out_dtype, cache_dtype,
-                                            static_cast<cudaStream_t>(stream_));
+                                            options, static_cast<cudaStream_t>(stream_));
   }
 
   const int device_;
   const int num_sms_;
   const int compute_major_;
+  const bool wgmma_;  // PrefillLaunchOptions::wgmma for this device
   const bool batch_invariant_;
   CudaStream owned_stream_;  // empty when the caller supplied the stream
   void* const stream_;
@@ -192,6 +196,14 @@ absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateCudaAttentionBackend(
       static_cast<int>(cudaDeviceGetAttribute(&compute_major, cudaDevAttrComputeCapabilityMajor,
                                               options.device)),
       "cuda attention backend: cudaDeviceGetAttribute(compute capability)"));
+  int compute_minor = 0;
+  RETURN_IF_ERROR(CudaErrorToStatus(
+      static_cast<int>(cudaDeviceGetAttribute(&compute_minor, cudaDevAttrComputeCapabilityMinor,
+                                              options.device)),
+      "cuda attention backend: cudaDeviceGetAttribute(compute capability minor)"));
+  // sm_90a code runs on compute capability 9.0 only.
+  const bool wgmma =
+      compute_major == 9 && compute_minor == 0 && internal::PrefillWgmmaCompiled();
   CudaStream owned;
   void* stream = options.stream;
   if (stream == nullptr) {
@@ -200,7 +212,7 @@ absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateCudaAttentionBackend(
   }
   ASSIGN_OR_RETURN(CudaEvent done, CudaEvent::Create(/*enable_timing=*/false));
   return std::unique_ptr<AttentionBackend>(
-      new CudaBackend(options.device, num_sms, compute_major, options.batch_invariant,
+      new CudaBackend(options.device, num_sms, compute_major, wgmma, options.batch_invariant,
                       std::move(owned), stream, std::move(done)));
 }
 

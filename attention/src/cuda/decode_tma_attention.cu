@@ -12,15 +12,10 @@
 // one per SM, ran at 0.966 of a streaming read, of 124 at 0.985-0.997 and of 128 at 1.0
 // (and 8 x 4096 at 7 splits, 112 CTAs, 3% slower than at 8).
 //
-// Tensor maps. cuTensorMapEncodeTiled is a driver function; it is taken from the runtime
-// (cudaGetDriverEntryPointByVersion) and kept once found, so that nothing links libcuda
-// directly. A map is 128 bytes of host memory encoded per launch (about a microsecond) and
-// passed by value: caches may move between launches.
+// Tensor maps: tensor_map.h, encoded per launch.
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -32,6 +27,7 @@
 #include "cuda/decode_tma_attention.cuh"
 #include "cuda/kernel_params.h"
 #include "cuda/launchers.h"
+#include "cuda/tensor_map.h"
 #include "kvstream/common/cuda_status.h"
 #include "kvstream/common/dtype.h"
 #include "kvstream/common/status_macros.h"
@@ -50,56 +46,23 @@ absl::Status Error(absl::string_view what) {
   return absl::InternalError(absl::StrCat("cuda decode attention (TMA): ", what));
 }
 
-// cuTensorMapEncodeTiled from the driver, or the reason it is not there. A found function
-// is kept for the process; a failed lookup is tried again on the next call.
-absl::StatusOr<PFN_cuTensorMapEncodeTiled_v12000> EncodeFunction() {
-  static std::atomic<PFN_cuTensorMapEncodeTiled_v12000> cached{nullptr};
-  if (PFN_cuTensorMapEncodeTiled_v12000 fn = cached.load(std::memory_order_acquire)) return fn;
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                                           cudaEnableDefault, &found);
-  if (err != cudaSuccess) {
-    return Error(absl::StrCat("looking up cuTensorMapEncodeTiled: ", cudaGetErrorString(err)));
-  }
-  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return Error(absl::StrCat("the driver has no cuTensorMapEncodeTiled (query result ",
-                              static_cast<int>(found), ")"));
-  }
-  const auto typed = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  cached.store(typed, std::memory_order_release);
-  return typed;
-}
-
-// The tensor map of one cache: [block][head][column half][token][64 elements] (innermost
-// last here; the map lists dimensions innermost first), boxes of one block's 16 tokens x
-// 128 elements for Traits::kHeads heads, 128-byte swizzle.
+// The tensor map of one cache: boxes of one block's 16 tokens x 128 elements for
+// Traits::kHeads heads.
 absl::StatusOr<CUtensorMap> EncodeCacheMap(const PagedKernelParams& p, const void* cache,
                                            int64_t block_stride, int64_t token_stride,
                                            int64_t head_stride, DType dtype) {
-  ASSIGN_OR_RETURN(PFN_cuTensorMapEncodeTiled_v12000 encode, EncodeFunction());
-  const cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(Traits::kBlockTokens), 2,
-                              static_cast<cuuint64_t>(p.num_kv_heads),
-                              static_cast<cuuint64_t>(p.num_blocks)};
-  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(token_stride) * 2, 128,
-                                 static_cast<cuuint64_t>(head_stride) * 2,
-                                 static_cast<cuuint64_t>(block_stride) * 2};
-  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(Traits::kBlockTokens), 2,
-                             static_cast<cuuint32_t>(Traits::kHeads), 1};
-  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
-  CUtensorMap map;
-  const CUresult r = encode(
-      &map,
-      dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      5, const_cast<void*>(cache), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return Error(absl::StrCat("cuTensorMapEncodeTiled failed with CUresult ",
-                              static_cast<int>(r), " (strides ", block_stride, "/",
-                              token_stride, "/", head_stride, ", ", p.num_blocks, " blocks)"));
-  }
-  return map;
+  CacheMapShape shape{};
+  shape.block_size = Traits::kBlockTokens;
+  shape.halves = 2;
+  shape.num_kv_heads = p.num_kv_heads;
+  shape.num_blocks = p.num_blocks;
+  shape.block_stride = block_stride;
+  shape.token_stride = token_stride;
+  shape.head_stride = head_stride;
+  shape.box_tokens = Traits::kBlockTokens;
+  shape.box_halves = 2;
+  shape.box_heads = Traits::kHeads;
+  return EncodeCacheTensorMap(cache, dtype, shape, "cuda decode attention (TMA)");
 }
 
 using TmaKernel = void (*)(PagedKernelParams, CUtensorMap, CUtensorMap, tma::DecodeTmaArgs);

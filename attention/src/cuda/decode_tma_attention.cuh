@@ -63,6 +63,7 @@
 #include "cuda/kernel_params.h"
 #include "cuda/mma_ptx.cuh"
 #include "cuda/sequence_bounds.cuh"
+#include "cuda/tma_ptx.cuh"
 
 namespace kvstream {
 namespace internal {
@@ -119,45 +120,11 @@ using decode_tc::OnlineSoftmaxStep;
 using decode_tc::ScoreParams;
 using decode_tc::ToBase2Logits;
 
-// ---------------------------------------------------------------------------------------
-// mbarrier and TMA (sm_90).
-
-__device__ __forceinline__ void BarrierInit(uint32_t bar, int arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
-}
-// One arrival that also tells the barrier to expect `bytes` from asynchronous copies.
-__device__ __forceinline__ void BarrierArriveExpect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void BarrierArrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Waits until the phase of parity `parity` has completed.
-__device__ __forceinline__ void BarrierWait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (done == 0);
-}
-// A 5-D tensor-map box into shared memory, completing on `bar`; L2 evict-first (every
-// cache row is read once).
-__device__ __forceinline__ void TmaLoad5(uint32_t dst, const CUtensorMap* map, uint32_t bar,
-                                         int c0, int c1, int c2, int c3, int c4,
-                                         uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".L2::cache_hint [%0], [%1, {%3, %4, %5, %6, %7}], [%2], %8;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
-      "r"(c4), "l"(policy)
-      : "memory");
-}
+using tma_ptx::BarrierArrive;
+using tma_ptx::BarrierArriveExpect;
+using tma_ptx::BarrierInit;
+using tma_ptx::BarrierWait;
+using tma_ptx::TmaLoad5;
 
 // ---------------------------------------------------------------------------------------
 // The splits' merge in the split kernel (DecodeTmaArgs::arrivals).
@@ -347,7 +314,7 @@ __global__ void __launch_bounds__(DecodeTmaTraits::kThreads, 1)
       BarrierInit(SmemAddress(full + i), 1);
       BarrierInit(SmemAddress(empty + i), kHeads);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    tma_ptx::FenceBarrierInit();
   }
   __syncthreads();
 

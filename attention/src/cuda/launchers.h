@@ -28,16 +28,21 @@ namespace internal {
 absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dtype,
                                     DType out_dtype, DType cache_dtype, cudaStream_t stream);
 
-// Which configuration of the prefill kernel runs (prefill_attention.cuh, PrefillVariant).
-// kAuto is the fast variant where it applies (1.85x the baseline's TFLOP/s on the H200,
-// docs/benchmarks.md), else the baseline.
+// Which prefill kernel runs. kAuto: the wgmma kernel where PrefillLaunchOptions::wgmma
+// and PrefillWgmmaApplies allow it, else the fast variant of prefill_attention.cuh where
+// it applies (1.85x the baseline's TFLOP/s on the H200, docs/benchmarks.md), else the
+// baseline.
 enum class PrefillVariant {
-  kAuto,      // kFast where PrefillFastVariantApplies, else kBaseline
+  kAuto,
   kBaseline,  // every supported call
   kFast,      // compile-time masks and steps; 16-bit cache only, see PrefillFastVariantApplies
+  kWgmma,     // the Hopper kernel (prefill_wgmma.cuh), see PrefillWgmmaApplies
 };
 struct PrefillLaunchOptions {
   PrefillVariant variant = PrefillVariant::kAuto;
+  // Whether the device the stream runs on has compute capability 9.0 exactly and this
+  // build holds sm_90a code (KVSTREAM_HAVE_SM90A): only then may the wgmma kernel run.
+  bool wgmma = false;
 };
 
 // Whether the fast variant runs this call: q dtype float16 / bfloat16, the cache of q's
@@ -45,8 +50,25 @@ struct PrefillLaunchOptions {
 bool PrefillFastVariantApplies(const PagedKernelParams& params, DType q_dtype,
                                DType cache_dtype);
 
+// Whether the wgmma kernel takes this call on a device where it may run: q, out and the
+// cache of one 16-bit dtype, head_size == head_size_v, 64 or 128, block size a power of
+// two in [16, 256], every q, out and cache row 16-byte aligned, strides within a tensor
+// map's range. When it does not and `why` is not null, *why says what it lacks.
+bool PrefillWgmmaApplies(const PagedKernelParams& params, DType q_dtype, DType out_dtype,
+                         DType cache_dtype, std::string* why = nullptr);
+
+// Whether this build holds the wgmma kernel's sm_90a code (compiled for 90a).
+bool PrefillWgmmaCompiled();
+
+// Enqueues the wgmma kernel. REQUIRES: PrefillWgmmaApplies, and PrefillLaunchOptions::wgmma
+// would be true for the stream's device; params with rows to compute (num_seqs and
+// max_query_len > 0, the limits LaunchPrefillAttention checks).
+absl::Status LaunchPrefillWgmma(const PagedKernelParams& params, DType q_dtype,
+                                cudaStream_t stream);
+
 // As above with a choice of variant. InvalidArgument, in addition, for kFast where
-// PrefillFastVariantApplies is false.
+// PrefillFastVariantApplies is false, and for kWgmma where PrefillWgmmaApplies is false or
+// launch_options.wgmma is.
 absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dtype,
                                     DType out_dtype, DType cache_dtype,
                                     const PrefillLaunchOptions& launch_options,

@@ -1,7 +1,8 @@
 // LaunchPrefillAttention: checks the limits of the prefill kernel (prefill_attention.cuh),
 // chooses how key/value tiles are loaded from the alignment of the cache, and launches one
 // of ten instantiations (padded head size 64 / 128 / 256 x float16 / bfloat16 queries for
-// the baseline variant, 64 / 128 x float16 / bfloat16 for the fast one).
+// the baseline variant, 64 / 128 x float16 / bfloat16 for the fast one), or hands the call
+// to the Hopper kernel (prefill_wgmma.cu) where the options allow it and it applies.
 // Everything else (causal, window, ALiBi, soft cap, head sizes, GQA, the cache dtype and its
 // layout) is a runtime value, so that the CUDA build stays small.
 #include <cuda_runtime.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -122,6 +124,19 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
                                     " heads per KV head is too many rows"));
   }
 
+  if (launch_options.variant == PrefillVariant::kWgmma ||
+      (launch_options.variant == PrefillVariant::kAuto && launch_options.wgmma)) {
+    std::string why;
+    const bool applies =
+        launch_options.wgmma && PrefillWgmmaApplies(params, q_dtype, out_dtype, cache_dtype, &why);
+    if (applies) return LaunchPrefillWgmma(params, q_dtype, stream);
+    if (launch_options.variant == PrefillVariant::kWgmma) {
+      return Unsupported(absl::StrCat(
+          "the wgmma kernel does not apply: ",
+          launch_options.wgmma ? why : "the device is not compute capability 9.0 or the build "
+                                       "has no sm_90a code"));
+    }
+  }
   const cuda::PrefillOptions options = cuda::ChoosePrefillOptions(params, cache_dtype);
   const bool fast_applies = cuda::PrefillFastApplies(params, options);
   if (launch_options.variant == PrefillVariant::kFast && !fast_applies) {
@@ -132,7 +147,8 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
         " head_size_v=", params.head_size_v));
   }
   // kAuto runs the fast variant wherever it applies (see PrefillVariant in launchers.h).
-  const bool fast = fast_applies && launch_options.variant != PrefillVariant::kBaseline;
+  const bool fast = fast_applies && (launch_options.variant == PrefillVariant::kAuto ||
+                                     launch_options.variant == PrefillVariant::kFast);
   const int padded = PaddedHeadDim(params.head_size, params.head_size_v);
   switch (padded) {
     case 64: return LaunchForDim<64>(params, q_dtype, options, fast, stream);

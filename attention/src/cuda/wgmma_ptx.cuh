@@ -130,27 +130,49 @@ __device__ __forceinline__ void PackA(const float (&d)[N], int k, uint32_t (&a)[
   }
 }
 
-// D (+)= A B, m64n64k16, A and B from shared memory (descriptors), f32 accumulators:
-// 32 per thread in the layout of WgmmaAccumulatorRow / WgmmaAccumulatorCol.
-// accumulate false: D = A B.
+// Register and operand lists of the products below (N / 2 accumulators per thread).
+#define KVSTREAM_WGMMA_F8(d, i)                                                         \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),           \
+      "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define KVSTREAM_WGMMA_D32(d) \
+  KVSTREAM_WGMMA_F8(d, 0), KVSTREAM_WGMMA_F8(d, 8), KVSTREAM_WGMMA_F8(d, 16), KVSTREAM_WGMMA_F8(d, 24)
+#define KVSTREAM_WGMMA_D64(d)                                                              \
+  KVSTREAM_WGMMA_D32(d), KVSTREAM_WGMMA_F8(d, 32), KVSTREAM_WGMMA_F8(d, 40),               \
+      KVSTREAM_WGMMA_F8(d, 48), KVSTREAM_WGMMA_F8(d, 56)
+// One product: SHAPE "m64nNk16", TYPES ".bf16.bf16" or ".f16.f16", REGS the accumulator
+// list, A "%i" (a descriptor) or "{%i, ...}" (registers), the rest of the operand numbers.
+#define KVSTREAM_WGMMA_ASM(SHAPE, TYPES, REGS, A, B, P, TAIL, DOPS, ...)                      \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " P ", 0;\n"                              \
+               " wgmma.mma_async.sync.aligned." SHAPE ".f32" TYPES " " REGS ", " A ", " B     \
+               ", p, 1, 1" TAIL ";\n}\n"                                                     \
+               : DOPS                                                                       \
+               : __VA_ARGS__)
+
 template <typename T>
-__device__ __forceinline__ void WgmmaSS_m64n64k16(float (&d)[32], uint64_t desc_a,
-                                                   uint64_t desc_b, bool accumulate) {
+constexpr bool kIsBf16 = std::is_same<T, __nv_bfloat16>::value;
+
+// D (+)= A B, m64nNk16 (N 64 or 128), A and B from shared memory (descriptors), f32
+// accumulators: N / 2 per thread in the layout of AccumulatorRow / AccumulatorCol.
+// accumulate false: D = A B.
+template <int N, typename T>
+__device__ __forceinline__ void WgmmaSS(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                        bool accumulate) {
+  static_assert(N == 64 || N == 128, "N 64 or 128");
+  static_assert(kIsBf16<T> || std::is_same<T, __half>::value, "16-bit inputs");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
-                "16-bit inputs");
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  const int acc = static_cast<int>(accumulate);
+  if constexpr (N == 64 && kIsBf16<T>) {
+    KVSTREAM_WGMMA_ASM("m64n64k16", ".bf16.bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "%32", "%33", "%34", ", 0, 0",
+                       KVSTREAM_WGMMA_D32(d), "l"(desc_a), "l"(desc_b), "r"(acc));
+  } else if constexpr (N == 64) {
+    KVSTREAM_WGMMA_ASM("m64n64k16", ".f16.f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "%32", "%33", "%34", ", 0, 0",
+                       KVSTREAM_WGMMA_D32(d), "l"(desc_a), "l"(desc_b), "r"(acc));
+  } else if constexpr (kIsBf16<T>) {
+    KVSTREAM_WGMMA_ASM("m64n128k16", ".bf16.bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "%64", "%65", "%66", ", 0, 0",
+                       KVSTREAM_WGMMA_D64(d), "l"(desc_a), "l"(desc_b), "r"(acc));
   } else {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+    KVSTREAM_WGMMA_ASM("m64n128k16", ".f16.f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "%64", "%65", "%66", ", 0, 0",
+                       KVSTREAM_WGMMA_D64(d), "l"(desc_a), "l"(desc_b), "r"(acc));
   }
 #else
   (void)d; (void)desc_a; (void)desc_b; (void)accumulate;
@@ -158,33 +180,62 @@ __device__ __forceinline__ void WgmmaSS_m64n64k16(float (&d)[32], uint64_t desc_
 #endif
 }
 
-// D (+)= A B, m64n128k16, A from registers (a: the m64k16 fragment, WgmmaPackA), B from
-// shared memory; kTransB: B's descriptor is MN-major (its N index contiguous, as V rows).
-template <typename T, bool kTransB>
-__device__ __forceinline__ void WgmmaRS_m64n128k16(float (&d)[64], const uint32_t (&a)[4],
-                                                   uint64_t desc_b, bool accumulate) {
+// D (+)= A B, m64nNk16 (N 64 or 128), A from registers (a: the m64k16 fragment, PackA),
+// B from shared memory; kTransB: B's descriptor is MN-major (its N index contiguous, as V
+// rows).
+template <int N, typename T, bool kTransB>
+__device__ __forceinline__ void WgmmaRS(float (&d)[N / 2], const uint32_t (&a)[4],
+                                        uint64_t desc_b, bool accumulate) {
+  static_assert(N == 64 || N == 128, "N 64 or 128");
+  static_assert(kIsBf16<T> || std::is_same<T, __half>::value, "16-bit inputs");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
-                "16-bit inputs");
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)),
-          "n"(kTransB ? 1 : 0));
+  const int acc = static_cast<int>(accumulate);
+  constexpr int kTrans = kTransB ? 1 : 0;
+  if constexpr (N == 64 && kIsBf16<T>) {
+    KVSTREAM_WGMMA_ASM("m64n64k16", ".bf16.bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "{%32, %33, %34, %35}", "%36", "%37",
+                       ", %38", KVSTREAM_WGMMA_D32(d), "r"(a[0]), "r"(a[1]), "r"(a[2]),
+                       "r"(a[3]), "l"(desc_b), "r"(acc), "n"(kTrans));
+  } else if constexpr (N == 64) {
+    KVSTREAM_WGMMA_ASM("m64n64k16", ".f16.f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "{%32, %33, %34, %35}", "%36", "%37",
+                       ", %38", KVSTREAM_WGMMA_D32(d), "r"(a[0]), "r"(a[1]), "r"(a[2]),
+                       "r"(a[3]), "l"(desc_b), "r"(acc), "n"(kTrans));
+  } else if constexpr (kIsBf16<T>) {
+    KVSTREAM_WGMMA_ASM("m64n128k16", ".bf16.bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "{%64, %65, %66, %67}", "%68", "%69",
+                       ", %70", KVSTREAM_WGMMA_D64(d), "r"(a[0]), "r"(a[1]), "r"(a[2]),
+                       "r"(a[3]), "l"(desc_b), "r"(acc), "n"(kTrans));
   } else {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)),
-          "n"(kTransB ? 1 : 0));
+    KVSTREAM_WGMMA_ASM("m64n128k16", ".f16.f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "{%64, %65, %66, %67}", "%68", "%69",
+                       ", %70", KVSTREAM_WGMMA_D64(d), "r"(a[0]), "r"(a[1]), "r"(a[2]),
+                       "r"(a[3]), "l"(desc_b), "r"(acc), "n"(kTrans));
   }
 #else
   (void)d; (void)a; (void)desc_b; (void)accumulate;
   __trap();
 #endif
+}
+
+#undef KVSTREAM_WGMMA_ASM
+#undef KVSTREAM_WGMMA_D64
+#undef KVSTREAM_WGMMA_D32
+#undef KVSTREAM_WGMMA_F8
+
+// Raises (kInc) or lowers the registers each thread of the calling warpgroup may use to
+// `kRegs` (a multiple of 8 in [24, 256]); every warp of the warpgroup executes it.
+template <int kRegs, bool kInc>
+__device__ __forceinline__ void SetMaxRegisters() {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (kInc) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+  }
+#endif
+}
+
+// A barrier of `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is
+// __syncthreads').
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 }  // namespace wgmma

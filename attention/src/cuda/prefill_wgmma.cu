@@ -1,0 +1,127 @@
+// The Hopper prefill kernel's launcher (prefill_wgmma.cuh): which calls it takes
+// (PrefillWgmmaApplies), the K and V caches' tensor maps (tensor_map.h: one box per page and
+// 64-column half) and the launch, with the grid of prefill_attention.cu.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "cuda/kernel_params.h"
+#include "cuda/launchers.h"
+#include "cuda/prefill_config.cuh"
+#include "cuda/prefill_wgmma.cuh"
+#include "cuda/tensor_map.h"
+#include "kvstream/common/cuda_status.h"
+#include "kvstream/common/dtype.h"
+#include "kvstream/common/status_macros.h"
+
+namespace kvstream {
+namespace internal {
+namespace {
+
+namespace pw = prefill_wgmma;
+constexpr char kWhat[] = "cuda prefill attention (wgmma)";
+
+absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* cache,
+                                      int64_t block_stride, int64_t token_stride,
+                                      int64_t head_stride, DType dtype, int box_tokens) {
+  CacheMapShape shape{};
+  shape.block_size = p.block_size;
+  shape.halves = p.head_size / 64;
+  shape.num_kv_heads = p.num_kv_heads;
+  shape.num_blocks = p.num_blocks;
+  shape.block_stride = block_stride;
+  shape.token_stride = token_stride;
+  shape.head_stride = head_stride;
+  shape.box_tokens = static_cast<uint32_t>(box_tokens);
+  shape.box_halves = 1;
+  shape.box_heads = 1;
+  return EncodeCacheTensorMap(cache, dtype, shape, kWhat);
+}
+
+template <int D, typename T>
+absl::Status LaunchTyped(const PagedKernelParams& p, const CUtensorMap& k_map,
+                         const CUtensorMap& v_map, const pw::PrefillWgmmaArgs& args,
+                         cudaStream_t stream) {
+  using Traits = pw::PrefillWgmmaTraits<D>;
+  auto* kernel = &pw::PrefillWgmmaKernel<D, T>;
+  RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel),
+                                           Traits::kSmemBytes, /*max_carveout=*/true,
+                                           absl::StrCat(kWhat, " head dim ", D)));
+  const dim3 grid(static_cast<unsigned>(p.num_kv_heads * args.num_m_tiles),
+                  static_cast<unsigned>(p.num_seqs));
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, k_map, v_map, args);
+  return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
+                           absl::StrCat(kWhat, " launch (head dim ", D, ")"));
+}
+
+}  // namespace
+
+bool PrefillWgmmaApplies(const PagedKernelParams& p, DType q_dtype, DType out_dtype,
+                         DType cache_dtype, std::string* why) {
+  auto no = [&](std::string reason) {
+    if (why != nullptr) *why = std::move(reason);
+    return false;
+  };
+  if (q_dtype != DType::kFloat16 && q_dtype != DType::kBFloat16) return no("q is not 16-bit");
+  if (out_dtype != q_dtype) return no("out dtype differs from q's");
+  if (cache_dtype != q_dtype) return no("the cache dtype is not q's");
+  if (p.head_size != p.head_size_v || (p.head_size != 64 && p.head_size != 128)) {
+    return no(absl::StrCat("head sizes ", p.head_size, "/", p.head_size_v,
+                           " are not 64/64 or 128/128"));
+  }
+  if (p.block_size < 16 || p.block_size > 256 || (p.block_size & (p.block_size - 1)) != 0) {
+    return no(absl::StrCat("block size ", p.block_size, " is not a power of two in [16, 256]"));
+  }
+  if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) return no("bad head counts");
+  if (p.num_blocks < 1 || p.num_blocks >= INT32_MAX) return no("block count out of range");
+  constexpr int64_t kMaxStride = int64_t{1} << 39;  // tensor-map strides < 2^40 bytes
+  for (int64_t s : {p.k_block_stride, p.k_token_stride, p.k_head_stride, p.v_block_stride,
+                    p.v_token_stride, p.v_head_stride}) {
+    if (s <= 0 || s >= kMaxStride) return no("a cache stride is out of a tensor map's range");
+  }
+  const cuda::PrefillOptions options = cuda::ChoosePrefillOptions(p, cache_dtype);
+  if (options.load_mode != cuda::kPrefillAsync16) return no("cache rows are not 16-byte aligned");
+  if (!options.q_vectorized || !options.o_vectorized) {
+    return no("q or out rows are not 16-byte aligned");
+  }
+  return true;
+}
+
+bool PrefillWgmmaCompiled() {
+#if defined(KVSTREAM_HAVE_SM90A)
+  return true;
+#else
+  return false;
+#endif
+}
+
+absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype,
+                                cudaStream_t stream) {
+  constexpr int kBlockN = pw::PrefillWgmmaTraits<128>::kBlockN;
+  pw::PrefillWgmmaArgs args{};
+  args.num_m_tiles = cuda::ChoosePrefillOptions(p, q_dtype).num_m_tiles;
+  args.box_tokens = p.block_size < kBlockN ? p.block_size : kBlockN;
+  args.block_shift = 0;
+  while ((1 << args.block_shift) < p.block_size) ++args.block_shift;
+  ASSIGN_OR_RETURN(const CUtensorMap k_map,
+                   EncodeMap(p, p.k_cache, p.k_block_stride, p.k_token_stride,
+                             p.k_head_stride, q_dtype, args.box_tokens));
+  ASSIGN_OR_RETURN(const CUtensorMap v_map,
+                   EncodeMap(p, p.v_cache, p.v_block_stride, p.v_token_stride,
+                             p.v_head_stride, q_dtype, args.box_tokens));
+  const bool bf16 = q_dtype == DType::kBFloat16;
+  if (p.head_size == 64) {
+    return bf16 ? LaunchTyped<64, __nv_bfloat16>(p, k_map, v_map, args, stream)
+                : LaunchTyped<64, __half>(p, k_map, v_map, args, stream);
+  }
+  return bf16 ? LaunchTyped<128, __nv_bfloat16>(p, k_map, v_map, args, stream)
+              : LaunchTyped<128, __half>(p, k_map, v_map, args, stream);
+}
+
+}  // namespace internal
+}  // namespace kvstream

@@ -1,0 +1,478 @@
+// The prefill attention kernel for Hopper (sm_90a): warpgroup matrix products (wgmma) fed
+// by the Tensor Memory Accelerator, one producer and two consumer warpgroups. Header-only;
+// prefill_wgmma.cu says which calls it takes (PrefillWgmmaApplies), encodes the caches'
+// tensor maps and launches it. The semantics are prefill_attention.cuh's (varlen, chunked
+// prefill against cached keys, causal bottom-right, GQA packed into the rows, sliding
+// window, ALiBi, soft cap), for 16-bit caches of head size 64 or 128 (K and V), block
+// sizes 16 to 256 (powers of two); everything else runs on prefill_attention.cuh.
+//
+// Why a second prefill kernel. mma.sync runs a warp's m16n8k16 products from registers
+// that ldmatrix filled from shared memory; on the H200 that kernel stops at about 340
+// TFLOP/s, about 0.56 of cuDNN's, because every operand passes through the register file.
+// wgmma reads both operands of S = Q K^T and the B operand of O = P V from shared memory
+// itself, for 64 rows of a warpgroup at once, asynchronously, while the warps go on; and
+// TMA copies a page of K or V without a single address computed by the warps that compute.
+//
+// Work split (the grid of prefill_attention.cuh: one CTA per 128 packed rows of one
+// (sequence, KV head), the last tiles of a sequence first):
+//   grid  = (num_kv_heads * num_m_tiles, num_seqs), block = 384 threads.
+//   warpgroup 0 (producer; its registers lowered to kProducerRegs): warp 0 copies the key
+//     tiles of the CTA's visible range, K then V, into a ring of kStages slots: per tile of
+//     kBlockN keys one TMA box per (page, 64-column half), the block ids read through the
+//     block table by one lane per box; a slot is reused once both consumers released it
+//     (`empty`, one arrival per consumer warp), and its `full` barrier counts the bytes.
+//   warpgroups 1 and 2 (consumers; registers raised to kConsumerRegs): 64 packed rows
+//     each. Per tile: wait for K; S = Q K^T (D / 16 wgmma m64n128k16 from shared memory);
+//     release K; scores in base 2 (soft cap, ALiBi, mask), online softmax in registers;
+//     P to A fragments in registers; wait for V; O += P V (kBlockN / 16 wgmma with A from
+//     registers, V MN-major); release V. A consumer whose rows see none of a tile's keys
+//     only waits and releases. The two consumers run out of step, so one's softmax
+//     overlaps the other's products.
+//
+// Shared memory (1024-byte aligned; every panel is [rows][64] 16-bit values in the
+// 128-byte swizzle of wgmma_ptx.cuh, 8 rows per 1024-byte atom):
+//   q:  [2 consumers][D / 64 panels][64 rows][64]   reused to stage the output rows
+//   k:  [kStages][D / 64 panels][kBlockN keys][64]  a page of box_tokens keys lands at
+//   v:  [kStages][D / 64 panels][kBlockN keys][64]  key row page * box_tokens of each panel
+//   barriers: full_k, full_v, empty_k, empty_v [kStages]
+//
+// Keys past the sequence's end inside its last page hold whatever the block holds there
+// (a reused block's stale values, NaN): their scores are masked to -inf, and the consumers
+// zero those V rows in shared memory before O += P V, so that 0 * NaN cannot reach the
+// output. Block ids outside [0, num_blocks) read as zeros (the tensor map's bounds).
+//
+// Layouts the kernel reads (PagedKernelParams, element strides, dim stride 1):
+//   q:       [num_tokens, num_heads, D]     rows 16-byte aligned
+//   out:     [num_tokens, num_heads, D]     rows 16-byte aligned
+//   k_cache: [num_blocks, block_size, num_kv_heads, D]   (NHD or HND; via the tensor map)
+//   v_cache: [num_blocks, block_size, num_kv_heads, D]
+#ifndef KVSTREAM_ATTENTION_CUDA_PREFILL_WGMMA_CUH_
+#define KVSTREAM_ATTENTION_CUDA_PREFILL_WGMMA_CUH_
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/cuda_common.cuh"
+#include "cuda/kernel_params.h"
+#include "cuda/mma_ptx.cuh"
+#include "cuda/prefill_helpers.cuh"
+#include "cuda/sequence_bounds.cuh"
+#include "cuda/tma_ptx.cuh"
+#include "cuda/wgmma_ptx.cuh"
+
+namespace kvstream {
+namespace internal {
+namespace prefill_wgmma {
+
+// Runtime values the launcher computes once per call.
+struct PrefillWgmmaArgs {
+  int32_t num_m_tiles;  // ceil(max_query_len * group / kBlockM)
+  int32_t box_tokens;   // keys per TMA box: min(block_size, kBlockN)
+  int32_t block_shift;  // log2(block_size)
+};
+
+template <int D>
+struct PrefillWgmmaTraits {
+  static_assert(D == 64 || D == 128, "head sizes 64 and 128");
+  static constexpr int kBlockM = 128;  // packed rows per CTA (two consumers x 64)
+  static constexpr int kBlockN = 128;  // keys per tile
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = (kConsumers + 1) * 128;
+  static constexpr int kPanels = D / 64;
+  static constexpr int kPanelRows = 64;                          // q panels
+  static constexpr int kQPanelBytes = kPanelRows * 128;          // 8 KiB
+  static constexpr int kKvPanelBytes = kBlockN * 128;            // 16 KiB
+  static constexpr int kQWarpgroupBytes = kPanels * kQPanelBytes;
+  static constexpr int kTileBytes = kPanels * kKvPanelBytes;     // one K or V tile
+  static constexpr int kStages = 2;
+  static constexpr int kKOffset = kConsumers * kQWarpgroupBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * kTileBytes;
+  // + 1024: the dynamic shared memory base is aligned up to 1024 bytes inside the kernel.
+  static constexpr int kSmemBytes = kBarrierOffset + 4 * kStages * 8 + 1024;
+  // 128 x 40 + 256 x 232 = 64512 of the SM's 65536 registers.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+};
+
+using cuda::ScaleOfHead;
+using cuda::VisibleHi;
+using cuda::VisibleLo;
+using ptx::CpAsync16;
+using ptx::CpAsyncCommit;
+using ptx::CpAsyncWaitGroup;
+using ptx::FastExp2;
+using ptx::PackPair;
+using ptx::SmemAddress;
+
+// REQUIRES: PrefillWgmmaApplies (prefill_wgmma.cu) for p; a device of compute capability
+// 9.0 and a build for sm_90a (elsewhere the kernel traps).
+template <int D, typename T>
+__global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
+    PrefillWgmmaKernel(const __grid_constant__ PagedKernelParams p,
+                       const __grid_constant__ CUtensorMap k_map,
+                       const __grid_constant__ CUtensorMap v_map, const PrefillWgmmaArgs a) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Traits = PrefillWgmmaTraits<D>;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kPanels = Traits::kPanels;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kNegInf = -INFINITY;
+
+  extern __shared__ __align__(1024) uint8_t raw_smem[];
+  uint8_t* const smem =
+      raw_smem + ((1024 - (SmemAddress(raw_smem) & 1023)) & 1023);
+  const uint32_t smem_base = SmemAddress(smem);
+  const uint32_t k_base = smem_base + Traits::kKOffset;
+  const uint32_t v_base = smem_base + Traits::kVOffset;
+  const uint32_t bar_base = smem_base + Traits::kBarrierOffset;
+  auto full_k = [&](int s) { return bar_base + 8 * s; };
+  auto full_v = [&](int s) { return bar_base + 8 * (kStages + s); };
+  auto empty_k = [&](int s) { return bar_base + 8 * (2 * kStages + s); };
+  auto empty_v = [&](int s) { return bar_base + 8 * (3 * kStages + s); };
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warpgroup = tid / 128;
+  const int lane = tid & 31;
+
+  // ---- Which rows and keys this CTA owns (as prefill_attention.cuh).
+  const int num_kv_heads = p.num_kv_heads;
+  const int kv_head = static_cast<int>(blockIdx.x) % num_kv_heads;
+  const int m_tile = a.num_m_tiles - 1 - static_cast<int>(blockIdx.x) / num_kv_heads;
+  const int seq = static_cast<int>(blockIdx.y);
+  const int group = p.num_heads / num_kv_heads;
+  const SequenceBounds bounds = LoadSequenceBounds(p, seq);
+  const int rows_total = bounds.query_len * group;
+  const int row0 = m_tile * kBlockM;
+  if (row0 >= rows_total) return;
+  const int seq_len = bounds.seq_len;
+  const int context = seq_len - bounds.query_len;
+  const int last_row = min(rows_total, row0 + kBlockM) - 1;
+  const int kv_lo = VisibleLo(p, context + row0 / group);
+  const int kv_hi = VisibleHi(p, context + last_row / group, seq_len);  // inclusive
+  const int n_begin = kv_lo / kBlockN;
+  const int n_end = kv_hi / kBlockN + 1;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      tma_ptx::BarrierInit(full_k(s), 1);
+      tma_ptx::BarrierInit(full_v(s), 1);
+      tma_ptx::BarrierInit(empty_k(s), Traits::kConsumers * 4);
+      tma_ptx::BarrierInit(empty_v(s), Traits::kConsumers * 4);
+    }
+    tma_ptx::FenceBarrierInit();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- Producer.
+    wgmma::SetMaxRegisters<Traits::kProducerRegs, false>();
+    if (tid >= 32) return;
+    const int32_t* const block_row =
+        p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
+    const int pages = kBlockN / a.box_tokens;
+    const int boxes = pages * kPanels;  // at most 8 x 2: one lane each
+    const int page = lane / kPanels;
+    const int panel = lane % kPanels;
+    const uint32_t box_offset =
+        static_cast<uint32_t>(panel * Traits::kKvPanelBytes + page * a.box_tokens * 128);
+    // The block coordinate and token offset of lane's box in tile n: past the sequence's
+    // end, or a block id outside the cache, the coordinate num_blocks (read as zeros).
+    auto box_of = [&](int n, int* token) {
+      const int j = n * kBlockN + page * a.box_tokens;
+      *token = j & ((1 << a.block_shift) - 1);
+      if (lane >= boxes || j >= seq_len) return static_cast<int>(p.num_blocks);
+      const int32_t block = block_row[j >> a.block_shift];
+      return block < 0 || block >= p.num_blocks ? static_cast<int>(p.num_blocks) : block;
+    };
+    int token = 0;
+    int block = n_begin < n_end ? box_of(n_begin, &token) : 0;
+    for (int n = n_begin, it = 0; n < n_end; ++n, ++it) {
+      const int stage = it % kStages;
+      const uint32_t parity = ((it / kStages) & 1) ^ 1;
+      const int this_block = block;
+      const int this_token = token;
+      if (n + 1 < n_end) block = box_of(n + 1, &token);  // in flight during the waits
+      if (lane == 0) {
+        tma_ptx::BarrierWait(empty_k(stage), parity);
+        tma_ptx::BarrierArriveExpect(full_k(stage), Traits::kTileBytes);
+      }
+      __syncwarp();
+      if (lane < boxes) {
+        tma_ptx::TmaLoad5(k_base + stage * Traits::kTileBytes + box_offset, &k_map,
+                          full_k(stage), 0, this_token, panel, kv_head, this_block);
+      }
+      if (lane == 0) {
+        tma_ptx::BarrierWait(empty_v(stage), parity);
+        tma_ptx::BarrierArriveExpect(full_v(stage), Traits::kTileBytes);
+      }
+      __syncwarp();
+      if (lane < boxes) {
+        tma_ptx::TmaLoad5(v_base + stage * Traits::kTileBytes + box_offset, &v_map,
+                          full_v(stage), 0, this_token, panel, kv_head, this_block);
+      }
+    }
+    return;
+  }
+
+  // ---- Consumers.
+  wgmma::SetMaxRegisters<Traits::kConsumerRegs, true>();
+  const int consumer = warpgroup - 1;
+  const int wtid = tid - 128 * warpgroup;  // thread in the warpgroup
+  const int warp_in_group = wtid / 32;
+  const uint32_t q_base = smem_base + consumer * Traits::kQWarpgroupBytes;
+  uint8_t* const q_smem = smem + consumer * Traits::kQWarpgroupBytes;
+  const int wg_row0 = row0 + consumer * 64;  // first packed row of this warpgroup
+  const bool wg_active = wg_row0 < rows_total;
+
+  // Q rows of this warpgroup into its panels (rows past the end zero).
+  {
+    const T* const q = static_cast<const T*>(p.q);
+    constexpr int kChunks = D / 8;
+    for (int i = wtid; i < 64 * kChunks; i += 128) {
+      const int m = i / kChunks;
+      const int c = i % kChunks;
+      const int r = wg_row0 + m;
+      const bool valid = r < rows_total;
+      const T* src = q;
+      if (valid) {
+        const int t = r / group;
+        const int h = kv_head * group + (r - t * group);
+        src = q + (static_cast<int64_t>(bounds.q_start) + t) * p.q_token_stride +
+              static_cast<int64_t>(h) * p.q_head_stride + c * 8;
+      }
+      CpAsync16(q_base + (c >> 3) * Traits::kQPanelBytes +
+                    wgmma::SwizzledOffset128(static_cast<uint32_t>(m), (c & 7) * 8),
+                src, valid);
+    }
+    CpAsyncCommit();
+    CpAsyncWaitGroup<0>();
+    wgmma::FenceSharedForAsyncProxy();
+    wgmma::NamedBarrierSync(1 + consumer, 128);
+  }
+
+  // Thread rows: rr = 16 warp + lane / 4 + 8 half of the warpgroup's 64.
+  const int wg_last = min(rows_total - 1, wg_row0 + 63);
+  const int wg_qp_first = context + wg_row0 / group;
+  const int wg_qp_last = context + wg_last / group;
+  const int wg_lo_min = VisibleLo(p, wg_qp_first);
+  const int wg_lo_max = VisibleLo(p, wg_qp_last);
+  const int wg_hi_min = VisibleHi(p, wg_qp_first, seq_len);
+  const int wg_hi_max = VisibleHi(p, wg_qp_last, seq_len);
+  auto row_of = [&](int half) {
+    return min(rows_total - 1, wg_row0 + 16 * warp_in_group + (lane >> 2) + 8 * half);
+  };
+  int row_qp[2];
+  float row_slope2[2];
+  const bool alibi = p.alibi_slopes != nullptr;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row_of(half);
+    row_qp[half] = context + r / group;
+    row_slope2[half] =
+        alibi ? p.alibi_slopes[kv_head * group + (r - (r / group) * group)] * kLog2e : 0.0f;
+  }
+  const float k_scale = ScaleOfHead(p.k_scale, p.num_scales, kv_head);
+  const bool soft_cap = p.logits_soft_cap > 0.0f;
+  const float scale2 = p.scale * k_scale * kLog2e;
+  const float cap2 = soft_cap ? p.logits_soft_cap * kLog2e : 0.0f;
+  const float inv_cap = soft_cap ? p.scale * k_scale / p.logits_soft_cap : 0.0f;
+  const float exp_scale = soft_cap || alibi ? 1.0f : scale2;
+  const int quad_col = 2 * (lane & 3);
+
+  float acc_o[D / 2];
+#pragma unroll
+  for (int j = 0; j < D / 2; ++j) acc_o[j] = 0.0f;
+  float row_max[2] = {kNegInf, kNegInf};
+  float row_sum[2] = {0.0f, 0.0f};
+
+  for (int n = n_begin, it = 0; n < n_end; ++n, ++it) {
+    const int stage = it % kStages;
+    const uint32_t parity = (it / kStages) & 1;
+    const uint32_t k_tile = k_base + stage * Traits::kTileBytes;
+    const uint32_t v_tile = v_base + stage * Traits::kTileBytes;
+    const int tile_lo = n * kBlockN;
+    const bool used = wg_active && tile_lo <= wg_hi_max && tile_lo + kBlockN - 1 >= wg_lo_min;
+
+    tma_ptx::BarrierWait(full_k(stage), parity);
+    float acc_s[kBlockN / 2];
+    if (used) {
+      wgmma::Fence();
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k) {
+        wgmma::WgmmaSS<kBlockN, T>(acc_s, wgmma::KMajorStep(q_base, Traits::kQPanelBytes, k),
+                                   wgmma::KMajorStep(k_tile, Traits::kKvPanelBytes, k), k > 0);
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      wgmma::FenceOperands(acc_s);
+    }
+    __syncwarp();
+    if (lane == 0) tma_ptx::BarrierArrive(empty_k(stage));
+
+    uint32_t pa[kBlockN / 16][4];
+    if (used) {
+      // Scores in base 2: soft cap, then ALiBi, then the mask (as prefill_attention.cuh).
+      if (soft_cap) {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 2; ++j) {
+          const float x = acc_s[j] * inv_cap;
+          const float t = 1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f);
+          acc_s[j] = cap2 * t;
+        }
+      } else if (alibi) {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 2; ++j) acc_s[j] *= scale2;
+      }
+      if (alibi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float base = static_cast<float>(tile_lo + quad_col - row_qp[half]);
+#pragma unroll
+          for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              acc_s[4 * nb + 2 * half + e] +=
+                  row_slope2[half] * (base + static_cast<float>(nb * 8 + e));
+            }
+          }
+        }
+      }
+      if (tile_lo < wg_lo_max || tile_lo + kBlockN - 1 > wg_hi_min) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int lo = VisibleLo(p, row_qp[half]) - tile_lo - quad_col;
+          const int hi = VisibleHi(p, row_qp[half], seq_len) - tile_lo - quad_col;
+#pragma unroll
+          for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = nb * 8 + e;
+              if (col < lo || col > hi) acc_s[4 * nb + 2 * half + e] = kNegInf;
+            }
+          }
+        }
+      }
+      // Online softmax; the output rescale is skipped when no row of the warp has a new
+      // max.
+      float alpha[2];
+      bool rescale = false;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = kNegInf;
+#pragma unroll
+        for (int nb = 0; nb < kBlockN / 8; ++nb) {
+          tile_max = fmaxf(tile_max, fmaxf(acc_s[4 * nb + 2 * half], acc_s[4 * nb + 2 * half + 1]));
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float new_max = fmaxf(row_max[half], tile_max);
+        const float use_max = new_max == kNegInf ? 0.0f : new_max;
+        alpha[half] = FastExp2((row_max[half] - use_max) * exp_scale);
+        rescale = rescale || alpha[half] != 1.0f;
+        row_max[half] = new_max;
+        const float neg_max_scaled = -use_max * exp_scale;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = 4 * nb + 2 * half + e;
+            const float pe = FastExp2(fmaf(acc_s[j], exp_scale, neg_max_scaled));
+            acc_s[j] = pe;
+            sum += pe;
+          }
+        }
+        row_sum[half] = row_sum[half] * alpha[half] + sum;
+      }
+      if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
+      }
+#pragma unroll
+      for (int kc = 0; kc < kBlockN / 16; ++kc) wgmma::PackA<T>(acc_s, kc, pa[kc]);
+    }
+
+    tma_ptx::BarrierWait(full_v(stage), parity);
+    if (used) {
+      if (tile_lo + kBlockN > seq_len) {
+        // Rows past the end: zero (they may hold NaN; their P is 0).
+        const int first = seq_len - tile_lo;
+        for (int i = wtid; i < (kBlockN - first) * kPanels * 8; i += 128) {
+          const int r = first + i / (kPanels * 8);
+          const int c = i % (kPanels * 8);
+          *reinterpret_cast<uint4*>(smem + (v_tile - smem_base) +
+                                    (c >> 3) * Traits::kKvPanelBytes + r * 128 +
+                                    (((c & 7) ^ (r & 7)) << 4)) = make_uint4(0, 0, 0, 0);
+        }
+        wgmma::FenceSharedForAsyncProxy();
+        wgmma::NamedBarrierSync(1 + consumer, 128);
+      }
+      wgmma::Fence();
+#pragma unroll
+      for (int kc = 0; kc < kBlockN / 16; ++kc) {
+        wgmma::WgmmaRS<D, T, true>(acc_o, pa[kc],
+                                   wgmma::MnMajorStep(v_tile, Traits::kKvPanelBytes, kc), true);
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      wgmma::FenceOperands(acc_o);
+    }
+    __syncwarp();
+    if (lane == 0) tma_ptx::BarrierArrive(empty_v(stage));
+  }
+
+  // ---- Epilogue: normalise, fold the V scale, stage in this warpgroup's q panels, write.
+  if (!wg_active) return;
+  const float v_scale = ScaleOfHead(p.v_scale, p.num_scales, kv_head);
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float sum = row_sum[half];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    inv[half] = sum > 0.0f ? v_scale / sum : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < D / 2; j += 2) {
+    const int half = (j >> 1) & 1;
+    const int m = 16 * warp_in_group + (lane >> 2) + 8 * half;
+    const int col = 8 * (j >> 2) + quad_col;
+    *reinterpret_cast<uint32_t*>(q_smem + (col >> 6) * Traits::kQPanelBytes +
+                                 wgmma::SwizzledOffset128(m, col & 63)) =
+        PackPair<T>(acc_o[j] * inv[half], acc_o[j + 1] * inv[half]);
+  }
+  wgmma::NamedBarrierSync(1 + consumer, 128);
+  T* const out = static_cast<T*>(p.out);
+  constexpr int kChunks = D / 8;
+  for (int i = wtid; i < 64 * kChunks; i += 128) {
+    const int m = i / kChunks;
+    const int c = i % kChunks;
+    const int r = wg_row0 + m;
+    if (r >= rows_total) continue;
+    const int t = r / group;
+    const int h = kv_head * group + (r - t * group);
+    T* const dst = out + (static_cast<int64_t>(bounds.q_start) + t) * p.o_token_stride +
+                   static_cast<int64_t>(h) * p.o_head_stride + c * 8;
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(
+        q_smem + (c >> 3) * Traits::kQPanelBytes +
+        wgmma::SwizzledOffset128(static_cast<uint32_t>(m), (c & 7) * 8));
+  }
+#else
+  (void)p; (void)k_map; (void)v_map; (void)a;
+  __trap();
+#endif
+}
+
+}  // namespace prefill_wgmma
+}  // namespace internal
+}  // namespace kvstream
+
+#endif  // KVSTREAM_ATTENTION_CUDA_PREFILL_WGMMA_CUH_
