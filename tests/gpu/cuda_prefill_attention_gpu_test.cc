@@ -114,7 +114,21 @@ struct GpuIo {
   // kWgmma, where the device cannot run it): RunOnGpu returns Unimplemented and launches
   // nothing.
   internal::PrefillVariant variant = internal::PrefillVariant::kAuto;
+  // The wgmma kernel's schedule (kWgmma and kAuto).
+  internal::PrefillWgmmaSchedule schedule = internal::PrefillWgmmaSchedule::kDefault;
 };
+
+using internal::PrefillWgmmaSchedule;
+const char* ScheduleName(PrefillWgmmaSchedule s) {
+  switch (s) {
+    case PrefillWgmmaSchedule::kSerial: return "serial";
+    case PrefillWgmmaSchedule::kOverlap: return "overlap";
+    case PrefillWgmmaSchedule::kPingPong: return "ping-pong";
+    default: return "default";
+  }
+}
+constexpr PrefillWgmmaSchedule kSchedules[] = {
+    PrefillWgmmaSchedule::kSerial, PrefillWgmmaSchedule::kOverlap, PrefillWgmmaSchedule::kPingPong};
 
 using internal::PrefillVariant;
 const char* VariantName(PrefillVariant v) {
@@ -233,6 +247,7 @@ absl::Status RunOnGpu(const PagedAttentionParams& host, std::vector<uint8_t>& ou
   internal::PrefillLaunchOptions launch_options;
   launch_options.variant = io.variant;
   launch_options.wgmma = wgmma;
+  launch_options.wgmma_schedule = io.schedule;
   cudaEvent_t start = nullptr, stop = nullptr;
   if (milliseconds != nullptr) {
     cudaEventCreate(&start);
@@ -302,10 +317,18 @@ void ExpectGpuMatchesReference(AttnProblem& pb, const GpuIo& io = {}) {
   const absl::Status ref_status = RunAttentionReference(pb.params(ref_out));
   ASSERT_TRUE(ref_status.ok()) << ref_status;
   for (PrefillVariant variant : AllVariants()) {
-    SCOPED_TRACE(absl::StrCat(VariantName(variant), " variant"));
     GpuIo variant_io = io;
     variant_io.variant = variant;
-    ExpectVariantMatchesReference(pb, ref_out, variant_io);
+    if (variant != PrefillVariant::kWgmma) {
+      SCOPED_TRACE(absl::StrCat(VariantName(variant), " variant"));
+      ExpectVariantMatchesReference(pb, ref_out, variant_io);
+      continue;
+    }
+    for (PrefillWgmmaSchedule schedule : kSchedules) {  // every schedule of the wgmma kernel
+      SCOPED_TRACE(absl::StrCat("wgmma variant, ", ScheduleName(schedule), " schedule"));
+      variant_io.schedule = schedule;
+      ExpectVariantMatchesReference(pb, ref_out, variant_io);
+    }
   }
 }
 
@@ -725,12 +748,17 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // ---------------------------------------------------------------------------------------
-// The shape the kernel is tuned for: one 8k-token causal prefill, bfloat16, head size 128,
-// 32 query / 8 KV heads, block size 16. Prints the throughput (counting 4 n^2 d heads / 2
-// flops) and checks a few rows against the reference run as single-token calls.
+// The shape the kernels are tuned for: one 8k-token causal prefill, bfloat16, head size 128,
+// 32 query / 8 KV heads, block size 16 and 64. Prints the throughput (counting 4 n^2 d
+// heads / 2 flops) of every variant and wgmma schedule, and checks a few rows of the last
+// run against the reference run as single-token calls.
 
-TEST(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
-  SKIP_WITHOUT_GPU();
+class CudaPrefillPerformanceTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
+};
+
+TEST_P(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
   constexpr int kTokens = 8192;
   AttnCase c;
   c.seqs = {{0, kTokens}};
@@ -738,7 +766,7 @@ TEST(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
   c.group = 4;
   c.head_size = 128;
   c.head_size_v = 128;
-  c.block_size = 16;
+  c.block_size = GetParam();
   c.q_dtype = DType::kBFloat16;
   c.out_dtype = DType::kBFloat16;
   c.cache_dtype = DType::kBFloat16;
@@ -747,24 +775,33 @@ TEST(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
   // The baseline first, then the fast variant, then (where the device runs it) the wgmma
   // kernel: the last one's output is checked below.
   std::vector<uint8_t> out;
-  for (PrefillVariant variant : AllVariants()) {
-    if (variant == PrefillVariant::kWgmma && !DeviceRunsWgmma()) continue;
+  struct Run {
+    PrefillVariant variant;
+    PrefillWgmmaSchedule schedule;
+  };
+  std::vector<Run> runs = {{PrefillVariant::kBaseline, PrefillWgmmaSchedule::kDefault},
+                           {PrefillVariant::kFast, PrefillWgmmaSchedule::kDefault}};
+  if (DeviceRunsWgmma()) {
+    for (PrefillWgmmaSchedule schedule : kSchedules) runs.push_back({PrefillVariant::kWgmma, schedule});
+    runs.push_back({PrefillVariant::kWgmma, PrefillWgmmaSchedule::kDefault});
+  }
+  for (const Run& run : runs) {
     out = pb.NewOut();
     float ms = 0;
     GpuIo io;
     io.dense = true;
-    io.variant = variant;
+    io.variant = run.variant;
+    io.schedule = run.schedule;
     const absl::Status st = RunOnGpu(pb.params(out), out, io, &ms, /*repeats=*/11);
     ASSERT_TRUE(st.ok()) << st;
     const double flops = 4.0 * kTokens * kTokens * 128.0 * 32 / 2;
-    std::printf(
-        "[ PERF     ] causal prefill 8k bf16 d128 32/8 heads bs16, %s variant: %.3f ms, "
-        "%.1f TFLOP/s\n",
-        VariantName(variant), ms, flops / (ms * 1e-3) / 1e12);
-    RecordProperty(variant == PrefillVariant::kFast    ? "tflops_fast"
-                   : variant == PrefillVariant::kWgmma ? "tflops_wgmma"
-                                                       : "tflops",
-                   static_cast<int>(flops / (ms * 1e-3) / 1e12));
+    const std::string name =
+        run.variant == PrefillVariant::kWgmma
+            ? absl::StrCat("wgmma variant, ", ScheduleName(run.schedule), " schedule")
+            : absl::StrCat(VariantName(run.variant), " variant");
+    std::printf("[ PERF     ] causal prefill 8k bf16 d128 32/8 heads bs%d, %s: %.3f ms, "
+                "%.1f TFLOP/s\n",
+                c.block_size, name.c_str(), ms, flops / (ms * 1e-3) / 1e12);
   }
 
   // Rows at a few positions: the reference as a one-token call whose query sits at `pos`.
@@ -798,6 +835,11 @@ TEST(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
     EXPECT_EQ(failures, 0);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(BlockSizes, CudaPrefillPerformanceTest, ::testing::Values(16, 64),
+                         [](const auto& test_info) {
+                           return absl::StrCat("bs", test_info.param);
+                         });
 
 }  // namespace
 }  // namespace kvstream

@@ -38,8 +38,13 @@ enum class PrefillVariant {
   kFast,      // compile-time masks and steps; 16-bit cache only, see PrefillFastVariantApplies
   kWgmma,     // the Hopper kernel (prefill_wgmma.cuh), see PrefillWgmmaApplies
 };
+// How the wgmma kernel's consumers order products and softmax (prefill_wgmma.cuh); for
+// its benchmarks. kDefault: the one measured fastest for the call's block size
+// (prefill_wgmma.cu, docs/benchmarks.md).
+enum class PrefillWgmmaSchedule { kDefault, kSerial, kOverlap, kPingPong };
 struct PrefillLaunchOptions {
   PrefillVariant variant = PrefillVariant::kAuto;
+  PrefillWgmmaSchedule wgmma_schedule = PrefillWgmmaSchedule::kDefault;
   // Whether the device the stream runs on has compute capability 9.0 exactly and this
   // build holds sm_90a code (KVSTREAM_HAVE_SM90A): only then may the wgmma kernel run.
   bool wgmma = false;
@@ -64,7 +69,7 @@ bool PrefillWgmmaCompiled();
 // would be true for the stream's device; params with rows to compute (num_seqs and
 // max_query_len > 0, the limits LaunchPrefillAttention checks).
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& params, DType q_dtype,
-                                cudaStream_t stream);
+                                PrefillWgmmaSchedule schedule, cudaStream_t stream);
 
 // As above with a choice of variant. InvalidArgument, in addition, for kFast where
 // PrefillFastVariantApplies is false, and for kWgmma where PrefillWgmmaApplies is false or

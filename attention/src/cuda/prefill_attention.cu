@@ -129,7 +129,9 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
     std::string why;
     const bool applies =
         launch_options.wgmma && PrefillWgmmaApplies(params, q_dtype, out_dtype, cache_dtype, &why);
-    if (applies) return LaunchPrefillWgmma(params, q_dtype, stream);
+    if (applies) {
+      return LaunchPrefillWgmma(params, q_dtype, launch_options.wgmma_schedule, stream);
+    }
     if (launch_options.variant == PrefillVariant::kWgmma) {
       return Unsupported(absl::StrCat(
           "the wgmma kernel does not apply: ",

@@ -25,6 +25,13 @@ namespace {
 
 namespace pw = prefill_wgmma;
 constexpr char kWhat[] = "cuda prefill attention (wgmma)";
+// PrefillWgmmaSchedule::kDefault, as measured on the H200 (docs/benchmarks.md, 8k causal):
+// with pages of 64 keys or more ping-pong (571 TFLOP/s against 545 serial and 502 overlap
+// at block size 64); with smaller pages, whose 16 TMA boxes per tile and tensor slow the
+// loads, serial (515-520 against 495-504 ping-pong at block size 16).
+int DefaultSchedule(int box_tokens) {
+  return box_tokens >= 64 ? pw::kPrefillWgmmaPingPong : pw::kPrefillWgmmaSerial;
+}
 
 absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* cache,
                                       int64_t block_stride, int64_t token_stride,
@@ -101,11 +108,18 @@ bool PrefillWgmmaCompiled() {
 }
 
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype,
-                                cudaStream_t stream) {
+                                PrefillWgmmaSchedule schedule, cudaStream_t stream) {
   constexpr int kBlockN = pw::PrefillWgmmaTraits<128>::kBlockN;
   pw::PrefillWgmmaArgs args{};
+  switch (schedule) {
+    case PrefillWgmmaSchedule::kSerial: args.schedule = pw::kPrefillWgmmaSerial; break;
+    case PrefillWgmmaSchedule::kOverlap: args.schedule = pw::kPrefillWgmmaOverlap; break;
+    case PrefillWgmmaSchedule::kPingPong: args.schedule = pw::kPrefillWgmmaPingPong; break;
+    default: args.schedule = -1; break;
+  }
   args.num_m_tiles = cuda::ChoosePrefillOptions(p, q_dtype).num_m_tiles;
   args.box_tokens = p.block_size < kBlockN ? p.block_size : kBlockN;
+  if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens);
   args.block_shift = 0;
   while ((1 << args.block_shift) < p.block_size) ++args.block_shift;
   ASSIGN_OR_RETURN(const CUtensorMap k_map,

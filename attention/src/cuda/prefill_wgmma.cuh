@@ -26,8 +26,11 @@
 //     release K; scores in base 2 (soft cap, ALiBi, mask), online softmax in registers;
 //     P to A fragments in registers; wait for V; O += P V (kBlockN / 16 wgmma with A from
 //     registers, V MN-major); release V. A consumer whose rows see none of a tile's keys
-//     only waits and releases. The two consumers run out of step, so one's softmax
-//     overlaps the other's products.
+//     only waits and releases. Three schedules (PrefillWgmmaSchedule, chosen per launch):
+//     serial, as just said; overlap, where S of tile n and P V of tile n - 1 are in
+//     flight together while the softmax of tile n runs (FlashAttention-3's intra-warpgroup
+//     overlap); ping-pong, the overlap with the two consumers issuing their products in
+//     turns, so that one's softmax runs while the other's products do.
 //
 // Shared memory (1024-byte aligned; every panel is [rows][64] 16-bit values in the
 // 128-byte swizzle of wgmma_ptx.cuh, 8 rows per 1024-byte atom):
@@ -70,7 +73,15 @@ namespace internal {
 namespace prefill_wgmma {
 
 // Runtime values the launcher computes once per call.
+// How a consumer orders its products and its softmax (PrefillWgmmaArgs::schedule).
+enum PrefillWgmmaSchedule : int {
+  kPrefillWgmmaSerial = 0,    // per tile: S, softmax, P V, each waited for
+  kPrefillWgmmaOverlap = 1,   // S of tile n and P V of tile n - 1 in flight together
+  kPrefillWgmmaPingPong = 2,  // kPrefillWgmmaOverlap, the consumers issuing in turns
+};
+
 struct PrefillWgmmaArgs {
+  int32_t schedule;     // PrefillWgmmaSchedule
   int32_t num_m_tiles;  // ceil(max_query_len * group / kBlockM)
   int32_t box_tokens;   // keys per TMA box: min(block_size, kBlockN)
   int32_t block_shift;  // log2(block_size)
@@ -89,6 +100,7 @@ struct PrefillWgmmaTraits {
   static constexpr int kKvPanelBytes = kBlockN * 128;            // 16 KiB
   static constexpr int kQWarpgroupBytes = kPanels * kQPanelBytes;
   static constexpr int kTileBytes = kPanels * kKvPanelBytes;     // one K or V tile
+  // Two K and V tiles in flight (three measured no faster on the H200, docs/benchmarks.md).
   static constexpr int kStages = 2;
   static constexpr int kKOffset = kConsumers * kQWarpgroupBytes;
   static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
@@ -293,141 +305,238 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
   float row_max[2] = {kNegInf, kNegInf};
   float row_sum[2] = {0.0f, 0.0f};
 
-  for (int n = n_begin, it = 0; n < n_end; ++n, ++it) {
-    const int stage = it % kStages;
-    const uint32_t parity = (it / kStages) & 1;
-    const uint32_t k_tile = k_base + stage * Traits::kTileBytes;
-    const uint32_t v_tile = v_base + stage * Traits::kTileBytes;
-    const int tile_lo = n * kBlockN;
-    const bool used = wg_active && tile_lo <= wg_hi_max && tile_lo + kBlockN - 1 >= wg_lo_min;
-
-    tma_ptx::BarrierWait(full_k(stage), parity);
-    float acc_s[kBlockN / 2];
-    if (used) {
-      wgmma::Fence();
-#pragma unroll
-      for (int k = 0; k < D / 16; ++k) {
-        wgmma::WgmmaSS<kBlockN, T>(acc_s, wgmma::KMajorStep(q_base, Traits::kQPanelBytes, k),
-                                   wgmma::KMajorStep(k_tile, Traits::kKvPanelBytes, k), k > 0);
-      }
-      wgmma::Commit();
-      wgmma::Wait<0>();
-      wgmma::FenceOperands(acc_s);
-    }
+  // The tiles this warpgroup's rows see: [u_begin, u_end) (contiguous: the keys some row
+  // sees are [wg_lo_min, wg_hi_max]).
+  const int u_begin = wg_active ? max(n_begin, wg_lo_min / kBlockN) : n_begin;
+  const int u_end = wg_active ? max(u_begin, min(n_end, wg_hi_max / kBlockN + 1)) : n_begin;
+  auto stage_of = [&](int n) { return (n - n_begin) % kStages; };
+  auto parity_of = [&](int n) { return static_cast<uint32_t>(((n - n_begin) / kStages) & 1); };
+  auto k_tile_of = [&](int n) { return k_base + stage_of(n) * Traits::kTileBytes; };
+  auto v_tile_of = [&](int n) { return v_base + stage_of(n) * Traits::kTileBytes; };
+  // One arrival per warp on an `empty` barrier, once the warp's products reading it are done.
+  auto release = [&](uint32_t bar) {
     __syncwarp();
-    if (lane == 0) tma_ptx::BarrierArrive(empty_k(stage));
+    if (lane == 0) tma_ptx::BarrierArrive(bar);
+  };
+  // A tile no row of this warpgroup sees: waited for and released, so that the producer's
+  // ring keeps its order.
+  auto pass = [&](int n) {
+    tma_ptx::BarrierWait(full_k(stage_of(n)), parity_of(n));
+    release(empty_k(stage_of(n)));
+    tma_ptx::BarrierWait(full_v(stage_of(n)), parity_of(n));
+    release(empty_v(stage_of(n)));
+  };
 
-    uint32_t pa[kBlockN / 16][4];
-    if (used) {
-      // Scores in base 2: soft cap, then ALiBi, then the mask (as prefill_attention.cuh).
-      if (soft_cap) {
+  float acc_s[kBlockN / 2];
+  uint32_t pa[kBlockN / 16][4];
+  // S = Q K^T of tile n, issued and committed (not waited for).
+  auto issue_s = [&](int n) {
+    tma_ptx::BarrierWait(full_k(stage_of(n)), parity_of(n));
+    wgmma::Fence();
 #pragma unroll
-        for (int j = 0; j < kBlockN / 2; ++j) {
-          const float x = acc_s[j] * inv_cap;
-          const float t = 1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f);
-          acc_s[j] = cap2 * t;
-        }
-      } else if (alibi) {
-#pragma unroll
-        for (int j = 0; j < kBlockN / 2; ++j) acc_s[j] *= scale2;
+    for (int k = 0; k < D / 16; ++k) {
+      wgmma::WgmmaSS<kBlockN, T>(acc_s, wgmma::KMajorStep(q_base, Traits::kQPanelBytes, k),
+                                 wgmma::KMajorStep(k_tile_of(n), Traits::kKvPanelBytes, k),
+                                 k > 0);
+    }
+    wgmma::Commit();
+  };
+  // O += P V of tile n (P in pa), issued and committed. V rows past the sequence's end are
+  // zeroed first (they may hold NaN; their P is 0).
+  auto issue_pv = [&](int n) {
+    tma_ptx::BarrierWait(full_v(stage_of(n)), parity_of(n));
+    const int tile_lo = n * kBlockN;
+    if (tile_lo + kBlockN > seq_len) {
+      const int first = seq_len - tile_lo;
+      uint8_t* const tile = smem + (v_tile_of(n) - smem_base);
+      for (int i = wtid; i < (kBlockN - first) * kPanels * 8; i += 128) {
+        const int r = first + i / (kPanels * 8);
+        const int c = i % (kPanels * 8);
+        *reinterpret_cast<uint4*>(tile + (c >> 3) * Traits::kKvPanelBytes + r * 128 +
+                                  (((c & 7) ^ (r & 7)) << 4)) = make_uint4(0, 0, 0, 0);
       }
-      if (alibi) {
+      wgmma::FenceSharedForAsyncProxy();
+      wgmma::NamedBarrierSync(1 + consumer, 128);
+    }
+    wgmma::Fence();
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float base = static_cast<float>(tile_lo + quad_col - row_qp[half]);
+    for (int kc = 0; kc < kBlockN / 16; ++kc) {
+      wgmma::WgmmaRS<D, T, true>(acc_o, pa[kc],
+                                 wgmma::MnMajorStep(v_tile_of(n), Traits::kKvPanelBytes, kc),
+                                 true);
+    }
+    wgmma::Commit();
+  };
+  // Scores of tile n in acc_s to base 2 (soft cap, ALiBi, mask, as prefill_attention.cuh),
+  // then the online softmax step: acc_s becomes P (not yet rounded), the running max and
+  // sum move on, alpha is the factor O must be rescaled by; returns whether any row of the
+  // warp has alpha != 1.
+  auto softmax = [&](int n, float (&alpha)[2]) {
+    const int tile_lo = n * kBlockN;
+    if (soft_cap) {
 #pragma unroll
-          for (int nb = 0; nb < kBlockN / 8; ++nb) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              acc_s[4 * nb + 2 * half + e] +=
-                  row_slope2[half] * (base + static_cast<float>(nb * 8 + e));
-            }
-          }
-        }
+      for (int j = 0; j < kBlockN / 2; ++j) {
+        const float x = acc_s[j] * inv_cap;
+        const float t = 1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f);
+        acc_s[j] = cap2 * t;
       }
-      if (tile_lo < wg_lo_max || tile_lo + kBlockN - 1 > wg_hi_min) {
+    } else if (alibi) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int lo = VisibleLo(p, row_qp[half]) - tile_lo - quad_col;
-          const int hi = VisibleHi(p, row_qp[half], seq_len) - tile_lo - quad_col;
-#pragma unroll
-          for (int nb = 0; nb < kBlockN / 8; ++nb) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = nb * 8 + e;
-              if (col < lo || col > hi) acc_s[4 * nb + 2 * half + e] = kNegInf;
-            }
-          }
-        }
-      }
-      // Online softmax; the output rescale is skipped when no row of the warp has a new
-      // max.
-      float alpha[2];
-      bool rescale = false;
+      for (int j = 0; j < kBlockN / 2; ++j) acc_s[j] *= scale2;
+    }
+    if (alibi) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float tile_max = kNegInf;
-#pragma unroll
-        for (int nb = 0; nb < kBlockN / 8; ++nb) {
-          tile_max = fmaxf(tile_max, fmaxf(acc_s[4 * nb + 2 * half], acc_s[4 * nb + 2 * half + 1]));
-        }
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const float new_max = fmaxf(row_max[half], tile_max);
-        const float use_max = new_max == kNegInf ? 0.0f : new_max;
-        alpha[half] = FastExp2((row_max[half] - use_max) * exp_scale);
-        rescale = rescale || alpha[half] != 1.0f;
-        row_max[half] = new_max;
-        const float neg_max_scaled = -use_max * exp_scale;
-        float sum = 0.0f;
+        const float base = static_cast<float>(tile_lo + quad_col - row_qp[half]);
 #pragma unroll
         for (int nb = 0; nb < kBlockN / 8; ++nb) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int j = 4 * nb + 2 * half + e;
-            const float pe = FastExp2(fmaf(acc_s[j], exp_scale, neg_max_scaled));
-            acc_s[j] = pe;
-            sum += pe;
+            acc_s[4 * nb + 2 * half + e] +=
+                row_slope2[half] * (base + static_cast<float>(nb * 8 + e));
           }
         }
-        row_sum[half] = row_sum[half] * alpha[half] + sum;
       }
-      if (__any_sync(0xffffffffu, rescale)) {
+    }
+    if (tile_lo < wg_lo_max || tile_lo + kBlockN - 1 > wg_hi_min) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int lo = VisibleLo(p, row_qp[half]) - tile_lo - quad_col;
+        const int hi = VisibleHi(p, row_qp[half], seq_len) - tile_lo - quad_col;
+#pragma unroll
+        for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = nb * 8 + e;
+            if (col < lo || col > hi) acc_s[4 * nb + 2 * half + e] = kNegInf;
+          }
+        }
+      }
+    }
+    bool rescale = false;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int nb = 0; nb < kBlockN / 8; ++nb) {
+        tile_max = fmaxf(tile_max, fmaxf(acc_s[4 * nb + 2 * half], acc_s[4 * nb + 2 * half + 1]));
+      }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(row_max[half], tile_max);
+      // A row with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
+      const float use_max = new_max == kNegInf ? 0.0f : new_max;
+      alpha[half] = FastExp2((row_max[half] - use_max) * exp_scale);
+      rescale = rescale || alpha[half] != 1.0f;
+      row_max[half] = new_max;
+      const float neg_max_scaled = -use_max * exp_scale;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 4 * nb + 2 * half + e;
+          const float pe = FastExp2(fmaf(acc_s[j], exp_scale, neg_max_scaled));
+          acc_s[j] = pe;
+          sum += pe;
+        }
+      }
+      row_sum[half] = row_sum[half] * alpha[half] + sum;
+    }
+    return __any_sync(0xffffffffu, rescale);
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kc = 0; kc < kBlockN / 16; ++kc) wgmma::PackA<T>(acc_s, kc, pa[kc]);
+  };
+
+  // Ping-pong (kPrefillWgmmaPingPong): the two consumers take turns to issue their
+  // products, on two hardware barriers of both warpgroups (3: consumer 0's turn, 4:
+  // consumer 1's), so that one's softmax runs while the other's products do. Every
+  // consumer takes the same number of turns, (n_end - n_begin) + 1, a tile it does not
+  // see included; consumer 1 hands the first turn to consumer 0 and skips the hand-over
+  // after its last, so that every arrival is matched by a wait.
+  const bool ping_pong = a.schedule == kPrefillWgmmaPingPong;
+  const int turns = n_end - n_begin + 1;
+  int turn = 0;
+  auto turn_begin = [&]() {
+    if (ping_pong) wgmma::NamedBarrierSync(3 + consumer, 256);
+  };
+  auto turn_end = [&]() {
+    ++turn;
+    if (ping_pong && (consumer == 0 || turn < turns)) wgmma::NamedBarrierArrive(4 - consumer, 256);
+  };
+  if (ping_pong && consumer == 1) wgmma::NamedBarrierArrive(3, 256);
+  auto pass_turn = [&](int n) {
+    pass(n);
+    turn_begin();
+    turn_end();
+  };
+
+  // The tiles before this warpgroup's first, then its own, then those after its last.
+  for (int n = n_begin; n < u_begin; ++n) pass_turn(n);
+  if (u_begin < u_end && a.schedule == kPrefillWgmmaSerial) {
+    // Per tile: S, softmax, O += P V, each waited for before the next.
+    for (int n = u_begin; n < u_end; ++n) {
+      float alpha[2];
+      issue_s(n);
+      wgmma::Wait<0>();
+      wgmma::FenceOperands(acc_s);
+      release(empty_k(stage_of(n)));
+      if (softmax(n, alpha)) {
 #pragma unroll
         for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
       }
-#pragma unroll
-      for (int kc = 0; kc < kBlockN / 16; ++kc) wgmma::PackA<T>(acc_s, kc, pa[kc]);
-    }
-
-    tma_ptx::BarrierWait(full_v(stage), parity);
-    if (used) {
-      if (tile_lo + kBlockN > seq_len) {
-        // Rows past the end: zero (they may hold NaN; their P is 0).
-        const int first = seq_len - tile_lo;
-        for (int i = wtid; i < (kBlockN - first) * kPanels * 8; i += 128) {
-          const int r = first + i / (kPanels * 8);
-          const int c = i % (kPanels * 8);
-          *reinterpret_cast<uint4*>(smem + (v_tile - smem_base) +
-                                    (c >> 3) * Traits::kKvPanelBytes + r * 128 +
-                                    (((c & 7) ^ (r & 7)) << 4)) = make_uint4(0, 0, 0, 0);
-        }
-        wgmma::FenceSharedForAsyncProxy();
-        wgmma::NamedBarrierSync(1 + consumer, 128);
-      }
-      wgmma::Fence();
-#pragma unroll
-      for (int kc = 0; kc < kBlockN / 16; ++kc) {
-        wgmma::WgmmaRS<D, T, true>(acc_o, pa[kc],
-                                   wgmma::MnMajorStep(v_tile, Traits::kKvPanelBytes, kc), true);
-      }
-      wgmma::Commit();
+      pack_p();
+      issue_pv(n);
       wgmma::Wait<0>();
       wgmma::FenceOperands(acc_o);
+      release(empty_v(stage_of(n)));
     }
-    __syncwarp();
-    if (lane == 0) tma_ptx::BarrierArrive(empty_v(stage));
+  } else if (u_begin < u_end) {
+    // The products of one tile overlap the softmax of the next: per tile n, S_n = Q K_n^T
+    // and O += P_{n-1} V_{n-1} are issued together, the softmax of S_n runs while the
+    // second is in flight, and O is rescaled (by tile n's alpha) once it is done.
+    float alpha[2];
+    turn_begin();
+    issue_s(u_begin);
+    turn_end();
+    wgmma::Wait<0>();
+    wgmma::FenceOperands(acc_s);
+    release(empty_k(stage_of(u_begin)));
+    softmax(u_begin, alpha);  // O is still zero: nothing to rescale
+    pack_p();
+    for (int n = u_begin + 1; n < u_end; ++n) {
+      turn_begin();
+      issue_s(n);
+      issue_pv(n - 1);
+      turn_end();
+      wgmma::Wait<1>();
+      wgmma::FenceOperands(acc_s);
+      release(empty_k(stage_of(n)));
+      const bool rescale = softmax(n, alpha);
+      wgmma::Wait<0>();
+      wgmma::FenceOperands(acc_o);
+      wgmma::FenceOperands(pa);
+      release(empty_v(stage_of(n - 1)));
+      if (rescale) {
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
+      }
+      pack_p();
+    }
+    turn_begin();
+    issue_pv(u_end - 1);
+    turn_end();
+    wgmma::Wait<0>();
+    wgmma::FenceOperands(acc_o);
+    release(empty_v(stage_of(u_end - 1)));
+  } else {
+    // No tile of its own: the extra turn the others take.
+    turn_begin();
+    turn_end();
   }
+  for (int n = u_end; n < n_end; ++n) pass_turn(n);
 
   // ---- Epilogue: normalise, fold the V scale, stage in this warpgroup's q panels, write.
   if (!wg_active) return;

@@ -102,6 +102,16 @@ __device__ __forceinline__ void FenceOperands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for A fragments in registers: keeps them (and their registers) alive until the
+// products reading them are waited for.
+template <int N>
+__device__ __forceinline__ void FenceOperands(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+  }
+}
 
 // Row and column of accumulator element j of warpgroup thread t.
 __host__ __device__ constexpr int AccumulatorRow(int t, int j) {
@@ -236,6 +246,10 @@ __device__ __forceinline__ void SetMaxRegisters() {
 // __syncthreads').
 __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Arrives at barrier `id` of `threads` threads without waiting (the others NamedBarrierSync).
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 }  // namespace wgmma
