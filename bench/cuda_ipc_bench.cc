@@ -8,7 +8,9 @@
 // AllocateMemory, progressed until told to stop). Layers are Llama-3-8B's: 8 KV heads of
 // head size 128 in bf16, 2 KiB per token per tensor, K and V each a block of
 // block_size x 2 KiB; a layer of T tokens is 2 x T / block_size segments, one per block,
-// with block ids drawn at random from the pool on both sides (nothing is contiguous).
+// with block ids drawn at random from the pool on both sides (nothing is contiguous), and
+// then again with the layer's blocks a shuffled permutation of a region of the layer's own
+// size on both sides (fewer pages of the address space touched; still nothing contiguous).
 // Each row posts --layers layers back to back (one PostWrite each, with a notification)
 // and stops the clock when the last is done (its notification handed to the socket);
 // the ceiling row enqueues as many contiguous cudaMemcpyAsync of the layer's bytes on one
@@ -156,9 +158,11 @@ Receiver SpawnReceiver(const char* self, const Flags& f) {
 }
 
 // `count` segments of `bytes` from random distinct slots of the pool to random distinct
-// slots of the pool.
-std::vector<Segment> ShuffledBlocks(size_t count, size_t bytes, uint32_t seed) {
-  const size_t slots = kPoolBytes / bytes;
+// slots of the pool; `permuted`: the slots are the first `count` of each pool, in a random
+// order on each side (a layer whose blocks fill a region of its own size, shuffled).
+std::vector<Segment> ShuffledBlocks(size_t count, size_t bytes, uint32_t seed,
+                                    bool permuted = false) {
+  const size_t slots = permuted ? count : kPoolBytes / bytes;
   if (count > slots) Die("layer larger than the pool");
   std::vector<uint64_t> src(slots), dst(slots);
   std::iota(src.begin(), src.end(), 0);
@@ -248,6 +252,7 @@ double TimeMemcpy(void* dst, const void* src, size_t bytes, int layers, cudaStre
 struct Row {
   int block_size;
   int tokens;
+  bool permuted = false;  // ShuffledBlocks' `permuted`
 };
 
 // What one row measured.
@@ -294,7 +299,8 @@ Result RunRow(Sender& s, const Row& row, int layers, const std::string& label,
               const Scratch& x) {
   const size_t block_bytes = static_cast<size_t>(row.block_size) * kTokenBytesPerTensor;
   const size_t blocks = static_cast<size_t>(row.tokens / row.block_size);
-  const std::vector<Segment> segments = ShuffledBlocks(2 * blocks, block_bytes, row.tokens);
+  const std::vector<Segment> segments =
+      ShuffledBlocks(2 * blocks, block_bytes, row.tokens, row.permuted);
   const size_t bytes = 2 * blocks * block_bytes;
   TimeLayers(s, segments, kWarmupLayers);
   TimeMemcpy(x.b, x.a, bytes, kWarmupLayers, x.stream, *x.done);
@@ -461,6 +467,12 @@ int RunSender(const Flags& f) {
   Sender s = Connect(receiver, defaults);
   PrintHeader("default copy path");
   for (const Row& row : rows) RunRow(s, row, f.layers, "default", x);
+  // The same layers with their blocks a shuffled permutation of a region of their own size
+  // on both sides, rather than drawn from the whole pool.
+  for (Row row : rows) {
+    row.permuted = true;
+    RunRow(s, row, f.layers, "default, permuted region", x);
+  }
   if (f.post_cost) RunPostCost(s);
   Drop(s);
   if (f.sweep) {

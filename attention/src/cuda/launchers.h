@@ -56,7 +56,7 @@ bool PrefillFastVariantApplies(const PagedKernelParams& params, DType q_dtype,
                                DType cache_dtype);
 
 // Whether the wgmma kernel takes this call on a device where it may run: q, out and the
-// cache of one 16-bit dtype, head_size == head_size_v, 64 or 128, block size a power of
+// cache of one 16-bit dtype, head_size == head_size_v, 64, 128 or 256, block size a power of
 // two in [16, 256], every q, out and cache row 16-byte aligned, strides within a tensor
 // map's range. When it does not and `why` is not null, *why says what it lacks.
 bool PrefillWgmmaApplies(const PagedKernelParams& params, DType q_dtype, DType out_dtype,

@@ -77,9 +77,10 @@ bool PrefillWgmmaApplies(const PagedKernelParams& p, DType q_dtype, DType out_dt
   if (q_dtype != DType::kFloat16 && q_dtype != DType::kBFloat16) return no("q is not 16-bit");
   if (out_dtype != q_dtype) return no("out dtype differs from q's");
   if (cache_dtype != q_dtype) return no("the cache dtype is not q's");
-  if (p.head_size != p.head_size_v || (p.head_size != 64 && p.head_size != 128)) {
+  if (p.head_size != p.head_size_v ||
+      (p.head_size != 64 && p.head_size != 128 && p.head_size != 256)) {
     return no(absl::StrCat("head sizes ", p.head_size, "/", p.head_size_v,
-                           " are not 64/64 or 128/128"));
+                           " are not 64/64, 128/128 or 256/256"));
   }
   if (p.block_size < 16 || p.block_size > 256 || (p.block_size & (p.block_size - 1)) != 0) {
     return no(absl::StrCat("block size ", p.block_size, " is not a power of two in [16, 256]"));
@@ -109,7 +110,8 @@ bool PrefillWgmmaCompiled() {
 
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype,
                                 PrefillWgmmaSchedule schedule, cudaStream_t stream) {
-  constexpr int kBlockN = pw::PrefillWgmmaTraits<128>::kBlockN;
+  const int block_n = p.head_size == 256 ? pw::PrefillWgmmaTraits<256>::kBlockN
+                                         : pw::PrefillWgmmaTraits<128>::kBlockN;
   pw::PrefillWgmmaArgs args{};
   switch (schedule) {
     case PrefillWgmmaSchedule::kSerial: args.schedule = pw::kPrefillWgmmaSerial; break;
@@ -118,7 +120,7 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype,
     default: args.schedule = -1; break;
   }
   args.num_m_tiles = cuda::ChoosePrefillOptions(p, q_dtype).num_m_tiles;
-  args.box_tokens = p.block_size < kBlockN ? p.block_size : kBlockN;
+  args.box_tokens = p.block_size < block_n ? p.block_size : block_n;
   if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens);
   args.block_shift = 0;
   while ((1 << args.block_shift) < p.block_size) ++args.block_shift;
@@ -132,6 +134,10 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype,
   if (p.head_size == 64) {
     return bf16 ? LaunchTyped<64, __nv_bfloat16>(p, k_map, v_map, args, stream)
                 : LaunchTyped<64, __half>(p, k_map, v_map, args, stream);
+  }
+  if (p.head_size == 256) {
+    return bf16 ? LaunchTyped<256, __nv_bfloat16>(p, k_map, v_map, args, stream)
+                : LaunchTyped<256, __half>(p, k_map, v_map, args, stream);
   }
   return bf16 ? LaunchTyped<128, __nv_bfloat16>(p, k_map, v_map, args, stream)
               : LaunchTyped<128, __half>(p, k_map, v_map, args, stream);

@@ -3,7 +3,7 @@
 // prefill_wgmma.cu says which calls it takes (PrefillWgmmaApplies), encodes the caches'
 // tensor maps and launches it. The semantics are prefill_attention.cuh's (varlen, chunked
 // prefill against cached keys, causal bottom-right, GQA packed into the rows, sliding
-// window, ALiBi, soft cap), for 16-bit caches of head size 64 or 128 (K and V), block
+// window, ALiBi, soft cap), for 16-bit caches of head size 64, 128 or 256 (K and V), block
 // sizes 16 to 256 (powers of two); everything else runs on prefill_attention.cuh.
 //
 // Why a second prefill kernel. mma.sync runs a warp's m16n8k16 products from registers
@@ -22,7 +22,7 @@
 //     block table by one lane per box; a slot is reused once both consumers released it
 //     (`empty`, one arrival per consumer warp), and its `full` barrier counts the bytes.
 //   warpgroups 1 and 2 (consumers; registers raised to kConsumerRegs): 64 packed rows
-//     each. Per tile: wait for K; S = Q K^T (D / 16 wgmma m64n128k16 from shared memory);
+//     each. Per tile: wait for K; S = Q K^T (D / 16 wgmma m64nNk16, N = kBlockN, from shared memory);
 //     release K; scores in base 2 (soft cap, ALiBi, mask), online softmax in registers;
 //     P to A fragments in registers; wait for V; O += P V (kBlockN / 16 wgmma with A from
 //     registers, V MN-major); release V. A consumer whose rows see none of a tile's keys
@@ -89,9 +89,11 @@ struct PrefillWgmmaArgs {
 
 template <int D>
 struct PrefillWgmmaTraits {
-  static_assert(D == 64 || D == 128, "head sizes 64 and 128");
+  static_assert(D == 64 || D == 128 || D == 256, "head sizes 64, 128 and 256");
   static constexpr int kBlockM = 128;  // packed rows per CTA (two consumers x 64)
-  static constexpr int kBlockN = 128;  // keys per tile
+  // Keys per tile: at D = 256 the output's 128 accumulators per thread leave room for
+  // 64-key score tiles only.
+  static constexpr int kBlockN = D == 256 ? 64 : 128;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (kConsumers + 1) * 128;
   static constexpr int kPanels = D / 64;
@@ -190,7 +192,7 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
     const int32_t* const block_row =
         p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
     const int pages = kBlockN / a.box_tokens;
-    const int boxes = pages * kPanels;  // at most 8 x 2: one lane each
+    const int boxes = pages * kPanels;  // at most 16 (8 x 2, 4 x 4): one lane each
     const int page = lane / kPanels;
     const int panel = lane % kPanels;
     const uint32_t box_offset =

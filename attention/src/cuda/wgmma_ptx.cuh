@@ -149,6 +149,10 @@ __device__ __forceinline__ void PackA(const float (&d)[N], int k, uint32_t (&a)[
 #define KVSTREAM_WGMMA_D64(d)                                                              \
   KVSTREAM_WGMMA_D32(d), KVSTREAM_WGMMA_F8(d, 32), KVSTREAM_WGMMA_F8(d, 40),               \
       KVSTREAM_WGMMA_F8(d, 48), KVSTREAM_WGMMA_F8(d, 56)
+#define KVSTREAM_WGMMA_D128(d)                                                             \
+  KVSTREAM_WGMMA_D64(d), KVSTREAM_WGMMA_F8(d, 64), KVSTREAM_WGMMA_F8(d, 72),               \
+      KVSTREAM_WGMMA_F8(d, 80), KVSTREAM_WGMMA_F8(d, 88), KVSTREAM_WGMMA_F8(d, 96),        \
+      KVSTREAM_WGMMA_F8(d, 104), KVSTREAM_WGMMA_F8(d, 112), KVSTREAM_WGMMA_F8(d, 120)
 // One product: SHAPE "m64nNk16", TYPES ".bf16.bf16" or ".f16.f16", REGS the accumulator
 // list, A "%i" (a descriptor) or "{%i, ...}" (registers), the rest of the operand numbers.
 #define KVSTREAM_WGMMA_ASM(SHAPE, TYPES, REGS, A, B, P, TAIL, DOPS, ...)                      \
@@ -190,13 +194,13 @@ __device__ __forceinline__ void WgmmaSS(float (&d)[N / 2], uint64_t desc_a, uint
 #endif
 }
 
-// D (+)= A B, m64nNk16 (N 64 or 128), A from registers (a: the m64k16 fragment, PackA),
-// B from shared memory; kTransB: B's descriptor is MN-major (its N index contiguous, as V
-// rows).
+// D (+)= A B, m64nNk16 (N 64, 128 or 256), A from registers (a: the m64k16 fragment,
+// PackA), B from shared memory; kTransB: B's descriptor is MN-major (its N index
+// contiguous, as V rows).
 template <int N, typename T, bool kTransB>
 __device__ __forceinline__ void WgmmaRS(float (&d)[N / 2], const uint32_t (&a)[4],
                                         uint64_t desc_b, bool accumulate) {
-  static_assert(N == 64 || N == 128, "N 64 or 128");
+  static_assert(N == 64 || N == 128 || N == 256, "N 64, 128 or 256");
   static_assert(kIsBf16<T> || std::is_same<T, __half>::value, "16-bit inputs");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const int acc = static_cast<int>(accumulate);
@@ -208,6 +212,14 @@ __device__ __forceinline__ void WgmmaRS(float (&d)[N / 2], const uint32_t (&a)[4
   } else if constexpr (N == 64) {
     KVSTREAM_WGMMA_ASM("m64n64k16", ".f16.f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "{%32, %33, %34, %35}", "%36", "%37",
                        ", %38", KVSTREAM_WGMMA_D32(d), "r"(a[0]), "r"(a[1]), "r"(a[2]),
+                       "r"(a[3]), "l"(desc_b), "r"(acc), "n"(kTrans));
+  } else if constexpr (N == 256 && kIsBf16<T>) {
+    KVSTREAM_WGMMA_ASM("m64n256k16", ".bf16.bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}", "{%128, %129, %130, %131}", "%132",
+                       "%133", ", %134", KVSTREAM_WGMMA_D128(d), "r"(a[0]), "r"(a[1]), "r"(a[2]),
+                       "r"(a[3]), "l"(desc_b), "r"(acc), "n"(kTrans));
+  } else if constexpr (N == 256) {
+    KVSTREAM_WGMMA_ASM("m64n256k16", ".f16.f16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}", "{%128, %129, %130, %131}", "%132",
+                       "%133", ", %134", KVSTREAM_WGMMA_D128(d), "r"(a[0]), "r"(a[1]), "r"(a[2]),
                        "r"(a[3]), "l"(desc_b), "r"(acc), "n"(kTrans));
   } else if constexpr (kIsBf16<T>) {
     KVSTREAM_WGMMA_ASM("m64n128k16", ".bf16.bf16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "{%64, %65, %66, %67}", "%68", "%69",
@@ -225,6 +237,7 @@ __device__ __forceinline__ void WgmmaRS(float (&d)[N / 2], const uint32_t (&a)[4
 }
 
 #undef KVSTREAM_WGMMA_ASM
+#undef KVSTREAM_WGMMA_D128
 #undef KVSTREAM_WGMMA_D64
 #undef KVSTREAM_WGMMA_D32
 #undef KVSTREAM_WGMMA_F8
