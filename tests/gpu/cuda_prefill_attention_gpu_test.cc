@@ -298,11 +298,13 @@ bool FastVariantExpected(const AttnCase& c) {
 }
 
 // Whether the wgmma kernel must run `c` on a device that runs it (PrefillWgmmaApplies):
-// the cache in q's dtype, equal head sizes of 64, 128 or 256, dense (16-byte aligned)
-// activations and cache rows, and a block size that is a power of two in [16, 256].
+// the cache in q's dtype or fp8, equal head sizes of 64, 128 or (16-bit caches) 256,
+// dense (16-byte aligned) activations and cache rows, and a block size that is a power of
+// two in [16, 256].
 bool WgmmaExpected(const AttnCase& c, const GpuIo& io) {
-  return c.cache_dtype == c.q_dtype && c.head_size == c.head_size_v &&
-         (c.head_size == 64 || c.head_size == 128 || c.head_size == 256) &&
+  const bool fp8 = IsFp8(c.cache_dtype);
+  return (c.cache_dtype == c.q_dtype || fp8) && c.head_size == c.head_size_v &&
+         (c.head_size == 64 || c.head_size == 128 || (c.head_size == 256 && !fp8)) &&
          c.layout != TestLayout::kPadded && io.dense && c.block_size >= 16 &&
          c.block_size <= 256 && (c.block_size & (c.block_size - 1)) == 0;
 }
@@ -685,8 +687,11 @@ TEST(CudaPrefillLimitsTest, UnsupportedCombinationsAreInvalidArgument) {
   wgmma.wgmma = true;
   internal::PagedKernelParams odd_block = ok;
   odd_block.block_size = 24;
-  for (const Bad& bad : {Bad{ok, DType::kBFloat16, DType::kBFloat16, DType::kFloat8E4M3,
-                             "cache dtype is not q's"},
+  internal::PagedKernelParams head_256 = ok;
+  head_256.head_size = 256;
+  head_256.head_size_v = 256;
+  for (const Bad& bad : {Bad{head_256, DType::kBFloat16, DType::kBFloat16, DType::kFloat8E4M3,
+                             "head sizes 256/256"},
                          Bad{unequal, DType::kFloat16, DType::kFloat16, DType::kFloat16,
                              "head sizes 128/64"},
                          Bad{odd_block, DType::kFloat16, DType::kFloat16, DType::kFloat16,
@@ -705,21 +710,23 @@ TEST(CudaPrefillLimitsTest, UnsupportedCombinationsAreInvalidArgument) {
 // cached keys), and ragged batches, over both layouts, both 16-bit types and both head
 // sizes; the cache is NaN past every sequence's end, in the last page too.
 
-using WgmmaEdgeParam = std::tuple<int, int, DType>;
+// Block size, head size, q dtype, cache (CacheKind::dtype kFloat16: q's own dtype).
+using WgmmaEdgeParam = std::tuple<int, int, DType, CacheKind>;
 class CudaPrefillWgmmaEdgeTest : public ::testing::TestWithParam<WgmmaEdgeParam> {
  protected:
   void SetUp() override { SKIP_WITHOUT_GPU(); }
 };
 
 TEST_P(CudaPrefillWgmmaEdgeTest, MatchesReference) {
-  const auto& [block_size, head_size, dtype] = GetParam();
+  const auto& [block_size, head_size, dtype, cache] = GetParam();
   for (TestLayout layout : {TestLayout::kNHD, TestLayout::kHND}) {
     for (bool causal : {true, false}) {
       SCOPED_TRACE(absl::StrCat(TestLayoutName(layout), causal ? " causal" : " bidirectional"));
       AttnCase c;
       c.q_dtype = dtype;
       c.out_dtype = dtype;
-      c.cache_dtype = dtype;
+      c.cache_dtype = IsFp8(cache.dtype) ? cache.dtype : dtype;
+      c.quant = cache.quant;
       c.layout = layout;
       c.causal = causal;
       c.block_size = block_size;
@@ -740,14 +747,30 @@ TEST_P(CudaPrefillWgmmaEdgeTest, MatchesReference) {
   }
 }
 
+std::string WgmmaEdgeName(const ::testing::TestParamInfo<WgmmaEdgeParam>& info) {
+  const CacheKind& cache = std::get<3>(info.param);
+  return absl::StrCat("bs", std::get<0>(info.param), "_d", std::get<1>(info.param), "_",
+                      ShortDType(std::get<2>(info.param)),
+                      IsFp8(cache.dtype) ? absl::StrCat("_cache", ShortDType(cache.dtype),
+                                                        QuantSuffix(cache.quant))
+                                         : "");
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Pages, CudaPrefillWgmmaEdgeTest,
     ::testing::Combine(::testing::Values(16, 32, 64, 128, 256), ::testing::Values(64, 128, 256),
-                       ::testing::Values(DType::kBFloat16, DType::kFloat16)),
-    [](const auto& test_info) {
-      return absl::StrCat("bs", std::get<0>(test_info.param), "_d", std::get<1>(test_info.param),
-                          "_", ShortDType(std::get<2>(test_info.param)));
-    });
+                       ::testing::Values(DType::kBFloat16, DType::kFloat16),
+                       ::testing::Values(CacheKind{DType::kFloat16, KvQuantMode::kNone})),
+    WgmmaEdgeName);
+
+// fp8 caches: raw rows converted in the kernel.
+INSTANTIATE_TEST_SUITE_P(
+    Fp8Pages, CudaPrefillWgmmaEdgeTest,
+    ::testing::Combine(::testing::Values(16, 64, 256), ::testing::Values(64, 128),
+                       ::testing::Values(DType::kBFloat16, DType::kFloat16),
+                       ::testing::Values(CacheKind{DType::kFloat8E4M3, KvQuantMode::kPerTensor},
+                                         CacheKind{DType::kFloat8E5M2, KvQuantMode::kPerHead})),
+    WgmmaEdgeName);
 
 // ---------------------------------------------------------------------------------------
 // The shape the kernels are tuned for: one 8k-token causal prefill, bfloat16, head size 128,

@@ -55,10 +55,10 @@ struct PrefillLaunchOptions {
 bool PrefillFastVariantApplies(const PagedKernelParams& params, DType q_dtype,
                                DType cache_dtype);
 
-// Whether the wgmma kernel takes this call on a device where it may run: q, out and the
-// cache of one 16-bit dtype, head_size == head_size_v, 64, 128 or 256, block size a power of
-// two in [16, 256], every q, out and cache row 16-byte aligned, strides within a tensor
-// map's range. When it does not and `why` is not null, *why says what it lacks.
+// Whether the wgmma kernel takes this call on a device where it may run: q and out of one
+// 16-bit dtype, the cache of that dtype or fp8 e4m3 / e5m2, head_size == head_size_v, 64,
+// 128 or (16-bit caches) 256, block size a power of two in [16, 256], every q, out and
+// cache row 16-byte aligned, strides within a tensor map's range. When it does not and `why` is not null, *why says what it lacks.
 bool PrefillWgmmaApplies(const PagedKernelParams& params, DType q_dtype, DType out_dtype,
                          DType cache_dtype, std::string* why = nullptr);
 
@@ -69,7 +69,8 @@ bool PrefillWgmmaCompiled();
 // would be true for the stream's device; params with rows to compute (num_seqs and
 // max_query_len > 0, the limits LaunchPrefillAttention checks).
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& params, DType q_dtype,
-                                PrefillWgmmaSchedule schedule, cudaStream_t stream);
+                                DType cache_dtype, PrefillWgmmaSchedule schedule,
+                                cudaStream_t stream);
 
 // As above with a choice of variant. InvalidArgument, in addition, for kFast where
 // PrefillFastVariantApplies is false, and for kWgmma where PrefillWgmmaApplies is false or

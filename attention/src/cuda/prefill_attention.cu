@@ -130,7 +130,8 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
     const bool applies =
         launch_options.wgmma && PrefillWgmmaApplies(params, q_dtype, out_dtype, cache_dtype, &why);
     if (applies) {
-      return LaunchPrefillWgmma(params, q_dtype, launch_options.wgmma_schedule, stream);
+      return LaunchPrefillWgmma(params, q_dtype, cache_dtype, launch_options.wgmma_schedule,
+                                stream);
     }
     if (launch_options.variant == PrefillVariant::kWgmma) {
       return Unsupported(absl::StrCat(

@@ -37,6 +37,8 @@ absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* ca
                                       int64_t block_stride, int64_t token_stride,
                                       int64_t head_stride, DType dtype, int box_tokens) {
   CacheMapShape shape{};
+  shape.raw_fp8_rows = IsFp8(dtype);
+  shape.row_bytes = p.head_size;
   shape.block_size = p.block_size;
   shape.halves = p.head_size / 64;
   shape.num_kv_heads = p.num_kv_heads;
@@ -50,12 +52,12 @@ absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* ca
   return EncodeCacheTensorMap(cache, dtype, shape, kWhat);
 }
 
-template <int D, typename T>
+template <int D, typename T, bool kFp8>
 absl::Status LaunchTyped(const PagedKernelParams& p, const CUtensorMap& k_map,
                          const CUtensorMap& v_map, const pw::PrefillWgmmaArgs& args,
                          cudaStream_t stream) {
-  using Traits = pw::PrefillWgmmaTraits<D>;
-  auto* kernel = &pw::PrefillWgmmaKernel<D, T>;
+  using Traits = pw::PrefillWgmmaTraits<D, kFp8>;
+  auto* kernel = &pw::PrefillWgmmaKernel<D, T, kFp8>;
   RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel),
                                            Traits::kSmemBytes, /*max_carveout=*/true,
                                            absl::StrCat(kWhat, " head dim ", D)));
@@ -76,11 +78,12 @@ bool PrefillWgmmaApplies(const PagedKernelParams& p, DType q_dtype, DType out_dt
   };
   if (q_dtype != DType::kFloat16 && q_dtype != DType::kBFloat16) return no("q is not 16-bit");
   if (out_dtype != q_dtype) return no("out dtype differs from q's");
-  if (cache_dtype != q_dtype) return no("the cache dtype is not q's");
+  const bool fp8 = IsFp8(cache_dtype);
+  if (cache_dtype != q_dtype && !fp8) return no("the cache dtype is neither q's nor fp8");
   if (p.head_size != p.head_size_v ||
-      (p.head_size != 64 && p.head_size != 128 && p.head_size != 256)) {
-    return no(absl::StrCat("head sizes ", p.head_size, "/", p.head_size_v,
-                           " are not 64/64, 128/128 or 256/256"));
+      (p.head_size != 64 && p.head_size != 128 && (p.head_size != 256 || fp8))) {
+    return no(absl::StrCat("head sizes ", p.head_size, "/", p.head_size_v, " are not 64/64, ",
+                           "128/128 or (a 16-bit cache) 256/256"));
   }
   if (p.block_size < 16 || p.block_size > 256 || (p.block_size & (p.block_size - 1)) != 0) {
     return no(absl::StrCat("block size ", p.block_size, " is not a power of two in [16, 256]"));
@@ -93,7 +96,9 @@ bool PrefillWgmmaApplies(const PagedKernelParams& p, DType q_dtype, DType out_dt
     if (s <= 0 || s >= kMaxStride) return no("a cache stride is out of a tensor map's range");
   }
   const cuda::PrefillOptions options = cuda::ChoosePrefillOptions(p, cache_dtype);
-  if (options.load_mode != cuda::kPrefillAsync16) return no("cache rows are not 16-byte aligned");
+  if (options.load_mode != (fp8 ? cuda::kPrefillAsyncFp8 : cuda::kPrefillAsync16)) {
+    return no("cache rows are not 16-byte aligned");
+  }
   if (!options.q_vectorized || !options.o_vectorized) {
     return no("q or out rows are not 16-byte aligned");
   }
@@ -108,7 +113,7 @@ bool PrefillWgmmaCompiled() {
 #endif
 }
 
-absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype,
+absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType cache_dtype,
                                 PrefillWgmmaSchedule schedule, cudaStream_t stream) {
   const int block_n = p.head_size == 256 ? pw::PrefillWgmmaTraits<256>::kBlockN
                                          : pw::PrefillWgmmaTraits<128>::kBlockN;
@@ -119,28 +124,37 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype,
     case PrefillWgmmaSchedule::kPingPong: args.schedule = pw::kPrefillWgmmaPingPong; break;
     default: args.schedule = -1; break;
   }
-  args.num_m_tiles = cuda::ChoosePrefillOptions(p, q_dtype).num_m_tiles;
+  args.num_m_tiles = cuda::ChoosePrefillOptions(p, cache_dtype).num_m_tiles;
+  args.e4m3 = cache_dtype == DType::kFloat8E4M3;
   args.box_tokens = p.block_size < block_n ? p.block_size : block_n;
   if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens);
   args.block_shift = 0;
   while ((1 << args.block_shift) < p.block_size) ++args.block_shift;
   ASSIGN_OR_RETURN(const CUtensorMap k_map,
                    EncodeMap(p, p.k_cache, p.k_block_stride, p.k_token_stride,
-                             p.k_head_stride, q_dtype, args.box_tokens));
+                             p.k_head_stride, cache_dtype, args.box_tokens));
   ASSIGN_OR_RETURN(const CUtensorMap v_map,
                    EncodeMap(p, p.v_cache, p.v_block_stride, p.v_token_stride,
-                             p.v_head_stride, q_dtype, args.box_tokens));
+                             p.v_head_stride, cache_dtype, args.box_tokens));
   const bool bf16 = q_dtype == DType::kBFloat16;
+  if (IsFp8(cache_dtype)) {
+    if (p.head_size == 64) {
+      return bf16 ? LaunchTyped<64, __nv_bfloat16, true>(p, k_map, v_map, args, stream)
+                  : LaunchTyped<64, __half, true>(p, k_map, v_map, args, stream);
+    }
+    return bf16 ? LaunchTyped<128, __nv_bfloat16, true>(p, k_map, v_map, args, stream)
+                : LaunchTyped<128, __half, true>(p, k_map, v_map, args, stream);
+  }
   if (p.head_size == 64) {
-    return bf16 ? LaunchTyped<64, __nv_bfloat16>(p, k_map, v_map, args, stream)
-                : LaunchTyped<64, __half>(p, k_map, v_map, args, stream);
+    return bf16 ? LaunchTyped<64, __nv_bfloat16, false>(p, k_map, v_map, args, stream)
+                : LaunchTyped<64, __half, false>(p, k_map, v_map, args, stream);
   }
   if (p.head_size == 256) {
-    return bf16 ? LaunchTyped<256, __nv_bfloat16>(p, k_map, v_map, args, stream)
-                : LaunchTyped<256, __half>(p, k_map, v_map, args, stream);
+    return bf16 ? LaunchTyped<256, __nv_bfloat16, false>(p, k_map, v_map, args, stream)
+                : LaunchTyped<256, __half, false>(p, k_map, v_map, args, stream);
   }
-  return bf16 ? LaunchTyped<128, __nv_bfloat16>(p, k_map, v_map, args, stream)
-              : LaunchTyped<128, __half>(p, k_map, v_map, args, stream);
+  return bf16 ? LaunchTyped<128, __nv_bfloat16, false>(p, k_map, v_map, args, stream)
+              : LaunchTyped<128, __half, false>(p, k_map, v_map, args, stream);
 }
 
 }  // namespace internal

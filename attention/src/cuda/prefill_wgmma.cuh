@@ -3,8 +3,9 @@
 // prefill_wgmma.cu says which calls it takes (PrefillWgmmaApplies), encodes the caches'
 // tensor maps and launches it. The semantics are prefill_attention.cuh's (varlen, chunked
 // prefill against cached keys, causal bottom-right, GQA packed into the rows, sliding
-// window, ALiBi, soft cap), for 16-bit caches of head size 64, 128 or 256 (K and V), block
-// sizes 16 to 256 (powers of two); everything else runs on prefill_attention.cuh.
+// window, ALiBi, soft cap, fp8 caches with per-tensor or per-head scales), for head sizes
+// 64, 128 or (16-bit caches) 256, K and V alike, block sizes 16 to 256 (powers of two);
+// everything else runs on prefill_attention.cuh.
 //
 // Why a second prefill kernel. mma.sync runs a warp's m16n8k16 products from registers
 // that ldmatrix filled from shared memory; on the H200 that kernel stops at about 340
@@ -39,10 +40,20 @@
 //   v:  [kStages][D / 64 panels][kBlockN keys][64]  key row page * box_tokens of each panel
 //   barriers: full_k, full_v, empty_k, empty_v [kStages]
 //
+// fp8 caches (kFp8): TMA copies raw byte rows ([kBlockN][D], unswizzled) into the ring;
+// both consumers convert a tile together, each its 64 rows, into one of two alternating
+// 16-bit K and V tiles in the panel layout, meet on a hardware barrier of both warpgroups
+// (5 for K, 6 for V) and release the raw slot at once; the products then read the
+// converted tile. Two converted tiles suffice: a consumer converts tile n only after the
+// barrier of tile n - 1, which the other reaches only once its products of tile n - 2 are
+// done. These calls run the serial schedule. The K scale is folded into the softmax
+// scale, the V scale into the output.
+//
 // Keys past the sequence's end inside its last page hold whatever the block holds there
 // (a reused block's stale values, NaN): their scores are masked to -inf, and the consumers
-// zero those V rows in shared memory before O += P V, so that 0 * NaN cannot reach the
-// output. Block ids outside [0, num_blocks) read as zeros (the tensor map's bounds).
+// zero those V rows in shared memory before O += P V (fp8: the conversion writes them as
+// zeros), so that 0 * NaN cannot reach the output. Block ids outside [0, num_blocks) read
+// as zeros (the tensor map's bounds).
 //
 // Layouts the kernel reads (PagedKernelParams, element strides, dim stride 1):
 //   q:       [num_tokens, num_heads, D]     rows 16-byte aligned
@@ -85,9 +96,10 @@ struct PrefillWgmmaArgs {
   int32_t num_m_tiles;  // ceil(max_query_len * group / kBlockM)
   int32_t box_tokens;   // keys per TMA box: min(block_size, kBlockN)
   int32_t block_shift;  // log2(block_size)
+  int32_t e4m3;         // fp8 caches: e4m3 (else e5m2)
 };
 
-template <int D>
+template <int D, bool kFp8 = false>
 struct PrefillWgmmaTraits {
   static_assert(D == 64 || D == 128 || D == 256, "head sizes 64, 128 and 256");
   static constexpr int kBlockM = 128;  // packed rows per CTA (two consumers x 64)
@@ -104,9 +116,17 @@ struct PrefillWgmmaTraits {
   static constexpr int kTileBytes = kPanels * kKvPanelBytes;     // one K or V tile
   // Two K and V tiles in flight (three measured no faster on the H200, docs/benchmarks.md).
   static constexpr int kStages = 2;
+  // fp8 caches: the ring holds raw [kBlockN][D] byte tiles (what TMA copies), converted
+  // into two alternating 16-bit K and V tiles (kConverted) that the products read.
+  static_assert(!kFp8 || D <= 128, "fp8 caches: head sizes 64 and 128");
+  static constexpr int kRawTileBytes = kBlockN * D;
+  static constexpr int kRingTileBytes = kFp8 ? kRawTileBytes : kTileBytes;
+  static constexpr int kConverted = kFp8 ? 2 : 0;
   static constexpr int kKOffset = kConsumers * kQWarpgroupBytes;
-  static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
-  static constexpr int kBarrierOffset = kVOffset + kStages * kTileBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kRingTileBytes;
+  static constexpr int kConvKOffset = kVOffset + kStages * kRingTileBytes;
+  static constexpr int kConvVOffset = kConvKOffset + kConverted * kTileBytes;
+  static constexpr int kBarrierOffset = kConvVOffset + kConverted * kTileBytes;
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes inside the kernel.
   static constexpr int kSmemBytes = kBarrierOffset + 4 * kStages * 8 + 1024;
   // 128 x 40 + 256 x 232 = 64512 of the SM's 65536 registers.
@@ -125,14 +145,15 @@ using ptx::PackPair;
 using ptx::SmemAddress;
 
 // REQUIRES: PrefillWgmmaApplies (prefill_wgmma.cu) for p; a device of compute capability
-// 9.0 and a build for sm_90a (elsewhere the kernel traps).
-template <int D, typename T>
-__global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
+// 9.0 and a build for sm_90a (elsewhere the kernel traps). kFp8: the cache is fp8 (e4m3
+// when a.e4m3), its maps raw byte rows.
+template <int D, typename T, bool kFp8 = false>
+__global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
     PrefillWgmmaKernel(const __grid_constant__ PagedKernelParams p,
                        const __grid_constant__ CUtensorMap k_map,
                        const __grid_constant__ CUtensorMap v_map, const PrefillWgmmaArgs a) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Traits = PrefillWgmmaTraits<D>;
+  using Traits = PrefillWgmmaTraits<D, kFp8>;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
@@ -191,12 +212,15 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
     if (tid >= 32) return;
     const int32_t* const block_row =
         p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
+    // One box per (page, 64-column panel) of 16-bit rows; per page of whole raw fp8 rows.
+    constexpr int kBoxPanels = kFp8 ? 1 : kPanels;
     const int pages = kBlockN / a.box_tokens;
-    const int boxes = pages * kPanels;  // at most 16 (8 x 2, 4 x 4): one lane each
-    const int page = lane / kPanels;
-    const int panel = lane % kPanels;
+    const int boxes = pages * kBoxPanels;  // at most 16 (8 x 2, 4 x 4): one lane each
+    const int page = lane / kBoxPanels;
+    const int panel = lane % kBoxPanels;
     const uint32_t box_offset =
-        static_cast<uint32_t>(panel * Traits::kKvPanelBytes + page * a.box_tokens * 128);
+        kFp8 ? static_cast<uint32_t>(page * a.box_tokens * D)
+             : static_cast<uint32_t>(panel * Traits::kKvPanelBytes + page * a.box_tokens * 128);
     // The block coordinate and token offset of lane's box in tile n: past the sequence's
     // end, or a block id outside the cache, the coordinate num_blocks (read as zeros).
     auto box_of = [&](int n, int* token) {
@@ -216,20 +240,20 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
       if (n + 1 < n_end) block = box_of(n + 1, &token);  // in flight during the waits
       if (lane == 0) {
         tma_ptx::BarrierWait(empty_k(stage), parity);
-        tma_ptx::BarrierArriveExpect(full_k(stage), Traits::kTileBytes);
+        tma_ptx::BarrierArriveExpect(full_k(stage), Traits::kRingTileBytes);
       }
       __syncwarp();
       if (lane < boxes) {
-        tma_ptx::TmaLoad5(k_base + stage * Traits::kTileBytes + box_offset, &k_map,
+        tma_ptx::TmaLoad5(k_base + stage * Traits::kRingTileBytes + box_offset, &k_map,
                           full_k(stage), 0, this_token, panel, kv_head, this_block);
       }
       if (lane == 0) {
         tma_ptx::BarrierWait(empty_v(stage), parity);
-        tma_ptx::BarrierArriveExpect(full_v(stage), Traits::kTileBytes);
+        tma_ptx::BarrierArriveExpect(full_v(stage), Traits::kRingTileBytes);
       }
       __syncwarp();
       if (lane < boxes) {
-        tma_ptx::TmaLoad5(v_base + stage * Traits::kTileBytes + box_offset, &v_map,
+        tma_ptx::TmaLoad5(v_base + stage * Traits::kRingTileBytes + box_offset, &v_map,
                           full_v(stage), 0, this_token, panel, kv_head, this_block);
       }
     }
@@ -313,27 +337,85 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
   const int u_end = wg_active ? max(u_begin, min(n_end, wg_hi_max / kBlockN + 1)) : n_begin;
   auto stage_of = [&](int n) { return (n - n_begin) % kStages; };
   auto parity_of = [&](int n) { return static_cast<uint32_t>(((n - n_begin) / kStages) & 1); };
-  auto k_tile_of = [&](int n) { return k_base + stage_of(n) * Traits::kTileBytes; };
-  auto v_tile_of = [&](int n) { return v_base + stage_of(n) * Traits::kTileBytes; };
+  // The 16-bit tiles the products read: the ring's slot, or (fp8) the converted tile.
+  auto k_tile_of = [&](int n) {
+    return kFp8 ? smem_base + Traits::kConvKOffset + ((n - n_begin) & 1) * Traits::kTileBytes
+                : k_base + stage_of(n) * Traits::kTileBytes;
+  };
+  auto v_tile_of = [&](int n) {
+    return kFp8 ? smem_base + Traits::kConvVOffset + ((n - n_begin) & 1) * Traits::kTileBytes
+                : v_base + stage_of(n) * Traits::kTileBytes;
+  };
   // One arrival per warp on an `empty` barrier, once the warp's products reading it are done.
   auto release = [&](uint32_t bar) {
     __syncwarp();
     if (lane == 0) tma_ptx::BarrierArrive(bar);
   };
-  // A tile no row of this warpgroup sees: waited for and released, so that the producer's
-  // ring keeps its order.
-  auto pass = [&](int n) {
+  // fp8: this warpgroup's 64 rows of the raw tile at `raw` (ring offset) converted to T into
+  // the tile at `tile`; rows past the sequence's end become zeros (they may hold NaN).
+  auto convert = [&](uint32_t raw, uint32_t tile, int n) {
+    constexpr int kRawChunks = D / 16;
+    const int tile_lo = n * kBlockN;
+    const bool e4m3 = a.e4m3 != 0;
+    for (int i = wtid; i < 64 * kRawChunks; i += 128) {
+      const int r = 64 * consumer + i / kRawChunks;
+      const int c = i % kRawChunks;
+      uint32_t out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (tile_lo + r < seq_len) {
+        const uint4 codes =
+            *reinterpret_cast<const uint4*>(smem + (raw - smem_base) + r * D + c * 16);
+        ptx::Fp8ChunkTo<T>(codes, e4m3, out);
+      }
+      const int col = 16 * c;
+      uint8_t* const dst = smem + (tile - smem_base) + (col >> 6) * Traits::kKvPanelBytes;
+      *reinterpret_cast<uint4*>(dst + wgmma::SwizzledOffset128(r, col & 63)) =
+          make_uint4(out[0], out[1], out[2], out[3]);
+      *reinterpret_cast<uint4*>(dst + wgmma::SwizzledOffset128(r, (col & 63) + 8)) =
+          make_uint4(out[4], out[5], out[6], out[7]);
+    }
+    wgmma::FenceSharedForAsyncProxy();
+  };
+  // K (V) of tile n ready for the products: its copy has landed; fp8: both consumers have
+  // converted their halves (hardware barrier 5 for K, 6 for V, of both warpgroups) and the
+  // raw slot is released at once.
+  auto ready_k = [&](int n) {
     tma_ptx::BarrierWait(full_k(stage_of(n)), parity_of(n));
-    release(empty_k(stage_of(n)));
+    if constexpr (kFp8) {
+      convert(k_base + stage_of(n) * Traits::kRingTileBytes, k_tile_of(n), n);
+      wgmma::NamedBarrierSync(5, 256);
+      release(empty_k(stage_of(n)));
+    }
+  };
+  auto ready_v = [&](int n) {
     tma_ptx::BarrierWait(full_v(stage_of(n)), parity_of(n));
-    release(empty_v(stage_of(n)));
+    if constexpr (kFp8) {
+      convert(v_base + stage_of(n) * Traits::kRingTileBytes, v_tile_of(n), n);
+      wgmma::NamedBarrierSync(6, 256);
+      release(empty_v(stage_of(n)));
+    }
+  };
+  // The ring slot of K (V) of tile n free again once the products that read it are done
+  // (fp8: already released when converted).
+  auto release_k = [&](int n) {
+    if constexpr (!kFp8) release(empty_k(stage_of(n)));
+  };
+  auto release_v = [&](int n) {
+    if constexpr (!kFp8) release(empty_v(stage_of(n)));
+  };
+  // A tile no row of this warpgroup sees: waited for (fp8: converted) and released, so
+  // that the producer's ring keeps its order.
+  auto pass = [&](int n) {
+    ready_k(n);
+    release_k(n);
+    ready_v(n);
+    release_v(n);
   };
 
   float acc_s[kBlockN / 2];
   uint32_t pa[kBlockN / 16][4];
   // S = Q K^T of tile n, issued and committed (not waited for).
   auto issue_s = [&](int n) {
-    tma_ptx::BarrierWait(full_k(stage_of(n)), parity_of(n));
+    ready_k(n);
     wgmma::Fence();
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
@@ -346,9 +428,9 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
   // O += P V of tile n (P in pa), issued and committed. V rows past the sequence's end are
   // zeroed first (they may hold NaN; their P is 0).
   auto issue_pv = [&](int n) {
-    tma_ptx::BarrierWait(full_v(stage_of(n)), parity_of(n));
+    ready_v(n);
     const int tile_lo = n * kBlockN;
-    if (tile_lo + kBlockN > seq_len) {
+    if (!kFp8 && tile_lo + kBlockN > seq_len) {
       const int first = seq_len - tile_lo;
       uint8_t* const tile = smem + (v_tile_of(n) - smem_base);
       for (int i = wtid; i < (kBlockN - first) * kPanels * 8; i += 128) {
@@ -458,7 +540,9 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
   // consumer takes the same number of turns, (n_end - n_begin) + 1, a tile it does not
   // see included; consumer 1 hands the first turn to consumer 0 and skips the hand-over
   // after its last, so that every arrival is matched by a wait.
-  const bool ping_pong = a.schedule == kPrefillWgmmaPingPong;
+  // fp8 caches run the serial schedule: both consumers convert every tile together.
+  const int schedule = kFp8 ? static_cast<int>(kPrefillWgmmaSerial) : a.schedule;
+  const bool ping_pong = schedule == kPrefillWgmmaPingPong;
   const int turns = n_end - n_begin + 1;
   int turn = 0;
   auto turn_begin = [&]() {
@@ -477,14 +561,14 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
 
   // The tiles before this warpgroup's first, then its own, then those after its last.
   for (int n = n_begin; n < u_begin; ++n) pass_turn(n);
-  if (u_begin < u_end && a.schedule == kPrefillWgmmaSerial) {
+  if (u_begin < u_end && schedule == kPrefillWgmmaSerial) {
     // Per tile: S, softmax, O += P V, each waited for before the next.
     for (int n = u_begin; n < u_end; ++n) {
       float alpha[2];
       issue_s(n);
       wgmma::Wait<0>();
       wgmma::FenceOperands(acc_s);
-      release(empty_k(stage_of(n)));
+      release_k(n);
       if (softmax(n, alpha)) {
 #pragma unroll
         for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
@@ -493,7 +577,7 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
       issue_pv(n);
       wgmma::Wait<0>();
       wgmma::FenceOperands(acc_o);
-      release(empty_v(stage_of(n)));
+      release_v(n);
     }
   } else if (u_begin < u_end) {
     // The products of one tile overlap the softmax of the next: per tile n, S_n = Q K_n^T
@@ -505,7 +589,7 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
     turn_end();
     wgmma::Wait<0>();
     wgmma::FenceOperands(acc_s);
-    release(empty_k(stage_of(u_begin)));
+    release_k(u_begin);
     softmax(u_begin, alpha);  // O is still zero: nothing to rescale
     pack_p();
     for (int n = u_begin + 1; n < u_end; ++n) {
@@ -515,12 +599,12 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
       turn_end();
       wgmma::Wait<1>();
       wgmma::FenceOperands(acc_s);
-      release(empty_k(stage_of(n)));
+      release_k(n);
       const bool rescale = softmax(n, alpha);
       wgmma::Wait<0>();
       wgmma::FenceOperands(acc_o);
       wgmma::FenceOperands(pa);
-      release(empty_v(stage_of(n - 1)));
+      release_v(n - 1);
       if (rescale) {
 #pragma unroll
         for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
@@ -532,7 +616,7 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D>::kThreads, 1)
     turn_end();
     wgmma::Wait<0>();
     wgmma::FenceOperands(acc_o);
-    release(empty_v(stage_of(u_end - 1)));
+    release_v(u_end - 1);
   } else {
     // No tile of its own: the extra turn the others take.
     turn_begin();

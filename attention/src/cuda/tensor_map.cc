@@ -47,23 +47,29 @@ absl::StatusOr<CUtensorMap> EncodeCacheTensorMap(const void* cache, DType dtype,
                                                  const CacheMapShape& s,
                                                  absl::string_view what) {
   ASSIGN_OR_RETURN(PFN_cuTensorMapEncodeTiled_v12000 encode, EncodeFunction(what));
-  // Dimensions innermost first: element, token, half, head, block.
-  const cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(s.block_size),
-                              static_cast<cuuint64_t>(s.halves),
+  // Dimensions innermost first: element, token, half, head, block (raw rows: the whole row
+  // of bytes, token, a half of extent 1, head, block).
+  const bool raw = s.raw_fp8_rows;
+  const int64_t element_bytes = raw ? 1 : 2;
+  const cuuint64_t row = raw ? static_cast<cuuint64_t>(s.row_bytes) : 64;
+  const cuuint64_t dims[5] = {row, static_cast<cuuint64_t>(s.block_size),
+                              static_cast<cuuint64_t>(raw ? 1 : s.halves),
                               static_cast<cuuint64_t>(s.num_kv_heads),
                               static_cast<cuuint64_t>(s.num_blocks)};
-  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(s.token_stride) * 2, 128,
-                                 static_cast<cuuint64_t>(s.head_stride) * 2,
-                                 static_cast<cuuint64_t>(s.block_stride) * 2};
-  const cuuint32_t box[5] = {64, s.box_tokens, s.box_halves, s.box_heads, 1};
+  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(s.token_stride * element_bytes), 128,
+                                 static_cast<cuuint64_t>(s.head_stride * element_bytes),
+                                 static_cast<cuuint64_t>(s.block_stride * element_bytes)};
+  const cuuint32_t box[5] = {static_cast<cuuint32_t>(row), s.box_tokens, raw ? 1 : s.box_halves,
+                             s.box_heads, 1};
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   CUtensorMap map;
+  const CUtensorMapDataType type = raw                        ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                               : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult r = encode(
-      &map,
-      dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      5, const_cast<void*>(cache), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      &map, type, 5, const_cast<void*>(cache), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, raw ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     return Error(what, absl::StrCat("cuTensorMapEncodeTiled failed with CUresult ",
                                     static_cast<int>(r), " (strides ", s.block_stride, "/",

@@ -24,7 +24,13 @@ namespace internal {
 // A copy lands in shared memory as [box_heads][box_halves][box_tokens][64] with the
 // 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)); what lies outside the
 // cache (a block id past num_blocks) reads as zeros.
+//
+// raw_fp8_rows: instead, an fp8 cache seen as [block][head][token][head_size bytes], whole
+// rows per box (box_tokens x box_heads, box_halves 1), landing unswizzled as
+// [box_heads][box_tokens][head_size] bytes; `halves` is then 1.
 struct CacheMapShape {
+  bool raw_fp8_rows = false;
+  int64_t row_bytes = 0;  // raw_fp8_rows: head_size
   int64_t block_size;
   int64_t halves;  // head_size / 64
   int64_t num_kv_heads;
@@ -37,8 +43,8 @@ struct CacheMapShape {
   uint32_t box_heads;
 };
 
-// The tensor map of `cache` (dtype float16 or bfloat16). InternalError naming `what` when
-// the driver lacks the encoder or refuses the shape.
+// The tensor map of `cache` (dtype float16 or bfloat16; raw_fp8_rows: either fp8).
+// InternalError naming `what` when the driver lacks the encoder or refuses the shape.
 absl::StatusOr<CUtensorMap> EncodeCacheTensorMap(const void* cache, DType dtype,
                                                  const CacheMapShape& shape,
                                                  absl::string_view what);
