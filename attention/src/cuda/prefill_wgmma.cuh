@@ -1,11 +1,13 @@
 // The prefill attention kernel for Hopper (sm_90a): warpgroup matrix products (wgmma) fed
 // by the Tensor Memory Accelerator, one producer and two consumer warpgroups. Header-only;
 // prefill_wgmma.cu says which calls it takes (PrefillWgmmaApplies), encodes the caches'
-// tensor maps and launches it. The semantics are prefill_attention.cuh's (varlen, chunked
-// prefill against cached keys, causal bottom-right, GQA packed into the rows, sliding
-// window, ALiBi, soft cap, fp8 caches with per-tensor or per-head scales), for head sizes
-// 64, 128 or (16-bit caches) 256, K and V alike, block sizes 16 to 256 (powers of two);
-// everything else runs on prefill_attention.cuh.
+// tensor maps and launches it; its configuration (schedules, arguments, tile shape and
+// shared-memory layout) is prefill_wgmma_config.cuh. The semantics are
+// prefill_attention.cuh's (varlen, chunked prefill against cached keys, causal
+// bottom-right, GQA packed into the rows, sliding window, ALiBi, soft cap, fp8 caches with
+// per-tensor or per-head scales), for head sizes 64, 128 or (16-bit caches) 256, K and V
+// alike, block sizes 16 to 256 (powers of two); everything else runs on
+// prefill_attention.cuh.
 //
 // Why a second prefill kernel. mma.sync runs a warp's m16n8k16 products from registers
 // that ldmatrix filled from shared memory; on the H200 that kernel stops at about 340
@@ -75,6 +77,7 @@
 #include "cuda/kernel_params.h"
 #include "cuda/mma_ptx.cuh"
 #include "cuda/prefill_helpers.cuh"
+#include "cuda/prefill_wgmma_config.cuh"
 #include "cuda/sequence_bounds.cuh"
 #include "cuda/tma_ptx.cuh"
 #include "cuda/wgmma_ptx.cuh"
@@ -82,57 +85,6 @@
 namespace kvstream {
 namespace internal {
 namespace prefill_wgmma {
-
-// Runtime values the launcher computes once per call.
-// How a consumer orders its products and its softmax (PrefillWgmmaArgs::schedule).
-enum PrefillWgmmaSchedule : int {
-  kPrefillWgmmaSerial = 0,    // per tile: S, softmax, P V, each waited for
-  kPrefillWgmmaOverlap = 1,   // S of tile n and P V of tile n - 1 in flight together
-  kPrefillWgmmaPingPong = 2,  // kPrefillWgmmaOverlap, the consumers issuing in turns
-};
-
-struct PrefillWgmmaArgs {
-  int32_t schedule;     // PrefillWgmmaSchedule
-  int32_t num_m_tiles;  // ceil(max_query_len * group / kBlockM)
-  int32_t box_tokens;   // keys per TMA box: min(block_size, kBlockN)
-  int32_t block_shift;  // log2(block_size)
-  int32_t e4m3;         // fp8 caches: e4m3 (else e5m2)
-};
-
-template <int D, bool kFp8 = false>
-struct PrefillWgmmaTraits {
-  static_assert(D == 64 || D == 128 || D == 256, "head sizes 64, 128 and 256");
-  static constexpr int kBlockM = 128;  // packed rows per CTA (two consumers x 64)
-  // Keys per tile: at D = 256 the output's 128 accumulators per thread leave room for
-  // 64-key score tiles only.
-  static constexpr int kBlockN = D == 256 ? 64 : 128;
-  static constexpr int kConsumers = 2;
-  static constexpr int kThreads = (kConsumers + 1) * 128;
-  static constexpr int kPanels = D / 64;
-  static constexpr int kPanelRows = 64;                          // q panels
-  static constexpr int kQPanelBytes = kPanelRows * 128;          // 8 KiB
-  static constexpr int kKvPanelBytes = kBlockN * 128;            // 16 KiB
-  static constexpr int kQWarpgroupBytes = kPanels * kQPanelBytes;
-  static constexpr int kTileBytes = kPanels * kKvPanelBytes;     // one K or V tile
-  // Two K and V tiles in flight (three measured no faster on the H200, docs/benchmarks.md).
-  static constexpr int kStages = 2;
-  // fp8 caches: the ring holds raw [kBlockN][D] byte tiles (what TMA copies), converted
-  // into two alternating 16-bit K and V tiles (kConverted) that the products read.
-  static_assert(!kFp8 || D <= 128, "fp8 caches: head sizes 64 and 128");
-  static constexpr int kRawTileBytes = kBlockN * D;
-  static constexpr int kRingTileBytes = kFp8 ? kRawTileBytes : kTileBytes;
-  static constexpr int kConverted = kFp8 ? 2 : 0;
-  static constexpr int kKOffset = kConsumers * kQWarpgroupBytes;
-  static constexpr int kVOffset = kKOffset + kStages * kRingTileBytes;
-  static constexpr int kConvKOffset = kVOffset + kStages * kRingTileBytes;
-  static constexpr int kConvVOffset = kConvKOffset + kConverted * kTileBytes;
-  static constexpr int kBarrierOffset = kConvVOffset + kConverted * kTileBytes;
-  // + 1024: the dynamic shared memory base is aligned up to 1024 bytes inside the kernel.
-  static constexpr int kSmemBytes = kBarrierOffset + 4 * kStages * 8 + 1024;
-  // 128 x 40 + 256 x 232 = 64512 of the SM's 65536 registers.
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
-};
 
 using cuda::ScaleOfHead;
 using cuda::VisibleHi;
