@@ -114,9 +114,24 @@ struct GpuIo {
   // kWgmma, where the device cannot run it): RunOnGpu returns Unimplemented and launches
   // nothing.
   internal::PrefillVariant variant = internal::PrefillVariant::kAuto;
-  // The wgmma kernel's schedule (kWgmma and kAuto).
+  // The wgmma kernel's schedule and loads (kWgmma and kAuto). kWgmma with loads that do
+  // not apply (TMA for a block size it cannot take, gathers of an fp8 cache): Unimplemented.
   internal::PrefillWgmmaSchedule schedule = internal::PrefillWgmmaSchedule::kDefault;
+  internal::PrefillWgmmaLoads loads = internal::PrefillWgmmaLoads::kDefault;
 };
+
+using internal::PrefillWgmmaLoads;
+const char* LoadsName(PrefillWgmmaLoads l) {
+  switch (l) {
+    case PrefillWgmmaLoads::kTma: return "TMA";
+    case PrefillWgmmaLoads::kGather: return "gather";
+    default: return "default";
+  }
+}
+constexpr PrefillWgmmaLoads kLoads[] = {PrefillWgmmaLoads::kTma, PrefillWgmmaLoads::kGather};
+bool TmaTakesBlocks(int block_size) {
+  return block_size >= 16 && block_size <= 256 && (block_size & (block_size - 1)) == 0;
+}
 
 using internal::PrefillWgmmaSchedule;
 const char* ScheduleName(PrefillWgmmaSchedule s) {
@@ -243,11 +258,16 @@ absl::Status RunOnGpu(const PagedAttentionParams& host, std::vector<uint8_t>& ou
                                        host.cache.spec.dtype)) {
       return absl::UnimplementedError("the wgmma kernel does not apply");
     }
+    if ((io.loads == PrefillWgmmaLoads::kTma && !TmaTakesBlocks(host.cache.spec.block_size)) ||
+        (io.loads == PrefillWgmmaLoads::kGather && IsFp8(host.cache.spec.dtype))) {
+      return absl::UnimplementedError("these loads do not apply");
+    }
   }
   internal::PrefillLaunchOptions launch_options;
   launch_options.variant = io.variant;
   launch_options.wgmma = wgmma;
   launch_options.wgmma_schedule = io.schedule;
+  launch_options.wgmma_loads = io.loads;
   cudaEvent_t start = nullptr, stop = nullptr;
   if (milliseconds != nullptr) {
     cudaEventCreate(&start);
@@ -299,14 +319,17 @@ bool FastVariantExpected(const AttnCase& c) {
 
 // Whether the wgmma kernel must run `c` on a device that runs it (PrefillWgmmaApplies):
 // the cache in q's dtype or fp8, equal head sizes of 64, 128 or (16-bit caches) 256,
-// dense (16-byte aligned) activations and cache rows, and a block size that is a power of
-// two in [16, 256].
+// dense (16-byte aligned) activations and cache rows, and loads that take the block size
+// (TMA: a power of two in [16, 256]; gathers: any, 16-bit caches only).
 bool WgmmaExpected(const AttnCase& c, const GpuIo& io) {
   const bool fp8 = IsFp8(c.cache_dtype);
+  const bool tma = TmaTakesBlocks(c.block_size);
+  const bool loads = io.loads == PrefillWgmmaLoads::kTma      ? tma
+                     : io.loads == PrefillWgmmaLoads::kGather ? !fp8
+                                                              : tma || !fp8;
   return (c.cache_dtype == c.q_dtype || fp8) && c.head_size == c.head_size_v &&
          (c.head_size == 64 || c.head_size == 128 || (c.head_size == 256 && !fp8)) &&
-         c.layout != TestLayout::kPadded && io.dense && c.block_size >= 16 &&
-         c.block_size <= 256 && (c.block_size & (c.block_size - 1)) == 0;
+         c.layout != TestLayout::kPadded && io.dense && loads;
 }
 
 void ExpectVariantMatchesReference(AttnProblem& pb, const std::vector<uint8_t>& ref_out,
@@ -328,10 +351,14 @@ void ExpectGpuMatchesReference(AttnProblem& pb, const GpuIo& io = {}) {
       ExpectVariantMatchesReference(pb, ref_out, variant_io);
       continue;
     }
-    for (PrefillWgmmaSchedule schedule : kSchedules) {  // every schedule of the wgmma kernel
-      SCOPED_TRACE(absl::StrCat("wgmma variant, ", ScheduleName(schedule), " schedule"));
-      variant_io.schedule = schedule;
-      ExpectVariantMatchesReference(pb, ref_out, variant_io);
+    for (PrefillWgmmaLoads loads : kLoads) {  // every schedule and load path of the kernel
+      for (PrefillWgmmaSchedule schedule : kSchedules) {
+        SCOPED_TRACE(absl::StrCat("wgmma variant, ", LoadsName(loads), " loads, ",
+                                  ScheduleName(schedule), " schedule"));
+        variant_io.schedule = schedule;
+        variant_io.loads = loads;
+        ExpectVariantMatchesReference(pb, ref_out, variant_io);
+      }
     }
   }
 }
@@ -694,10 +721,30 @@ TEST(CudaPrefillLimitsTest, UnsupportedCombinationsAreInvalidArgument) {
                              "head sizes 256/256"},
                          Bad{unequal, DType::kFloat16, DType::kFloat16, DType::kFloat16,
                              "head sizes 128/64"},
-                         Bad{odd_block, DType::kFloat16, DType::kFloat16, DType::kFloat16,
-                             "block size 24"}}) {
+                         Bad{odd_block, DType::kFloat16, DType::kFloat16, DType::kFloat8E4M3,
+                             "block size 24 of an fp8 cache"}}) {
     expect_rejected(bad, wgmma, "wgmma kernel does not apply");
   }
+  // Loads that do not apply: TMA for a block size it cannot take, gathers of an fp8 cache
+  // (params the kernel otherwise takes: a cache of 4 blocks with NHD strides).
+  internal::PagedKernelParams cached = ok;
+  cached.num_blocks = 4;
+  cached.k_token_stride = cached.v_token_stride = 2 * 128;
+  cached.k_head_stride = cached.v_head_stride = 128;
+  cached.k_block_stride = cached.v_block_stride = 16 * 2 * 128;
+  internal::PagedKernelParams cached_odd = cached;
+  cached_odd.block_size = 24;
+  cached_odd.k_block_stride = cached_odd.v_block_stride = 24 * 2 * 128;
+  internal::PrefillLaunchOptions tma = wgmma;
+  tma.wgmma_loads = PrefillWgmmaLoads::kTma;
+  expect_rejected(Bad{cached_odd, DType::kFloat16, DType::kFloat16, DType::kFloat16,
+                      "TMA loads need a block size that is a power of two"},
+                  tma, "got 24");
+  internal::PrefillLaunchOptions gather = wgmma;
+  gather.wgmma_loads = PrefillWgmmaLoads::kGather;
+  expect_rejected(Bad{cached, DType::kFloat16, DType::kFloat16, DType::kFloat8E4M3,
+                      "fp8 caches load with TMA only"},
+                  gather, "wgmma");
   wgmma.wgmma = false;
   expect_rejected(Bad{ok, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, "wgmma"}, wgmma,
                   "sm_90a");
@@ -763,6 +810,14 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(CacheKind{DType::kFloat16, KvQuantMode::kNone})),
     WgmmaEdgeName);
 
+// Block sizes only gathers take (16-bit caches).
+INSTANTIATE_TEST_SUITE_P(
+    GatherPages, CudaPrefillWgmmaEdgeTest,
+    ::testing::Combine(::testing::Values(1, 5, 24, 48), ::testing::Values(64, 128, 256),
+                       ::testing::Values(DType::kBFloat16),
+                       ::testing::Values(CacheKind{DType::kFloat16, KvQuantMode::kNone})),
+    WgmmaEdgeName);
+
 // fp8 caches: raw rows converted in the kernel.
 INSTANTIATE_TEST_SUITE_P(
     Fp8Pages, CudaPrefillWgmmaEdgeTest,
@@ -803,12 +858,19 @@ TEST_P(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
   struct Run {
     PrefillVariant variant;
     PrefillWgmmaSchedule schedule;
+    PrefillWgmmaLoads loads;
   };
-  std::vector<Run> runs = {{PrefillVariant::kBaseline, PrefillWgmmaSchedule::kDefault},
-                           {PrefillVariant::kFast, PrefillWgmmaSchedule::kDefault}};
+  std::vector<Run> runs = {
+      {PrefillVariant::kBaseline, PrefillWgmmaSchedule::kDefault, PrefillWgmmaLoads::kDefault},
+      {PrefillVariant::kFast, PrefillWgmmaSchedule::kDefault, PrefillWgmmaLoads::kDefault}};
   if (DeviceRunsWgmma()) {
-    for (PrefillWgmmaSchedule schedule : kSchedules) runs.push_back({PrefillVariant::kWgmma, schedule});
-    runs.push_back({PrefillVariant::kWgmma, PrefillWgmmaSchedule::kDefault});
+    for (PrefillWgmmaLoads loads : kLoads) {
+      for (PrefillWgmmaSchedule schedule : kSchedules) {
+        runs.push_back({PrefillVariant::kWgmma, schedule, loads});
+      }
+    }
+    runs.push_back({PrefillVariant::kWgmma, PrefillWgmmaSchedule::kDefault,
+                    PrefillWgmmaLoads::kDefault});
   }
   for (const Run& run : runs) {
     out = pb.NewOut();
@@ -817,12 +879,14 @@ TEST_P(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
     io.dense = true;
     io.variant = run.variant;
     io.schedule = run.schedule;
+    io.loads = run.loads;
     const absl::Status st = RunOnGpu(pb.params(out), out, io, &ms, /*repeats=*/11);
     ASSERT_TRUE(st.ok()) << st;
     const double flops = 4.0 * kTokens * kTokens * 128.0 * 32 / 2;
     const std::string name =
         run.variant == PrefillVariant::kWgmma
-            ? absl::StrCat("wgmma variant, ", ScheduleName(run.schedule), " schedule")
+            ? absl::StrCat("wgmma variant, ", LoadsName(run.loads), " loads, ",
+                           ScheduleName(run.schedule), " schedule")
             : absl::StrCat(VariantName(run.variant), " variant");
     std::printf("[ PERF     ] causal prefill 8k bf16 d128 32/8 heads bs%d, %s: %.3f ms, "
                 "%.1f TFLOP/s\n",

@@ -42,9 +42,14 @@ enum class PrefillVariant {
 // its benchmarks. kDefault: the one measured fastest for the call's block size
 // (prefill_wgmma.cu, docs/benchmarks.md).
 enum class PrefillWgmmaSchedule { kDefault, kSerial, kOverlap, kPingPong };
+// How the wgmma kernel's producer loads K and V of a 16-bit cache: TMA boxes of whole
+// pages (block sizes that are powers of two in [16, 256]) or cp.async gathers of 16-byte
+// chunks (any block size). kDefault: TMA where it applies, else gathers.
+enum class PrefillWgmmaLoads { kDefault, kTma, kGather };
 struct PrefillLaunchOptions {
   PrefillVariant variant = PrefillVariant::kAuto;
   PrefillWgmmaSchedule wgmma_schedule = PrefillWgmmaSchedule::kDefault;
+  PrefillWgmmaLoads wgmma_loads = PrefillWgmmaLoads::kDefault;
   // Whether the device the stream runs on has compute capability 9.0 exactly and this
   // build holds sm_90a code (KVSTREAM_HAVE_SM90A): only then may the wgmma kernel run.
   bool wgmma = false;
@@ -57,8 +62,8 @@ bool PrefillFastVariantApplies(const PagedKernelParams& params, DType q_dtype,
 
 // Whether the wgmma kernel takes this call on a device where it may run: q and out of one
 // 16-bit dtype, the cache of that dtype or fp8 e4m3 / e5m2, head_size == head_size_v, 64,
-// 128 or (16-bit caches) 256, block size a power of two in [16, 256], every q, out and
-// cache row 16-byte aligned, strides within a tensor map's range. When it does not and `why` is not null, *why says what it lacks.
+// 128 or (16-bit caches) 256, every q, out and cache row 16-byte aligned, strides within a
+// tensor map's range; fp8 caches: a block size that is a power of two in [16, 256]. When it does not and `why` is not null, *why says what it lacks.
 bool PrefillWgmmaApplies(const PagedKernelParams& params, DType q_dtype, DType out_dtype,
                          DType cache_dtype, std::string* why = nullptr);
 
@@ -70,7 +75,7 @@ bool PrefillWgmmaCompiled();
 // max_query_len > 0, the limits LaunchPrefillAttention checks).
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& params, DType q_dtype,
                                 DType cache_dtype, PrefillWgmmaSchedule schedule,
-                                cudaStream_t stream);
+                                PrefillWgmmaLoads loads, cudaStream_t stream);
 
 // As above with a choice of variant. InvalidArgument, in addition, for kFast where
 // PrefillFastVariantApplies is false, and for kWgmma where PrefillWgmmaApplies is false or

@@ -131,7 +131,7 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
         launch_options.wgmma && PrefillWgmmaApplies(params, q_dtype, out_dtype, cache_dtype, &why);
     if (applies) {
       return LaunchPrefillWgmma(params, q_dtype, cache_dtype, launch_options.wgmma_schedule,
-                                stream);
+                                launch_options.wgmma_loads, stream);
     }
     if (launch_options.variant == PrefillVariant::kWgmma) {
       return Unsupported(absl::StrCat(

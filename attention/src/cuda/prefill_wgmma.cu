@@ -52,12 +52,12 @@ absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* ca
   return EncodeCacheTensorMap(cache, dtype, shape, kWhat);
 }
 
-template <int D, typename T, bool kFp8>
+template <int D, typename T, bool kFp8, bool kGather = false>
 absl::Status LaunchTyped(const PagedKernelParams& p, const CUtensorMap& k_map,
                          const CUtensorMap& v_map, const pw::PrefillWgmmaArgs& args,
                          cudaStream_t stream) {
   using Traits = pw::PrefillWgmmaTraits<D, kFp8>;
-  auto* kernel = &pw::PrefillWgmmaKernel<D, T, kFp8>;
+  auto* kernel = &pw::PrefillWgmmaKernel<D, T, kFp8, kGather>;
   RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel),
                                            Traits::kSmemBytes, /*max_carveout=*/true,
                                            absl::StrCat(kWhat, " head dim ", D)));
@@ -66,6 +66,11 @@ absl::Status LaunchTyped(const PagedKernelParams& p, const CUtensorMap& k_map,
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, k_map, v_map, args);
   return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
                            absl::StrCat(kWhat, " launch (head dim ", D, ")"));
+}
+
+// Whether TMA boxes of whole pages serve this block size.
+bool TmaTakesBlocks(int block_size) {
+  return block_size >= 16 && block_size <= 256 && (block_size & (block_size - 1)) == 0;
 }
 
 }  // namespace
@@ -85,8 +90,9 @@ bool PrefillWgmmaApplies(const PagedKernelParams& p, DType q_dtype, DType out_dt
     return no(absl::StrCat("head sizes ", p.head_size, "/", p.head_size_v, " are not 64/64, ",
                            "128/128 or (a 16-bit cache) 256/256"));
   }
-  if (p.block_size < 16 || p.block_size > 256 || (p.block_size & (p.block_size - 1)) != 0) {
-    return no(absl::StrCat("block size ", p.block_size, " is not a power of two in [16, 256]"));
+  if (fp8 && !TmaTakesBlocks(p.block_size)) {
+    return no(absl::StrCat("block size ", p.block_size,
+                           " of an fp8 cache is not a power of two in [16, 256]"));
   }
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) return no("bad head counts");
   if (p.num_blocks < 1 || p.num_blocks >= INT32_MAX) return no("block count out of range");
@@ -114,7 +120,8 @@ bool PrefillWgmmaCompiled() {
 }
 
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType cache_dtype,
-                                PrefillWgmmaSchedule schedule, cudaStream_t stream) {
+                                PrefillWgmmaSchedule schedule, PrefillWgmmaLoads loads,
+                                cudaStream_t stream) {
   const int block_n = p.head_size == 256 ? pw::PrefillWgmmaTraits<256>::kBlockN
                                          : pw::PrefillWgmmaTraits<128>::kBlockN;
   pw::PrefillWgmmaArgs args{};
@@ -130,12 +137,24 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
   if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens);
   args.block_shift = 0;
   while ((1 << args.block_shift) < p.block_size) ++args.block_shift;
-  ASSIGN_OR_RETURN(const CUtensorMap k_map,
-                   EncodeMap(p, p.k_cache, p.k_block_stride, p.k_token_stride,
-                             p.k_head_stride, cache_dtype, args.box_tokens));
-  ASSIGN_OR_RETURN(const CUtensorMap v_map,
-                   EncodeMap(p, p.v_cache, p.v_block_stride, p.v_token_stride,
-                             p.v_head_stride, cache_dtype, args.box_tokens));
+  if ((1 << args.block_shift) != p.block_size) args.block_shift = -1;
+  const bool tma = TmaTakesBlocks(p.block_size);
+  if (loads == PrefillWgmmaLoads::kTma && !tma) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kWhat, ": TMA loads need a block size that is a power of two in [16, 256], got ",
+        p.block_size));
+  }
+  if (loads == PrefillWgmmaLoads::kGather && IsFp8(cache_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": fp8 caches load with TMA only"));
+  }
+  const bool gather = loads == PrefillWgmmaLoads::kGather || !tma;
+  CUtensorMap k_map{}, v_map{};  // gathers read no map
+  if (!gather) {
+    ASSIGN_OR_RETURN(k_map, EncodeMap(p, p.k_cache, p.k_block_stride, p.k_token_stride,
+                                      p.k_head_stride, cache_dtype, args.box_tokens));
+    ASSIGN_OR_RETURN(v_map, EncodeMap(p, p.v_cache, p.v_block_stride, p.v_token_stride,
+                                      p.v_head_stride, cache_dtype, args.box_tokens));
+  }
   const bool bf16 = q_dtype == DType::kBFloat16;
   if (IsFp8(cache_dtype)) {
     if (p.head_size == 64) {
@@ -144,6 +163,18 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
     }
     return bf16 ? LaunchTyped<128, __nv_bfloat16, true>(p, k_map, v_map, args, stream)
                 : LaunchTyped<128, __half, true>(p, k_map, v_map, args, stream);
+  }
+  if (gather) {
+    if (p.head_size == 64) {
+      return bf16 ? LaunchTyped<64, __nv_bfloat16, false, true>(p, k_map, v_map, args, stream)
+                  : LaunchTyped<64, __half, false, true>(p, k_map, v_map, args, stream);
+    }
+    if (p.head_size == 256) {
+      return bf16 ? LaunchTyped<256, __nv_bfloat16, false, true>(p, k_map, v_map, args, stream)
+                  : LaunchTyped<256, __half, false, true>(p, k_map, v_map, args, stream);
+    }
+    return bf16 ? LaunchTyped<128, __nv_bfloat16, false, true>(p, k_map, v_map, args, stream)
+                : LaunchTyped<128, __half, false, true>(p, k_map, v_map, args, stream);
   }
   if (p.head_size == 64) {
     return bf16 ? LaunchTyped<64, __nv_bfloat16, false>(p, k_map, v_map, args, stream)

@@ -24,6 +24,11 @@
 //     kBlockN keys one TMA box per (page, 64-column half), the block ids read through the
 //     block table by one lane per box; a slot is reused once both consumers released it
 //     (`empty`, one arrival per consumer warp), and its `full` barrier counts the bytes.
+//     Or, with kGather (16-bit caches, any block size; PrefillWgmmaLoads::kGather): all
+//     128 threads copy the tile's rows in 16-byte cp.async chunks through a table of row
+//     offsets in shared memory looked up one tile ahead (one row per thread), each thread
+//     arriving on `full` once its copies have landed; the consumers then fence the generic
+//     proxy's writes before their products read them.
 //   warpgroups 1 and 2 (consumers; registers raised to kConsumerRegs): 64 packed rows
 //     each. Per tile: wait for K; S = Q K^T (D / 16 wgmma m64nNk16, N = kBlockN, from shared memory);
 //     release K; scores in base 2 (soft cap, ALiBi, mask), online softmax in registers;
@@ -98,8 +103,9 @@ using ptx::SmemAddress;
 
 // REQUIRES: PrefillWgmmaApplies (prefill_wgmma.cu) for p; a device of compute capability
 // 9.0 and a build for sm_90a (elsewhere the kernel traps). kFp8: the cache is fp8 (e4m3
-// when a.e4m3), its maps raw byte rows.
-template <int D, typename T, bool kFp8 = false>
+// when a.e4m3), its maps raw byte rows. kGather (16-bit caches only): the producer gathers
+// rows with cp.async, and the maps are not read.
+template <int D, typename T, bool kFp8 = false, bool kGather = false>
 __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
     PrefillWgmmaKernel(const __grid_constant__ PagedKernelParams p,
                        const __grid_constant__ CUtensorMap k_map,
@@ -149,8 +155,9 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      tma_ptx::BarrierInit(full_k(s), 1);
-      tma_ptx::BarrierInit(full_v(s), 1);
+      // TMA: one arrival that expects the bytes; gathers: one per producer thread.
+      tma_ptx::BarrierInit(full_k(s), kGather ? 128 : 1);
+      tma_ptx::BarrierInit(full_v(s), kGather ? 128 : 1);
       tma_ptx::BarrierInit(empty_k(s), Traits::kConsumers * 4);
       tma_ptx::BarrierInit(empty_v(s), Traits::kConsumers * 4);
     }
@@ -158,8 +165,74 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   }
   __syncthreads();
 
+  static_assert(!(kFp8 && kGather), "fp8 caches load with TMA");
+  if (kGather && warpgroup == 0) {
+    // ---- Producer, gathering: every thread of the warpgroup copies 16-byte chunks of the
+    // tile's rows (chunk tid % kChunks of every kRowsPerPass-th row) through the row
+    // offsets of the tile in shared memory, which thread r < kBlockN looks up one tile
+    // ahead; its arrival on `full` comes once its copies have landed (rows past the end or
+    // of a block outside the cache are zero-filled).
+    wgmma::SetMaxRegisters<Traits::kProducerRegs, false>();
+    ptx::RowOffsets* const loc = reinterpret_cast<ptx::RowOffsets*>(smem + Traits::kLocOffset);
+    const int32_t* const block_row =
+        p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
+    const int64_t k_head_offset = static_cast<int64_t>(kv_head) * p.k_head_stride;
+    const int64_t v_head_offset = static_cast<int64_t>(kv_head) * p.v_head_stride;
+    auto lookup = [&](int n) -> ptx::RowOffsets {
+      const int j = n * kBlockN + tid;
+      if (j >= seq_len) return ptx::RowOffsets{-1, 0};
+      const int b = a.block_shift >= 0 ? j >> a.block_shift : j / p.block_size;
+      const int64_t block = block_row[b];
+      if (block < 0 || block >= p.num_blocks) return ptx::RowOffsets{-1, 0};
+      const int64_t offset = j - b * p.block_size;
+      return ptx::RowOffsets{block * p.k_block_stride + offset * p.k_token_stride + k_head_offset,
+                             block * p.v_block_stride + offset * p.v_token_stride + v_head_offset};
+    };
+    constexpr int kChunks = D / 8;
+    constexpr int kRowsPerPass = 128 / kChunks;
+    const int chunk = tid % kChunks;
+    const int row0 = tid / kChunks;
+    const uint32_t chunk_offset = static_cast<uint32_t>((chunk >> 3) * Traits::kKvPanelBytes);
+    const T* const k_cache = static_cast<const T*>(p.k_cache) + chunk * 8;
+    const T* const v_cache = static_cast<const T*>(p.v_cache) + chunk * 8;
+    if (tid < kBlockN && n_begin < n_end) loc[tid] = lookup(n_begin);
+    wgmma::NamedBarrierSync(7, 128);
+    for (int n = n_begin, it = 0; n < n_end; ++n, ++it) {
+      const int stage = it % kStages;
+      const uint32_t parity = ((it / kStages) & 1) ^ 1;
+      ptx::RowOffsets next{-1, 0};
+      if (tid < kBlockN && n + 1 < n_end) next = lookup(n + 1);  // lands during the copies
+      const ptx::RowOffsets* const rows = loc + (it & 1) * kBlockN;
+      tma_ptx::BarrierWait(empty_k(stage), parity);
+      const uint32_t k_tile = k_base + stage * Traits::kTileBytes + chunk_offset;
+#pragma unroll 4
+      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+        const int r = row0 + i * kRowsPerPass;
+        const int64_t k = rows[r].k;
+        CpAsync16(k_tile + wgmma::SwizzledOffset128(r, (chunk & 7) * 8), k_cache + (k >= 0 ? k : 0),
+                  k >= 0);
+      }
+      tma_ptx::CpAsyncArriveNoinc(full_k(stage));
+      tma_ptx::BarrierWait(empty_v(stage), parity);
+      const uint32_t v_tile = v_base + stage * Traits::kTileBytes + chunk_offset;
+#pragma unroll 4
+      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+        const int r = row0 + i * kRowsPerPass;
+        const ptx::RowOffsets o = rows[r];
+        CpAsync16(v_tile + wgmma::SwizzledOffset128(r, (chunk & 7) * 8),
+                  v_cache + (o.k >= 0 ? o.v : 0), o.k >= 0);
+      }
+      tma_ptx::CpAsyncArriveNoinc(full_v(stage));
+      // Every thread is past its reads of the other half of loc (tile n - 1's barrier).
+      if (tid < kBlockN) loc[((it + 1) & 1) * kBlockN + tid] = next;
+      wgmma::NamedBarrierSync(7, 128);
+    }
+    CpAsyncCommit();
+    CpAsyncWaitGroup<0>();
+    return;
+  }
   if (warpgroup == 0) {
-    // ---- Producer.
+    // ---- Producer, TMA.
     wgmma::SetMaxRegisters<Traits::kProducerRegs, false>();
     if (tid >= 32) return;
     const int32_t* const block_row =
@@ -332,6 +405,9 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   // raw slot is released at once.
   auto ready_k = [&](int n) {
     tma_ptx::BarrierWait(full_k(stage_of(n)), parity_of(n));
+    // Gathered rows were written by cp.async (the generic proxy): ordered before the
+    // products' reads by this thread's proxy fence.
+    if constexpr (kGather) wgmma::FenceSharedForAsyncProxy();
     if constexpr (kFp8) {
       convert(k_base + stage_of(n) * Traits::kRingTileBytes, k_tile_of(n), n);
       wgmma::NamedBarrierSync(5, 256);
@@ -340,6 +416,7 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   };
   auto ready_v = [&](int n) {
     tma_ptx::BarrierWait(full_v(stage_of(n)), parity_of(n));
+    if constexpr (kGather) wgmma::FenceSharedForAsyncProxy();
     if constexpr (kFp8) {
       convert(v_base + stage_of(n) * Traits::kRingTileBytes, v_tile_of(n), n);
       wgmma::NamedBarrierSync(6, 256);
@@ -382,7 +459,7 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   auto issue_pv = [&](int n) {
     ready_v(n);
     const int tile_lo = n * kBlockN;
-    if (!kFp8 && tile_lo + kBlockN > seq_len) {
+    if (!kFp8 && !kGather && tile_lo + kBlockN > seq_len) {  // (gathers zero-fill them)
       const int first = seq_len - tile_lo;
       uint8_t* const tile = smem + (v_tile_of(n) - smem_base);
       for (int i = wtid; i < (kBlockN - first) * kPanels * 8; i += 128) {

@@ -60,6 +60,11 @@ __device__ __forceinline__ void TmaLoad5(uint32_t dst, const CUtensorMap* map, u
       "r"(c4)
       : "memory");
 }
+// An arrival on `bar` once every cp.async this thread issued before it has completed; the
+// barrier's expected count includes it (noinc).
+__device__ __forceinline__ void CpAsyncArriveNoinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 // Makes barrier initialisations visible to the asynchronous proxy (TMA completions) before
 // the barrier that follows them.
 __device__ __forceinline__ void FenceBarrierInit() {
