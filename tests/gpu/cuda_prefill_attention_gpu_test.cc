@@ -255,12 +255,8 @@ absl::Status RunOnGpu(const PagedAttentionParams& host, std::vector<uint8_t>& ou
   if (io.variant == PrefillVariant::kWgmma) {
     if (!wgmma) return absl::UnimplementedError("this device does not run the wgmma kernel");
     if (!internal::PrefillWgmmaApplies(*kernel_params, host.q_dtype, host.out_dtype,
-                                       host.cache.spec.dtype)) {
-      return absl::UnimplementedError("the wgmma kernel does not apply");
-    }
-    if ((io.loads == PrefillWgmmaLoads::kTma && !TmaTakesBlocks(host.cache.spec.block_size)) ||
-        (io.loads == PrefillWgmmaLoads::kGather && IsFp8(host.cache.spec.dtype))) {
-      return absl::UnimplementedError("these loads do not apply");
+                                       host.cache.spec.dtype, io.loads)) {
+      return absl::UnimplementedError("the wgmma kernel does not apply with these loads");
     }
   }
   internal::PrefillLaunchOptions launch_options;
@@ -320,13 +316,11 @@ bool FastVariantExpected(const AttnCase& c) {
 // Whether the wgmma kernel must run `c` on a device that runs it (PrefillWgmmaApplies):
 // the cache in q's dtype or fp8, equal head sizes of 64, 128 or (16-bit caches) 256,
 // dense (16-byte aligned) activations and cache rows, and loads that take the block size
-// (TMA: a power of two in [16, 256]; gathers: any, 16-bit caches only).
+// (TMA, the default: a power of two in [16, 256]; gathers: any, 16-bit caches only).
 bool WgmmaExpected(const AttnCase& c, const GpuIo& io) {
   const bool fp8 = IsFp8(c.cache_dtype);
   const bool tma = TmaTakesBlocks(c.block_size);
-  const bool loads = io.loads == PrefillWgmmaLoads::kTma      ? tma
-                     : io.loads == PrefillWgmmaLoads::kGather ? !fp8
-                                                              : tma || !fp8;
+  const bool loads = io.loads == PrefillWgmmaLoads::kGather ? !fp8 : tma;
   return (c.cache_dtype == c.q_dtype || fp8) && c.head_size == c.head_size_v &&
          (c.head_size == 64 || c.head_size == 128 || (c.head_size == 256 && !fp8)) &&
          c.layout != TestLayout::kPadded && io.dense && loads;
@@ -721,8 +715,8 @@ TEST(CudaPrefillLimitsTest, UnsupportedCombinationsAreInvalidArgument) {
                              "head sizes 256/256"},
                          Bad{unequal, DType::kFloat16, DType::kFloat16, DType::kFloat16,
                              "head sizes 128/64"},
-                         Bad{odd_block, DType::kFloat16, DType::kFloat16, DType::kFloat8E4M3,
-                             "block size 24 of an fp8 cache"}}) {
+                         Bad{odd_block, DType::kFloat16, DType::kFloat16, DType::kFloat16,
+                             "block size 24 is not a power of two in [16, 256] (TMA loads)"}}) {
     expect_rejected(bad, wgmma, "wgmma kernel does not apply");
   }
   // Loads that do not apply: TMA for a block size it cannot take, gathers of an fp8 cache
@@ -738,13 +732,13 @@ TEST(CudaPrefillLimitsTest, UnsupportedCombinationsAreInvalidArgument) {
   internal::PrefillLaunchOptions tma = wgmma;
   tma.wgmma_loads = PrefillWgmmaLoads::kTma;
   expect_rejected(Bad{cached_odd, DType::kFloat16, DType::kFloat16, DType::kFloat16,
-                      "TMA loads need a block size that is a power of two"},
-                  tma, "got 24");
+                      "block size 24 is not a power of two"},
+                  tma, "wgmma kernel does not apply");
   internal::PrefillLaunchOptions gather = wgmma;
   gather.wgmma_loads = PrefillWgmmaLoads::kGather;
   expect_rejected(Bad{cached, DType::kFloat16, DType::kFloat16, DType::kFloat8E4M3,
                       "fp8 caches load with TMA only"},
-                  gather, "wgmma");
+                  gather, "wgmma kernel does not apply");
   wgmma.wgmma = false;
   expect_rejected(Bad{ok, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, "wgmma"}, wgmma,
                   "sm_90a");

@@ -44,7 +44,7 @@ enum class PrefillVariant {
 enum class PrefillWgmmaSchedule { kDefault, kSerial, kOverlap, kPingPong };
 // How the wgmma kernel's producer loads K and V of a 16-bit cache: TMA boxes of whole
 // pages (block sizes that are powers of two in [16, 256]) or cp.async gathers of 16-byte
-// chunks (any block size). kDefault: TMA where it applies, else gathers.
+// chunks (any block size; not yet measured, so only when asked for). kDefault: TMA.
 enum class PrefillWgmmaLoads { kDefault, kTma, kGather };
 struct PrefillLaunchOptions {
   PrefillVariant variant = PrefillVariant::kAuto;
@@ -60,17 +60,20 @@ struct PrefillLaunchOptions {
 bool PrefillFastVariantApplies(const PagedKernelParams& params, DType q_dtype,
                                DType cache_dtype);
 
-// Whether the wgmma kernel takes this call on a device where it may run: q and out of one
-// 16-bit dtype, the cache of that dtype or fp8 e4m3 / e5m2, head_size == head_size_v, 64,
-// 128 or (16-bit caches) 256, every q, out and cache row 16-byte aligned, strides within a
-// tensor map's range; fp8 caches: a block size that is a power of two in [16, 256]. When it does not and `why` is not null, *why says what it lacks.
+// Whether the wgmma kernel takes this call with these loads on a device where it may run:
+// q and out of one 16-bit dtype, the cache of that dtype or fp8 e4m3 / e5m2, head_size ==
+// head_size_v, 64, 128 or (16-bit caches) 256, every q, out and cache row 16-byte aligned,
+// strides within a tensor map's range; TMA loads (kDefault, kTma): a block size that is a
+// power of two in [16, 256]; gathers: a 16-bit cache. When it does not and `why` is not
+// null, *why says what it lacks.
 bool PrefillWgmmaApplies(const PagedKernelParams& params, DType q_dtype, DType out_dtype,
-                         DType cache_dtype, std::string* why = nullptr);
+                         DType cache_dtype, PrefillWgmmaLoads loads,
+                         std::string* why = nullptr);
 
 // Whether this build holds the wgmma kernel's sm_90a code (compiled for 90a).
 bool PrefillWgmmaCompiled();
 
-// Enqueues the wgmma kernel. REQUIRES: PrefillWgmmaApplies, and PrefillLaunchOptions::wgmma
+// Enqueues the wgmma kernel. REQUIRES: PrefillWgmmaApplies for `loads`; PrefillLaunchOptions::wgmma
 // would be true for the stream's device; params with rows to compute (num_seqs and
 // max_query_len > 0, the limits LaunchPrefillAttention checks).
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& params, DType q_dtype,

@@ -76,7 +76,7 @@ bool TmaTakesBlocks(int block_size) {
 }  // namespace
 
 bool PrefillWgmmaApplies(const PagedKernelParams& p, DType q_dtype, DType out_dtype,
-                         DType cache_dtype, std::string* why) {
+                         DType cache_dtype, PrefillWgmmaLoads loads, std::string* why) {
   auto no = [&](std::string reason) {
     if (why != nullptr) *why = std::move(reason);
     return false;
@@ -90,9 +90,11 @@ bool PrefillWgmmaApplies(const PagedKernelParams& p, DType q_dtype, DType out_dt
     return no(absl::StrCat("head sizes ", p.head_size, "/", p.head_size_v, " are not 64/64, ",
                            "128/128 or (a 16-bit cache) 256/256"));
   }
-  if (fp8 && !TmaTakesBlocks(p.block_size)) {
+  if (loads == PrefillWgmmaLoads::kGather) {
+    if (fp8) return no("fp8 caches load with TMA only");
+  } else if (!TmaTakesBlocks(p.block_size)) {
     return no(absl::StrCat("block size ", p.block_size,
-                           " of an fp8 cache is not a power of two in [16, 256]"));
+                           " is not a power of two in [16, 256] (TMA loads)"));
   }
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) return no("bad head counts");
   if (p.num_blocks < 1 || p.num_blocks >= INT32_MAX) return no("block count out of range");
@@ -138,16 +140,7 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
   args.block_shift = 0;
   while ((1 << args.block_shift) < p.block_size) ++args.block_shift;
   if ((1 << args.block_shift) != p.block_size) args.block_shift = -1;
-  const bool tma = TmaTakesBlocks(p.block_size);
-  if (loads == PrefillWgmmaLoads::kTma && !tma) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kWhat, ": TMA loads need a block size that is a power of two in [16, 256], got ",
-        p.block_size));
-  }
-  if (loads == PrefillWgmmaLoads::kGather && IsFp8(cache_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": fp8 caches load with TMA only"));
-  }
-  const bool gather = loads == PrefillWgmmaLoads::kGather || !tma;
+  const bool gather = loads == PrefillWgmmaLoads::kGather;
   CUtensorMap k_map{}, v_map{};  // gathers read no map
   if (!gather) {
     ASSIGN_OR_RETURN(k_map, EncodeMap(p, p.k_cache, p.k_block_stride, p.k_token_stride,
