@@ -83,6 +83,7 @@
 #include "cuda/mma_ptx.cuh"
 #include "cuda/prefill_helpers.cuh"
 #include "cuda/prefill_wgmma_config.cuh"
+#include "cuda/prefill_wgmma_producer.cuh"
 #include "cuda/sequence_bounds.cuh"
 #include "cuda/tma_ptx.cuh"
 #include "cuda/wgmma_ptx.cuh"
@@ -126,10 +127,11 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   const uint32_t k_base = smem_base + Traits::kKOffset;
   const uint32_t v_base = smem_base + Traits::kVOffset;
   const uint32_t bar_base = smem_base + Traits::kBarrierOffset;
-  auto full_k = [&](int s) { return bar_base + 8 * s; };
-  auto full_v = [&](int s) { return bar_base + 8 * (kStages + s); };
-  auto empty_k = [&](int s) { return bar_base + 8 * (2 * kStages + s); };
-  auto empty_v = [&](int s) { return bar_base + 8 * (3 * kStages + s); };
+  const RingBarriers<kStages> bars{bar_base};
+  auto full_k = [&](int s) { return bars.full_k(s); };
+  auto full_v = [&](int s) { return bars.full_v(s); };
+  auto empty_k = [&](int s) { return bars.empty_k(s); };
+  auto empty_v = [&](int s) { return bars.empty_v(s); };
 
   const int tid = static_cast<int>(threadIdx.x);
   const int warpgroup = tid / 128;
@@ -166,122 +168,16 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   __syncthreads();
 
   static_assert(!(kFp8 && kGather), "fp8 caches load with TMA");
-  if (kGather && warpgroup == 0) {
-    // ---- Producer, gathering: every thread of the warpgroup copies 16-byte chunks of the
-    // tile's rows (chunk tid % kChunks of every kRowsPerPass-th row) through the row
-    // offsets of the tile in shared memory, which thread r < kBlockN looks up one tile
-    // ahead; its arrival on `full` comes once its copies have landed (rows past the end or
-    // of a block outside the cache are zero-filled).
-    wgmma::SetMaxRegisters<Traits::kProducerRegs, false>();
-    ptx::RowOffsets* const loc = reinterpret_cast<ptx::RowOffsets*>(smem + Traits::kLocOffset);
-    const int32_t* const block_row =
-        p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
-    const int64_t k_head_offset = static_cast<int64_t>(kv_head) * p.k_head_stride;
-    const int64_t v_head_offset = static_cast<int64_t>(kv_head) * p.v_head_stride;
-    auto lookup = [&](int n) -> ptx::RowOffsets {
-      const int j = n * kBlockN + tid;
-      if (j >= seq_len) return ptx::RowOffsets{-1, 0};
-      const int b = a.block_shift >= 0 ? j >> a.block_shift : j / p.block_size;
-      const int64_t block = block_row[b];
-      if (block < 0 || block >= p.num_blocks) return ptx::RowOffsets{-1, 0};
-      const int64_t offset = j - b * p.block_size;
-      return ptx::RowOffsets{block * p.k_block_stride + offset * p.k_token_stride + k_head_offset,
-                             block * p.v_block_stride + offset * p.v_token_stride + v_head_offset};
-    };
-    constexpr int kChunks = D / 8;
-    constexpr int kRowsPerPass = 128 / kChunks;
-    const int chunk = tid % kChunks;
-    const int row0 = tid / kChunks;
-    const uint32_t chunk_offset = static_cast<uint32_t>((chunk >> 3) * Traits::kKvPanelBytes);
-    const T* const k_cache = static_cast<const T*>(p.k_cache) + chunk * 8;
-    const T* const v_cache = static_cast<const T*>(p.v_cache) + chunk * 8;
-    if (tid < kBlockN && n_begin < n_end) loc[tid] = lookup(n_begin);
-    wgmma::NamedBarrierSync(7, 128);
-    for (int n = n_begin, it = 0; n < n_end; ++n, ++it) {
-      const int stage = it % kStages;
-      const uint32_t parity = ((it / kStages) & 1) ^ 1;
-      ptx::RowOffsets next{-1, 0};
-      if (tid < kBlockN && n + 1 < n_end) next = lookup(n + 1);  // lands during the copies
-      const ptx::RowOffsets* const rows = loc + (it & 1) * kBlockN;
-      tma_ptx::BarrierWait(empty_k(stage), parity);
-      const uint32_t k_tile = k_base + stage * Traits::kTileBytes + chunk_offset;
-#pragma unroll 4
-      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-        const int r = row0 + i * kRowsPerPass;
-        const int64_t k = rows[r].k;
-        CpAsync16(k_tile + wgmma::SwizzledOffset128(r, (chunk & 7) * 8), k_cache + (k >= 0 ? k : 0),
-                  k >= 0);
-      }
-      tma_ptx::CpAsyncArriveNoinc(full_k(stage));
-      tma_ptx::BarrierWait(empty_v(stage), parity);
-      const uint32_t v_tile = v_base + stage * Traits::kTileBytes + chunk_offset;
-#pragma unroll 4
-      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-        const int r = row0 + i * kRowsPerPass;
-        const ptx::RowOffsets o = rows[r];
-        CpAsync16(v_tile + wgmma::SwizzledOffset128(r, (chunk & 7) * 8),
-                  v_cache + (o.k >= 0 ? o.v : 0), o.k >= 0);
-      }
-      tma_ptx::CpAsyncArriveNoinc(full_v(stage));
-      // Every thread is past its reads of the other half of loc (tile n - 1's barrier).
-      if (tid < kBlockN) loc[((it + 1) & 1) * kBlockN + tid] = next;
-      wgmma::NamedBarrierSync(7, 128);
-    }
-    CpAsyncCommit();
-    CpAsyncWaitGroup<0>();
-    return;
-  }
   if (warpgroup == 0) {
-    // ---- Producer, TMA.
+    // ---- Producer (prefill_wgmma_producer.cuh).
     wgmma::SetMaxRegisters<Traits::kProducerRegs, false>();
-    if (tid >= 32) return;
-    const int32_t* const block_row =
-        p.block_table + static_cast<int64_t>(seq) * p.block_table_stride;
-    // One box per (page, 64-column panel) of 16-bit rows; per page of whole raw fp8 rows.
-    constexpr int kBoxPanels = kFp8 ? 1 : kPanels;
-    const int pages = kBlockN / a.box_tokens;
-    const int boxes = pages * kBoxPanels;  // at most 16 (8 x 2, 4 x 4): one lane each
-    const int page = lane / kBoxPanels;
-    const int panel = lane % kBoxPanels;
-    const uint32_t box_offset =
-        kFp8 ? static_cast<uint32_t>(page * a.box_tokens * D)
-             : static_cast<uint32_t>(panel * Traits::kKvPanelBytes + page * a.box_tokens * 128);
-    // The block coordinate and token offset of lane's box in tile n: past the sequence's
-    // end, or a block id outside the cache, the coordinate num_blocks (read as zeros).
-    auto box_of = [&](int n, int* token) {
-      const int j = n * kBlockN + page * a.box_tokens;
-      *token = j & ((1 << a.block_shift) - 1);
-      if (lane >= boxes || j >= seq_len) return static_cast<int>(p.num_blocks);
-      const int32_t block = block_row[j >> a.block_shift];
-      return block < 0 || block >= p.num_blocks ? static_cast<int>(p.num_blocks) : block;
-    };
-    int token = 0;
-    int block = n_begin < n_end ? box_of(n_begin, &token) : 0;
-    for (int n = n_begin, it = 0; n < n_end; ++n, ++it) {
-      const int stage = it % kStages;
-      const uint32_t parity = ((it / kStages) & 1) ^ 1;
-      const int this_block = block;
-      const int this_token = token;
-      if (n + 1 < n_end) block = box_of(n + 1, &token);  // in flight during the waits
-      if (lane == 0) {
-        tma_ptx::BarrierWait(empty_k(stage), parity);
-        tma_ptx::BarrierArriveExpect(full_k(stage), Traits::kRingTileBytes);
-      }
-      __syncwarp();
-      if (lane < boxes) {
-        tma_ptx::TmaLoad5(k_base + stage * Traits::kRingTileBytes + box_offset, &k_map,
-                          full_k(stage), 0, this_token, panel, kv_head, this_block);
-      }
-      if (lane == 0) {
-        tma_ptx::BarrierWait(empty_v(stage), parity);
-        tma_ptx::BarrierArriveExpect(full_v(stage), Traits::kRingTileBytes);
-      }
-      __syncwarp();
-      if (lane < boxes) {
-        tma_ptx::TmaLoad5(v_base + stage * Traits::kRingTileBytes + box_offset, &v_map,
-                          full_v(stage), 0, this_token, panel, kv_head, this_block);
-      }
+    const ProducerTiles tiles{seq, kv_head, seq_len, n_begin, n_end};
+    if (kGather) {
+      ProduceByGathers<D, T, Traits>(p, a, tiles, smem, k_base, v_base, bars, tid);
+      return;
     }
+    if (tid >= 32) return;
+    ProduceByTma<D, kFp8, Traits>(p, k_map, v_map, a, tiles, k_base, v_base, bars, lane);
     return;
   }
 

@@ -61,6 +61,7 @@ struct PrefillWgmmaTraits {
   static constexpr int kLocBytes = kFp8 ? 0 : 2 * kBlockN * 16;
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes inside the kernel.
   static constexpr int kSmemBytes = kLocOffset + kLocBytes + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "an H100/H200 CTA has at most 227 KiB of shared memory");
   // 128 x 40 + 256 x 232 = 64512 of the SM's 65536 registers.
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
