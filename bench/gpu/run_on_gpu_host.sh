@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds kvstream's compute libraries with CUDA on a GPU host, runs the GPU tests, the CUDA
-# kernel benchmarks and the comparison with torch, and leaves every log in OUT_DIR.
+# Builds kvstream's compute libraries with CUDA on a GPU host, runs the GPU tests (in
+# parallel gtest shards; GPU_TEST_SHARDS, default one per core), the CUDA kernel benchmarks
+# and the comparison with torch, and leaves every log in OUT_DIR.
 #
 #   bench/gpu/run_on_gpu_host.sh BUILD_DIR OUT_DIR [cmake args...]
 #
@@ -22,13 +23,31 @@ cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSTREAM_CUDA=
 cmake --build "$build" -j "$(nproc)" > "$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -40; exit 1; }
 echo "build ok ($(date +%T))"
 
+# Each test binary: its timing tests (*Performance*) alone first, so that their figures
+# are the GPU's own, then the rest in as many gtest shards as the host has cores, side by
+# side (the golden CPU reference, not the GPU, is what takes the time: the prefill test is
+# about 15 minutes in one process).
+shards=${GPU_TEST_SHARDS:-$(nproc)}
 for t in "$build"/tests/gpu/*_gpu_test; do
   name=$(basename "$t")
-  if timeout "${GPU_TEST_TIMEOUT:-300}" "$t" --gtest_brief=1 > "$out/$name.log" 2>&1; then
-    echo "$name: $(grep -E '^\[  PASSED  \]' "$out/$name.log" | tail -1)"
+  failed=0
+  timeout "${GPU_TEST_TIMEOUT:-300}" "$t" --gtest_brief=0 --gtest_filter='*Performance*' \
+    > "$out/$name.perf.log" 2>&1 || failed=1
+  grep -E '^\[ PERF' "$out/$name.perf.log" || true
+  pids=()
+  for i in $(seq 0 $((shards - 1))); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "${GPU_TEST_TIMEOUT:-300}" "$t" \
+      --gtest_brief=1 --gtest_filter='-*Performance*' > "$out/$name.$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  cat "$out/$name".*.log > "$out/$name.log" && rm -f "$out/$name".[0-9]*.log
+  passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/$name.log" | awk '{s += $NF} END {print s + 0}')
+  if [ "$failed" = 0 ]; then
+    echo "$name: $passed tests passed ($shards shards)"
   else
     status=1
-    echo "$name: FAILED ($(grep -c '^\[  FAILED  \]' "$out/$name.log") failed lines)"
+    echo "$name: FAILED ($(grep -c '^\[  FAILED  \]' "$out/$name.log") failed lines, $passed passed)"
     grep -E -A6 "Failure" "$out/$name.log" | head -40
   fi
 done
