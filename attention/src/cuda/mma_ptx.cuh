@@ -155,8 +155,9 @@ __device__ __forceinline__ uint32_t SwizzledChunk(int row, int chunk) {
 }
 
 // log2(x) when x is a power of two, else -1: the page-table lookups shift instead of
-// dividing by block sizes that are powers of two (all common ones). Once per thread.
-__device__ __forceinline__ int Log2IfPowerOfTwo(int x) {
+// dividing by block sizes that are powers of two (all common ones). Once per thread (or
+// once per launch on the host).
+__host__ __device__ __forceinline__ int Log2IfPowerOfTwo(int x) {
   int shift = -1;
   for (int s = 0; s < 31; ++s) {
     if ((1 << s) == x) shift = s;

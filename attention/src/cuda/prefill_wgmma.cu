@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/kernel_params.h"
 #include "cuda/launchers.h"
+#include "cuda/mma_ptx.cuh"
 #include "cuda/prefill_config.cuh"
 #include "cuda/prefill_wgmma.cuh"
 #include "cuda/tensor_map.h"
@@ -70,7 +71,26 @@ absl::Status LaunchTyped(const PagedKernelParams& p, const CUtensorMap& k_map,
 
 // Whether TMA boxes of whole pages serve this block size.
 bool TmaTakesBlocks(int block_size) {
-  return block_size >= 16 && block_size <= 256 && (block_size & (block_size - 1)) == 0;
+  return ptx::Log2IfPowerOfTwo(block_size) >= 4 && block_size <= 256;
+}
+
+// The instantiation of one call: head size 64, 128 or 256 (fp8: 64 or 128) and the query type.
+template <bool kFp8, bool kGather>
+absl::Status LaunchForHeadSize(const PagedKernelParams& p, bool bf16, const CUtensorMap& k_map,
+                               const CUtensorMap& v_map, const pw::PrefillWgmmaArgs& args,
+                               cudaStream_t stream) {
+  if (p.head_size == 64) {
+    return bf16 ? LaunchTyped<64, __nv_bfloat16, kFp8, kGather>(p, k_map, v_map, args, stream)
+                : LaunchTyped<64, __half, kFp8, kGather>(p, k_map, v_map, args, stream);
+  }
+  if constexpr (!kFp8) {
+    if (p.head_size == 256) {
+      return bf16 ? LaunchTyped<256, __nv_bfloat16, false, kGather>(p, k_map, v_map, args, stream)
+                  : LaunchTyped<256, __half, false, kGather>(p, k_map, v_map, args, stream);
+    }
+  }
+  return bf16 ? LaunchTyped<128, __nv_bfloat16, kFp8, kGather>(p, k_map, v_map, args, stream)
+              : LaunchTyped<128, __half, kFp8, kGather>(p, k_map, v_map, args, stream);
 }
 
 }  // namespace
@@ -137,9 +157,7 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
   args.e4m3 = cache_dtype == DType::kFloat8E4M3;
   args.box_tokens = p.block_size < block_n ? p.block_size : block_n;
   if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens);
-  args.block_shift = 0;
-  while ((1 << args.block_shift) < p.block_size) ++args.block_shift;
-  if ((1 << args.block_shift) != p.block_size) args.block_shift = -1;
+  args.block_shift = ptx::Log2IfPowerOfTwo(p.block_size);
   const bool gather = loads == PrefillWgmmaLoads::kGather;
   CUtensorMap k_map{}, v_map{};  // gathers read no map
   if (!gather) {
@@ -149,36 +167,9 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
                                       p.v_head_stride, cache_dtype, args.box_tokens));
   }
   const bool bf16 = q_dtype == DType::kBFloat16;
-  if (IsFp8(cache_dtype)) {
-    if (p.head_size == 64) {
-      return bf16 ? LaunchTyped<64, __nv_bfloat16, true>(p, k_map, v_map, args, stream)
-                  : LaunchTyped<64, __half, true>(p, k_map, v_map, args, stream);
-    }
-    return bf16 ? LaunchTyped<128, __nv_bfloat16, true>(p, k_map, v_map, args, stream)
-                : LaunchTyped<128, __half, true>(p, k_map, v_map, args, stream);
-  }
-  if (gather) {
-    if (p.head_size == 64) {
-      return bf16 ? LaunchTyped<64, __nv_bfloat16, false, true>(p, k_map, v_map, args, stream)
-                  : LaunchTyped<64, __half, false, true>(p, k_map, v_map, args, stream);
-    }
-    if (p.head_size == 256) {
-      return bf16 ? LaunchTyped<256, __nv_bfloat16, false, true>(p, k_map, v_map, args, stream)
-                  : LaunchTyped<256, __half, false, true>(p, k_map, v_map, args, stream);
-    }
-    return bf16 ? LaunchTyped<128, __nv_bfloat16, false, true>(p, k_map, v_map, args, stream)
-                : LaunchTyped<128, __half, false, true>(p, k_map, v_map, args, stream);
-  }
-  if (p.head_size == 64) {
-    return bf16 ? LaunchTyped<64, __nv_bfloat16, false>(p, k_map, v_map, args, stream)
-                : LaunchTyped<64, __half, false>(p, k_map, v_map, args, stream);
-  }
-  if (p.head_size == 256) {
-    return bf16 ? LaunchTyped<256, __nv_bfloat16, false>(p, k_map, v_map, args, stream)
-                : LaunchTyped<256, __half, false>(p, k_map, v_map, args, stream);
-  }
-  return bf16 ? LaunchTyped<128, __nv_bfloat16, false>(p, k_map, v_map, args, stream)
-              : LaunchTyped<128, __half, false>(p, k_map, v_map, args, stream);
+  if (IsFp8(cache_dtype)) return LaunchForHeadSize<true, false>(p, bf16, k_map, v_map, args, stream);
+  if (gather) return LaunchForHeadSize<false, true>(p, bf16, k_map, v_map, args, stream);
+  return LaunchForHeadSize<false, false>(p, bf16, k_map, v_map, args, stream);
 }
 
 }  // namespace internal
