@@ -430,7 +430,8 @@ void BM_CacheUpdate(benchmark::State& state) {
 // kernel as the backend runs it; 3: the TMA kernel with the merge kernel instead) with
 // `forced_splits` splits (0: the launcher's choice). TB/s of K and V read once.
 void RunDecode(benchmark::State& state, int seqs, int seq_len, int64_t kernel_arg,
-               int forced_splits, DType cache_dtype, DType act_dtype = DType::kBFloat16) {
+               int forced_splits, DType cache_dtype, DType act_dtype = DType::kBFloat16,
+               internal::DecodeFp8Staging fp8_staging = internal::DecodeFp8Staging::kShared) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
   const internal::DecodeKernel kernel = kernel_arg >= 2   ? internal::DecodeKernel::kTensorCoresTma
@@ -458,6 +459,7 @@ void RunDecode(benchmark::State& state, int seqs, int seq_len, int64_t kernel_ar
     options.tma = gpu->compute_major >= 9;
     options.kernel = kernel;
     options.num_splits = forced_splits;
+    options.fp8_staging = fp8_staging;
     DeviceBuffer workspace;
     options.workspace = [&workspace](size_t bytes) -> absl::StatusOr<void*> {
       if (bytes > workspace.size()) {
@@ -492,12 +494,15 @@ void BM_Decode(benchmark::State& state) {
 
 // fp8 e4m3 cache (per-tensor scales; half of bf16's bytes, dequantised in the kernel):
 // range(2) the kernel, 0 (CUDA cores) or 1 (tensor cores, the default for fp8), the
-// launcher's splits; range(3) the activations, 0 bf16 and 1 fp16. The streaming read is of
-// the fp8 cache.
+// launcher's splits; range(3) the activations, 0 bf16 and 1 fp16; range(4) the tensor-core
+// kernel's fp8 staging (internal::DecodeFp8Staging: 0 shared, the default; 1 a deeper
+// ring; 2 K converted in registers; 3 both; 4 K and V in registers; 5 that and the deeper
+// ring). The streaming read is of the fp8 cache.
 void BM_DecodeFp8(benchmark::State& state) {
   RunDecode(state, static_cast<int>(state.range(0)), static_cast<int>(state.range(1)),
             state.range(2), 0, DType::kFloat8E4M3,
-            state.range(3) == 0 ? DType::kBFloat16 : DType::kFloat16);
+            state.range(3) == 0 ? DType::kBFloat16 : DType::kFloat16,
+            static_cast<internal::DecodeFp8Staging>(state.range(4)));
 }
 
 // Decode's reads alone: the K and V rows BM_Decode reads, from BM_Decode's batch, through
@@ -617,12 +622,17 @@ BENCHMARK(BM_Decode)
     ->Iterations(kIterations)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeFp8)
-    ->ArgNames({"seqs", "seq_len", "kernel", "fp16"})
+    ->ArgNames({"seqs", "seq_len", "kernel", "fp16", "staging"})
     ->Apply([](benchmark::internal::Benchmark* b) {
-      for (const int64_t kernel : {0, 1}) {
-        for (const int64_t fp16 : {0, 1}) {
-          b->Args({64, 4096, kernel, fp16});
-          b->Args({16, 32768, kernel, fp16});
+      for (const int64_t fp16 : {0, 1}) {
+        b->Args({64, 4096, 0, fp16, 0});
+        b->Args({16, 32768, 0, fp16, 0});
+        // Each staging in turn per shape, so that a drift of the clock touches all alike.
+        for (int64_t staging = 0; staging <= 5; ++staging) {
+          b->Args({64, 4096, 1, fp16, staging});
+        }
+        for (int64_t staging = 0; staging <= 5; ++staging) {
+          b->Args({16, 32768, 1, fp16, staging});
         }
       }
     })

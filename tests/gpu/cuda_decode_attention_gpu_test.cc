@@ -99,7 +99,8 @@ class CudaDecodeTest : public ::testing::Test {
   // given at zero.
   absl::Status Launch(const PagedAttentionParams& p, int num_splits,
                       internal::DecodeKernel kernel = internal::DecodeKernel::kAuto,
-                      Merge merge = Merge::kInKernel) {
+                      Merge merge = Merge::kInKernel,
+                      internal::DecodeFp8Staging fp8_staging = internal::DecodeFp8Staging::kShared) {
     ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
     internal::DecodeLaunchOptions options;
     options.num_sms = num_sms_;
@@ -107,6 +108,7 @@ class CudaDecodeTest : public ::testing::Test {
     options.tma = tma_;
     options.num_splits = num_splits;
     options.kernel = kernel;
+    options.fp8_staging = fp8_staging;
     const DType cache_dtype = p.cache.spec.dtype;
     DeviceBuffer workspace;  // exactly the bytes the launch asks for, so that overruns show
     options.workspace = [&workspace](size_t bytes) -> absl::StatusOr<void*> {
@@ -519,6 +521,113 @@ TEST_F(CudaDecodeTest, TensorCoreShapesAndFeatures) {
       c.seqs = {{0, 1}, {67, 1}, {6, 0}, {600, 1}, {127, 1}, {1000, 1}};
       ExpectTensorCoresMatch(c, {0, 1, 2, 5});
     }
+  }
+}
+
+// The fp8-only stagings of the tensor-core kernel (DecodeFp8Staging: a deeper ring, K or
+// K and V converted in registers, and with the deeper ring), on the shapes they are built for (padded head size 128, up
+// to 8 query heads per KV head): both fp8 formats, per-tensor and per-head scales, K
+// narrower than V, windows, ALiBi and soft caps, block sizes below, at and above the
+// 64-key tile, the launcher's split choice and fixed ones.
+TEST_F(CudaDecodeTest, Fp8StagingsMatchTheReference) {
+  struct Case {
+    int group, d;
+    DType act, cache;
+    KvQuantMode quant;
+    int window, block_size;
+    bool alibi;
+    float cap;
+  };
+  for (const Case& k :
+       {Case{4, 128, DType::kBFloat16, DType::kFloat8E4M3, KvQuantMode::kPerTensor, 0, 16,
+             false, 0},
+        Case{4, 128, DType::kFloat16, DType::kFloat8E4M3, KvQuantMode::kPerHead, 0, 5, false,
+             0},
+        Case{8, 128, DType::kBFloat16, DType::kFloat8E5M2, KvQuantMode::kPerHead, 70, 128,
+             true, 0},
+        Case{1, 96, DType::kFloat16, DType::kFloat8E5M2, KvQuantMode::kPerTensor, 0, 16,
+             false, 3.0f}}) {
+    AttnCase c;
+    c.num_kv_heads = 2;
+    c.group = k.group;
+    c.head_size = k.d;
+    c.head_size_v = 128;
+    c.q_dtype = c.out_dtype = k.act;
+    c.cache_dtype = k.cache;
+    c.quant = k.quant;
+    c.sliding_window = k.window;
+    c.alibi = k.alibi;
+    c.soft_cap = k.cap;
+    c.scale = 0.3f;
+    c.block_size = k.block_size;
+    c.layout = k.block_size == 5 ? TestLayout::kHND : TestLayout::kNHD;
+    c.seqs = {{0, 1}, {67, 1}, {6, 0}, {600, 1}, {127, 1}, {1000, 1}};
+    AttnProblem pb(c);
+    auto dev = DeviceAttnProblem::Create(pb);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    for (const auto staging :
+         {internal::DecodeFp8Staging::kDeepRing, internal::DecodeFp8Staging::kKInRegisters,
+          internal::DecodeFp8Staging::kDeepRingKInRegisters,
+          internal::DecodeFp8Staging::kKVInRegisters,
+          internal::DecodeFp8Staging::kDeepRingKVInRegisters}) {
+      for (int num_splits : {0, 1, 3}) {
+        const std::string what = absl::StrCat(
+            "group ", k.group, " d ", k.d, " ", ShortDType(k.act), "/", ShortDType(k.cache),
+            " bs ", k.block_size, ", staging ", static_cast<int>(staging), ", splits ",
+            num_splits);
+        ASSERT_TRUE((*dev)->ResetOut().ok());
+        const absl::Status st = Launch((*dev)->params(), num_splits,
+                                       internal::DecodeKernel::kTensorCores,
+                                       Merge::kMergeKernel, staging);
+        ASSERT_TRUE(st.ok()) << st << " (" << what << ")";
+        auto out = (*dev)->Out();
+        ASSERT_TRUE(out.ok()) << out.status();
+        ExpectMatchesReference(pb, *out, what);
+      }
+    }
+  }
+}
+
+// Where an fp8-only staging does not exist, the launch says so (InvalidArgument, naming
+// what it lacks) and writes nothing.
+TEST_F(CudaDecodeTest, Fp8StagingsRefuseWhatTheyDoNotTake) {
+  struct Case {
+    int group, d;
+    DType cache;
+    internal::DecodeKernel kernel;
+    const char* why;
+  };
+  for (const Case& k :
+       {Case{4, 64, DType::kFloat8E4M3, internal::DecodeKernel::kTensorCores,
+             "padded head size 64"},
+        Case{4, 128, DType::kBFloat16, internal::DecodeKernel::kTensorCores,
+             "cache dtype bfloat16"},
+        Case{12, 128, DType::kFloat8E4M3, internal::DecodeKernel::kTensorCores,
+             "12 query heads per KV head"},
+        Case{4, 128, DType::kFloat8E4M3, internal::DecodeKernel::kCudaCores,
+             "needs the tensor-core kernel"}}) {
+    SCOPED_TRACE(k.why);
+    AttnCase c;
+    c.num_kv_heads = 2;
+    c.group = k.group;
+    c.head_size = c.head_size_v = k.d;
+    c.q_dtype = c.out_dtype = DType::kBFloat16;
+    c.cache_dtype = k.cache;
+    c.quant = IsFp8(k.cache) ? KvQuantMode::kPerTensor : KvQuantMode::kNone;
+    c.block_size = 16;
+    c.seqs = {{67, 1}, {300, 1}};
+    AttnProblem pb(c);
+    auto dev = DeviceAttnProblem::Create(pb);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    ASSERT_TRUE((*dev)->ResetOut().ok());
+    const absl::Status st = Launch((*dev)->params(), 0, k.kernel, Merge::kMergeKernel,
+                                   internal::DecodeFp8Staging::kKInRegisters);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(k.why));
+    auto out = (*dev)->Out();
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(*out, std::vector<uint8_t>(out->size(), AttnProblem::kSentinel))
+        << "a refused launch wrote to the output";
   }
 }
 

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -56,13 +57,16 @@ namespace tc = ::kvstream::internal::decode_tc;
 
 using internal::PaddedHeadDim;
 
-// Runs every CTA of the split grid for padded head size D and activation type T, then
-// merges the splits on the host as DecodeMergeKernel does.
-template <int D, int kNT, typename T>
+// Runs every CTA of the split grid for padded head size D and activation type T (and fp8
+// staging kFp8), then merges the splits on the host as DecodeMergeKernel does.
+template <int D, int kNT, typename T, int kFp8>
 absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dtype,
                           int num_splits, EmulationMode mode) {
-  using Traits = tc::DecodeTcTraits<D, kNT>;
+  using Traits = tc::DecodeTcTraits<D, kNT, kFp8>;
   const bool fp8 = IsFp8(cache_dtype);
+  if (kFp8 != tc::kFp8Shared && !fp8) {
+    return absl::InvalidArgumentError("an fp8-only staging needs an fp8 cache");
+  }
   const int group = kp.num_heads / kp.num_kv_heads;
   const size_t slots = static_cast<size_t>(kp.num_seqs) * kp.num_heads * num_splits;
   std::vector<float> partial_out(slots * kp.head_size_v, std::nanf(""));
@@ -79,7 +83,7 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
 
   gpu_test::emulation::Cta cta(Traits::kThreads, static_cast<size_t>(Traits::SmemBytes(fp8)));
   cta.set_mode(mode);
-  const std::function<void()> body = [&] { tc::DecodeTcKernel<D, kNT, T>(kp, args); };
+  const std::function<void()> body = [&] { tc::DecodeTcKernel<D, kNT, T, kFp8>(kp, args); };
   for (unsigned z = 0; z < static_cast<unsigned>(num_splits); ++z) {
     for (unsigned y = 0; y < static_cast<unsigned>(kp.num_seqs); ++y) {
       for (unsigned x = 0; x < static_cast<unsigned>(kp.num_kv_heads * args.head_tiles); ++x) {
@@ -136,9 +140,12 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
 
 // The launcher's dispatch, with host memory standing in for device memory. `tamper`, when
 // given, changes the kernel params after validation (what the kernel reads as device
-// memory).
+// memory). `fp8_staging`: the kernel's DecodeTcFp8Staging bits (the emulator builds every
+// staging at every padded head size where Q's fragments stay in registers; the GPU
+// launcher only at 128 with one n8 tile).
 absl::Status Emulate(const PagedAttentionParams& host, int num_splits, EmulationMode mode,
-                     const std::function<void(internal::PagedKernelParams&)>& tamper = {}) {
+                     const std::function<void(internal::PagedKernelParams&)>& tamper = {},
+                     int fp8_staging = tc::kFp8Shared) {
   PagedAttentionParams dev = host;
   dev.cache.memory = MemoryKind::kDevice;  // host pointers play the device's
   dev.host.query_start_loc = host.query_start_loc;
@@ -157,11 +164,32 @@ absl::Status Emulate(const PagedAttentionParams& host, int num_splits, Emulation
   // The launcher's choices: padded head size, n8 tiles of heads, activation type.
   const bool bf16 = host.q_dtype == DType::kBFloat16;
   const bool two = tc::DecodeTcHeadTileRows(kp->num_heads / kp->num_kv_heads) == 16;
-  auto run = [&](auto d_tag, auto nt_tag) {
+  auto run_staged = [&](auto d_tag, auto nt_tag, auto fp8_tag) {
     constexpr int kD = decltype(d_tag)::value;
     constexpr int kNT = decltype(nt_tag)::value;
-    return bf16 ? EmulateTyped<kD, kNT, __nv_bfloat16>(*kp, cache, num_splits, mode)
-                : EmulateTyped<kD, kNT, __half>(*kp, cache, num_splits, mode);
+    constexpr int kFp8 = decltype(fp8_tag)::value;
+    return bf16 ? EmulateTyped<kD, kNT, __nv_bfloat16, kFp8>(*kp, cache, num_splits, mode)
+                : EmulateTyped<kD, kNT, __half, kFp8>(*kp, cache, num_splits, mode);
+  };
+  auto run = [&](auto d_tag, auto nt_tag) -> absl::Status {
+    constexpr bool kKRegsFit = decltype(d_tag)::value * decltype(nt_tag)::value <= 256;
+    using std::integral_constant;
+    switch (fp8_staging) {
+      case tc::kFp8Shared: return run_staged(d_tag, nt_tag, integral_constant<int, 0>());
+      case tc::kFp8DeepRing: return run_staged(d_tag, nt_tag, integral_constant<int, 1>());
+      default:
+        if constexpr (kKRegsFit) {
+          switch (fp8_staging) {
+            case 2: return run_staged(d_tag, nt_tag, integral_constant<int, 2>());
+            case 3: return run_staged(d_tag, nt_tag, integral_constant<int, 3>());
+            case 6: return run_staged(d_tag, nt_tag, integral_constant<int, 6>());
+            case 7: return run_staged(d_tag, nt_tag, integral_constant<int, 7>());
+            default: return absl::InvalidArgumentError("no such fp8 staging");
+          }
+        } else {
+          return absl::InvalidArgumentError("K in registers needs Q's fragments in registers");
+        }
+    }
   };
   auto run_d = [&](auto d_tag) {
     return two ? run(d_tag, std::integral_constant<int, 2>())
@@ -174,12 +202,13 @@ absl::Status Emulate(const PagedAttentionParams& host, int num_splits, Emulation
   }
 }
 
-void ExpectEmulationMatchesReference(AttnProblem& pb, int num_splits, EmulationMode mode) {
+void ExpectEmulationMatchesReference(AttnProblem& pb, int num_splits, EmulationMode mode,
+                                     int fp8_staging = tc::kFp8Shared) {
   const AttnCase& c = pb.config();
   std::vector<uint8_t> ref_out = pb.NewOut();
   ASSERT_TRUE(RunAttentionReference(pb.params(ref_out)).ok());
   std::vector<uint8_t> out = pb.NewOut();
-  const absl::Status st = Emulate(pb.params(out), num_splits, mode);
+  const absl::Status st = Emulate(pb.params(out), num_splits, mode, {}, fp8_staging);
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_EQ(pb.CountStrayWrites(out), 0);
   // The GPU tests' tolerances (gpu_test_util.h GpuTolerance), absolute plus as much
@@ -210,10 +239,9 @@ struct EmuCase {
   int num_splits;
 };
 
-class CudaDecodeEmulationTest : public ::testing::TestWithParam<EmuCase> {};
-
-TEST_P(CudaDecodeEmulationTest, KernelMatchesReference) {
-  const EmuCase& ec = GetParam();
+// The decode problem of an EmuCase: one key, a partial tile, several tiles (and, split,
+// several splits of whole 64-key tiles with a short last one), a sequence without a query.
+AttnCase DecodeCase(const EmuCase& ec) {
   AttnCase c;
   c.head_size = ec.head_size;
   c.head_size_v = ec.head_size_v;
@@ -230,17 +258,27 @@ TEST_P(CudaDecodeEmulationTest, KernelMatchesReference) {
   c.alibi = ec.alibi;
   c.soft_cap = ec.cap;
   c.scale = 0.3f;
-  // Decode rows: one key, a partial tile, several tiles (and, split, several splits of
-  // whole 64-key tiles with a short last one), a sequence without a query.
   c.seqs = {{0, 1}, {26, 1}, {6, 0}, {200, 1}, {64, 1}, {700, 1}};
   c.pad_tokens = 2;
   c.seed = 11;
-  AttnProblem pb(c);
+  return c;
+}
+
+// Both emulation modes: copies landing at their wait in thread order, and at their issue
+// with the threads in reverse.
+void ExpectBothModesMatchReference(const EmuCase& ec, int fp8_staging) {
+  AttnProblem pb(DecodeCase(ec));
   for (EmulationMode mode : {EmulationMode{false, false}, EmulationMode{true, true}}) {
     SCOPED_TRACE(mode.copies_land_at_issue ? "copies land at issue, reverse order"
                                            : "copies land at wait, thread order");
-    ExpectEmulationMatchesReference(pb, ec.num_splits, mode);
+    ExpectEmulationMatchesReference(pb, ec.num_splits, mode, fp8_staging);
   }
+}
+
+class CudaDecodeEmulationTest : public ::testing::TestWithParam<EmuCase> {};
+
+TEST_P(CudaDecodeEmulationTest, KernelMatchesReference) {
+  ExpectBothModesMatchReference(GetParam(), tc::kFp8Shared);
 }
 
 constexpr DType kBf16 = DType::kBFloat16;
@@ -274,6 +312,46 @@ INSTANTIATE_TEST_SUITE_P(
         EmuCase{"d80_f16_mha_hnd_bs5", 80, 80, 2, 1, 5, kF16, kF16, KvQuantMode::kNone,
                 TestLayout::kHND, 0, false, 0, 1}),
     [](const auto& test_info) { return std::string(test_info.param.name); });
+
+// The fp8-only stagings (DecodeTcFp8Staging bits 1, 2, 3, 6, 7) over fp8 cases: the deeper
+// ring's commit groups and page-table ring, K's fragments read from the raw tile (its
+// swizzle, the head dimension's permutation shared with Q), V's transposed by movmatrix
+// (the output dims' permutation), both fp8 formats, per-head scales, K narrower than the
+// padded head size, two n8 tiles of heads.
+class CudaDecodeFp8StagingEmulationTest
+    : public ::testing::TestWithParam<std::tuple<EmuCase, int>> {};
+
+TEST_P(CudaDecodeFp8StagingEmulationTest, KernelMatchesReference) {
+  ExpectBothModesMatchReference(std::get<0>(GetParam()), std::get<1>(GetParam()));
+}
+
+constexpr DType kE4M3 = DType::kFloat8E4M3;
+constexpr DType kE5M2 = DType::kFloat8E5M2;
+INSTANTIATE_TEST_SUITE_P(
+    Cases, CudaDecodeFp8StagingEmulationTest,
+    ::testing::Combine(
+        ::testing::Values(
+            EmuCase{"d128_bf16_e4m3_gqa4_bs16_two_splits", 128, 128, 2, 4, 16, kBf16, kE4M3,
+                    KvQuantMode::kPerTensor, TestLayout::kNHD, 0, false, 0, 2},
+            EmuCase{"d128_f16_e5m2_perhead_hnd_bs5", 128, 128, 2, 4, 5, kF16, kE5M2,
+                    KvQuantMode::kPerHead, TestLayout::kHND, 0, false, 0, 1},
+            EmuCase{"d96_128_bf16_e4m3_window_alibi_cap_three_splits", 96, 128, 2, 4, 16,
+                    kBf16, kE4M3, KvQuantMode::kPerTensor, TestLayout::kNHD, 70, true, 2.0f,
+                    3},
+            EmuCase{"d64_bf16_e4m3_mha_bs1", 64, 64, 2, 1, 1, kBf16, kE4M3,
+                    KvQuantMode::kPerHead, TestLayout::kNHD, 0, false, 0, 1},
+            EmuCase{"d256_f16_e4m3_gqa4", 256, 256, 1, 4, 16, kF16, kE4M3,
+                    KvQuantMode::kPerTensor, TestLayout::kNHD, 0, false, 0, 1},
+            EmuCase{"d128_bf16_e5m2_group12_two_n8_tiles", 128, 128, 1, 12, 16, kBf16, kE5M2,
+                    KvQuantMode::kPerTensor, TestLayout::kNHD, 0, false, 0, 2}),
+        ::testing::Values(tc::kFp8DeepRing, tc::kFp8KInRegisters,
+                          tc::kFp8DeepRing | tc::kFp8KInRegisters,
+                          tc::kFp8KInRegisters | tc::kFp8VInRegisters,
+                          tc::kFp8DeepRing | tc::kFp8KInRegisters | tc::kFp8VInRegisters)),
+    [](const auto& test_info) {
+      return absl::StrCat(std::get<0>(test_info.param).name, "_staging",
+                          std::get<1>(test_info.param));
+    });
 
 // A causal bf16 decode case of head size d (K and V), kv_heads KV heads of `group` query
 // heads each, block size 16.

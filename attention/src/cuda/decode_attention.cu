@@ -355,6 +355,9 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   if (options.kernel == DecodeKernel::kTensorCores && !tensor_cores) {
     return Invalid(absl::StrCat("the tensor-core kernel does not apply: ", why));
   }
+  if (options.fp8_staging != DecodeFp8Staging::kShared && !tensor_cores) {
+    return Invalid("an fp8 staging other than the shared one needs the tensor-core kernel");
+  }
   DecodeTcPlan tc;
   if (tma) {
     ASSIGN_OR_RETURN(tc, PlanDecodeTma(params, options));

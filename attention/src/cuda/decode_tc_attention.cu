@@ -1,8 +1,9 @@
 // The tensor-core decode kernel's launcher half (decode_tc_launch.h): what the kernel
 // takes (DecodeTensorCoresApply), its split count and the dispatch over padded head size
 // (64 / 128 / 256) x n8 tiles of query heads (1 for groups up to 8, else 2) x activation
-// type: twelve instantiations; fp8 caches are converted while staging, not a template
-// argument.
+// type: twelve instantiations, which take fp8 caches too (converted while staging); plus,
+// at padded head size 128 with one n8 tile, the fp8-only stagings of DecodeFp8Staging
+// (five per activation type) for the fp8 decode benchmark to compare.
 //
 // Split count. As for the CUDA-core kernel (decode_attention.cu: DecodeSplitLimit,
 // ChooseDecodeSplits, DecodeMinFullWaves), with the CTAs per SM the kernel is built for
@@ -65,6 +66,60 @@ int CtasPerSm(int padded, int n_tiles) {
 
 using TcKernel = void (*)(PagedKernelParams, tc::DecodeTcArgs);
 
+// The fp8-only instantiations (padded head size 128, one n8 tile) of the stagings
+// DecodeFp8Staging names (kernel bits 1, 2, 3, 6 and 7), and their shared memory.
+template <int kStaging, typename T>
+TcKernel Fp8StagingKernelFor() {
+  return &tc::DecodeTcKernel<128, 1, T, kStaging>;
+}
+template <int kStaging>
+int Fp8StagingSmemBytesFor() {
+  static_assert(tc::DecodeTcTraits<128, 1, kStaging>::kMinBlocksPerSm ==
+                    tc::DecodeTcTraits<128, 1>::kMinBlocksPerSm,
+                "the split choice assumes the default's CTAs per SM for every staging");
+  return tc::DecodeTcTraits<128, 1, kStaging>::SmemBytes(true);
+}
+template <typename T>
+TcKernel PickFp8StagingKernel(int staging) {
+  constexpr int kRing = tc::kFp8DeepRing;
+  constexpr int kK = tc::kFp8KInRegisters;
+  constexpr int kKV = tc::kFp8KInRegisters | tc::kFp8VInRegisters;
+  switch (staging) {
+    case kRing: return Fp8StagingKernelFor<kRing, T>();
+    case kK: return Fp8StagingKernelFor<kK, T>();
+    case kRing | kK: return Fp8StagingKernelFor<kRing | kK, T>();
+    case kKV: return Fp8StagingKernelFor<kKV, T>();
+    default: return Fp8StagingKernelFor<kRing | kKV, T>();
+  }
+}
+int Fp8StagingSmemBytes(int staging) {
+  constexpr int kRing = tc::kFp8DeepRing;
+  constexpr int kK = tc::kFp8KInRegisters;
+  constexpr int kKV = tc::kFp8KInRegisters | tc::kFp8VInRegisters;
+  switch (staging) {
+    case kRing: return Fp8StagingSmemBytesFor<kRing>();
+    case kK: return Fp8StagingSmemBytesFor<kK>();
+    case kRing | kK: return Fp8StagingSmemBytesFor<kRing | kK>();
+    case kKV: return Fp8StagingSmemBytesFor<kKV>();
+    default: return Fp8StagingSmemBytesFor<kRing | kKV>();
+  }
+}
+
+// DecodeFp8Staging as the kernel's bits.
+int StagingBits(DecodeFp8Staging staging) {
+  switch (staging) {
+    case DecodeFp8Staging::kShared: return tc::kFp8Shared;
+    case DecodeFp8Staging::kDeepRing: return tc::kFp8DeepRing;
+    case DecodeFp8Staging::kKInRegisters: return tc::kFp8KInRegisters;
+    case DecodeFp8Staging::kDeepRingKInRegisters:
+      return tc::kFp8DeepRing | tc::kFp8KInRegisters;
+    case DecodeFp8Staging::kKVInRegisters: return tc::kFp8KInRegisters | tc::kFp8VInRegisters;
+    case DecodeFp8Staging::kDeepRingKVInRegisters:
+      return tc::kFp8DeepRing | tc::kFp8KInRegisters | tc::kFp8VInRegisters;
+  }
+  return -1;
+}
+
 template <int kNT, typename T>
 TcKernel PickKernelFor(int padded) {
   switch (padded) {
@@ -114,7 +169,7 @@ bool DecodeTensorCoresApply(const PagedKernelParams& p, DType q_dtype, DType out
   return true;
 }
 
-absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType /*cache_dtype*/,
+absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cache_dtype,
                                           const DecodeLaunchOptions& options) {
   if (p.head_size > 256 || p.head_size_v > 256 || p.head_size <= 0 || p.head_size_v <= 0) {
     return absl::InvalidArgumentError(
@@ -128,6 +183,19 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType /*ca
   }
   const int padded = PaddedHeadDim(p.head_size, p.head_size_v);
   const int group = p.num_heads / p.num_kv_heads;
+  const int staging = StagingBits(options.fp8_staging);
+  if (staging < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda decode attention (tensor cores): unknown fp8 staging ",
+                     static_cast<int>(options.fp8_staging)));
+  }
+  if (staging != tc::kFp8Shared && (!IsFp8(cache_dtype) || padded != 128 || NTiles(group) != 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda decode attention (tensor cores): fp8 staging ", staging,
+        " exists for fp8 caches at padded head size 128 with up to 8 query heads per KV head; "
+        "got cache dtype ", DTypeName(cache_dtype), ", padded head size ", padded, ", ", group,
+        " query heads per KV head"));
+  }
   const int64_t base_ctas =
       int64_t{p.num_seqs} * p.num_kv_heads * CeilDiv(group, tc::DecodeTcHeadTileRows(group));
   const int64_t splits =
@@ -136,7 +204,9 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType /*ca
           : ChooseDecodeSplits(base_ctas,
                                int64_t{options.num_sms} * CtasPerSm(padded, NTiles(group)),
                                DecodeSplitLimit(p), DecodeMinFullWaves(p));
-  return DecodeSplitPlan(p, static_cast<int>(splits));
+  DecodeTcPlan plan = DecodeSplitPlan(p, static_cast<int>(splits));
+  plan.fp8_staging = staging;
+  return plan;
 }
 
 absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DType cache_dtype,
@@ -155,15 +225,25 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
                                                         : tc::kCache16;
   args.partial_out = partial_out;
   args.partial_ml = partial_ml;
-  const TcKernel kernel = q_dtype == DType::kBFloat16
-                              ? PickKernel<__nv_bfloat16>(padded, n_tiles)
-                              : PickKernel<__half>(padded, n_tiles);
-  const int smem = SmemBytes(padded, n_tiles, fp8);
-  // 16-bit and fp8 caches share one instantiation: allow the larger once. All of the
-  // unified L1 as shared memory: the tiles bypass L1 (cp.async.cg), and kMinBlocksPerSm CTAs
-  // per SM need it.
+  const bool bf16 = q_dtype == DType::kBFloat16;
+  const bool shared = plan.fp8_staging == tc::kFp8Shared;
+  if (!shared && (!fp8 || padded != 128 || n_tiles != 1)) {
+    return absl::InvalidArgumentError(
+        "cuda decode attention (tensor cores): the plan's fp8 staging does not fit this launch");
+  }
+  const TcKernel kernel =
+      !shared ? (bf16 ? PickFp8StagingKernel<__nv_bfloat16>(plan.fp8_staging)
+                      : PickFp8StagingKernel<__half>(plan.fp8_staging))
+              : (bf16 ? PickKernel<__nv_bfloat16>(padded, n_tiles)
+                      : PickKernel<__half>(padded, n_tiles));
+  const int smem =
+      shared ? SmemBytes(padded, n_tiles, fp8) : Fp8StagingSmemBytes(plan.fp8_staging);
+  // 16-bit and fp8 caches share the default instantiations: allow the larger once. All of
+  // the unified L1 as shared memory: the tiles bypass L1 (cp.async.cg), and kMinBlocksPerSm
+  // CTAs per SM need it.
   const int max_smem =
-      std::max(SmemBytes(padded, n_tiles, false), SmemBytes(padded, n_tiles, true));
+      shared ? std::max(SmemBytes(padded, n_tiles, false), SmemBytes(padded, n_tiles, true))
+             : smem;
   RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel), max_smem,
                                            /*max_carveout=*/true,
                                            "cuda decode attention (tensor cores)"));

@@ -37,10 +37,16 @@
 //      partial_ml [num_seqs, num_heads, num_splits, 2] (base-2 max, sum): the layout of
 //      decode_attention.cuh, merged by its DecodeMergeKernel (which applies the V scale).
 //
-// fp8: the K scale is folded into the softmax scale, the V scale into the output.
+// fp8: the K scale is folded into the softmax scale, the V scale into the output. The
+// kFp8 template argument (DecodeTcFp8Staging) makes fp8-only instantiations that stage
+// differently, for the benchmark to compare: a deeper raw ring; K's mma fragments converted
+// from the raw tile in registers (the head dimension permuted alike in Q's fragments; odd
+// raw rows' chunks XOR 4 against bank conflicts); and V's too, each converted pair turned
+// into a V^T fragment by movmatrix.trans (the output dims permuted alike), no 16-bit tile.
 //
 // Shared memory (bytes): loc [kLocTiles][64] RowBytes | q [8 kNT][D] T (swizzled) |
 //   16-bit: ring [kRing][64][D] T  /  fp8: raw ring [kRing][64][D] bytes, tile [64][D] T
+//   (no tile with V in registers)
 //
 // A host build that defines KVSTREAM_CUDA_EMULATION provides the PTX wrappers (mma_ptx.cuh; and
 // __syncthreads, __shfl_xor_sync, threadIdx, blockIdx, shared memory) itself, so that the
@@ -84,7 +90,19 @@ struct DecodeTcArgs {
 // Query heads per CTA for a group of `group_size`: one n8 tile up to 8 heads, else two.
 inline constexpr int DecodeTcHeadTileRows(int group_size) { return group_size <= 8 ? 8 : 16; }
 
-template <int D, int kNT>
+// How an fp8 cache is staged: the kernel's kFp8 template argument, bits of these. 0 is the
+// instantiation shared with 16-bit caches (fp8 a runtime branch): a ring of kRing raw half
+// tiles, K and V each converted into the one 16-bit tile. Any other value makes an fp8-only
+// instantiation (the launcher's DecodeFp8Staging; decode_tc_attention.cu builds them at
+// padded head size 128 with one n8 tile, the shapes of the fp8 decode benchmark).
+enum DecodeTcFp8Staging : int {
+  kFp8Shared = 0,
+  kFp8DeepRing = 1,      // one raw half tile more in the ring (one more in flight)
+  kFp8KInRegisters = 2,  // K's fragments converted from the raw tile in registers
+  kFp8VInRegisters = 4,  // V's too, transposed by movmatrix (with K's only): no 16-bit tile
+};
+
+template <int D, int kNT, int kFp8 = kFp8Shared>
 struct DecodeTcTraits {
   static_assert(D == 64 || D == 128 || D == 256, "padded head sizes 64, 128 and 256");
   static_assert(kNT == 1 || kNT == 2, "one or two n8 tiles of query heads");
@@ -97,7 +115,8 @@ struct DecodeTcTraits {
   // 8 x 3, 3 x 4 (3 with two n8 tiles, whose registers do not fit four), 3 x 2. At D = 128
   // four CTAs of 55 KiB share an SM, so that 64 sequences x 8 KV heads run in one wave of
   // 132 SMs.
-  static constexpr int kRing = D == 64 ? 8 : 3;
+  // kFp8DeepRing: one more (D = 128: 53 KiB, still four CTAs per SM).
+  static constexpr int kRing = (D == 64 ? 8 : 3) + ((kFp8 & kFp8DeepRing) != 0 ? 1 : 0);
   static constexpr int kMinBlocksPerSm = D == 64 ? 3 : D == 128 ? (kNT == 1 ? 4 : 3) : 2;
   static constexpr int kTileBytes = kBlockN * D * 2;   // one 16-bit K or V tile
   static constexpr int kRawTileBytes = kBlockN * D;    // one fp8 K or V tile
@@ -107,14 +126,31 @@ struct DecodeTcTraits {
   static constexpr int kQOffset = kLocBytes;
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kKvOffset = kQOffset + kQBytes;
-  static constexpr int SmemBytes(bool fp8) {
-    return kKvOffset + (fp8 ? kRing * kRawTileBytes + kTileBytes : kRing * kTileBytes);
-  }
-  // The warps' partial results at the end: [kWarps][kRows][D] + [kWarps][kRows][2] floats.
+  // The warps' partial results at the end: [kWarps][kRows][D] + [kWarps][kRows][2] floats,
+  // in the pipeline's shared memory (which, but without the 16-bit tile of kFp8VInRegisters,
+  // is always the larger).
   static constexpr int kMergeBytes = kWarps * kRows * (D + 2) * 4;
-  static_assert(kMergeBytes <= SmemBytes(false) && kMergeBytes <= SmemBytes(true),
-                "the merge reuses the pipeline's shared memory");
+  static constexpr int SmemBytes(bool fp8) {
+    const int convert_tile = (kFp8 & kFp8VInRegisters) != 0 ? 0 : kTileBytes;
+    const int pipeline =
+        kKvOffset + (fp8 ? kRing * kRawTileBytes + convert_tile : kRing * kTileBytes);
+    return pipeline > kMergeBytes ? pipeline : kMergeBytes;
+  }
+  // kMinBlocksPerSm CTAs (and the 1 KiB the SM reserves for each) in the 228 KiB of an SM.
+  static_assert(kMinBlocksPerSm * (SmemBytes(kFp8 != kFp8Shared) + 1024) <= 228 * 1024,
+                "the CTAs per SM fit in shared memory");
 };
+
+// Byte offset of 16-byte chunk `chunk` of row `row` within that row of a raw [rows][D] fp8
+// tile (rows are D bytes apart). kSwizzled (kFp8KInRegisters): in rows of 128 or 256 bytes
+// the chunks of odd rows are XOR 4, so that the K fragment loads of two adjacent rows (one
+// phase of a warp's 16-byte loads: 4 lanes per row) hit eight different 16-byte bank
+// groups. Rows of 64 bytes need none (two rows fill the 32 banks).
+template <int D, bool kSwizzled>
+__device__ __forceinline__ int RawChunkInRow(int row, int chunk) {
+  const int swizzle = kSwizzled && D >= 128 ? (row & 1) << 2 : 0;
+  return (chunk ^ swizzle) * 16;
+}
 
 // ---------------------------------------------------------------------------------------
 // The shared PTX pieces (mma_ptx.cuh).
@@ -123,6 +159,7 @@ using ptx::CpAsyncCommit;
 using ptx::CpAsyncWaitGroup;
 using ptx::FastExp2;
 using ptx::Fp8ChunkTo;
+using ptx::Fp8PairTo;
 using ptx::LdMatrixX4;
 using ptx::LdMatrixX4Trans;
 using ptx::Log2IfPowerOfTwo;
@@ -149,12 +186,14 @@ static __device__ __align__(16) const uint8_t kDecodeZeroRow[512] = {};
 // ---------------------------------------------------------------------------------------
 // The kernel.
 
-template <int D, int kNT, typename T>
-__global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
-                                  DecodeTcTraits<D, kNT>::kMinBlocksPerSm)
+// kFp8: DecodeTcFp8Staging bits; not kFp8Shared: a.cache_kind must be kCacheE4M3 or
+// kCacheE5M2.
+template <int D, int kNT, typename T, int kFp8 = kFp8Shared>
+__global__ void __launch_bounds__(DecodeTcTraits<D, kNT, kFp8>::kThreads,
+                                  DecodeTcTraits<D, kNT, kFp8>::kMinBlocksPerSm)
     DecodeTcKernel(const __grid_constant__ PagedKernelParams p,
                    const __grid_constant__ DecodeTcArgs a) {
-  using Traits = DecodeTcTraits<D, kNT>;
+  using Traits = DecodeTcTraits<D, kNT, kFp8>;
   constexpr int kThreads = Traits::kThreads;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kRows = Traits::kRows;
@@ -184,7 +223,13 @@ __global__ void __launch_bounds__(DecodeTcTraits<D, kNT>::kThreads,
   const int seq_len = bounds.seq_len;
   const int first_head = kv_head * a.group_size + head_tile * kRows;
   const int heads_here = min(kRows, a.group_size - head_tile * kRows);
-  const bool fp8 = a.cache_kind != kCache16;
+  // kKRegs: K's mma fragments come from the raw tile (converted in registers, a permutation
+  // of the head dimension shared with Q's fragments); only V goes through the 16-bit tile.
+  constexpr bool kKRegs = (kFp8 & kFp8KInRegisters) != 0;
+  // kVRegs: V's fragments too (raw_v_half), and no 16-bit tile at all.
+  constexpr bool kVRegs = (kFp8 & kFp8VInRegisters) != 0;
+  static_assert(kKRegs || !kVRegs, "V in registers comes with K in registers");
+  const bool fp8 = kFp8 != kFp8Shared || a.cache_kind != kCache16;
   const int head_size = p.head_size;
   const int head_size_v = p.head_size_v;
 
@@ -269,33 +314,34 @@ KVSTREAM_CUDA_UNROLL
   // Issues the copies of half tile j (tile j / 2's K for even j, its V for odd j) into
   // ring slot j % kRing (16-bit tiles, or raw fp8 tiles). Columns past the head size are
   // copied as zeros (cp.async with no source bytes): a slot holds K and V in turn, and
-  // their head sizes may differ. kFp8Tag: std::true_type for raw fp8 tiles, so that the
+  // their head sizes may differ. fp8_tag: std::true_type for raw fp8 tiles, so that the
   // loop bounds are constants.
   auto issue_half_as = [&](auto fp8_tag, int j) {
-    constexpr bool kFp8 = decltype(fp8_tag)::value;
+    constexpr bool kRaw = decltype(fp8_tag)::value;
     const bool is_v = (j & 1) != 0;
     const RowBytes* const locs = loc_smem + ((j >> 1) % Traits::kLocTiles) * kBlockN;
     // 16-byte chunks per row: D / 8 of T, or D / 16 of fp8. Up to 16 threads per row, so
     // that a warp's copies cover whole 256-byte row segments.
-    constexpr int kChunks = kFp8 ? D / 16 : D / 8;
+    constexpr int kChunks = kRaw ? D / 16 : D / 8;
     constexpr int kPerRow = kChunks < 16 ? kChunks : 16;
     constexpr int kRowsPerPass = kThreads / kPerRow;
-    constexpr int kRowBytes = kFp8 ? D : 2 * D;  // a tile row in shared memory
+    constexpr int kRowBytes = kRaw ? D : 2 * D;  // a tile row in shared memory
     static_assert(kRowsPerPass % 8 == 0, "a pass keeps each thread's row modulo 8");
     const int lrow = tid / kPerRow;
     const int lcol = tid % kPerRow;
-    const int chunks = (is_v ? head_size_v : head_size) / (kFp8 ? 16 : 8);
+    const int chunks = (is_v ? head_size_v : head_size) / (kRaw ? 16 : 8);
     // This thread's first chunk of a row.
     const uint8_t* const src =
         static_cast<const uint8_t*>(is_v ? p.v_cache : p.k_cache) + lcol * 16;
     const uint32_t slot_base =
-        kv_base + (j % kRing) * (kFp8 ? Traits::kRawTileBytes : Traits::kTileBytes);
+        kv_base + (j % kRing) * (kRaw ? Traits::kRawTileBytes : Traits::kTileBytes);
 KVSTREAM_CUDA_UNROLL
     for (int i = 0; i < kChunks / kPerRow; ++i) {
       const int c = lcol + i * kPerRow;
       // Row lrow of the tile; pass `pass` adds whole rows (the swizzle repeats every 8).
-      const uint32_t dst0 = slot_base + (kFp8 ? static_cast<uint32_t>(lrow * D + c * 16)
-                                              : SwizzledChunk<D>(lrow, c));
+      const uint32_t dst0 =
+          slot_base + (kRaw ? static_cast<uint32_t>(lrow * D + RawChunkInRow<D, kKRegs>(lrow, c))
+                            : SwizzledChunk<D>(lrow, c));
 KVSTREAM_CUDA_UNROLL
       for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
         const RowBytes loc = locs[lrow + pass * kRowsPerPass];
@@ -330,7 +376,8 @@ KVSTREAM_CUDA_UNROLL
     for (int k = 0; k < kPerLane; ++k) {
       const int i = lane + 32 * k;
       const int r = 16 * warp + i / kRawChunks;
-      codes[k] = *reinterpret_cast<const uint4*>(raw + r * D + (i % kRawChunks) * 16);
+      codes[k] = *reinterpret_cast<const uint4*>(raw + r * D +
+                                                 RawChunkInRow<D, kKRegs>(r, i % kRawChunks));
     }
 KVSTREAM_CUDA_UNROLL
     for (int k = 0; k < kPerLane; ++k) {
@@ -375,6 +422,10 @@ KVSTREAM_CUDA_UNROLL
       const int n = (h + kRing) >> 1;
       loc_smem[(n % Traits::kLocTiles) * kBlockN + tid] = loc_ahead;
       loc_ahead = lookup(n + 1, tid);
+    }
+    if constexpr (kKRegs) {
+      // Read raw, converted in registers: K (raw_k_half), and V with kVRegs (raw_v_half).
+      if ((h & 1) == 0 || kVRegs) return 0;
     }
     if (fp8) {
       convert_raw(h);
@@ -438,7 +489,28 @@ KVSTREAM_CUDA_UNROLL
       kNT == 1 ? q_base + static_cast<uint32_t>((lane & 7) * D * 2)
                : q_base + static_cast<uint32_t>(((lane & 7) + ((lane >> 4) << 3)) * D * 2);
   uint32_t q_frag[kQInRegisters ? kDSteps : 1][kNT][2];
-  if constexpr (kQInRegisters) {
+  static_assert(!kKRegs || kQInRegisters, "K in registers takes Q's fragments from registers");
+  // kKRegs: Q's fragment of k16 step kk for n8 tile nt with the head dimension permuted
+  // as raw_k_half reads K: step kk = 4 i + s of lane (g, quad) holds dims 16 (quad + 4 i) +
+  // 4 s + {0, 1} (its first register) and + {2, 3} (its second), four dims in a row of Q.
+  auto q_permuted = [&](int kk, int nt) -> uint2 {
+    const int dim = 16 * ((lane & 3) + 4 * (kk >> 2)) + 4 * (kk & 3);
+    return *reinterpret_cast<const uint2*>(q_smem + SwizzledChunk<D>(8 * nt + g, dim >> 3) +
+                                           (dim & 7) * 2);
+  };
+  // With kVRegs they are read from shared memory at each use instead (the registers hold
+  // the V fragments).
+  if constexpr (kKRegs && !kVRegs) {
+KVSTREAM_CUDA_UNROLL
+    for (int kk = 0; kk < kDSteps; ++kk) {
+KVSTREAM_CUDA_UNROLL
+      for (int nt = 0; nt < kNT; ++nt) {
+        const uint2 four = q_permuted(kk, nt);
+        q_frag[kk][nt][0] = four.x;
+        q_frag[kk][nt][1] = four.y;
+      }
+    }
+  } else if constexpr (kQInRegisters && !kKRegs) {
     if constexpr (kNT == 1) {
 KVSTREAM_CUDA_UNROLL
       for (int kk = 0; kk < kDSteps; kk += 2) {
@@ -463,10 +535,91 @@ KVSTREAM_CUDA_UNROLL
     }
   }
 
+  // kKRegs: chunk quad + 4 i of the calling lane's rows g and g + 8 of the warp's 16 in raw
+  // half tile j (the fragment loads of raw_k_half and raw_v_half).
+  auto load_raw_chunks = [&](int j, int i, uint4(&codes)[2]) {
+    const uint8_t* const raw = kv_smem + (j % kRing) * Traits::kRawTileBytes;
+KVSTREAM_CUDA_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      const int r = 16 * warp + g + 8 * rh;
+      codes[rh] = *reinterpret_cast<const uint4*>(
+          raw + r * D + RawChunkInRow<D, true>(r, (lane & 3) + 4 * i));
+    }
+  };
+
+  // kKRegs: S^T = K Q^T of the warp's 16 keys straight from raw half tile j. Lane (g, quad)
+  // loads 16-byte chunks quad + 4 i of its rows g and g + 8 (every chunk before the first
+  // conversion); word s of chunk i gives k16 step 4 i + s: its low pair the fragment's
+  // columns 2 quad + {0, 1}, its high pair + 8 (the permutation of q_frag). Even and odd
+  // steps accumulate apart, as the ldmatrix path does.
+  auto raw_k_half = [&](auto format_tag, int j, float(&acc_s)[kNT][4],
+                        float(&acc_s_odd)[kNT][4]) {
+    constexpr auto kFormat = static_cast<__nv_fp8_interpretation_t>(decltype(format_tag)::value);
+    constexpr int kChunks = D / 64;  // per row and lane
+    uint4 codes[kChunks][2];
+KVSTREAM_CUDA_UNROLL
+    for (int i = 0; i < kChunks; ++i) load_raw_chunks(j, i, codes[i]);
+KVSTREAM_CUDA_UNROLL
+    for (int i = 0; i < kChunks; ++i) {
+      const uint32_t words[2][4] = {
+          {codes[i][0].x, codes[i][0].y, codes[i][0].z, codes[i][0].w},
+          {codes[i][1].x, codes[i][1].y, codes[i][1].z, codes[i][1].w}};
+KVSTREAM_CUDA_UNROLL
+      for (int s = 0; s < 4; ++s) {
+        const int kk = 4 * i + s;
+        const uint32_t ka[4] = {Fp8PairTo<T, kFormat>(words[0][s] & 0xffffu),
+                                Fp8PairTo<T, kFormat>(words[1][s] & 0xffffu),
+                                Fp8PairTo<T, kFormat>(words[0][s] >> 16),
+                                Fp8PairTo<T, kFormat>(words[1][s] >> 16)};
+KVSTREAM_CUDA_UNROLL
+        for (int nt = 0; nt < kNT; ++nt) {
+          float(&acc)[4] = (kk & 1) != 0 ? acc_s_odd[nt] : acc_s[nt];
+          if constexpr (kVRegs) {
+            const uint2 four = q_permuted(kk, nt);
+            Mma16816<T>(acc, ka, four.x, four.y);
+          } else {
+            Mma16816<T>(acc, ka, q_frag[kk][nt][0], q_frag[kk][nt][1]);
+          }
+        }
+      }
+    }
+  };
+
+  // kVRegs: O^T += V^T P^T straight from raw half tile j. Lane (g, quad) loads the chunks
+  // of its rows g and g + 8 as raw_k_half does; pair p (dims 2 p, 2 p + 1 of a chunk) of
+  // its row is entry (g, quad) of an 8 x 8 matrix (keys x dims) that movmatrix.trans turns
+  // into a V^T fragment: rows g of dims 16 (g / 2 + 4 i) + 2 p + g % 2 (VDim), columns the
+  // keys 2 quad, + 1 (+ 8 for row g + 8's matrices). Pairs p and p + 1 make the two m8
+  // halves of m16 block dd = 4 i + p / 2.
+  auto raw_v_half = [&](auto format_tag, int j, const uint32_t(&pb)[kNT][2]) {
+    constexpr auto kFormat = static_cast<__nv_fp8_interpretation_t>(decltype(format_tag)::value);
+    constexpr int kChunks = D / 64;  // per row and lane
+KVSTREAM_CUDA_UNROLL
+    for (int i = 0; i < kChunks; ++i) {  // a chunk at a time: the registers hold O^T
+      uint4 codes[2];
+      load_raw_chunks(j, i, codes);
+      const uint32_t words[2][4] = {{codes[0].x, codes[0].y, codes[0].z, codes[0].w},
+                                    {codes[1].x, codes[1].y, codes[1].z, codes[1].w}};
+KVSTREAM_CUDA_UNROLL
+      for (int w = 0; w < 4; ++w) {  // pairs 2 w and 2 w + 1: m16 block 4 i + w
+        uint32_t va[4];
+KVSTREAM_CUDA_UNROLL
+        for (int rh = 0; rh < 2; ++rh) {
+          va[2 * rh] = MovMatrixTrans(Fp8PairTo<T, kFormat>(words[rh][w] & 0xffffu));
+          va[2 * rh + 1] = MovMatrixTrans(Fp8PairTo<T, kFormat>(words[rh][w] >> 16));
+        }
+KVSTREAM_CUDA_UNROLL
+        for (int nt = 0; nt < kNT; ++nt) {
+          Mma16816<T>(acc_o[4 * i + w][nt], va, pb[nt][0], pb[nt][1]);
+        }
+      }
+    }
+  };
+
   // ---- Main loop over key tiles: the K half, then the V half.
   uint32_t pb[kNT][2] = {};  // P^T of the warp's keys, from the K half to the V half
   for (int t = 0; t < num_tiles; ++t) {
-    const uint32_t k_base = begin_half(2 * t);
+    [[maybe_unused]] const uint32_t k_base = begin_half(2 * t);  // kKRegs: unused
     const int tile_lo = s_begin + t * kBlockN;
     // Warp-uniform: whether any of the warp's 16 keys exist.
     const bool warp_keys = 16 * warp < min(kBlockN, s_end - tile_lo);
@@ -480,30 +633,38 @@ KVSTREAM_CUDA_UNROLL
 KVSTREAM_CUDA_UNROLL
         for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_s_odd[nt][e] = 0.0f;
       }
-KVSTREAM_CUDA_UNROLL
-      for (int k0 = 0; k0 < kDSteps; k0 += kBatch) {
-        uint32_t ka[kBatch][4];
-        uint32_t qb[kQInRegisters ? 1 : kBatch][4];
-KVSTREAM_CUDA_UNROLL
-        for (int i = 0; i < kBatch; ++i) {
-          const int kk = k0 + i;
-          LdMatrixX4(ka[i], k_base + k_lane_off + (kk >> 2) * 128 + (swz_k ^ ((kk & 3) << 5)));
-          if constexpr (!kQInRegisters) {
-            LdMatrixX4(qb[i], q_lane_addr + (kk >> 2) * 128 + (swz_v ^ ((kk & 3) << 5)));
-          }
+      if constexpr (kKRegs) {
+        if (a.cache_kind == kCacheE4M3) {
+          raw_k_half(std::integral_constant<int, __NV_E4M3>(), 2 * t, acc_s, acc_s_odd);
+        } else {
+          raw_k_half(std::integral_constant<int, __NV_E5M2>(), 2 * t, acc_s, acc_s_odd);
         }
+      } else {
 KVSTREAM_CUDA_UNROLL
-        for (int i = 0; i < kBatch; ++i) {
-          const int kk = k0 + i;
+        for (int k0 = 0; k0 < kDSteps; k0 += kBatch) {
+          uint32_t ka[kBatch][4];
+          uint32_t qb[kQInRegisters ? 1 : kBatch][4];
 KVSTREAM_CUDA_UNROLL
-          for (int nt = 0; nt < kNT; ++nt) {
-            float(&acc)[4] = (kk & 1) != 0 ? acc_s_odd[nt] : acc_s[nt];
-            if constexpr (kQInRegisters) {
-              Mma16816<T>(acc, ka[i], q_frag[kQInRegisters ? kk : 0][nt][0],
-                          q_frag[kQInRegisters ? kk : 0][nt][1]);
-            } else {
-              Mma16816<T>(acc, ka[i], qb[kQInRegisters ? 0 : i][2 * nt],
-                          qb[kQInRegisters ? 0 : i][2 * nt + 1]);
+          for (int i = 0; i < kBatch; ++i) {
+            const int kk = k0 + i;
+            LdMatrixX4(ka[i], k_base + k_lane_off + (kk >> 2) * 128 + (swz_k ^ ((kk & 3) << 5)));
+            if constexpr (!kQInRegisters) {
+              LdMatrixX4(qb[i], q_lane_addr + (kk >> 2) * 128 + (swz_v ^ ((kk & 3) << 5)));
+            }
+          }
+KVSTREAM_CUDA_UNROLL
+          for (int i = 0; i < kBatch; ++i) {
+            const int kk = k0 + i;
+KVSTREAM_CUDA_UNROLL
+            for (int nt = 0; nt < kNT; ++nt) {
+              float(&acc)[4] = (kk & 1) != 0 ? acc_s_odd[nt] : acc_s[nt];
+              if constexpr (kQInRegisters) {
+                Mma16816<T>(acc, ka[i], q_frag[kQInRegisters ? kk : 0][nt][0],
+                            q_frag[kQInRegisters ? kk : 0][nt][1]);
+              } else {
+                Mma16816<T>(acc, ka[i], qb[kQInRegisters ? 0 : i][2 * nt],
+                            qb[kQInRegisters ? 0 : i][2 * nt + 1]);
+              }
             }
           }
         }
@@ -529,23 +690,31 @@ KVSTREAM_CUDA_UNROLL
       }
     }  // warp_keys
 
-    const uint32_t v_base = begin_half(2 * t + 1);
+    [[maybe_unused]] const uint32_t v_base = begin_half(2 * t + 1);  // kVRegs: unused
     if (!warp_keys) continue;
     // O^T += V^T P^T.
-KVSTREAM_CUDA_UNROLL
-    for (int d0 = 0; d0 < kDSteps; d0 += kBatch) {
-      uint32_t va[kBatch][4];
-KVSTREAM_CUDA_UNROLL
-      for (int i = 0; i < kBatch; ++i) {
-        const int dd = d0 + i;
-        LdMatrixX4Trans(va[i],
-                        v_base + v_lane_off + (dd >> 2) * 128 + (swz_v ^ ((dd & 3) << 5)));
+    if constexpr (kVRegs) {
+      if (a.cache_kind == kCacheE4M3) {
+        raw_v_half(std::integral_constant<int, __NV_E4M3>(), 2 * t + 1, pb);
+      } else {
+        raw_v_half(std::integral_constant<int, __NV_E5M2>(), 2 * t + 1, pb);
       }
+    } else {
 KVSTREAM_CUDA_UNROLL
-      for (int i = 0; i < kBatch; ++i) {
+      for (int d0 = 0; d0 < kDSteps; d0 += kBatch) {
+        uint32_t va[kBatch][4];
 KVSTREAM_CUDA_UNROLL
-        for (int nt = 0; nt < kNT; ++nt) {
-          Mma16816<T>(acc_o[d0 + i][nt], va[i], pb[nt][0], pb[nt][1]);
+        for (int i = 0; i < kBatch; ++i) {
+          const int dd = d0 + i;
+          LdMatrixX4Trans(va[i],
+                          v_base + v_lane_off + (dd >> 2) * 128 + (swz_v ^ ((dd & 3) << 5)));
+        }
+KVSTREAM_CUDA_UNROLL
+        for (int i = 0; i < kBatch; ++i) {
+KVSTREAM_CUDA_UNROLL
+          for (int nt = 0; nt < kNT; ++nt) {
+            Mma16816<T>(acc_o[d0 + i][nt], va[i], pb[nt][0], pb[nt][1]);
+          }
         }
       }
     }
@@ -569,8 +738,15 @@ KVSTREAM_CUDA_UNROLL
       float* const row = red + (warp * kRows + m) * D;
 KVSTREAM_CUDA_UNROLL
       for (int dd = 0; dd < kDSteps; ++dd) {
-        row[16 * dd + g] = acc_o[dd][nt][j];
-        row[16 * dd + g + 8] = acc_o[dd][nt][j + 2];
+        if constexpr (kVRegs) {
+          // raw_v_half's rows: dims 16 (g / 2 + 4 (dd / 4)) + 4 (dd % 4) + g % 2, and + 2.
+          const int dim = 16 * ((g >> 1) + 4 * (dd >> 2)) + 4 * (dd & 3) + (g & 1);
+          row[dim] = acc_o[dd][nt][j];
+          row[dim + 2] = acc_o[dd][nt][j + 2];
+        } else {
+          row[16 * dd + g] = acc_o[dd][nt][j];
+          row[16 * dd + g + 8] = acc_o[dd][nt][j + 2];
+        }
       }
       if (g == 0) {
         ml[(warp * kRows + m) * 2] = head_max[nt][j];

@@ -111,6 +111,19 @@ enum class DecodeKernel {
   kTensorCoresTma,  // InvalidArgument where it does not apply or options.tma is false
 };
 
+// How the cp.async tensor-core kernel stages an fp8 cache. kShared is the default and
+// takes every fp8 case; the others exist at padded head size 128 with up to 8 query heads
+// per KV head only (else the launch returns InvalidArgument), for the fp8 decode benchmark
+// to compare on the GPU (docs/benchmarks.md).
+enum class DecodeFp8Staging {
+  kShared,                // a ring of 3 raw half tiles; K and V converted into a 16-bit tile
+  kDeepRing,              // a ring of 4 raw half tiles (one more in flight; 4 CTAs per SM)
+  kKInRegisters,          // K converted from the raw tile into its mma fragments in registers
+  kDeepRingKInRegisters,  // both
+  kKVInRegisters,         // K and V (transposed by movmatrix) in registers: no 16-bit tile
+  kDeepRingKVInRegisters,
+};
+
 struct DecodeLaunchOptions {
   // SMs of the device the stream runs on; decides how finely keys are split.
   int num_sms = 132;
@@ -145,6 +158,9 @@ struct DecodeLaunchOptions {
   std::function<absl::StatusOr<uint32_t*>(size_t count)> arrival_counters;
   // Which kernel runs.
   DecodeKernel kernel = DecodeKernel::kAuto;
+  // fp8 caches on the tensor-core kernel: how they are staged. Other than kShared, only
+  // for an fp8 cache on the tensor-core kernel (else InvalidArgument).
+  DecodeFp8Staging fp8_staging = DecodeFp8Staging::kShared;
 };
 
 // Whether the tensor-core decode kernel takes this problem (see above); when it does not
