@@ -823,31 +823,36 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---------------------------------------------------------------------------------------
 // The shape the kernels are tuned for: one 8k-token causal prefill, bfloat16, head size 128,
-// 32 query / 8 KV heads, block size 16 and 64. Prints the throughput (counting 4 n^2 d
-// heads / 2 flops) of every variant and wgmma schedule, and checks a few rows of the last
-// run against the reference run as single-token calls.
+// 32 query / 8 KV heads, block size 16 and 64 (and the same over an fp8 e4m3 cache). Prints
+// the throughput (counting 4 n^2 d heads / 2 flops) of every variant and wgmma schedule,
+// and checks a few rows of the last run against the reference run as single-token calls.
 
 class CudaPrefillPerformanceTest : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override { SKIP_WITHOUT_GPU(); }
 };
 
-TEST_P(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
+// Times every prefill variant that takes a causal 8k-token prefill of 32/8 heads, d128,
+// bf16 q and out over a cache of `cache_dtype` (per-tensor scales where fp8) in blocks of
+// `block_size`, prints their TFLOP/s, and checks the last run's output at a few rows.
+void TimeCausal8kHead128(int block_size, DType cache_dtype) {
   constexpr int kTokens = 8192;
+  const bool fp8 = IsFp8(cache_dtype);
   AttnCase c;
   c.seqs = {{0, kTokens}};
   c.num_kv_heads = 8;
   c.group = 4;
   c.head_size = 128;
   c.head_size_v = 128;
-  c.block_size = GetParam();
+  c.block_size = block_size;
   c.q_dtype = DType::kBFloat16;
   c.out_dtype = DType::kBFloat16;
-  c.cache_dtype = DType::kBFloat16;
+  c.cache_dtype = cache_dtype;
+  c.quant = fp8 ? KvQuantMode::kPerTensor : KvQuantMode::kNone;
   c.pad_tokens = 0;
   AttnProblem pb(c);
-  // The baseline first, then the fast variant, then (where the device runs it) the wgmma
-  // kernel: the last one's output is checked below.
+  // The baseline first, then the fast variant (16-bit caches), then (where the device runs
+  // it) the wgmma kernel: the last one's output is checked below.
   std::vector<uint8_t> out;
   struct Run {
     PrefillVariant variant;
@@ -855,14 +860,20 @@ TEST_P(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
     PrefillWgmmaLoads loads;
   };
   std::vector<Run> runs = {
-      {PrefillVariant::kBaseline, PrefillWgmmaSchedule::kDefault, PrefillWgmmaLoads::kDefault},
-      {PrefillVariant::kFast, PrefillWgmmaSchedule::kDefault, PrefillWgmmaLoads::kDefault}};
-  if (DeviceRunsWgmma()) {
+      {PrefillVariant::kBaseline, PrefillWgmmaSchedule::kDefault, PrefillWgmmaLoads::kDefault}};
+  if (!fp8) {  // the fast variant takes 16-bit caches only
+    runs.push_back(
+        {PrefillVariant::kFast, PrefillWgmmaSchedule::kDefault, PrefillWgmmaLoads::kDefault});
+  }
+  if (DeviceRunsWgmma() && !fp8) {
     for (PrefillWgmmaLoads loads : kLoads) {
       for (PrefillWgmmaSchedule schedule : kSchedules) {
         runs.push_back({PrefillVariant::kWgmma, schedule, loads});
       }
     }
+  }
+  if (DeviceRunsWgmma()) {
+    // fp8 caches: TMA rows and the serial schedule only.
     runs.push_back({PrefillVariant::kWgmma, PrefillWgmmaSchedule::kDefault,
                     PrefillWgmmaLoads::kDefault});
   }
@@ -882,9 +893,10 @@ TEST_P(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
             ? absl::StrCat("wgmma variant, ", LoadsName(run.loads), " loads, ",
                            ScheduleName(run.schedule), " schedule")
             : absl::StrCat(VariantName(run.variant), " variant");
-    std::printf("[ PERF     ] causal prefill 8k bf16 d128 32/8 heads bs%d, %s: %.3f ms, "
-                "%.1f TFLOP/s\n",
-                c.block_size, name.c_str(), ms, flops / (ms * 1e-3) / 1e12);
+    std::printf("[ PERF     ] causal prefill 8k bf16 d128 32/8 heads, %s cache bs%d, %s: "
+                "%.3f ms, %.1f TFLOP/s\n",
+                ShortDType(cache_dtype), c.block_size, name.c_str(), ms,
+                flops / (ms * 1e-3) / 1e12);
   }
 
   // Rows at a few positions: the reference as a one-token call whose query sits at `pos`.
@@ -917,6 +929,15 @@ TEST_P(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
     }
     EXPECT_EQ(failures, 0);
   }
+}
+
+TEST_P(CudaPrefillPerformanceTest, Causal8kBf16Head128) {
+  TimeCausal8kHead128(GetParam(), DType::kBFloat16);
+}
+
+// The same over an fp8 e4m3 cache (half the bytes of K and V, converted in the kernel).
+TEST_P(CudaPrefillPerformanceTest, Causal8kFp8E4m3Head128) {
+  TimeCausal8kHead128(GetParam(), DType::kFloat8E4M3);
 }
 
 INSTANTIATE_TEST_SUITE_P(BlockSizes, CudaPrefillPerformanceTest, ::testing::Values(16, 64),
