@@ -66,43 +66,35 @@ int CtasPerSm(int padded, int n_tiles) {
 
 using TcKernel = void (*)(PagedKernelParams, tc::DecodeTcArgs);
 
-// The fp8-only instantiations (padded head size 128, one n8 tile) of the stagings
-// DecodeFp8Staging names (kernel bits 1, 2, 3, 6 and 7), and their shared memory.
-template <int kStaging, typename T>
-TcKernel Fp8StagingKernelFor() {
-  return &tc::DecodeTcKernel<128, 1, T, kStaging>;
-}
-template <int kStaging>
-int Fp8StagingSmemBytesFor() {
-  static_assert(tc::DecodeTcTraits<128, 1, kStaging>::kMinBlocksPerSm ==
-                    tc::DecodeTcTraits<128, 1>::kMinBlocksPerSm,
-                "the split choice assumes the default's CTAs per SM for every staging");
-  return tc::DecodeTcTraits<128, 1, kStaging>::SmemBytes(true);
+// Calls `f` with std::integral_constant<int, bits> for fp8-only staging `bits` (1, 2, 3,
+// 6 or 7: the instantiations at padded head size 128 with one n8 tile; else 7).
+template <typename F>
+auto WithFp8Staging(int bits, F&& f) {
+  using std::integral_constant;
+  constexpr int kRing = tc::kFp8DeepRing;
+  constexpr int kK = tc::kFp8KInRegisters;
+  constexpr int kKV = tc::kFp8KInRegisters | tc::kFp8VInRegisters;
+  switch (bits) {
+    case kRing: return f(integral_constant<int, kRing>());
+    case kK: return f(integral_constant<int, kK>());
+    case kRing | kK: return f(integral_constant<int, kRing | kK>());
+    case kKV: return f(integral_constant<int, kKV>());
+    default: return f(integral_constant<int, kRing | kKV>());
+  }
 }
 template <typename T>
-TcKernel PickFp8StagingKernel(int staging) {
-  constexpr int kRing = tc::kFp8DeepRing;
-  constexpr int kK = tc::kFp8KInRegisters;
-  constexpr int kKV = tc::kFp8KInRegisters | tc::kFp8VInRegisters;
-  switch (staging) {
-    case kRing: return Fp8StagingKernelFor<kRing, T>();
-    case kK: return Fp8StagingKernelFor<kK, T>();
-    case kRing | kK: return Fp8StagingKernelFor<kRing | kK, T>();
-    case kKV: return Fp8StagingKernelFor<kKV, T>();
-    default: return Fp8StagingKernelFor<kRing | kKV, T>();
-  }
+TcKernel PickFp8StagingKernel(int bits) {
+  return WithFp8Staging(bits, [](auto staging) -> TcKernel {
+    return &tc::DecodeTcKernel<128, 1, T, decltype(staging)::value>;
+  });
 }
-int Fp8StagingSmemBytes(int staging) {
-  constexpr int kRing = tc::kFp8DeepRing;
-  constexpr int kK = tc::kFp8KInRegisters;
-  constexpr int kKV = tc::kFp8KInRegisters | tc::kFp8VInRegisters;
-  switch (staging) {
-    case kRing: return Fp8StagingSmemBytesFor<kRing>();
-    case kK: return Fp8StagingSmemBytesFor<kK>();
-    case kRing | kK: return Fp8StagingSmemBytesFor<kRing | kK>();
-    case kKV: return Fp8StagingSmemBytesFor<kKV>();
-    default: return Fp8StagingSmemBytesFor<kRing | kKV>();
-  }
+int Fp8StagingSmemBytes(int bits) {
+  return WithFp8Staging(bits, [](auto staging) {
+    using Traits = tc::DecodeTcTraits<128, 1, decltype(staging)::value>;
+    static_assert(Traits::kMinBlocksPerSm == tc::DecodeTcTraits<128, 1>::kMinBlocksPerSm,
+                  "the split choice assumes the default's CTAs per SM for every staging");
+    return Traits::SmemBytes(true);
+  });
 }
 
 // DecodeFp8Staging as the kernel's bits.
