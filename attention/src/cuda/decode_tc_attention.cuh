@@ -127,8 +127,8 @@ struct DecodeTcTraits {
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kKvOffset = kQOffset + kQBytes;
   // The warps' partial results at the end: [kWarps][kRows][D] + [kWarps][kRows][2] floats,
-  // in the pipeline's shared memory (which, but without the 16-bit tile of kFp8VInRegisters,
-  // is always the larger).
+  // in the pipeline's shared memory, which is the larger except with kFp8VInRegisters (no
+  // 16-bit tile): SmemBytes is the larger of the two.
   static constexpr int kMergeBytes = kWarps * kRows * (D + 2) * 4;
   static constexpr int SmemBytes(bool fp8) {
     const int convert_tile = (kFp8 & kFp8VInRegisters) != 0 ? 0 : kTileBytes;
@@ -489,7 +489,8 @@ KVSTREAM_CUDA_UNROLL
       kNT == 1 ? q_base + static_cast<uint32_t>((lane & 7) * D * 2)
                : q_base + static_cast<uint32_t>(((lane & 7) + ((lane >> 4) << 3)) * D * 2);
   uint32_t q_frag[kQInRegisters ? kDSteps : 1][kNT][2];
-  static_assert(!kKRegs || kQInRegisters, "K in registers takes Q's fragments from registers");
+  static_assert(!kKRegs || kQInRegisters,
+                "K in registers: only where Q's fragments fit in registers (D * kNT <= 256)");
   // kKRegs: Q's fragment of k16 step kk for n8 tile nt with the head dimension permuted
   // as raw_k_half reads K: step kk = 4 i + s of lane (g, quad) holds dims 16 (quad + 4 i) +
   // 4 s + {0, 1} (its first register) and + {2, 3} (its second), four dims in a row of Q.
