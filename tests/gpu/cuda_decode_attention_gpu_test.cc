@@ -172,12 +172,14 @@ class CudaDecodeTest : public ::testing::Test {
   // takes every problem here; the tensor-core one 16-bit q == out and 16-byte rows; the TMA
   // one d 128, block size 16 and KV heads in fours, on devices with TMA), with the
   // launcher's split choice (0) and with each of `splits`, and compares every output with
-  // the reference.
+  // the reference. `fp8_staging`: the tensor-core kernel's (DecodeLaunchOptions).
   void ExpectMatches(AttnProblem& pb, const std::vector<int>& splits = {0, 1},
-                     const std::vector<internal::DecodeKernel>& kernels = {
-                         internal::DecodeKernel::kCudaCores,
-                         internal::DecodeKernel::kTensorCores,
-                         internal::DecodeKernel::kTensorCoresTma}) {
+                     const std::vector<internal::DecodeKernel>& kernels =
+                         {internal::DecodeKernel::kCudaCores,
+                          internal::DecodeKernel::kTensorCores,
+                          internal::DecodeKernel::kTensorCoresTma},
+                     internal::DecodeFp8Staging fp8_staging =
+                         internal::DecodeFp8Staging::kShared) {
     auto dev = DeviceAttnProblem::Create(pb);
     ASSERT_TRUE(dev.ok()) << dev.status();
     for (internal::DecodeKernel kernel : kernels) {
@@ -191,9 +193,11 @@ class CudaDecodeTest : public ::testing::Test {
         const std::string what =
             absl::StrCat(KernelName(kernel), ", ",
                          num_splits == 0 ? std::string("automatic splits")
-                                         : absl::StrCat(num_splits, " splits"));
+                                         : absl::StrCat(num_splits, " splits"),
+                         ", fp8 staging ", static_cast<int>(fp8_staging));
         ASSERT_TRUE((*dev)->ResetOut().ok());
-        const absl::Status st = Launch((*dev)->params(), num_splits, kernel);
+        const absl::Status st =
+            Launch((*dev)->params(), num_splits, kernel, Merge::kInKernel, fp8_staging);
         ASSERT_TRUE(st.ok()) << st << " (" << what << ")";
         auto out = (*dev)->Out();
         ASSERT_TRUE(out.ok()) << out.status();
@@ -562,28 +566,15 @@ TEST_F(CudaDecodeTest, Fp8StagingsMatchTheReference) {
     c.block_size = k.block_size;
     c.layout = k.block_size == 5 ? TestLayout::kHND : TestLayout::kNHD;
     c.seqs = {{0, 1}, {67, 1}, {6, 0}, {600, 1}, {127, 1}, {1000, 1}};
+    SCOPED_TRACE(absl::StrCat("group ", k.group, " d ", k.d, " ", ShortDType(k.act), "/",
+                              ShortDType(k.cache), " bs ", k.block_size));
     AttnProblem pb(c);
-    auto dev = DeviceAttnProblem::Create(pb);
-    ASSERT_TRUE(dev.ok()) << dev.status();
     for (const auto staging :
          {internal::DecodeFp8Staging::kDeepRing, internal::DecodeFp8Staging::kKInRegisters,
           internal::DecodeFp8Staging::kDeepRingKInRegisters,
           internal::DecodeFp8Staging::kKVInRegisters,
           internal::DecodeFp8Staging::kDeepRingKVInRegisters}) {
-      for (int num_splits : {0, 1, 3}) {
-        const std::string what = absl::StrCat(
-            "group ", k.group, " d ", k.d, " ", ShortDType(k.act), "/", ShortDType(k.cache),
-            " bs ", k.block_size, ", staging ", static_cast<int>(staging), ", splits ",
-            num_splits);
-        ASSERT_TRUE((*dev)->ResetOut().ok());
-        const absl::Status st = Launch((*dev)->params(), num_splits,
-                                       internal::DecodeKernel::kTensorCores,
-                                       Merge::kMergeKernel, staging);
-        ASSERT_TRUE(st.ok()) << st << " (" << what << ")";
-        auto out = (*dev)->Out();
-        ASSERT_TRUE(out.ok()) << out.status();
-        ExpectMatchesReference(pb, *out, what);
-      }
+      ExpectMatches(pb, {0, 1, 3}, {internal::DecodeKernel::kTensorCores}, staging);
     }
   }
 }

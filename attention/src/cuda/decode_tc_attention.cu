@@ -97,6 +97,11 @@ int Fp8StagingSmemBytes(int bits) {
   });
 }
 
+// Whether the fp8-only stagings (every one but kFp8Shared) are built for this shape.
+bool Fp8StagingBuilt(DType cache_dtype, int padded, int n_tiles) {
+  return IsFp8(cache_dtype) && padded == 128 && n_tiles == 1;
+}
+
 // DecodeFp8Staging as the kernel's bits.
 int StagingBits(DecodeFp8Staging staging) {
   switch (staging) {
@@ -181,7 +186,7 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cach
         absl::StrCat("cuda decode attention (tensor cores): unknown fp8 staging ",
                      static_cast<int>(options.fp8_staging)));
   }
-  if (staging != tc::kFp8Shared && (!IsFp8(cache_dtype) || padded != 128 || NTiles(group) != 1)) {
+  if (staging != tc::kFp8Shared && !Fp8StagingBuilt(cache_dtype, padded, NTiles(group))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda decode attention (tensor cores): fp8 staging ", staging,
         " exists for fp8 caches at padded head size 128 with up to 8 query heads per KV head; "
@@ -219,7 +224,7 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
   args.partial_ml = partial_ml;
   const bool bf16 = q_dtype == DType::kBFloat16;
   const bool shared = plan.fp8_staging == tc::kFp8Shared;
-  if (!shared && (!fp8 || padded != 128 || n_tiles != 1)) {
+  if (!shared && !Fp8StagingBuilt(cache_dtype, padded, n_tiles)) {
     return absl::InvalidArgumentError(
         "cuda decode attention (tensor cores): the plan's fp8 staging does not fit this launch");
   }
