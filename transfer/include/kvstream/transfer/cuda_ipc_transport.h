@@ -24,10 +24,11 @@
 // stream), a wait for order.ready_event, ONE copy kernel for all segments and a completion
 // event: no host synchronisation, and no CUDA call per segment. By default the kernel takes
 // whole segments per CTA (cut into pieces of at most CudaIpcTransportOptions::
-// max_piece_bytes, 16-byte vector copies where aligned) and reads the table straight from
-// the pinned staging ring (zero-copy: the post is then cheapest on the host, where a
-// 24 KiB parameter table costs more than the kernel saves); the other variants (CudaIpcTableMode, CudaIpcKernel) are
-// there to be measured (bench/cuda_ipc_bench.cc --sweep). Progress polls
+// max_piece_bytes, 16-byte vector copies where aligned); a short table is read straight
+// from the pinned staging ring (zero-copy: the post is then cheapest on the host), a long
+// one is first copied to device memory on a side stream (CudaIpcTableMode::kAuto); the
+// other variants (CudaIpcTableMode, CudaIpcKernel) are there to be measured
+// (bench/cuda_ipc_bench.cc --sweep). Progress polls
 // the completion events in post order and only then sends the notification (payload, then
 // order.notification_tail's bytes) over a Unix-domain socket in the abstract namespace,
 // whose name (with a random uid) is in LocalInfo(). The receiver's PollNotifications
