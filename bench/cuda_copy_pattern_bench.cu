@@ -17,7 +17,8 @@
 // per-copy device times (an event pair around each). Kernels: the transport's per-segment
 // kernel (one CTA per entry, persistent grid, the table in device memory) at 8 and 4 vectors
 // per thread, and the same kernel shape at other CTA widths (`cta<T>x<V>`: T threads, V
-// 16-byte vectors per thread per pass), plus a grid-stride copy of the contiguous bytes
+// 16-byte vectors per thread per pass; `pre<T>x<V>`: each thread loads the next entry's
+// fields while it copies the current one, no barrier), plus a grid-stride copy of the contiguous bytes
 // (`gridstride`) as what a plain SM copy reaches. GB/s are of layer bytes (1e9 per second);
 // ratio = memcpy time / kernel time.
 #include <cuda_runtime.h>
@@ -67,6 +68,48 @@ __global__ void __launch_bounds__(kThreads) CtaCopy(const IpcCopySegment* table,
         if (i + k * kThreads < nvec) dst[i + k * kThreads] = v[k];
       }
     }
+  }
+}
+
+// As CtaCopy, but each thread loads the next entry's fields into registers before it copies
+// the current entry, so that no CTA waits on a table read between entries (the transport's
+// CTA kernel shares them through shared memory behind a barrier instead).
+template <int kThreads, int kVectors>
+__global__ void __launch_bounds__(kThreads)
+    CtaCopyPrefetch(const IpcCopySegment* table, uint32_t n) {
+  uint32_t e = blockIdx.x;
+  if (e >= n) return;
+  uint64_t src = __ldg(&table[e].src);
+  uint64_t dst = __ldg(&table[e].dst);
+  uint64_t len = __ldg(&table[e].length);
+  constexpr uint64_t kPass = static_cast<uint64_t>(kThreads) * kVectors;
+  while (true) {
+    const uint32_t next = e + gridDim.x;
+    uint64_t next_src = 0, next_dst = 0, next_len = 0;
+    if (next < n) {
+      next_src = __ldg(&table[next].src);
+      next_dst = __ldg(&table[next].dst);
+      next_len = __ldg(&table[next].length);
+    }
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    const uint64_t nvec = len / 16;
+    for (uint64_t i = threadIdx.x; i < nvec; i += kPass) {
+      int4 v[kVectors];
+#pragma unroll
+      for (int k = 0; k < kVectors; ++k) {
+        if (i + k * kThreads < nvec) v[k] = __ldg(&s[i + k * kThreads]);
+      }
+#pragma unroll
+      for (int k = 0; k < kVectors; ++k) {
+        if (i + k * kThreads < nvec) d[i + k * kThreads] = v[k];
+      }
+    }
+    if (next >= n) return;
+    e = next;
+    src = next_src;
+    dst = next_dst;
+    len = next_len;
   }
 }
 
@@ -337,10 +380,27 @@ int Run(int device, int reps) {
               }));
         }
         const int sms = prop.multiProcessorCount;
+        // Correctness first: region 0 copied into a cleared pool, every word compared.
+        auto check = [&](const std::string& name, auto launch_region0) {
+          CHECK_CUDA(cudaMemsetAsync(dst_pool, 0, kPoolBytes, stream));
+          CHECK_CUDA(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
+          launch_region0();
+          CountMismatches<<<1024, 256, 0, stream>>>(entries(0), static_cast<uint32_t>(n), bad);
+          unsigned long long mismatches = 0;
+          CHECK_CUDA(cudaMemcpyAsync(&mismatches, bad, sizeof(mismatches), cudaMemcpyDeviceToHost, stream));
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+          if (mismatches != 0) {
+            std::printf("%s: %llu words differ\n", name.c_str(), mismatches);
+            std::exit(1);
+          }
+        };
         auto cta = [&](const char* name, auto kernel, int threads) {
           int per_sm = 0;
           CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
           const int grid = static_cast<int>(std::min<size_t>(n, static_cast<size_t>(per_sm) * sms));
+          check(name, [&] {
+            kernel<<<grid, threads, 0, stream>>>(entries(0), static_cast<uint32_t>(n));
+          });
           row(p.name, name, MedianMs(reps, stream, [&](int r) {
                 kernel<<<grid, threads, 0, stream>>>(entries(r), static_cast<uint32_t>(n));
               }));
@@ -357,18 +417,9 @@ int Run(int device, int reps) {
           for (int k : {1, 2, 4}) {
             if (k > per_sm) break;
             const int grid = static_cast<int>(std::min<size_t>(n, static_cast<size_t>(k) * sms));
-            // Correctness first: region 0 copied into a cleared pool, every word compared.
-            CHECK_CUDA(cudaMemsetAsync(dst_pool, 0, kPoolBytes, stream));
-            CHECK_CUDA(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
-            kernel<<<grid, 32, smem, stream>>>(entries(0), static_cast<uint32_t>(n), chunk);
-            CountMismatches<<<1024, 256, 0, stream>>>(entries(0), static_cast<uint32_t>(n), bad);
-            unsigned long long mismatches = 0;
-            CHECK_CUDA(cudaMemcpyAsync(&mismatches, bad, sizeof(mismatches), cudaMemcpyDeviceToHost, stream));
-            CHECK_CUDA(cudaStreamSynchronize(stream));
-            if (mismatches != 0) {
-              std::printf("%s: %llu words differ\n", name, mismatches);
-              std::exit(1);
-            }
+            check(name, [&] {
+              kernel<<<grid, 32, smem, stream>>>(entries(0), static_cast<uint32_t>(n), chunk);
+            });
             row(p.name, std::string(name) + "/" + std::to_string(k), MedianMs(reps, stream, [&](int r) {
                   kernel<<<grid, 32, smem, stream>>>(entries(r), static_cast<uint32_t>(n), chunk);
                 }));
@@ -379,6 +430,11 @@ int Run(int device, int reps) {
         bulk("bulk6x16k", BulkCopy<6>, 6, 16 << 10);
         bulk("bulk4x16k", BulkCopy<4>, 4, 16 << 10);
         bulk("bulk2x32k", BulkCopy<2>, 2, 32 << 10);
+        cta("cta256x8", CtaCopy<256, 8>, 256);
+        cta("pre256x8", CtaCopyPrefetch<256, 8>, 256);
+        cta("pre256x4", CtaCopyPrefetch<256, 4>, 256);
+        cta("pre512x4", CtaCopyPrefetch<512, 4>, 512);
+        cta("pre128x16", CtaCopyPrefetch<128, 16>, 128);
         cta("cta128x16", CtaCopy<128, 16>, 128);
         cta("cta512x4", CtaCopy<512, 4>, 512);
         cta("cta1024x2", CtaCopy<1024, 2>, 1024);
