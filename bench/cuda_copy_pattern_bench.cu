@@ -49,6 +49,24 @@ namespace {
 
 using kvstream::internal::IpcCopySegment;
 
+// `nvec` 16-byte vectors from src to dst with the CTA's kThreads threads, kVectors loads in
+// flight per thread before its stores.
+template <int kThreads, int kVectors>
+__device__ inline void CopyVectors(const int4* src, int4* dst, uint64_t nvec) {
+  constexpr uint64_t kPass = static_cast<uint64_t>(kThreads) * kVectors;
+  for (uint64_t i = threadIdx.x; i < nvec; i += kPass) {
+    int4 v[kVectors];
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) {
+      if (i + k * kThreads < nvec) v[k] = __ldg(&src[i + k * kThreads]);
+    }
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) {
+      if (i + k * kThreads < nvec) dst[i + k * kThreads] = v[k];
+    }
+  }
+}
+
 // One CTA of kThreads per entry, grid-stride over entries; every thread reads the entry.
 template <int kThreads, int kVectors>
 __global__ void __launch_bounds__(kThreads) CtaCopy(const IpcCopySegment* table, uint32_t n) {
@@ -56,18 +74,7 @@ __global__ void __launch_bounds__(kThreads) CtaCopy(const IpcCopySegment* table,
     const int4* src = reinterpret_cast<const int4*>(__ldg(&table[e].src));
     int4* dst = reinterpret_cast<int4*>(__ldg(&table[e].dst));
     const uint64_t nvec = __ldg(&table[e].length) / 16;
-    constexpr uint64_t kPass = static_cast<uint64_t>(kThreads) * kVectors;
-    for (uint64_t i = threadIdx.x; i < nvec; i += kPass) {
-      int4 v[kVectors];
-#pragma unroll
-      for (int k = 0; k < kVectors; ++k) {
-        if (i + k * kThreads < nvec) v[k] = __ldg(&src[i + k * kThreads]);
-      }
-#pragma unroll
-      for (int k = 0; k < kVectors; ++k) {
-        if (i + k * kThreads < nvec) dst[i + k * kThreads] = v[k];
-      }
-    }
+    CopyVectors<kThreads, kVectors>(src, dst, nvec);
   }
 }
 
@@ -82,7 +89,6 @@ __global__ void __launch_bounds__(kThreads)
   uint64_t src = __ldg(&table[e].src);
   uint64_t dst = __ldg(&table[e].dst);
   uint64_t len = __ldg(&table[e].length);
-  constexpr uint64_t kPass = static_cast<uint64_t>(kThreads) * kVectors;
   while (true) {
     const uint32_t next = e + gridDim.x;
     uint64_t next_src = 0, next_dst = 0, next_len = 0;
@@ -91,20 +97,8 @@ __global__ void __launch_bounds__(kThreads)
       next_dst = __ldg(&table[next].dst);
       next_len = __ldg(&table[next].length);
     }
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    const uint64_t nvec = len / 16;
-    for (uint64_t i = threadIdx.x; i < nvec; i += kPass) {
-      int4 v[kVectors];
-#pragma unroll
-      for (int k = 0; k < kVectors; ++k) {
-        if (i + k * kThreads < nvec) v[k] = __ldg(&s[i + k * kThreads]);
-      }
-#pragma unroll
-      for (int k = 0; k < kVectors; ++k) {
-        if (i + k * kThreads < nvec) d[i + k * kThreads] = v[k];
-      }
-    }
+    CopyVectors<kThreads, kVectors>(reinterpret_cast<const int4*>(src),
+                                    reinterpret_cast<int4*>(dst), len / 16);
     if (next >= n) return;
     e = next;
     src = next_src;
