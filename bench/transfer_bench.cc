@@ -26,9 +26,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <netinet/in.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -55,6 +53,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "benchmark/benchmark.h"
+#include "kvstream/transfer/socket.h"
 #include "kvstream/transfer/transport.h"
 #include "kvstream/transfer/ucx_transport.h"
 
@@ -440,20 +439,12 @@ void BM_LayerTransfer(benchmark::State& state, Shape shape, size_t block_tokens,
 
 // --- ucx_perftest ---
 
+// A loopback port free right now (0 if none could be had), from the socket helper.
 int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  int port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  ::close(fd);
-  return port;
+  absl::StatusOr<ScopedFd> fd = ListenTcp("127.0.0.1", 0);
+  if (!fd.ok()) return 0;
+  absl::StatusOr<uint16_t> port = BoundTcpPort(fd->get());
+  return port.ok() ? *port : 0;
 }
 
 // ucp_put_bw of `bytes`-sized messages; GB/s (1e9), or a negative value on failure.
