@@ -16,13 +16,14 @@
 // region of the pools so that the source is not left in L2, and reports the median of the
 // per-copy device times (an event pair around each). Kernels: the transport's per-segment
 // kernel (a persistent grid of CTAs taking whole entries, and `/e`: one CTA per entry; the
-// table in device memory) at 8 and 4 vectors per thread, and the same kernel shape at other CTA widths (`cta<T>x<V>`: T threads, V
-// 16-byte vectors per thread per pass; `pre<T>x<V>`: each thread loads the next entry's
-// fields while it copies the current one, no barrier; `barrier256x8`: the transport's kernel
-// before 2026-12-07, the entry shared through shared memory behind a barrier per entry), plus
-// a grid-stride copy of the contiguous bytes
-// (`gridstride`) as what a plain SM copy reaches. GB/s are of layer bytes (1e9 per second);
-// ratio = memcpy time / kernel time.
+// table in device memory) at 8 and 4 vectors per thread; the same loop at other CTA widths
+// (`cta<T>x<V>`: T threads, V 16-byte vectors per thread per pass, every thread reading the
+// entry); `pre<T>x<V>`: as cta, each thread also loading the next entry's fields while it
+// copies the current one, so that no warp waits at a barrier or on a table read between
+// entries (the transport's kernel shares each entry through shared memory behind a barrier
+// per entry); TMA bulk copies (`bulk<S>x<C>`); and a grid-stride copy of the contiguous
+// bytes (`gridstride`) as what a plain SM copy reaches. GB/s are of layer bytes (1e9 per
+// second); ratio = memcpy time / kernel time.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -106,31 +107,6 @@ __global__ void __launch_bounds__(kThreads)
     src = next_src;
     dst = next_dst;
     len = next_len;
-  }
-}
-
-// The transport's CTA kernel as it was until 2026-12-07, for comparison in the same run:
-// threads 0..2 load the next entry into shared memory while the CTA copies the current one,
-// and the CTA meets at a barrier per entry.
-template <int kThreads, int kVectors>
-__global__ void __launch_bounds__(kThreads)
-    CtaCopyBarrier(const IpcCopySegment* table, uint32_t n) {
-  uint32_t e = blockIdx.x;
-  if (e >= n) return;
-  const uint32_t t = threadIdx.x;
-  __shared__ uint64_t entry[2][3];
-  if (t < 3) entry[0][t] = __ldg(reinterpret_cast<const uint64_t*>(table + e) + t);
-  __syncthreads();
-  int buf = 0;
-  for (; e < n; e += gridDim.x) {
-    const bool more = e + gridDim.x < n;
-    uint64_t next = 0;
-    if (more && t < 3) next = __ldg(reinterpret_cast<const uint64_t*>(table + e + gridDim.x) + t);
-    CopyVectors<kThreads, kVectors>(reinterpret_cast<const int4*>(entry[buf][0]),
-                                    reinterpret_cast<int4*>(entry[buf][1]), entry[buf][2] / 16);
-    if (more && t < 3) entry[buf ^ 1][t] = next;
-    __syncthreads();
-    buf ^= 1;
   }
 }
 
@@ -455,7 +431,6 @@ int Run(int device, int reps) {
         bulk("bulk6x16k", BulkCopy<6>, 6, 16 << 10);
         bulk("bulk4x16k", BulkCopy<4>, 4, 16 << 10);
         bulk("bulk2x32k", BulkCopy<2>, 2, 32 << 10);
-        cta("barrier256x8", CtaCopyBarrier<256, 8>, 256);
         cta("cta256x8", CtaCopy<256, 8>, 256);
         cta("pre256x8", CtaCopyPrefetch<256, 8>, 256);
         cta("pre256x4", CtaCopyPrefetch<256, 4>, 256);

@@ -187,33 +187,48 @@ struct ParamTableView {
   }
 };
 
-// Entry fields: 0 src, 1 dst, 2 length. In every warp of a unit, lanes 0..2 load them (the
-// next entry's while the unit copies the current one) and share them by shuffles: no barrier
-// and no shared memory, so each warp moves on to its next entry as soon as its own stores are
-// issued (a CTA that shared one load behind __syncthreads waited, per entry, for its slowest
-// warp's loads; docs/benchmarks.md). A zero-copy table is then read once per warp instead of
-// once per unit.
+// Entry fields: 0 src, 1 dst, 2 length. Threads 0..2 of a unit load them (the next entry's
+// while the unit copies the current one) and share them.
 template <IpcCopyUnit kUnit, int kVectors, typename Table>
 __device__ inline void SegmentCopy(const Table& table) {
   const uint32_t n = table.size();
-  constexpr bool kWarpUnit = kUnit == IpcCopyUnit::kWarp;
-  constexpr int kThreads = kWarpUnit ? 32 : kIpcUnitCtaThreads<kUnit>;
-  const uint32_t lane = threadIdx.x & 31;
-  const uint32_t t = kWarpUnit ? lane : threadIdx.x;  // the thread's index in its unit
-  const uint64_t units =
-      kWarpUnit ? static_cast<uint64_t>(gridDim.x) * kIpcWarpsPerCta : gridDim.x;
-  uint64_t i = kWarpUnit ? static_cast<uint64_t>(blockIdx.x) * kIpcWarpsPerCta + threadIdx.x / 32
-                         : blockIdx.x;
-  if (i >= n) return;  // the whole unit
-  uint64_t mine = lane < 3 ? table.Field(static_cast<uint32_t>(i), lane) : 0;
-  for (; i < n; i += units) {
-    const uint64_t src = __shfl_sync(0xffffffffu, mine, 0);
-    const uint64_t dst = __shfl_sync(0xffffffffu, mine, 1);
-    const uint64_t length = __shfl_sync(0xffffffffu, mine, 2);
-    // The next entry's load is in flight during the copy.
-    if (i + units < n && lane < 3) mine = table.Field(static_cast<uint32_t>(i + units), lane);
-    CopyRun<kThreads, kVectors>(reinterpret_cast<const char*>(src), reinterpret_cast<char*>(dst),
-                                length, t);
+  if (kUnit == IpcCopyUnit::kCta || kUnit == IpcCopyUnit::kWideCta) {
+    constexpr int kThreads = kIpcUnitCtaThreads<kUnit>;
+    const uint32_t t = threadIdx.x;
+    const uint64_t units = gridDim.x;
+    uint64_t i = blockIdx.x;
+    if (i >= n) return;  // the whole CTA
+    __shared__ uint64_t entry[2][3];
+    if (t < 3) entry[0][t] = table.Field(static_cast<uint32_t>(i), t);
+    __syncthreads();
+    int buf = 0;
+    for (; i < n; i += units) {
+      const char* src = reinterpret_cast<const char*>(entry[buf][0]);
+      char* dst = reinterpret_cast<char*>(entry[buf][1]);
+      const uint64_t length = entry[buf][2];
+      const bool more = i + units < n;
+      uint64_t next = 0;
+      if (more && t < 3) next = table.Field(static_cast<uint32_t>(i + units), t);
+      CopyRun<kThreads, kVectors>(src, dst, length, t);
+      if (more && t < 3) entry[buf ^ 1][t] = next;
+      __syncthreads();  // entry[buf ^ 1] written; entry[buf] no longer read
+      buf ^= 1;
+    }
+  } else {
+    const uint32_t lane = threadIdx.x & 31;
+    const uint64_t units = static_cast<uint64_t>(gridDim.x) * kIpcWarpsPerCta;
+    uint64_t i = static_cast<uint64_t>(blockIdx.x) * kIpcWarpsPerCta + threadIdx.x / 32;
+    if (i >= n) return;  // the whole warp
+    uint64_t mine = lane < 3 ? table.Field(static_cast<uint32_t>(i), lane) : 0;
+    for (; i < n; i += units) {
+      const uint64_t src = __shfl_sync(0xffffffffu, mine, 0);
+      const uint64_t dst = __shfl_sync(0xffffffffu, mine, 1);
+      const uint64_t length = __shfl_sync(0xffffffffu, mine, 2);
+      // The next entry's load is in flight during the copy.
+      if (i + units < n && lane < 3) mine = table.Field(static_cast<uint32_t>(i + units), lane);
+      CopyRun<32, kVectors>(reinterpret_cast<const char*>(src), reinterpret_cast<char*>(dst),
+                            length, lane);
+    }
   }
 }
 
