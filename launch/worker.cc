@@ -2,7 +2,6 @@
 #include "worker.h"
 
 #include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -16,13 +15,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "kvstream/serving/engine.h"
 #include "metrics_server.h"
+#include "worker_rendezvous.h"
 #include "kvstream/serving/pipeline_link.h"
 #include "kvstream/common/cuda_resources.h"
 #include "kvstream/common/cuda_status.h"
@@ -68,73 +67,10 @@ class CrashingHook : public TransferHook {
   int layer_;
 };
 
-std::string AddressFileOf(const WorkerOptions& o, int prefill_index) {
-  return o.num_prefill > 1 ? absl::StrCat(o.address_file, ".", prefill_index) : o.address_file;
-}
+}  // namespace
 
 // Requests a prefill worker serves in an xPyD run: request i of decode worker d goes to
 // prefill worker (i + d) % num_prefill.
-}  // namespace
-
-nlohmann::json ConnectorStatsJson(const ConnectorStats& s,
-                                  const std::vector<PeerConnectorStats>& peers) {
-  nlohmann::json buckets = nlohmann::json::array();
-  uint64_t count = 0;
-  for (int b = 0; b < ConnectorStats::kLatencyBuckets; ++b) {
-    count += s.latency_counts[b];
-    nlohmann::json le = b + 1 < ConnectorStats::kLatencyBuckets
-                            ? nlohmann::json(ConnectorStats::kLatencyBucketsMs[b])
-                            : nlohmann::json("+Inf");
-    buckets.push_back({{"le_ms", le}, {"count", count}});  // cumulative, as in Prometheus
-  }
-  nlohmann::json j = {{"bytes_sent", s.bytes_sent},
-                      {"bytes_received", s.bytes_received},
-                      {"layers_sent", s.layers_sent},
-                      {"layers_received", s.layers_received},
-                      {"load_errors", s.load_errors},
-                      {"handshakes", s.handshakes},
-                      {"handshake_failures", s.handshake_failures},
-                      {"send_failures", s.send_failures},
-                      {"wait_ms", s.wait_ms},
-                      {"exposed_transfer_ms", s.exposed_ms},
-                      {"blocks_in_flight", s.blocks_in_flight},
-                      {"layer_latency_sum_ms", s.latency_sum_ms},
-                      {"layer_latency_count", count},
-                      {"layer_latency_buckets", buckets}};
-  if (!peers.empty()) {
-    nlohmann::json by_peer = nlohmann::json::object();
-    for (const PeerConnectorStats& p : peers) by_peer[p.peer] = ConnectorStatsJson(p.stats);
-    j["peers"] = by_peer;
-  }
-  return j;
-}
-
-nlohmann::json PrefillReportJson(const std::vector<RequestResult>& served,
-                                 const std::map<std::string, RequestSendStats>& sends,
-                                 const ConnectorStats& stats,
-                                 const std::vector<PeerConnectorStats>& peers) {
-  nlohmann::json requests = nlohmann::json::array();
-  for (const RequestResult& r : served) {
-    nlohmann::json j = {{"id", r.id},
-                        {"prompt_tokens", r.prompt_tokens},
-                        {"prefill_ms", r.prefill_ms},
-                        {"prefill_start_ns", r.prefill_start_ns},
-                        {"status", r.status.ToString()}};
-    const auto t = sends.find(r.id);
-    if (t != sends.end()) {
-      j["consumer_request_id"] = t->second.consumer_request_id;
-      j["sent_ok"] = t->second.ok;
-      j["bytes_sent"] = t->second.bytes;
-      j["layer_ready_ns"] = t->second.layer_ready_ns;
-      j["layer_sent_ns"] = t->second.layer_sent_ns;
-    }
-    requests.push_back(std::move(j));
-  }
-  return {{"role", "prefill"},
-          {"requests", std::move(requests)},
-          {"connector", ConnectorStatsJson(stats, peers)}};
-}
-
 int RequestsServedBy(const WorkerOptions& o, int prefill_index) {
   int n = 0;
   for (int d = 0; d < o.num_decode; ++d) {
@@ -166,17 +102,6 @@ std::vector<RequestSpec> MakeRequests(const WorkerOptions& o) {
     }
   }
   return out;
-}
-
-// Waits until `path` exists, or `deadline`.
-absl::Status WaitForFile(const std::string& path, absl::Time deadline) {
-  while (access(path.c_str(), F_OK) != 0) {
-    if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("waited in vain for ", path));
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return absl::OkStatus();
 }
 
 // Runs `engine` until it has no work or `deadline` passes. With `progress`, a line every
@@ -218,44 +143,6 @@ absl::Status RunRequests(Engine& engine, const std::vector<RequestSpec>& request
     if (one_at_a_time) RETURN_IF_ERROR(Drain(engine, deadline, progress, what));
   }
   return Drain(engine, deadline, progress, what);
-}
-
-absl::Status WaitForProducer(const std::string& host, int port, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  absl::Status last;
-  while (absl::Now() < deadline) {
-    auto conn = ConnectControl(host, static_cast<uint16_t>(port), deadline);
-    if (conn.ok()) {
-      (*conn)->Close();
-      return absl::OkStatus();
-    }
-    last = conn.status();
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  return absl::UnavailableError(absl::StrCat("no prefill worker at ", host, ":", port, " within ",
-                                             absl::FormatDuration(timeout), ": ", last.message()));
-}
-
-// Waits for the prefill worker's address file; returns "host:port".
-absl::StatusOr<std::pair<std::string, int>> ReadAddressFile(const std::string& path,
-                                                           absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    std::ifstream f(path);
-    std::string line;
-    if (f && std::getline(f, line) && !line.empty()) {
-      const size_t colon = line.rfind(':');
-      int port = 0;
-      if (colon == std::string::npos || !absl::SimpleAtoi(line.substr(colon + 1), &port)) {
-        return absl::InvalidArgumentError(absl::StrCat("address file ", path, " holds '", line,
-                                                       "', not host:port"));
-      }
-      return std::make_pair(line.substr(0, colon), port);
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return absl::DeadlineExceededError(
-      absl::StrCat("the prefill worker did not write ", path, " in time"));
 }
 
 // What the pipeline stages of one decode group must share (StageChannelOptions::group_key):
@@ -451,16 +338,9 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
     out << "prefill worker " << config->engine_id << " listening on "
         << (*connector)->control_address() << std::endl;
     if (!o.address_file.empty()) {
-      // Write then rename, so the decode worker never reads half a line.
-      const std::string path = AddressFileOf(o, o.index);
-      const std::string tmp = path + ".tmp";
-      {
-        std::ofstream f(tmp);
-        f << DialableAddress((*connector)->control_address()) << "\n";
-      }
-      if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-        return Fail(err, absl::InternalError(absl::StrCat("cannot write ", path)));
-      }
+      const absl::Status written = internal::WriteAddressFile(
+          internal::AddressFileOf(o, o.index), DialableAddress((*connector)->control_address()));
+      if (!written.ok()) return Fail(err, written);
     }
     const StopSignals stop;
     absl::Time last_work = absl::Now();
@@ -525,13 +405,13 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
     for (int p = 0; p < o.num_prefill; ++p) {
       RemotePrefill remote{config->kv_ip, config->kv_port};
       if (!o.address_file.empty()) {
-        auto addr = ReadAddressFile(AddressFileOf(o, p), absl::Seconds(o.connect_timeout_s));
+        auto addr = internal::ReadAddressFile(internal::AddressFileOf(o, p), absl::Seconds(o.connect_timeout_s));
         if (!addr.ok()) return addr.status();
         remote = RemotePrefill{addr->first, addr->second};
       }
       if (wait) {
         RETURN_IF_ERROR(
-            WaitForProducer(remote.host, remote.port, absl::Seconds(o.connect_timeout_s)));
+            internal::WaitForProducer(remote.host, remote.port, absl::Seconds(o.connect_timeout_s)));
       }
       found.push_back(remote);
     }
@@ -549,7 +429,7 @@ int RunWorker(const WorkerOptions& o, std::ostream& out, std::ostream& err,
   absl::Status drained;
   for (int w = 0; w < waves && drained.ok(); ++w) {
     if (w > 0 && !o.wave_gate.empty()) {
-      drained = WaitForFile(absl::StrCat(o.wave_gate, ".w", w), t0 + budget);
+      drained = internal::WaitForFile(absl::StrCat(o.wave_gate, ".w", w), t0 + budget);
       if (!drained.ok()) break;
     }
     auto producers = find_producers(/*wait=*/w == 0);
