@@ -33,6 +33,7 @@ done
 echo "GPU tests done ($(date +%T))"
 if [ "${BENCH:-1}" != 0 ]; then
   for b in "kvstream_bench_cuda_ipc" "kvstream_bench_cuda_ipc --post-cost" \
+           "kvstream_bench_copy_pattern --reps=30" \
            "kvstream_bench_layer_checksum --benchmark_repetitions=3 --benchmark_report_aggregates_only=true" \
            ${EXTRA_BENCH:-}; do
     exe=${b%% *}
