@@ -25,6 +25,7 @@
 #include "absl/time/clock.h"
 #include "kvstream/common/byte_io.h"
 #include "kvstream/transfer/socket.h"
+#include "tests/testing/temp_dir.h"
 
 // The largest single allocation made by a thread while it tracks them, to check that Receive
 // does not allocate what a peer merely announces. Replacing the global operator new is the
@@ -271,16 +272,8 @@ TEST(StageMessageTest, OnlyErrorCodesTravel) {
 
 class StageLinkTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char dir[] = "/tmp/kvstream-stage-XXXXXX";
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-  }
-  void TearDown() override {
-    for (const char* suffix : {".pp1", ".pp2"}) unlink((Prefix() + suffix).c_str());
-    rmdir(dir_.c_str());
-  }
-  std::string Prefix() const { return dir_ + "/stages"; }
+  void SetUp() override { ASSERT_TRUE(dir_.ok()); }
+  std::string Prefix() const { return dir_.path() + "/stages"; }
   StageChannelOptions Options(int stage, int num_stages, absl::Duration timeout) const {
     StageChannelOptions o;
     o.stage = stage;
@@ -347,7 +340,7 @@ class StageLinkTest : public ::testing::Test {
     return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
   }
 
-  std::string dir_;
+  TempDir dir_;
   int peer_ = -1;
 };
 

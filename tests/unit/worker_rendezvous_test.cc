@@ -4,7 +4,6 @@
 
 #include <unistd.h>
 
-#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -13,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kvstream/transfer/socket.h"
+#include "tests/testing/temp_dir.h"
 
 namespace kvstream {
 namespace internal {
@@ -20,13 +20,9 @@ namespace {
 
 class WorkerRendezvousTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char dir[] = "/tmp/kvstream-rendezvous-XXXXXX";
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-  }
-  void TearDown() override { (void)std::system(("rm -rf '" + dir_ + "'").c_str()); }
-  std::string dir_;
+  void SetUp() override { ASSERT_TRUE(tmp_.ok()); }
+  TempDir tmp_;
+  const std::string& dir_ = tmp_.path();
 };
 
 TEST_F(WorkerRendezvousTest, AddressFileNamesCarryThePrefillIndexOnlyWhenThereAreSeveral) {
