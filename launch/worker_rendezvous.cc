@@ -49,7 +49,7 @@ absl::Status WaitForProducer(const std::string& host, int port, absl::Duration t
 }
 
 absl::StatusOr<std::pair<std::string, int>> ReadAddressFile(const std::string& path,
-                                                           absl::Duration timeout) {
+                                                            absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (absl::Now() < deadline) {
     std::ifstream f(path);
@@ -58,8 +58,8 @@ absl::StatusOr<std::pair<std::string, int>> ReadAddressFile(const std::string& p
       const size_t colon = line.rfind(':');
       int port = 0;
       if (colon == std::string::npos || !absl::SimpleAtoi(line.substr(colon + 1), &port)) {
-        return absl::InvalidArgumentError(absl::StrCat("address file ", path, " holds '", line,
-                                                       "', not host:port"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("address file ", path, " holds '", line, "', not host:port"));
       }
       return std::make_pair(line.substr(0, colon), port);
     }

@@ -28,7 +28,7 @@ absl::Status WriteAddressFile(const std::string& path, const std::string& addres
 // DeadlineExceeded when it does not appear in time, InvalidArgument when its line is not
 // host:port.
 absl::StatusOr<std::pair<std::string, int>> ReadAddressFile(const std::string& path,
-                                                           absl::Duration timeout);
+                                                            absl::Duration timeout);
 
 // Dials the prefill worker at host:port until its control channel answers, at most
 // `timeout`; Unavailable with the last error otherwise.
