@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_ipc/copy_kernel.cuh"
 #include "cuda_ipc/copy_kernel.h"
 
 namespace {
@@ -50,34 +51,17 @@ namespace {
     }                                                                                 \
   } while (0)
 
+using kvstream::internal::CopyRun;
 using kvstream::internal::IpcCopySegment;
-
-// `nvec` 16-byte vectors from src to dst with the CTA's kThreads threads, kVectors loads in
-// flight per thread before its stores.
-template <int kThreads, int kVectors>
-__device__ inline void CopyVectors(const int4* src, int4* dst, uint64_t nvec) {
-  constexpr uint64_t kPass = static_cast<uint64_t>(kThreads) * kVectors;
-  for (uint64_t i = threadIdx.x; i < nvec; i += kPass) {
-    int4 v[kVectors];
-#pragma unroll
-    for (int k = 0; k < kVectors; ++k) {
-      if (i + k * kThreads < nvec) v[k] = __ldg(&src[i + k * kThreads]);
-    }
-#pragma unroll
-    for (int k = 0; k < kVectors; ++k) {
-      if (i + k * kThreads < nvec) dst[i + k * kThreads] = v[k];
-    }
-  }
-}
 
 // One CTA of kThreads per entry, grid-stride over entries; every thread reads the entry.
 template <int kThreads, int kVectors>
 __global__ void __launch_bounds__(kThreads) CtaCopy(const IpcCopySegment* table, uint32_t n) {
   for (uint32_t e = blockIdx.x; e < n; e += gridDim.x) {
-    const int4* src = reinterpret_cast<const int4*>(__ldg(&table[e].src));
-    int4* dst = reinterpret_cast<int4*>(__ldg(&table[e].dst));
-    const uint64_t nvec = __ldg(&table[e].length) / 16;
-    CopyVectors<kThreads, kVectors>(src, dst, nvec);
+    // The transport's own pass loop (copy_kernel.cuh), at this CTA width.
+    CopyRun<kThreads, kVectors>(reinterpret_cast<const char*>(__ldg(&table[e].src)),
+                                reinterpret_cast<char*>(__ldg(&table[e].dst)),
+                                __ldg(&table[e].length), threadIdx.x);
   }
 }
 
@@ -100,8 +84,8 @@ __global__ void __launch_bounds__(kThreads)
       next_dst = __ldg(&table[next].dst);
       next_len = __ldg(&table[next].length);
     }
-    CopyVectors<kThreads, kVectors>(reinterpret_cast<const int4*>(src),
-                                    reinterpret_cast<int4*>(dst), len / 16);
+    CopyRun<kThreads, kVectors>(reinterpret_cast<const char*>(src), reinterpret_cast<char*>(dst),
+                                len, threadIdx.x);
     if (next >= n) return;
     e = next;
     src = next_src;
@@ -370,7 +354,8 @@ int Run(int device, int reps) {
               std::min<size_t>(n, static_cast<size_t>(per_sm) * prop.multiProcessorCount));
           // A persistent grid, and one CTA per entry (the default for long tables).
           for (const int g : {grid, static_cast<int>(n)}) {
-            const std::string name = "transport v" + std::to_string(vectors) + (g == grid ? "" : "/e");
+            const std::string name =
+                "transport v" + std::to_string(vectors) + (g == grid ? "" : "/e");
             row(p.name, name, MedianMs(reps, stream, [&](int r) {
                   auto st = kvstream::internal::LaunchIpcSegmentCopy(
                       entries(r), static_cast<uint32_t>(n),
