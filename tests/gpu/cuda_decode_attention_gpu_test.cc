@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -100,7 +101,7 @@ class CudaDecodeTest : public ::testing::Test {
   absl::Status Launch(const PagedAttentionParams& p, int num_splits,
                       internal::DecodeKernel kernel = internal::DecodeKernel::kAuto,
                       Merge merge = Merge::kInKernel,
-                      internal::DecodeFp8Staging fp8_staging = internal::DecodeFp8Staging::kShared) {
+                      internal::DecodeFp8Staging fp8_staging = internal::DecodeFp8Staging::kAuto) {
     ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
     internal::DecodeLaunchOptions options;
     options.num_sms = num_sms_;
@@ -145,6 +146,19 @@ class CudaDecodeTest : public ::testing::Test {
     return absl::OkStatus();
   }
 
+  // The fp8 staging the tensor-core kernel's plan resolves `requested` to for device params
+  // `p` (as Launch plans it, with the launcher's split choice).
+  absl::StatusOr<internal::DecodeFp8Staging> PlannedFp8Staging(
+      const PagedAttentionParams& p, internal::DecodeFp8Staging requested) const {
+    ASSIGN_OR_RETURN(internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
+    internal::DecodeLaunchOptions options;
+    options.num_sms = num_sms_;
+    options.fp8_staging = requested;
+    ASSIGN_OR_RETURN(internal::DecodeTcPlan plan,
+                     internal::PlanDecodeTc(kp, p.cache.spec.dtype, options));
+    return plan.fp8_staging;
+  }
+
   // Whether the tensor-core kernel takes device params `p`.
   static bool TensorCoresApply(const PagedAttentionParams& p) {
     auto kp = internal::MakePagedKernelParams(p);
@@ -157,6 +171,15 @@ class CudaDecodeTest : public ::testing::Test {
     auto kp = internal::MakePagedKernelParams(p);
     return tma_ && kp.ok() &&
            internal::DecodeTmaApplies(*kp, p.q_dtype, p.out_dtype, p.cache.spec.dtype);
+  }
+
+  static const char* Fp8StagingName(internal::DecodeFp8Staging staging) {
+    switch (staging) {
+      case internal::DecodeFp8Staging::kAuto: return "automatic";
+      case internal::DecodeFp8Staging::kShared: return "shared";
+      case internal::DecodeFp8Staging::kInRegisters: return "in registers";
+    }
+    return "unknown";
   }
 
   static const char* KernelName(internal::DecodeKernel kernel) {
@@ -175,11 +198,9 @@ class CudaDecodeTest : public ::testing::Test {
   // the reference. `fp8_staging`: the tensor-core kernel's (DecodeLaunchOptions).
   void ExpectMatches(AttnProblem& pb, const std::vector<int>& splits = {0, 1},
                      const std::vector<internal::DecodeKernel>& kernels =
-                         {internal::DecodeKernel::kCudaCores,
-                          internal::DecodeKernel::kTensorCores,
+                         {internal::DecodeKernel::kCudaCores, internal::DecodeKernel::kTensorCores,
                           internal::DecodeKernel::kTensorCoresTma},
-                     internal::DecodeFp8Staging fp8_staging =
-                         internal::DecodeFp8Staging::kShared) {
+                     internal::DecodeFp8Staging fp8_staging = internal::DecodeFp8Staging::kAuto) {
     auto dev = DeviceAttnProblem::Create(pb);
     ASSERT_TRUE(dev.ok()) << dev.status();
     for (internal::DecodeKernel kernel : kernels) {
@@ -190,11 +211,10 @@ class CudaDecodeTest : public ::testing::Test {
         continue;
       }
       for (int num_splits : splits) {
-        const std::string what =
-            absl::StrCat(KernelName(kernel), ", ",
-                         num_splits == 0 ? std::string("automatic splits")
-                                         : absl::StrCat(num_splits, " splits"),
-                         ", fp8 staging ", static_cast<int>(fp8_staging));
+        const std::string what = absl::StrCat(
+            KernelName(kernel), ", ",
+            num_splits == 0 ? std::string("automatic splits") : absl::StrCat(num_splits, " splits"),
+            ", fp8 staging ", Fp8StagingName(fp8_staging));
         ASSERT_TRUE((*dev)->ResetOut().ok());
         const absl::Status st =
             Launch((*dev)->params(), num_splits, kernel, Merge::kInKernel, fp8_staging);
@@ -528,11 +548,12 @@ TEST_F(CudaDecodeTest, TensorCoreShapesAndFeatures) {
   }
 }
 
-// The fp8-only stagings of the tensor-core kernel (DecodeFp8Staging: a deeper ring, K or
-// K and V converted in registers, and with the deeper ring), on the shapes they are built for (padded head size 128, up
-// to 8 query heads per KV head): both fp8 formats, per-tensor and per-head scales, K
-// narrower than V, windows, ALiBi and soft caps, block sizes below, at and above the
-// 64-key tile, the launcher's split choice and fixed ones.
+// The tensor-core kernel's fp8 stagings (DecodeFp8Staging) on the shapes where both exist
+// (fp8 caches at padded head size 128, up to 8 query heads per KV head): kAuto must plan
+// kInRegisters there, and kShared, kInRegisters and kAuto must each match the reference over
+// both fp8 formats, per-tensor and per-head scales, K narrower than V, windows, ALiBi and
+// soft caps, block sizes below, at and above the 64-key tile, the launcher's split choice
+// and fixed ones.
 TEST_F(CudaDecodeTest, Fp8StagingsMatchTheReference) {
   struct Case {
     int group, d;
@@ -569,19 +590,62 @@ TEST_F(CudaDecodeTest, Fp8StagingsMatchTheReference) {
     SCOPED_TRACE(absl::StrCat("group ", k.group, " d ", k.d, " ", ShortDType(k.act), "/",
                               ShortDType(k.cache), " bs ", k.block_size));
     AttnProblem pb(c);
-    for (const auto staging :
-         {internal::DecodeFp8Staging::kDeepRing, internal::DecodeFp8Staging::kKInRegisters,
-          internal::DecodeFp8Staging::kDeepRingKInRegisters,
-          internal::DecodeFp8Staging::kKVInRegisters,
-          internal::DecodeFp8Staging::kDeepRingKVInRegisters}) {
-      ExpectMatches(pb, {0, 1, 3}, {internal::DecodeKernel::kTensorCores}, staging);
+    auto dev = DeviceAttnProblem::Create(pb);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    for (const auto& [requested, planned] :
+         {std::pair{internal::DecodeFp8Staging::kAuto, internal::DecodeFp8Staging::kInRegisters},
+          std::pair{internal::DecodeFp8Staging::kShared, internal::DecodeFp8Staging::kShared},
+          std::pair{internal::DecodeFp8Staging::kInRegisters,
+                    internal::DecodeFp8Staging::kInRegisters}}) {
+      absl::StatusOr<internal::DecodeFp8Staging> staging =
+          PlannedFp8Staging((*dev)->params(), requested);
+      ASSERT_TRUE(staging.ok()) << staging.status();
+      EXPECT_STREQ(Fp8StagingName(*staging), Fp8StagingName(planned))
+          << "requested " << Fp8StagingName(requested);
+      ExpectMatches(pb, {0, 1, 3}, {internal::DecodeKernel::kTensorCores}, requested);
     }
   }
 }
 
-// Where an fp8-only staging does not exist, the launch says so (InvalidArgument, naming
-// what it lacks) and writes nothing.
-TEST_F(CudaDecodeTest, Fp8StagingsRefuseWhatTheyDoNotTake) {
+// Where kInRegisters does not exist (fp8 caches at another padded head size or with more
+// than 8 query heads per KV head, 16-bit caches), kAuto plans kShared and matches the
+// reference.
+TEST_F(CudaDecodeTest, Fp8AutoStagingIsSharedWhereInRegistersDoesNotExist) {
+  struct Case {
+    int group, d, dv;
+    DType cache;
+  };
+  for (const Case& k :
+       {Case{4, 64, 64, DType::kFloat8E4M3}, Case{4, 80, 160, DType::kFloat8E5M2},
+        Case{12, 128, 128, DType::kFloat8E4M3}, Case{9, 128, 128, DType::kFloat8E5M2},
+        Case{4, 128, 128, DType::kBFloat16}}) {
+    SCOPED_TRACE(
+        absl::StrCat("group ", k.group, " d ", k.d, "/", k.dv, " cache ", ShortDType(k.cache)));
+    AttnCase c;
+    c.num_kv_heads = 2;
+    c.group = k.group;
+    c.head_size = k.d;
+    c.head_size_v = k.dv;
+    c.q_dtype = c.out_dtype = DType::kBFloat16;
+    c.cache_dtype = k.cache;
+    c.quant = IsFp8(k.cache) ? KvQuantMode::kPerHead : KvQuantMode::kNone;
+    c.scale = 0.3f;
+    c.seqs = {{0, 1}, {67, 1}, {6, 0}, {600, 1}, {127, 1}};
+    AttnProblem pb(c);
+    auto dev = DeviceAttnProblem::Create(pb);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    absl::StatusOr<internal::DecodeFp8Staging> staging =
+        PlannedFp8Staging((*dev)->params(), internal::DecodeFp8Staging::kAuto);
+    ASSERT_TRUE(staging.ok()) << staging.status();
+    EXPECT_STREQ(Fp8StagingName(*staging), Fp8StagingName(internal::DecodeFp8Staging::kShared));
+    ExpectMatches(pb, {0, 2}, {internal::DecodeKernel::kTensorCores},
+                  internal::DecodeFp8Staging::kAuto);
+  }
+}
+
+// Where kInRegisters does not exist, forcing it makes the launch say so (InvalidArgument,
+// naming what it lacks) and write nothing; kAuto and kShared take the same launches.
+TEST_F(CudaDecodeTest, InRegistersFp8StagingRefusesWhatItDoesNotTake) {
   struct Case {
     int group, d;
     DType cache;
@@ -612,13 +676,17 @@ TEST_F(CudaDecodeTest, Fp8StagingsRefuseWhatTheyDoNotTake) {
     ASSERT_TRUE(dev.ok()) << dev.status();
     ASSERT_TRUE((*dev)->ResetOut().ok());
     const absl::Status st = Launch((*dev)->params(), 0, k.kernel, Merge::kMergeKernel,
-                                   internal::DecodeFp8Staging::kKInRegisters);
+                                   internal::DecodeFp8Staging::kInRegisters);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     EXPECT_THAT(std::string(st.message()), HasSubstr(k.why));
     auto out = (*dev)->Out();
     ASSERT_TRUE(out.ok()) << out.status();
     EXPECT_EQ(*out, std::vector<uint8_t>(out->size(), AttnProblem::kSentinel))
         << "a refused launch wrote to the output";
+    for (const auto staging :
+         {internal::DecodeFp8Staging::kAuto, internal::DecodeFp8Staging::kShared}) {
+      ExpectMatches(pb, {0}, {k.kernel}, staging);
+    }
   }
 }
 

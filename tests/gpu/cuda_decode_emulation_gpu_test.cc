@@ -25,11 +25,13 @@
 #include <utility>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "attention_test_util.h"
+#include "cuda/decode_tc_launch.h"
 #include "cuda/kernel_params.h"
 #include "cuda/launchers.h"
 #include "kvstream/attention/backend.h"
@@ -55,17 +57,18 @@ using ::kvstream::testing_util::TestLayout;
 using EmulationMode = ::kvstream::gpu_test::emulation::Cta::Mode;
 namespace tc = ::kvstream::internal::decode_tc;
 
+using internal::DecodeFp8Staging;
 using internal::PaddedHeadDim;
 
-// Runs every CTA of the split grid for padded head size D and activation type T (and fp8
-// staging kFp8), then merges the splits on the host as DecodeMergeKernel does.
-template <int D, int kNT, typename T, int kFp8>
-absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dtype,
-                          int num_splits, EmulationMode mode) {
-  using Traits = tc::DecodeTcTraits<D, kNT, kFp8>;
+// Runs every CTA of the split grid for padded head size D and activation type T (and the
+// kernel's kFp8InRegisters), then merges the splits on the host as DecodeMergeKernel does.
+template <int D, int kNT, typename T, bool kFp8InRegisters>
+absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dtype, int num_splits,
+                          EmulationMode mode) {
+  using Traits = tc::DecodeTcTraits<D, kNT, kFp8InRegisters>;
   const bool fp8 = IsFp8(cache_dtype);
-  if (kFp8 != tc::kFp8Shared && !fp8) {
-    return absl::InvalidArgumentError("an fp8-only staging needs an fp8 cache");
+  if (kFp8InRegisters && !fp8) {
+    return absl::InvalidArgumentError("the in-registers fp8 staging needs an fp8 cache");
   }
   const int group = kp.num_heads / kp.num_kv_heads;
   const size_t slots = static_cast<size_t>(kp.num_seqs) * kp.num_heads * num_splits;
@@ -83,7 +86,9 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
 
   gpu_test::emulation::Cta cta(Traits::kThreads, static_cast<size_t>(Traits::SmemBytes(fp8)));
   cta.set_mode(mode);
-  const std::function<void()> body = [&] { tc::DecodeTcKernel<D, kNT, T, kFp8>(kp, args); };
+  const std::function<void()> body = [&] {
+    tc::DecodeTcKernel<D, kNT, T, kFp8InRegisters>(kp, args);
+  };
   for (unsigned z = 0; z < static_cast<unsigned>(num_splits); ++z) {
     for (unsigned y = 0; y < static_cast<unsigned>(kp.num_seqs); ++y) {
       for (unsigned x = 0; x < static_cast<unsigned>(kp.num_kv_heads * args.head_tiles); ++x) {
@@ -138,21 +143,27 @@ absl::Status EmulateTyped(const internal::PagedKernelParams& kp, DType cache_dty
   return absl::OkStatus();
 }
 
-// The launcher's dispatch, with host memory standing in for device memory. `tamper`, when
-// given, changes the kernel params after validation (what the kernel reads as device
-// memory). `fp8_staging`: the kernel's DecodeTcFp8Staging bits (the emulator builds every
-// staging at every padded head size where Q's fragments stay in registers; the GPU
-// launcher only at 128 with one n8 tile).
-absl::Status Emulate(const PagedAttentionParams& host, int num_splits, EmulationMode mode,
-                     const std::function<void(internal::PagedKernelParams&)>& tamper = {},
-                     int fp8_staging = tc::kFp8Shared) {
+// The kernel params of `host` validated as device params, its host pointers playing the
+// device's.
+absl::StatusOr<internal::PagedKernelParams> HostKernelParams(const PagedAttentionParams& host) {
   PagedAttentionParams dev = host;
-  dev.cache.memory = MemoryKind::kDevice;  // host pointers play the device's
+  dev.cache.memory = MemoryKind::kDevice;
   dev.host.query_start_loc = host.query_start_loc;
   dev.host.seq_lens = host.seq_lens;
   dev.host.block_table = host.block_table;
   dev.host.alibi_slopes = host.alibi_slopes;
-  absl::StatusOr<internal::PagedKernelParams> kp = internal::MakePagedKernelParams(dev);
+  return internal::MakePagedKernelParams(dev);
+}
+
+// The launcher's dispatch, with host memory standing in for device memory. `tamper`, when
+// given, changes the kernel params after validation (what the kernel reads as device
+// memory). `fp8_staging`: kAuto is resolved by the launcher's PlanDecodeTc; a forced
+// kInRegisters runs at every padded head size and head tile (the GPU launcher builds it at
+// 128 with one n8 tile only).
+absl::Status Emulate(const PagedAttentionParams& host, int num_splits, EmulationMode mode,
+                     const std::function<void(internal::PagedKernelParams&)>& tamper = {},
+                     DecodeFp8Staging fp8_staging = DecodeFp8Staging::kShared) {
+  absl::StatusOr<internal::PagedKernelParams> kp = HostKernelParams(host);
   if (!kp.ok()) return kp.status();
   if (tamper) tamper(*kp);
   const DType cache = host.cache.spec.dtype;
@@ -161,35 +172,28 @@ absl::Status Emulate(const PagedAttentionParams& host, int num_splits, Emulation
   if (!internal::DecodeTensorCoresApply(*kp, host.q_dtype, host.out_dtype, cache, &why)) {
     return absl::FailedPreconditionError(absl::StrCat("tensor cores do not apply: ", why));
   }
-  // The launcher's choices: padded head size, n8 tiles of heads, activation type.
+  // The launcher's choices: fp8 staging, padded head size, n8 tiles of heads, activation
+  // type.
+  if (fp8_staging == DecodeFp8Staging::kAuto) {
+    internal::DecodeLaunchOptions options;
+    options.num_splits = num_splits;
+    absl::StatusOr<internal::DecodeTcPlan> plan = internal::PlanDecodeTc(*kp, cache, options);
+    if (!plan.ok()) return plan.status();
+    fp8_staging = plan->fp8_staging;
+  }
+  const bool in_registers = fp8_staging == DecodeFp8Staging::kInRegisters;
   const bool bf16 = host.q_dtype == DType::kBFloat16;
   const bool two = tc::DecodeTcHeadTileRows(kp->num_heads / kp->num_kv_heads) == 16;
-  auto run_staged = [&](auto d_tag, auto nt_tag, auto fp8_tag) {
+  auto run_staged = [&](auto d_tag, auto nt_tag, auto in_registers_tag) {
     constexpr int kD = decltype(d_tag)::value;
     constexpr int kNT = decltype(nt_tag)::value;
-    constexpr int kFp8 = decltype(fp8_tag)::value;
-    return bf16 ? EmulateTyped<kD, kNT, __nv_bfloat16, kFp8>(*kp, cache, num_splits, mode)
-                : EmulateTyped<kD, kNT, __half, kFp8>(*kp, cache, num_splits, mode);
+    constexpr bool kInRegisters = decltype(in_registers_tag)::value;
+    return bf16 ? EmulateTyped<kD, kNT, __nv_bfloat16, kInRegisters>(*kp, cache, num_splits, mode)
+                : EmulateTyped<kD, kNT, __half, kInRegisters>(*kp, cache, num_splits, mode);
   };
   auto run = [&](auto d_tag, auto nt_tag) -> absl::Status {
-    constexpr bool kKRegsFit = decltype(d_tag)::value * decltype(nt_tag)::value <= 256;
-    using std::integral_constant;
-    switch (fp8_staging) {
-      case tc::kFp8Shared: return run_staged(d_tag, nt_tag, integral_constant<int, 0>());
-      case tc::kFp8DeepRing: return run_staged(d_tag, nt_tag, integral_constant<int, 1>());
-      default:
-        if constexpr (kKRegsFit) {
-          switch (fp8_staging) {
-            case 2: return run_staged(d_tag, nt_tag, integral_constant<int, 2>());
-            case 3: return run_staged(d_tag, nt_tag, integral_constant<int, 3>());
-            case 6: return run_staged(d_tag, nt_tag, integral_constant<int, 6>());
-            case 7: return run_staged(d_tag, nt_tag, integral_constant<int, 7>());
-            default: return absl::InvalidArgumentError("no such fp8 staging");
-          }
-        } else {
-          return absl::InvalidArgumentError("K in registers needs Q's fragments in registers");
-        }
-    }
+    return in_registers ? run_staged(d_tag, nt_tag, std::true_type())
+                        : run_staged(d_tag, nt_tag, std::false_type());
   };
   auto run_d = [&](auto d_tag) {
     return two ? run(d_tag, std::integral_constant<int, 2>())
@@ -203,7 +207,7 @@ absl::Status Emulate(const PagedAttentionParams& host, int num_splits, Emulation
 }
 
 void ExpectEmulationMatchesReference(AttnProblem& pb, int num_splits, EmulationMode mode,
-                                     int fp8_staging = tc::kFp8Shared) {
+                                     DecodeFp8Staging fp8_staging = DecodeFp8Staging::kShared) {
   const AttnCase& c = pb.config();
   std::vector<uint8_t> ref_out = pb.NewOut();
   ASSERT_TRUE(RunAttentionReference(pb.params(ref_out)).ok());
@@ -225,6 +229,15 @@ void ExpectEmulationMatchesReference(AttnProblem& pb, int num_splits, EmulationM
     }
   });
   EXPECT_EQ(failures, 0);
+}
+
+const char* Fp8StagingName(DecodeFp8Staging staging) {
+  switch (staging) {
+    case DecodeFp8Staging::kAuto: return "auto";
+    case DecodeFp8Staging::kShared: return "shared";
+    case DecodeFp8Staging::kInRegisters: return "in_registers";
+  }
+  return "unknown";
 }
 
 struct EmuCase {
@@ -266,7 +279,7 @@ AttnCase DecodeCase(const EmuCase& ec) {
 
 // Both emulation modes: copies landing at their wait in thread order, and at their issue
 // with the threads in reverse.
-void ExpectBothModesMatchReference(const EmuCase& ec, int fp8_staging) {
+void ExpectBothModesMatchReference(const EmuCase& ec, DecodeFp8Staging fp8_staging) {
   AttnProblem pb(DecodeCase(ec));
   for (EmulationMode mode : {EmulationMode{false, false}, EmulationMode{true, true}}) {
     SCOPED_TRACE(mode.copies_land_at_issue ? "copies land at issue, reverse order"
@@ -278,7 +291,7 @@ void ExpectBothModesMatchReference(const EmuCase& ec, int fp8_staging) {
 class CudaDecodeEmulationTest : public ::testing::TestWithParam<EmuCase> {};
 
 TEST_P(CudaDecodeEmulationTest, KernelMatchesReference) {
-  ExpectBothModesMatchReference(GetParam(), tc::kFp8Shared);
+  ExpectBothModesMatchReference(GetParam(), DecodeFp8Staging::kShared);
 }
 
 constexpr DType kBf16 = DType::kBFloat16;
@@ -313,13 +326,14 @@ INSTANTIATE_TEST_SUITE_P(
                 TestLayout::kHND, 0, false, 0, 1}),
     [](const auto& test_info) { return std::string(test_info.param.name); });
 
-// The fp8-only stagings (DecodeTcFp8Staging bits 1, 2, 3, 6, 7) over fp8 cases: the deeper
-// ring's commit groups and page-table ring, K's fragments read from the raw tile (its
-// swizzle, the head dimension's permutation shared with Q), V's transposed by movmatrix
-// (the output dims' permutation), both fp8 formats, per-head scales, K narrower than the
-// padded head size, two n8 tiles of heads.
+// The fp8 stagings over fp8 cases, forced and as kAuto resolves them: kShared; kInRegisters
+// (K's fragments read from the raw tile: its swizzle, the head dimension's permutation
+// shared with Q; V's transposed by movmatrix: the output dims' permutation) at every padded
+// head size and head tile, where the GPU launcher builds it at 128 with one n8 tile only;
+// both fp8 formats, per-head scales, K narrower than the padded head size, two n8 tiles of
+// heads.
 class CudaDecodeFp8StagingEmulationTest
-    : public ::testing::TestWithParam<std::tuple<EmuCase, int>> {};
+    : public ::testing::TestWithParam<std::tuple<EmuCase, DecodeFp8Staging>> {};
 
 TEST_P(CudaDecodeFp8StagingEmulationTest, KernelMatchesReference) {
   ExpectBothModesMatchReference(std::get<0>(GetParam()), std::get<1>(GetParam()));
@@ -335,23 +349,88 @@ INSTANTIATE_TEST_SUITE_P(
                     KvQuantMode::kPerTensor, TestLayout::kNHD, 0, false, 0, 2},
             EmuCase{"d128_f16_e5m2_perhead_hnd_bs5", 128, 128, 2, 4, 5, kF16, kE5M2,
                     KvQuantMode::kPerHead, TestLayout::kHND, 0, false, 0, 1},
-            EmuCase{"d96_128_bf16_e4m3_window_alibi_cap_three_splits", 96, 128, 2, 4, 16,
-                    kBf16, kE4M3, KvQuantMode::kPerTensor, TestLayout::kNHD, 70, true, 2.0f,
-                    3},
-            EmuCase{"d64_bf16_e4m3_mha_bs1", 64, 64, 2, 1, 1, kBf16, kE4M3,
-                    KvQuantMode::kPerHead, TestLayout::kNHD, 0, false, 0, 1},
-            EmuCase{"d256_f16_e4m3_gqa4", 256, 256, 1, 4, 16, kF16, kE4M3,
-                    KvQuantMode::kPerTensor, TestLayout::kNHD, 0, false, 0, 1},
+            EmuCase{"d96_128_bf16_e4m3_window_alibi_cap_three_splits", 96, 128, 2, 4, 16, kBf16,
+                    kE4M3, KvQuantMode::kPerTensor, TestLayout::kNHD, 70, true, 2.0f, 3},
+            EmuCase{"d64_bf16_e4m3_mha_bs1", 64, 64, 2, 1, 1, kBf16, kE4M3, KvQuantMode::kPerHead,
+                    TestLayout::kNHD, 0, false, 0, 1},
+            EmuCase{"d256_f16_e4m3_gqa4", 256, 256, 1, 4, 16, kF16, kE4M3, KvQuantMode::kPerTensor,
+                    TestLayout::kNHD, 0, false, 0, 1},
             EmuCase{"d128_bf16_e5m2_group12_two_n8_tiles", 128, 128, 1, 12, 16, kBf16, kE5M2,
                     KvQuantMode::kPerTensor, TestLayout::kNHD, 0, false, 0, 2}),
-        ::testing::Values(tc::kFp8DeepRing, tc::kFp8KInRegisters,
-                          tc::kFp8DeepRing | tc::kFp8KInRegisters,
-                          tc::kFp8KInRegisters | tc::kFp8VInRegisters,
-                          tc::kFp8DeepRing | tc::kFp8KInRegisters | tc::kFp8VInRegisters)),
+        ::testing::Values(DecodeFp8Staging::kAuto, DecodeFp8Staging::kShared,
+                          DecodeFp8Staging::kInRegisters)),
     [](const auto& test_info) {
-      return absl::StrCat(std::get<0>(test_info.param).name, "_staging",
-                          std::get<1>(test_info.param));
+      return absl::StrCat(std::get<0>(test_info.param).name, "_",
+                          Fp8StagingName(std::get<1>(test_info.param)));
     });
+
+// The staging PlanDecodeTc gives each request, without a GPU: kAuto is kInRegisters exactly
+// for fp8 caches (e4m3, e5m2) at padded head size 128 with up to 8 query heads per KV head,
+// else kShared; kShared stays kShared; a forced kInRegisters elsewhere is InvalidArgument
+// saying where it exists.
+TEST(CudaDecodeFp8StagingPlanTest, AutoTakesInRegistersWhereItExists) {
+  struct Case {
+    const char* name;
+    int head_size, head_size_v, group;
+    DType cache;
+    bool in_registers;  // whether kInRegisters exists here
+  };
+  for (const Case& k : {Case{"d128 e4m3 group 4", 128, 128, 4, kE4M3, true},
+                        Case{"d128 e5m2 mha", 128, 128, 1, kE5M2, true},
+                        Case{"d96/128 e4m3 group 8", 96, 128, 8, kE4M3, true},
+                        Case{"d128/80 e5m2 group 2", 128, 80, 2, kE5M2, true},
+                        Case{"d64 e4m3 group 4", 64, 64, 4, kE4M3, false},
+                        Case{"d80 e4m3 group 4 (padded to 128)", 80, 80, 4, kE4M3, true},
+                        Case{"d192/128 e5m2 group 8", 192, 128, 8, kE5M2, false},
+                        Case{"d256 e4m3 group 4", 256, 256, 4, kE4M3, false},
+                        Case{"d128 e4m3 group 9", 128, 128, 9, kE4M3, false},
+                        Case{"d128 e5m2 group 12", 128, 128, 12, kE5M2, false},
+                        Case{"d128 bf16 cache group 4", 128, 128, 4, kBf16, false},
+                        Case{"d128 f16 cache group 8", 128, 128, 8, kF16, false}}) {
+    SCOPED_TRACE(k.name);
+    AttnCase c;
+    c.head_size = k.head_size;
+    c.head_size_v = k.head_size_v;
+    c.num_kv_heads = 2;
+    c.group = k.group;
+    c.q_dtype = c.out_dtype = k.cache == kF16 ? kF16 : kBf16;
+    c.cache_dtype = k.cache;
+    c.quant = IsFp8(k.cache) ? KvQuantMode::kPerTensor : KvQuantMode::kNone;
+    c.seqs = {{300, 1}, {67, 1}};
+    AttnProblem pb(c);
+    std::vector<uint8_t> out = pb.NewOut();
+    absl::StatusOr<internal::PagedKernelParams> kp = HostKernelParams(pb.params(out));
+    ASSERT_TRUE(kp.ok()) << kp.status();
+    ASSERT_TRUE(internal::DecodeTensorCoresApply(*kp, c.q_dtype, c.out_dtype, k.cache));
+    auto plan = [&](DecodeFp8Staging requested) {
+      internal::DecodeLaunchOptions options;
+      options.fp8_staging = requested;
+      return internal::PlanDecodeTc(*kp, k.cache, options);
+    };
+    absl::StatusOr<internal::DecodeTcPlan> automatic = plan(DecodeFp8Staging::kAuto);
+    ASSERT_TRUE(automatic.ok()) << automatic.status();
+    EXPECT_EQ(Fp8StagingName(automatic->fp8_staging),
+              Fp8StagingName(k.in_registers ? DecodeFp8Staging::kInRegisters
+                                            : DecodeFp8Staging::kShared));
+    absl::StatusOr<internal::DecodeTcPlan> shared = plan(DecodeFp8Staging::kShared);
+    ASSERT_TRUE(shared.ok()) << shared.status();
+    EXPECT_EQ(Fp8StagingName(shared->fp8_staging), Fp8StagingName(DecodeFp8Staging::kShared));
+    // The staging changes neither the split count nor the workspace.
+    EXPECT_EQ(automatic->num_splits, shared->num_splits);
+    EXPECT_EQ(automatic->workspace_bytes, shared->workspace_bytes);
+    absl::StatusOr<internal::DecodeTcPlan> forced = plan(DecodeFp8Staging::kInRegisters);
+    if (k.in_registers) {
+      ASSERT_TRUE(forced.ok()) << forced.status();
+      EXPECT_EQ(Fp8StagingName(forced->fp8_staging),
+                Fp8StagingName(DecodeFp8Staging::kInRegisters));
+    } else {
+      EXPECT_EQ(forced.status().code(), absl::StatusCode::kInvalidArgument) << forced.status();
+      EXPECT_THAT(std::string(forced.status().message()),
+                  ::testing::HasSubstr("exists for fp8 caches at padded head size 128 with up "
+                                       "to 8 query heads per KV head"));
+    }
+  }
+}
 
 // A causal bf16 decode case of head size d (K and V), kv_heads KV heads of `group` query
 // heads each, block size 16.

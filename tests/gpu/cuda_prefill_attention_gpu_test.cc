@@ -114,21 +114,21 @@ struct GpuIo {
   // kWgmma, where the device cannot run it): RunOnGpu returns Unimplemented and launches
   // nothing.
   internal::PrefillVariant variant = internal::PrefillVariant::kAuto;
-  // The wgmma kernel's schedule and loads (kWgmma and kAuto). kWgmma with loads that do
-  // not apply (TMA for a block size it cannot take, gathers of an fp8 cache): Unimplemented.
+  // The wgmma kernel's schedule and CTA clustering (kWgmma and kAuto).
   internal::PrefillWgmmaSchedule schedule = internal::PrefillWgmmaSchedule::kDefault;
-  internal::PrefillWgmmaLoads loads = internal::PrefillWgmmaLoads::kDefault;
+  internal::PrefillWgmmaCluster cluster = internal::PrefillWgmmaCluster::kDefault;
 };
 
-using internal::PrefillWgmmaLoads;
-const char* LoadsName(PrefillWgmmaLoads l) {
-  switch (l) {
-    case PrefillWgmmaLoads::kTma: return "TMA";
-    case PrefillWgmmaLoads::kGather: return "gather";
-    default: return "default";
+using internal::PrefillWgmmaCluster;
+const char* ClusterName(PrefillWgmmaCluster c) {
+  switch (c) {
+    case PrefillWgmmaCluster::kSingle: return "single CTAs";
+    case PrefillWgmmaCluster::kPair: return "CTA pairs";
+    default: return "default clustering";
   }
 }
-constexpr PrefillWgmmaLoads kLoads[] = {PrefillWgmmaLoads::kTma, PrefillWgmmaLoads::kGather};
+constexpr PrefillWgmmaCluster kClusters[] = {PrefillWgmmaCluster::kSingle,
+                                             PrefillWgmmaCluster::kPair};
 bool TmaTakesBlocks(int block_size) {
   return block_size >= 16 && block_size <= 256 && (block_size & (block_size - 1)) == 0;
 }
@@ -255,15 +255,15 @@ absl::Status RunOnGpu(const PagedAttentionParams& host, std::vector<uint8_t>& ou
   if (io.variant == PrefillVariant::kWgmma) {
     if (!wgmma) return absl::UnimplementedError("this device does not run the wgmma kernel");
     if (!internal::PrefillWgmmaApplies(*kernel_params, host.q_dtype, host.out_dtype,
-                                       host.cache.spec.dtype, io.loads)) {
-      return absl::UnimplementedError("the wgmma kernel does not apply with these loads");
+                                       host.cache.spec.dtype)) {
+      return absl::UnimplementedError("the wgmma kernel does not apply");
     }
   }
   internal::PrefillLaunchOptions launch_options;
   launch_options.variant = io.variant;
   launch_options.wgmma = wgmma;
   launch_options.wgmma_schedule = io.schedule;
-  launch_options.wgmma_loads = io.loads;
+  launch_options.wgmma_cluster = io.cluster;
   cudaEvent_t start = nullptr, stop = nullptr;
   if (milliseconds != nullptr) {
     cudaEventCreate(&start);
@@ -315,15 +315,13 @@ bool FastVariantExpected(const AttnCase& c) {
 
 // Whether the wgmma kernel must run `c` on a device that runs it (PrefillWgmmaApplies):
 // the cache in q's dtype or fp8, equal head sizes of 64, 128 or (16-bit caches) 256,
-// dense (16-byte aligned) activations and cache rows, and loads that take the block size
-// (TMA, the default: a power of two in [16, 256]; gathers: any, 16-bit caches only).
+// dense (16-byte aligned) activations and cache rows, and a block size TMA boxes take (a
+// power of two in [16, 256]).
 bool WgmmaExpected(const AttnCase& c, const GpuIo& io) {
   const bool fp8 = IsFp8(c.cache_dtype);
-  const bool tma = TmaTakesBlocks(c.block_size);
-  const bool loads = io.loads == PrefillWgmmaLoads::kGather ? !fp8 : tma;
   return (c.cache_dtype == c.q_dtype || fp8) && c.head_size == c.head_size_v &&
          (c.head_size == 64 || c.head_size == 128 || (c.head_size == 256 && !fp8)) &&
-         c.layout != TestLayout::kPadded && io.dense && loads;
+         c.layout != TestLayout::kPadded && io.dense && TmaTakesBlocks(c.block_size);
 }
 
 void ExpectVariantMatchesReference(AttnProblem& pb, const std::vector<uint8_t>& ref_out,
@@ -345,12 +343,12 @@ void ExpectGpuMatchesReference(AttnProblem& pb, const GpuIo& io = {}) {
       ExpectVariantMatchesReference(pb, ref_out, variant_io);
       continue;
     }
-    for (PrefillWgmmaLoads loads : kLoads) {  // every schedule and load path of the kernel
+    for (PrefillWgmmaCluster cluster : kClusters) {  // every schedule and clustering
       for (PrefillWgmmaSchedule schedule : kSchedules) {
-        SCOPED_TRACE(absl::StrCat("wgmma variant, ", LoadsName(loads), " loads, ",
+        SCOPED_TRACE(absl::StrCat("wgmma variant, ", ClusterName(cluster), ", ",
                                   ScheduleName(schedule), " schedule"));
         variant_io.schedule = schedule;
-        variant_io.loads = loads;
+        variant_io.cluster = cluster;
         ExpectVariantMatchesReference(pb, ref_out, variant_io);
       }
     }
@@ -719,26 +717,19 @@ TEST(CudaPrefillLimitsTest, UnsupportedCombinationsAreInvalidArgument) {
                              "block size 24 is not a power of two in [16, 256] (TMA loads)"}}) {
     expect_rejected(bad, wgmma, "wgmma kernel does not apply");
   }
-  // Loads that do not apply: TMA for a block size it cannot take, gathers of an fp8 cache
-  // (params the kernel otherwise takes: a cache of 4 blocks with NHD strides).
-  internal::PagedKernelParams cached = ok;
-  cached.num_blocks = 4;
-  cached.k_token_stride = cached.v_token_stride = 2 * 128;
-  cached.k_head_stride = cached.v_head_stride = 128;
-  cached.k_block_stride = cached.v_block_stride = 16 * 2 * 128;
-  internal::PagedKernelParams cached_odd = cached;
+  // Pairs take what single CTAs take, no more (params the kernel otherwise takes: a cache
+  // of 4 blocks with NHD strides, in blocks of 24 keys).
+  internal::PagedKernelParams cached_odd = ok;
+  cached_odd.num_blocks = 4;
+  cached_odd.k_token_stride = cached_odd.v_token_stride = 2 * 128;
+  cached_odd.k_head_stride = cached_odd.v_head_stride = 128;
   cached_odd.block_size = 24;
   cached_odd.k_block_stride = cached_odd.v_block_stride = 24 * 2 * 128;
-  internal::PrefillLaunchOptions tma = wgmma;
-  tma.wgmma_loads = PrefillWgmmaLoads::kTma;
+  internal::PrefillLaunchOptions pair = wgmma;
+  pair.wgmma_cluster = PrefillWgmmaCluster::kPair;
   expect_rejected(Bad{cached_odd, DType::kFloat16, DType::kFloat16, DType::kFloat16,
                       "block size 24 is not a power of two"},
-                  tma, "wgmma kernel does not apply");
-  internal::PrefillLaunchOptions gather = wgmma;
-  gather.wgmma_loads = PrefillWgmmaLoads::kGather;
-  expect_rejected(Bad{cached, DType::kFloat16, DType::kFloat16, DType::kFloat8E4M3,
-                      "fp8 caches load with TMA only"},
-                  gather, "wgmma kernel does not apply");
+                  pair, "wgmma kernel does not apply");
   wgmma.wgmma = false;
   expect_rejected(Bad{ok, DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, "wgmma"}, wgmma,
                   "sm_90a");
@@ -804,14 +795,6 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(CacheKind{DType::kFloat16, KvQuantMode::kNone})),
     WgmmaEdgeName);
 
-// Block sizes only gathers take (16-bit caches).
-INSTANTIATE_TEST_SUITE_P(
-    GatherPages, CudaPrefillWgmmaEdgeTest,
-    ::testing::Combine(::testing::Values(1, 5, 24, 48), ::testing::Values(64, 128, 256),
-                       ::testing::Values(DType::kBFloat16),
-                       ::testing::Values(CacheKind{DType::kFloat16, KvQuantMode::kNone})),
-    WgmmaEdgeName);
-
 // fp8 caches: raw rows converted in the kernel.
 INSTANTIATE_TEST_SUITE_P(
     Fp8Pages, CudaPrefillWgmmaEdgeTest,
@@ -857,25 +840,25 @@ void TimeCausal8kHead128(int block_size, DType cache_dtype) {
   struct Run {
     PrefillVariant variant;
     PrefillWgmmaSchedule schedule;
-    PrefillWgmmaLoads loads;
+    PrefillWgmmaCluster cluster;
   };
-  std::vector<Run> runs = {
-      {PrefillVariant::kBaseline, PrefillWgmmaSchedule::kDefault, PrefillWgmmaLoads::kDefault}};
+  constexpr PrefillWgmmaSchedule kDefaultSchedule = PrefillWgmmaSchedule::kDefault;
+  constexpr PrefillWgmmaCluster kDefaultCluster = PrefillWgmmaCluster::kDefault;
+  std::vector<Run> runs = {{PrefillVariant::kBaseline, kDefaultSchedule, kDefaultCluster}};
   if (!fp8) {  // the fast variant takes 16-bit caches only
-    runs.push_back(
-        {PrefillVariant::kFast, PrefillWgmmaSchedule::kDefault, PrefillWgmmaLoads::kDefault});
-  }
-  if (DeviceRunsWgmma() && !fp8) {
-    for (PrefillWgmmaLoads loads : kLoads) {
-      for (PrefillWgmmaSchedule schedule : kSchedules) {
-        runs.push_back({PrefillVariant::kWgmma, schedule, loads});
-      }
-    }
+    runs.push_back({PrefillVariant::kFast, kDefaultSchedule, kDefaultCluster});
   }
   if (DeviceRunsWgmma()) {
-    // fp8 caches: TMA rows and the serial schedule only.
-    runs.push_back({PrefillVariant::kWgmma, PrefillWgmmaSchedule::kDefault,
-                    PrefillWgmmaLoads::kDefault});
+    // Each clustering with every schedule (fp8 caches run the serial one only), then the
+    // defaults.
+    for (PrefillWgmmaCluster cluster : kClusters) {
+      for (PrefillWgmmaSchedule schedule : kSchedules) {
+        if (!fp8 || schedule == PrefillWgmmaSchedule::kSerial) {
+          runs.push_back({PrefillVariant::kWgmma, schedule, cluster});
+        }
+      }
+    }
+    runs.push_back({PrefillVariant::kWgmma, kDefaultSchedule, kDefaultCluster});
   }
   for (const Run& run : runs) {
     out = pb.NewOut();
@@ -884,13 +867,13 @@ void TimeCausal8kHead128(int block_size, DType cache_dtype) {
     io.dense = true;
     io.variant = run.variant;
     io.schedule = run.schedule;
-    io.loads = run.loads;
+    io.cluster = run.cluster;
     const absl::Status st = RunOnGpu(pb.params(out), out, io, &ms, /*repeats=*/11);
     ASSERT_TRUE(st.ok()) << st;
     const double flops = 4.0 * kTokens * kTokens * 128.0 * 32 / 2;
     const std::string name =
         run.variant == PrefillVariant::kWgmma
-            ? absl::StrCat("wgmma variant, ", LoadsName(run.loads), " loads, ",
+            ? absl::StrCat("wgmma variant, ", ClusterName(run.cluster), ", ",
                            ScheduleName(run.schedule), " schedule")
             : absl::StrCat(VariantName(run.variant), " variant");
     std::printf("[ PERF     ] causal prefill 8k bf16 d128 32/8 heads, %s cache bs%d, %s: "

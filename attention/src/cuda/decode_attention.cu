@@ -355,8 +355,8 @@ absl::Status LaunchDecodeAttention(const PagedKernelParams& params, DType q_dtyp
   if (options.kernel == DecodeKernel::kTensorCores && !tensor_cores) {
     return Invalid(absl::StrCat("the tensor-core kernel does not apply: ", why));
   }
-  if (options.fp8_staging != DecodeFp8Staging::kShared && !tensor_cores) {
-    return Invalid("an fp8 staging other than the shared one needs the tensor-core kernel");
+  if (options.fp8_staging == DecodeFp8Staging::kInRegisters && !tensor_cores) {
+    return Invalid("the in-registers fp8 staging needs the tensor-core kernel");
   }
   DecodeTcPlan tc;
   if (tma) {

@@ -2,8 +2,9 @@
 // takes (DecodeTensorCoresApply), its split count and the dispatch over padded head size
 // (64 / 128 / 256) x n8 tiles of query heads (1 for groups up to 8, else 2) x activation
 // type: twelve instantiations, which take fp8 caches too (converted while staging); plus,
-// at padded head size 128 with one n8 tile, the fp8-only stagings of DecodeFp8Staging
-// (five per activation type) for the fp8 decode benchmark to compare.
+// at padded head size 128 with one n8 tile, the fp8-only instantiation that converts K's
+// and V's fragments in registers (DecodeFp8Staging::kInRegisters, one per activation
+// type), which kAuto takes for fp8 caches there (launchers.h says by how much it is faster).
 //
 // Split count. As for the CUDA-core kernel (decode_attention.cu: DecodeSplitLimit,
 // ChooseDecodeSplits, DecodeMinFullWaves), with the CTAs per SM the kernel is built for
@@ -66,55 +67,43 @@ int CtasPerSm(int padded, int n_tiles) {
 
 using TcKernel = void (*)(PagedKernelParams, tc::DecodeTcArgs);
 
-// Calls `f` with std::integral_constant<int, bits> for fp8-only staging `bits` (1, 2, 3,
-// 6 or 7: the instantiations at padded head size 128 with one n8 tile; else 7).
-template <typename F>
-auto WithFp8Staging(int bits, F&& f) {
-  using std::integral_constant;
-  constexpr int kRing = tc::kFp8DeepRing;
-  constexpr int kK = tc::kFp8KInRegisters;
-  constexpr int kKV = tc::kFp8KInRegisters | tc::kFp8VInRegisters;
-  switch (bits) {
-    case kRing: return f(integral_constant<int, kRing>());
-    case kK: return f(integral_constant<int, kK>());
-    case kRing | kK: return f(integral_constant<int, kRing | kK>());
-    case kKV: return f(integral_constant<int, kKV>());
-    default: return f(integral_constant<int, kRing | kKV>());
-  }
-}
+// DecodeFp8Staging::kInRegisters: the fp8-only instantiation, built at padded head size
+// 128 with one n8 tile only.
+using InRegistersTraits = tc::DecodeTcTraits<128, 1, /*kFp8InRegisters=*/true>;
+static_assert(InRegistersTraits::kMinBlocksPerSm == tc::DecodeTcTraits<128, 1>::kMinBlocksPerSm,
+              "the split choice assumes the default's CTAs per SM for both stagings");
 template <typename T>
-TcKernel PickFp8StagingKernel(int bits) {
-  return WithFp8Staging(bits, [](auto staging) -> TcKernel {
-    return &tc::DecodeTcKernel<128, 1, T, decltype(staging)::value>;
-  });
-}
-int Fp8StagingSmemBytes(int bits) {
-  return WithFp8Staging(bits, [](auto staging) {
-    using Traits = tc::DecodeTcTraits<128, 1, decltype(staging)::value>;
-    static_assert(Traits::kMinBlocksPerSm == tc::DecodeTcTraits<128, 1>::kMinBlocksPerSm,
-                  "the split choice assumes the default's CTAs per SM for every staging");
-    return Traits::SmemBytes(true);
-  });
+TcKernel InRegistersKernel() {
+  return &tc::DecodeTcKernel<128, 1, T, /*kFp8InRegisters=*/true>;
 }
 
-// Whether the fp8-only stagings (every one but kFp8Shared) are built for this shape.
-bool Fp8StagingBuilt(DType cache_dtype, int padded, int n_tiles) {
+// Whether DecodeFp8Staging::kInRegisters is built for this shape.
+bool InRegistersBuilt(DType cache_dtype, int padded, int n_tiles) {
   return IsFp8(cache_dtype) && padded == 128 && n_tiles == 1;
 }
 
-// DecodeFp8Staging as the kernel's bits.
-int StagingBits(DecodeFp8Staging staging) {
-  switch (staging) {
-    case DecodeFp8Staging::kShared: return tc::kFp8Shared;
-    case DecodeFp8Staging::kDeepRing: return tc::kFp8DeepRing;
-    case DecodeFp8Staging::kKInRegisters: return tc::kFp8KInRegisters;
-    case DecodeFp8Staging::kDeepRingKInRegisters:
-      return tc::kFp8DeepRing | tc::kFp8KInRegisters;
-    case DecodeFp8Staging::kKVInRegisters: return tc::kFp8KInRegisters | tc::kFp8VInRegisters;
-    case DecodeFp8Staging::kDeepRingKVInRegisters:
-      return tc::kFp8DeepRing | tc::kFp8KInRegisters | tc::kFp8VInRegisters;
+// `requested` for a cache of `cache_dtype` at padded head size `padded` with `group` query
+// heads per KV head: kAuto becomes kInRegisters where that is built, else kShared; a
+// kInRegisters that is not built is InvalidArgument.
+absl::StatusOr<DecodeFp8Staging> ResolveFp8Staging(DecodeFp8Staging requested, DType cache_dtype,
+                                                   int padded, int group) {
+  const bool built = InRegistersBuilt(cache_dtype, padded, NTiles(group));
+  switch (requested) {
+    case DecodeFp8Staging::kAuto:
+      return built ? DecodeFp8Staging::kInRegisters : DecodeFp8Staging::kShared;
+    case DecodeFp8Staging::kShared: return DecodeFp8Staging::kShared;
+    case DecodeFp8Staging::kInRegisters:
+      if (!built) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cuda decode attention (tensor cores): the in-registers fp8 staging exists for fp8 "
+            "caches at padded head size 128 with up to 8 query heads per KV head; got ",
+            "cache dtype ", DTypeName(cache_dtype), ", padded head size ", padded, ", ", group,
+            " query heads per KV head"));
+      }
+      return DecodeFp8Staging::kInRegisters;
   }
-  return -1;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "cuda decode attention (tensor cores): unknown fp8 staging ", static_cast<int>(requested)));
 }
 
 template <int kNT, typename T>
@@ -180,19 +169,8 @@ absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& p, DType cach
   }
   const int padded = PaddedHeadDim(p.head_size, p.head_size_v);
   const int group = p.num_heads / p.num_kv_heads;
-  const int staging = StagingBits(options.fp8_staging);
-  if (staging < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda decode attention (tensor cores): unknown fp8 staging ",
-                     static_cast<int>(options.fp8_staging)));
-  }
-  if (staging != tc::kFp8Shared && !Fp8StagingBuilt(cache_dtype, padded, NTiles(group))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda decode attention (tensor cores): fp8 staging ", staging,
-        " exists for fp8 caches at padded head size 128 with up to 8 query heads per KV head; "
-        "got cache dtype ", DTypeName(cache_dtype), ", padded head size ", padded, ", ", group,
-        " query heads per KV head"));
-  }
+  ASSIGN_OR_RETURN(const DecodeFp8Staging staging,
+                   ResolveFp8Staging(options.fp8_staging, cache_dtype, padded, group));
   const int64_t base_ctas =
       int64_t{p.num_seqs} * p.num_kv_heads * CeilDiv(group, tc::DecodeTcHeadTileRows(group));
   const int64_t splits =
@@ -223,24 +201,25 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
   args.partial_out = partial_out;
   args.partial_ml = partial_ml;
   const bool bf16 = q_dtype == DType::kBFloat16;
-  const bool shared = plan.fp8_staging == tc::kFp8Shared;
-  if (!shared && !Fp8StagingBuilt(cache_dtype, padded, n_tiles)) {
+  const bool in_registers = plan.fp8_staging == DecodeFp8Staging::kInRegisters;
+  if (plan.fp8_staging == DecodeFp8Staging::kAuto ||
+      (in_registers && !InRegistersBuilt(cache_dtype, padded, n_tiles))) {
     return absl::InvalidArgumentError(
-        "cuda decode attention (tensor cores): the plan's fp8 staging does not fit this launch");
+        "cuda decode attention (tensor cores): the plan's fp8 staging is unresolved or does "
+        "not fit this launch");
   }
   const TcKernel kernel =
-      !shared ? (bf16 ? PickFp8StagingKernel<__nv_bfloat16>(plan.fp8_staging)
-                      : PickFp8StagingKernel<__half>(plan.fp8_staging))
-              : (bf16 ? PickKernel<__nv_bfloat16>(padded, n_tiles)
-                      : PickKernel<__half>(padded, n_tiles));
+      in_registers ? (bf16 ? InRegistersKernel<__nv_bfloat16>() : InRegistersKernel<__half>())
+                   : (bf16 ? PickKernel<__nv_bfloat16>(padded, n_tiles)
+                           : PickKernel<__half>(padded, n_tiles));
   const int smem =
-      shared ? SmemBytes(padded, n_tiles, fp8) : Fp8StagingSmemBytes(plan.fp8_staging);
+      in_registers ? InRegistersTraits::SmemBytes(true) : SmemBytes(padded, n_tiles, fp8);
   // 16-bit and fp8 caches share the default instantiations: allow the larger once. All of
   // the unified L1 as shared memory: the tiles bypass L1 (cp.async.cg), and kMinBlocksPerSm
   // CTAs per SM need it.
   const int max_smem =
-      shared ? std::max(SmemBytes(padded, n_tiles, false), SmemBytes(padded, n_tiles, true))
-             : smem;
+      in_registers ? smem
+                   : std::max(SmemBytes(padded, n_tiles, false), SmemBytes(padded, n_tiles, true));
   RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel), max_smem,
                                            /*max_carveout=*/true,
                                            "cuda decode attention (tensor cores)"));

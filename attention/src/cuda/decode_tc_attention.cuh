@@ -38,15 +38,15 @@
 //      decode_attention.cuh, merged by its DecodeMergeKernel (which applies the V scale).
 //
 // fp8: the K scale is folded into the softmax scale, the V scale into the output. The
-// kFp8 template argument (DecodeTcFp8Staging) makes fp8-only instantiations that stage
-// differently, for the benchmark to compare: a deeper raw ring; K's mma fragments converted
-// from the raw tile in registers (the head dimension permuted alike in Q's fragments; odd
-// raw rows' chunks XOR 4 against bank conflicts); and V's too, each converted pair turned
-// into a V^T fragment by movmatrix.trans (the output dims permuted alike), no 16-bit tile.
+// kFp8InRegisters template argument makes the fp8-only instantiation that stages no 16-bit
+// tile: K's mma fragments are converted from the raw tile in registers (the head dimension
+// permuted alike in Q's fragments; odd raw rows' chunks XOR 4 against bank conflicts), and
+// V's too, each converted pair turned into a V^T fragment by movmatrix.trans (the output
+// dims permuted alike, undone where the warps merge).
 //
 // Shared memory (bytes): loc [kLocTiles][64] RowBytes | q [8 kNT][D] T (swizzled) |
 //   16-bit: ring [kRing][64][D] T  /  fp8: raw ring [kRing][64][D] bytes, tile [64][D] T
-//   (no tile with V in registers)
+//   (no tile with kFp8InRegisters)
 //
 // A host build that defines KVSTREAM_CUDA_EMULATION provides the PTX wrappers (mma_ptx.cuh; and
 // __syncthreads, __shfl_xor_sync, threadIdx, blockIdx, shared memory) itself, so that the
@@ -90,19 +90,13 @@ struct DecodeTcArgs {
 // Query heads per CTA for a group of `group_size`: one n8 tile up to 8 heads, else two.
 inline constexpr int DecodeTcHeadTileRows(int group_size) { return group_size <= 8 ? 8 : 16; }
 
-// How an fp8 cache is staged: the kernel's kFp8 template argument, bits of these. 0 is the
+// How an fp8 cache is staged: the kernel's kFp8InRegisters template argument. false is the
 // instantiation shared with 16-bit caches (fp8 a runtime branch): a ring of kRing raw half
-// tiles, K and V each converted into the one 16-bit tile. Any other value makes an fp8-only
-// instantiation (the launcher's DecodeFp8Staging; decode_tc_attention.cu builds them at
-// padded head size 128 with one n8 tile, the shapes of the fp8 decode benchmark).
-enum DecodeTcFp8Staging : int {
-  kFp8Shared = 0,
-  kFp8DeepRing = 1,      // one raw half tile more in the ring (one more in flight)
-  kFp8KInRegisters = 2,  // K's fragments converted from the raw tile in registers
-  kFp8VInRegisters = 4,  // V's too, transposed by movmatrix (with K's only): no 16-bit tile
-};
-
-template <int D, int kNT, int kFp8 = kFp8Shared>
+// tiles, K and V each converted into the one 16-bit tile. true is the fp8-only
+// instantiation with K's and V's fragments converted in registers, no 16-bit tile (the
+// launcher's DecodeFp8Staging::kInRegisters; decode_tc_attention.cu builds it at padded
+// head size 128 with one n8 tile).
+template <int D, int kNT, bool kFp8InRegisters = false>
 struct DecodeTcTraits {
   static_assert(D == 64 || D == 128 || D == 256, "padded head sizes 64, 128 and 256");
   static_assert(kNT == 1 || kNT == 2, "one or two n8 tiles of query heads");
@@ -115,8 +109,7 @@ struct DecodeTcTraits {
   // 8 x 3, 3 x 4 (3 with two n8 tiles, whose registers do not fit four), 3 x 2. At D = 128
   // four CTAs of 55 KiB share an SM, so that 64 sequences x 8 KV heads run in one wave of
   // 132 SMs.
-  // kFp8DeepRing: one more (D = 128: 53 KiB, still four CTAs per SM).
-  static constexpr int kRing = (D == 64 ? 8 : 3) + ((kFp8 & kFp8DeepRing) != 0 ? 1 : 0);
+  static constexpr int kRing = D == 64 ? 8 : 3;
   static constexpr int kMinBlocksPerSm = D == 64 ? 3 : D == 128 ? (kNT == 1 ? 4 : 3) : 2;
   static constexpr int kTileBytes = kBlockN * D * 2;   // one 16-bit K or V tile
   static constexpr int kRawTileBytes = kBlockN * D;    // one fp8 K or V tile
@@ -127,22 +120,22 @@ struct DecodeTcTraits {
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kKvOffset = kQOffset + kQBytes;
   // The warps' partial results at the end: [kWarps][kRows][D] + [kWarps][kRows][2] floats,
-  // in the pipeline's shared memory, which is the larger except with kFp8VInRegisters (no
+  // in the pipeline's shared memory, which is the larger except with kFp8InRegisters (no
   // 16-bit tile): SmemBytes is the larger of the two.
   static constexpr int kMergeBytes = kWarps * kRows * (D + 2) * 4;
   static constexpr int SmemBytes(bool fp8) {
-    const int convert_tile = (kFp8 & kFp8VInRegisters) != 0 ? 0 : kTileBytes;
+    const int convert_tile = kFp8InRegisters ? 0 : kTileBytes;
     const int pipeline =
         kKvOffset + (fp8 ? kRing * kRawTileBytes + convert_tile : kRing * kTileBytes);
     return pipeline > kMergeBytes ? pipeline : kMergeBytes;
   }
   // kMinBlocksPerSm CTAs (and the 1 KiB the SM reserves for each) in the 228 KiB of an SM.
-  static_assert(kMinBlocksPerSm * (SmemBytes(kFp8 != kFp8Shared) + 1024) <= 228 * 1024,
+  static_assert(kMinBlocksPerSm * (SmemBytes(kFp8InRegisters) + 1024) <= 228 * 1024,
                 "the CTAs per SM fit in shared memory");
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` within that row of a raw [rows][D] fp8
-// tile (rows are D bytes apart). kSwizzled (kFp8KInRegisters): in rows of 128 or 256 bytes
+// tile (rows are D bytes apart). kSwizzled (kFp8InRegisters): in rows of 128 or 256 bytes
 // the chunks of odd rows are XOR 4, so that the K fragment loads of two adjacent rows (one
 // phase of a warp's 16-byte loads: 4 lanes per row) hit eight different 16-byte bank
 // groups. Rows of 64 bytes need none (two rows fill the 32 banks).
@@ -186,14 +179,13 @@ static __device__ __align__(16) const uint8_t kDecodeZeroRow[512] = {};
 // ---------------------------------------------------------------------------------------
 // The kernel.
 
-// kFp8: DecodeTcFp8Staging bits; not kFp8Shared: a.cache_kind must be kCacheE4M3 or
-// kCacheE5M2.
-template <int D, int kNT, typename T, int kFp8 = kFp8Shared>
-__global__ void __launch_bounds__(DecodeTcTraits<D, kNT, kFp8>::kThreads,
-                                  DecodeTcTraits<D, kNT, kFp8>::kMinBlocksPerSm)
+// kFp8InRegisters: a.cache_kind must be kCacheE4M3 or kCacheE5M2.
+template <int D, int kNT, typename T, bool kFp8InRegisters = false>
+__global__ void __launch_bounds__(DecodeTcTraits<D, kNT, kFp8InRegisters>::kThreads,
+                                  DecodeTcTraits<D, kNT, kFp8InRegisters>::kMinBlocksPerSm)
     DecodeTcKernel(const __grid_constant__ PagedKernelParams p,
                    const __grid_constant__ DecodeTcArgs a) {
-  using Traits = DecodeTcTraits<D, kNT, kFp8>;
+  using Traits = DecodeTcTraits<D, kNT, kFp8InRegisters>;
   constexpr int kThreads = Traits::kThreads;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kRows = Traits::kRows;
@@ -223,13 +215,10 @@ __global__ void __launch_bounds__(DecodeTcTraits<D, kNT, kFp8>::kThreads,
   const int seq_len = bounds.seq_len;
   const int first_head = kv_head * a.group_size + head_tile * kRows;
   const int heads_here = min(kRows, a.group_size - head_tile * kRows);
-  // kKRegs: K's mma fragments come from the raw tile (converted in registers, a permutation
-  // of the head dimension shared with Q's fragments); only V goes through the 16-bit tile.
-  constexpr bool kKRegs = (kFp8 & kFp8KInRegisters) != 0;
-  // kVRegs: V's fragments too (raw_v_half), and no 16-bit tile at all.
-  constexpr bool kVRegs = (kFp8 & kFp8VInRegisters) != 0;
-  static_assert(kKRegs || !kVRegs, "V in registers comes with K in registers");
-  const bool fp8 = kFp8 != kFp8Shared || a.cache_kind != kCache16;
+  // kFp8InRegisters: K's and V's mma fragments come from the raw tiles (raw_k_half,
+  // raw_v_half: converted in registers, the head dimension permuted alike in Q's fragments
+  // and the output dims in the accumulators), never through a 16-bit tile.
+  const bool fp8 = kFp8InRegisters || a.cache_kind != kCache16;
   const int head_size = p.head_size;
   const int head_size_v = p.head_size_v;
 
@@ -340,8 +329,9 @@ KVSTREAM_CUDA_UNROLL
       const int c = lcol + i * kPerRow;
       // Row lrow of the tile; pass `pass` adds whole rows (the swizzle repeats every 8).
       const uint32_t dst0 =
-          slot_base + (kRaw ? static_cast<uint32_t>(lrow * D + RawChunkInRow<D, kKRegs>(lrow, c))
-                            : SwizzledChunk<D>(lrow, c));
+          slot_base +
+          (kRaw ? static_cast<uint32_t>(lrow * D + RawChunkInRow<D, kFp8InRegisters>(lrow, c))
+                : SwizzledChunk<D>(lrow, c));
 KVSTREAM_CUDA_UNROLL
       for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
         const RowBytes loc = locs[lrow + pass * kRowsPerPass];
@@ -376,8 +366,8 @@ KVSTREAM_CUDA_UNROLL
     for (int k = 0; k < kPerLane; ++k) {
       const int i = lane + 32 * k;
       const int r = 16 * warp + i / kRawChunks;
-      codes[k] = *reinterpret_cast<const uint4*>(raw + r * D +
-                                                 RawChunkInRow<D, kKRegs>(r, i % kRawChunks));
+      codes[k] = *reinterpret_cast<const uint4*>(
+          raw + r * D + RawChunkInRow<D, kFp8InRegisters>(r, i % kRawChunks));
     }
 KVSTREAM_CUDA_UNROLL
     for (int k = 0; k < kPerLane; ++k) {
@@ -411,7 +401,7 @@ KVSTREAM_CUDA_UNROLL
 
   // The start of half h: waits for its copies, issues half h + kRing - 1 into the slot the
   // previous half leaves, stores a tile's rows when due, converts fp8; returns the shared
-  // address of half h's 16-bit tile.
+  // address of half h's 16-bit tile (kFp8InRegisters: none, 0).
   const uint32_t conv_base = SmemAddress(conv_tile);
   auto begin_half = [&](int h) -> uint32_t {
     CpAsyncWaitGroup<kRing - 2>();
@@ -423,15 +413,15 @@ KVSTREAM_CUDA_UNROLL
       loc_smem[(n % Traits::kLocTiles) * kBlockN + tid] = loc_ahead;
       loc_ahead = lookup(n + 1, tid);
     }
-    if constexpr (kKRegs) {
-      // Read raw, converted in registers: K (raw_k_half), and V with kVRegs (raw_v_half).
-      if ((h & 1) == 0 || kVRegs) return 0;
+    if constexpr (kFp8InRegisters) {
+      return 0;  // read raw, converted in registers (raw_k_half, raw_v_half)
+    } else {
+      if (fp8) {
+        convert_raw(h);
+        return conv_base;
+      }
+      return kv_base + (h % kRing) * Traits::kTileBytes;
     }
-    if (fp8) {
-      convert_raw(h);
-      return conv_base;
-    }
-    return kv_base + (h % kRing) * Traits::kTileBytes;
   };
 
   // ---- Per-thread state. g = lane / 4, t = lane % 4. In the S^T tile of n8 block nt the
@@ -483,35 +473,24 @@ KVSTREAM_CUDA_UNROLL
   // the loops keep constant bounds.
   constexpr int kBatch = 4;  // K / V fragments loaded ahead of their mma chains
   // Q^T fragments stay in registers unless D = 256 with two n8 blocks (64 registers that
-  // the output accumulators need); then they are read from shared memory per step.
-  constexpr bool kQInRegisters = D * kNT <= 256;
+  // the output accumulators need) or kFp8InRegisters (the converted K and V fragments need
+  // them: with Q's kept the kernel spilled at D = 128); then they are read from shared
+  // memory per step (kFp8InRegisters: q_permuted).
+  constexpr bool kQInRegisters = !kFp8InRegisters && D * kNT <= 256;
   const uint32_t q_lane_addr =
       kNT == 1 ? q_base + static_cast<uint32_t>((lane & 7) * D * 2)
                : q_base + static_cast<uint32_t>(((lane & 7) + ((lane >> 4) << 3)) * D * 2);
   uint32_t q_frag[kQInRegisters ? kDSteps : 1][kNT][2];
-  static_assert(!kKRegs || kQInRegisters,
-                "K in registers: only where Q's fragments fit in registers (D * kNT <= 256)");
-  // kKRegs: Q's fragment of k16 step kk for n8 tile nt with the head dimension permuted
-  // as raw_k_half reads K: step kk = 4 i + s of lane (g, quad) holds dims 16 (quad + 4 i) +
-  // 4 s + {0, 1} (its first register) and + {2, 3} (its second), four dims in a row of Q.
+  // kFp8InRegisters: Q's fragment of k16 step kk for n8 tile nt with the head dimension
+  // permuted as raw_k_half reads K: step kk = 4 i + s of lane (g, quad) holds dims 16 (quad
+  // + 4 i) + 4 s + {0, 1} (its first register) and + {2, 3} (its second), four dims in a
+  // row of Q.
   auto q_permuted = [&](int kk, int nt) -> uint2 {
     const int dim = 16 * ((lane & 3) + 4 * (kk >> 2)) + 4 * (kk & 3);
     return *reinterpret_cast<const uint2*>(q_smem + SwizzledChunk<D>(8 * nt + g, dim >> 3) +
                                            (dim & 7) * 2);
   };
-  // With kVRegs they are read from shared memory at each use instead (the registers hold
-  // the V fragments).
-  if constexpr (kKRegs && !kVRegs) {
-KVSTREAM_CUDA_UNROLL
-    for (int kk = 0; kk < kDSteps; ++kk) {
-KVSTREAM_CUDA_UNROLL
-      for (int nt = 0; nt < kNT; ++nt) {
-        const uint2 four = q_permuted(kk, nt);
-        q_frag[kk][nt][0] = four.x;
-        q_frag[kk][nt][1] = four.y;
-      }
-    }
-  } else if constexpr (kQInRegisters && !kKRegs) {
+  if constexpr (kQInRegisters) {
     if constexpr (kNT == 1) {
 KVSTREAM_CUDA_UNROLL
       for (int kk = 0; kk < kDSteps; kk += 2) {
@@ -536,8 +515,8 @@ KVSTREAM_CUDA_UNROLL
     }
   }
 
-  // kKRegs: chunk quad + 4 i of the calling lane's rows g and g + 8 of the warp's 16 in raw
-  // half tile j (the fragment loads of raw_k_half and raw_v_half).
+  // kFp8InRegisters: chunk quad + 4 i of the calling lane's rows g and g + 8 of the warp's 16 in
+  // raw half tile j (the fragment loads of raw_k_half and raw_v_half).
   auto load_raw_chunks = [&](int j, int i, uint4(&codes)[2]) {
     const uint8_t* const raw = kv_smem + (j % kRing) * Traits::kRawTileBytes;
 KVSTREAM_CUDA_UNROLL
@@ -548,10 +527,10 @@ KVSTREAM_CUDA_UNROLL
     }
   };
 
-  // kKRegs: S^T = K Q^T of the warp's 16 keys straight from raw half tile j. Lane (g, quad)
-  // loads 16-byte chunks quad + 4 i of its rows g and g + 8 (every chunk before the first
+  // kFp8InRegisters: S^T = K Q^T of the warp's 16 keys straight from raw half tile j. Lane (g,
+  // quad) loads 16-byte chunks quad + 4 i of its rows g and g + 8 (every chunk before the first
   // conversion); word s of chunk i gives k16 step 4 i + s: its low pair the fragment's
-  // columns 2 quad + {0, 1}, its high pair + 8 (the permutation of q_frag). Even and odd
+  // columns 2 quad + {0, 1}, its high pair + 8 (the permutation of q_permuted). Even and odd
   // steps accumulate apart, as the ldmatrix path does.
   auto raw_k_half = [&](auto format_tag, int j, float(&acc_s)[kNT][4],
                         float(&acc_s_odd)[kNT][4]) {
@@ -575,18 +554,14 @@ KVSTREAM_CUDA_UNROLL
 KVSTREAM_CUDA_UNROLL
         for (int nt = 0; nt < kNT; ++nt) {
           float(&acc)[4] = (kk & 1) != 0 ? acc_s_odd[nt] : acc_s[nt];
-          if constexpr (kVRegs) {
-            const uint2 four = q_permuted(kk, nt);
-            Mma16816<T>(acc, ka, four.x, four.y);
-          } else {
-            Mma16816<T>(acc, ka, q_frag[kk][nt][0], q_frag[kk][nt][1]);
-          }
+          const uint2 four = q_permuted(kk, nt);
+          Mma16816<T>(acc, ka, four.x, four.y);
         }
       }
     }
   };
 
-  // kVRegs: O^T += V^T P^T straight from raw half tile j. Lane (g, quad) loads the chunks
+  // kFp8InRegisters: O^T += V^T P^T straight from raw half tile j. Lane (g, quad) loads the chunks
   // of its rows g and g + 8 as raw_k_half does; pair p (dims 2 p, 2 p + 1 of a chunk) of
   // its row is entry (g, quad) of an 8 x 8 matrix (keys x dims) that movmatrix.trans turns
   // into a V^T fragment: rows g of dims 16 (g / 2 + 4 i) + 2 p + g % 2 (VDim), columns the
@@ -620,7 +595,7 @@ KVSTREAM_CUDA_UNROLL
   // ---- Main loop over key tiles: the K half, then the V half.
   uint32_t pb[kNT][2] = {};  // P^T of the warp's keys, from the K half to the V half
   for (int t = 0; t < num_tiles; ++t) {
-    [[maybe_unused]] const uint32_t k_base = begin_half(2 * t);  // kKRegs: unused
+    [[maybe_unused]] const uint32_t k_base = begin_half(2 * t);  // kFp8InRegisters: unused
     const int tile_lo = s_begin + t * kBlockN;
     // Warp-uniform: whether any of the warp's 16 keys exist.
     const bool warp_keys = 16 * warp < min(kBlockN, s_end - tile_lo);
@@ -634,7 +609,7 @@ KVSTREAM_CUDA_UNROLL
 KVSTREAM_CUDA_UNROLL
         for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_s_odd[nt][e] = 0.0f;
       }
-      if constexpr (kKRegs) {
+      if constexpr (kFp8InRegisters) {
         if (a.cache_kind == kCacheE4M3) {
           raw_k_half(std::integral_constant<int, __NV_E4M3>(), 2 * t, acc_s, acc_s_odd);
         } else {
@@ -691,10 +666,10 @@ KVSTREAM_CUDA_UNROLL
       }
     }  // warp_keys
 
-    [[maybe_unused]] const uint32_t v_base = begin_half(2 * t + 1);  // kVRegs: unused
+    [[maybe_unused]] const uint32_t v_base = begin_half(2 * t + 1);  // kFp8InRegisters: unused
     if (!warp_keys) continue;
     // O^T += V^T P^T.
-    if constexpr (kVRegs) {
+    if constexpr (kFp8InRegisters) {
       if (a.cache_kind == kCacheE4M3) {
         raw_v_half(std::integral_constant<int, __NV_E4M3>(), 2 * t + 1, pb);
       } else {
@@ -739,7 +714,7 @@ KVSTREAM_CUDA_UNROLL
       float* const row = red + (warp * kRows + m) * D;
 KVSTREAM_CUDA_UNROLL
       for (int dd = 0; dd < kDSteps; ++dd) {
-        if constexpr (kVRegs) {
+        if constexpr (kFp8InRegisters) {
           // raw_v_half's rows: dims 16 (g / 2 + 4 (dd / 4)) + 4 (dd % 4) + g % 2, and + 2.
           const int dim = 16 * ((g >> 1) + 4 * (dd >> 2)) + 4 * (dd & 3) + (g & 1);
           row[dim] = acc_o[dd][nt][j];

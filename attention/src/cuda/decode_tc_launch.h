@@ -43,7 +43,8 @@ struct DecodeTcPlan {
   int num_splits = 1;
   size_t workspace_bytes = 0;    // 0 when num_splits == 1
   size_t partial_out_bytes = 0;  // partial_ml follows at this offset
-  int fp8_staging = 0;           // the tensor-core kernel's DecodeTcFp8Staging bits
+  // The tensor-core kernel's, resolved (never kAuto); kShared for 16-bit caches.
+  DecodeFp8Staging fp8_staging = DecodeFp8Staging::kShared;
 };
 // The plan of `num_splits` splits, whichever kernel runs them: the workspace holds the
 // partial outputs [num_seqs, num_heads, num_splits, head_size_v] floats (rounded up to 256
@@ -51,10 +52,11 @@ struct DecodeTcPlan {
 DecodeTcPlan DecodeSplitPlan(const PagedKernelParams& params, int num_splits);
 
 // The split count, workspace and fp8 staging of the tensor-core kernel (options.num_sms,
-// num_splits, fp8_staging). REQUIRES: DecodeTensorCoresApply(params, ...) for some 16-bit q
-// dtype, or it returns InvalidArgument; so does an fp8_staging other than kShared where it
-// does not exist (a cache that is not fp8, another padded head size than 128, groups above
-// 8).
+// num_splits, fp8_staging; kAuto resolved to kInRegisters where that exists: an fp8 cache,
+// padded head size 128, groups up to 8; else to kShared). REQUIRES:
+// DecodeTensorCoresApply(params, ...) for some 16-bit q dtype, or it returns
+// InvalidArgument; so does a kInRegisters where it does not exist (a cache that is not fp8,
+// another padded head size than 128, groups above 8).
 absl::StatusOr<DecodeTcPlan> PlanDecodeTc(const PagedKernelParams& params, DType cache_dtype,
                                           const DecodeLaunchOptions& options);
 

@@ -42,14 +42,15 @@ enum class PrefillVariant {
 // its benchmarks. kDefault: the one measured fastest for the call's block size
 // (prefill_wgmma.cu, docs/benchmarks.md).
 enum class PrefillWgmmaSchedule { kDefault, kSerial, kOverlap, kPingPong };
-// How the wgmma kernel's producer loads K and V of a 16-bit cache: TMA boxes of whole
-// pages (block sizes that are powers of two in [16, 256]) or cp.async gathers of 16-byte
-// chunks (any block size; not yet measured, so only when asked for). kDefault: TMA.
-enum class PrefillWgmmaLoads { kDefault, kTma, kGather };
+// How the wgmma kernel's CTAs load K and V (prefill_wgmma.cuh): each its own tiles
+// (kSingle), or in clusters of two CTAs with adjacent row tiles of one KV head that share
+// them, each loading half and multicasting it to both (kPair). kDefault: kSingle (pairs are
+// not yet measured).
+enum class PrefillWgmmaCluster { kDefault, kSingle, kPair };
 struct PrefillLaunchOptions {
   PrefillVariant variant = PrefillVariant::kAuto;
   PrefillWgmmaSchedule wgmma_schedule = PrefillWgmmaSchedule::kDefault;
-  PrefillWgmmaLoads wgmma_loads = PrefillWgmmaLoads::kDefault;
+  PrefillWgmmaCluster wgmma_cluster = PrefillWgmmaCluster::kDefault;
   // Whether the device the stream runs on has compute capability 9.0 exactly and this
   // build holds sm_90a code (KVSTREAM_HAVE_SM90A): only then may the wgmma kernel run.
   bool wgmma = false;
@@ -60,25 +61,23 @@ struct PrefillLaunchOptions {
 bool PrefillFastVariantApplies(const PagedKernelParams& params, DType q_dtype,
                                DType cache_dtype);
 
-// Whether the wgmma kernel takes this call with these loads on a device where it may run:
-// q and out of one 16-bit dtype, the cache of that dtype or fp8 e4m3 / e5m2, head_size ==
-// head_size_v, 64, 128 or (16-bit caches) 256, every q, out and cache row 16-byte aligned,
-// strides within a tensor map's range; TMA loads (kDefault, kTma): a block size that is a
-// power of two in [16, 256]; gathers: a 16-bit cache. When it does not and `why` is not
-// null, *why says what it lacks.
+// Whether the wgmma kernel takes this call on a device where it may run: q and out of one
+// 16-bit dtype, the cache of that dtype or fp8 e4m3 / e5m2, head_size == head_size_v, 64,
+// 128 or (16-bit caches) 256, every q, out and cache row 16-byte aligned, strides within a
+// tensor map's range, a block size that is a power of two in [16, 256] (TMA boxes of whole
+// pages). When it does not and `why` is not null, *why says what it lacks.
 bool PrefillWgmmaApplies(const PagedKernelParams& params, DType q_dtype, DType out_dtype,
-                         DType cache_dtype, PrefillWgmmaLoads loads,
-                         std::string* why = nullptr);
+                         DType cache_dtype, std::string* why = nullptr);
 
 // Whether this build holds the wgmma kernel's sm_90a code (compiled for 90a).
 bool PrefillWgmmaCompiled();
 
-// Enqueues the wgmma kernel. REQUIRES: PrefillWgmmaApplies for `loads`; PrefillLaunchOptions::wgmma
+// Enqueues the wgmma kernel. REQUIRES: PrefillWgmmaApplies; PrefillLaunchOptions::wgmma
 // would be true for the stream's device; params with rows to compute (num_seqs and
 // max_query_len > 0, the limits LaunchPrefillAttention checks).
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& params, DType q_dtype,
                                 DType cache_dtype, PrefillWgmmaSchedule schedule,
-                                PrefillWgmmaLoads loads, cudaStream_t stream);
+                                PrefillWgmmaCluster cluster, cudaStream_t stream);
 
 // As above with a choice of variant. InvalidArgument, in addition, for kFast where
 // PrefillFastVariantApplies is false, and for kWgmma where PrefillWgmmaApplies is false or
@@ -111,17 +110,17 @@ enum class DecodeKernel {
   kTensorCoresTma,  // InvalidArgument where it does not apply or options.tma is false
 };
 
-// How the cp.async tensor-core kernel stages an fp8 cache. kShared is the default and
-// takes every fp8 case; the others exist at padded head size 128 with up to 8 query heads
-// per KV head only (else the launch returns InvalidArgument), for the fp8 decode benchmark
-// to compare on the GPU (docs/benchmarks.md).
+// How the cp.async tensor-core kernel stages an fp8 cache. kInRegisters is the faster
+// (on the H100 at 64 x 4096 and 16 x 32768 keys, docs/benchmarks.md: 0.94 (bf16 queries) /
+// 0.95 (fp16) of the fp8 cache's streaming read, against 0.82 / 0.88 for kShared) but
+// exists only for fp8 e4m3 / e5m2 caches at padded head size 128 with up to 8 query heads
+// per KV head; kShared takes every fp8 case. kAuto: kInRegisters where it exists, else
+// kShared.
 enum class DecodeFp8Staging {
-  kShared,                // a ring of 3 raw half tiles; K and V converted into a 16-bit tile
-  kDeepRing,              // a ring of 4 raw half tiles (one more in flight; 4 CTAs per SM)
-  kKInRegisters,          // K converted from the raw tile into its mma fragments in registers
-  kDeepRingKInRegisters,  // both
-  kKVInRegisters,         // K and V (transposed by movmatrix) in registers: no 16-bit tile
-  kDeepRingKVInRegisters,
+  kAuto,
+  kShared,       // a ring of raw half tiles; K and V each converted into a 16-bit tile
+  kInRegisters,  // K's and V's mma fragments converted from the raw tiles in registers (V's
+                 // transposed by movmatrix): no 16-bit tile
 };
 
 struct DecodeLaunchOptions {
@@ -158,9 +157,10 @@ struct DecodeLaunchOptions {
   std::function<absl::StatusOr<uint32_t*>(size_t count)> arrival_counters;
   // Which kernel runs.
   DecodeKernel kernel = DecodeKernel::kAuto;
-  // fp8 caches on the tensor-core kernel: how they are staged. Other than kShared, only
-  // for an fp8 cache on the tensor-core kernel (else InvalidArgument).
-  DecodeFp8Staging fp8_staging = DecodeFp8Staging::kShared;
+  // fp8 caches on the tensor-core kernel: how they are staged. kAuto and kShared take every
+  // launch (the other kernels and 16-bit caches ignore them); kInRegisters only an fp8 cache
+  // on the tensor-core kernel at a shape where it exists (else InvalidArgument).
+  DecodeFp8Staging fp8_staging = DecodeFp8Staging::kAuto;
 };
 
 // Whether the tensor-core decode kernel takes this problem (see above); when it does not

@@ -128,11 +128,11 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
       (launch_options.variant == PrefillVariant::kAuto && launch_options.wgmma)) {
     std::string why;
     const bool applies =
-        launch_options.wgmma && PrefillWgmmaApplies(params, q_dtype, out_dtype, cache_dtype,
-                                                     launch_options.wgmma_loads, &why);
+        launch_options.wgmma &&
+        PrefillWgmmaApplies(params, q_dtype, out_dtype, cache_dtype, &why);
     if (applies) {
       return LaunchPrefillWgmma(params, q_dtype, cache_dtype, launch_options.wgmma_schedule,
-                                launch_options.wgmma_loads, stream);
+                                launch_options.wgmma_cluster, stream);
     }
     if (launch_options.variant == PrefillVariant::kWgmma) {
       return Unsupported(absl::StrCat(

@@ -53,20 +53,32 @@ absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* ca
   return EncodeCacheTensorMap(cache, dtype, shape, kWhat);
 }
 
-template <int D, typename T, bool kFp8, bool kGather = false>
+// Pairs: clusters of two CTAs along x over an even number of row tiles per KV head.
+template <int D, typename T, bool kFp8, bool kPair>
 absl::Status LaunchTyped(const PagedKernelParams& p, const CUtensorMap& k_map,
                          const CUtensorMap& v_map, const pw::PrefillWgmmaArgs& args,
                          cudaStream_t stream) {
   using Traits = pw::PrefillWgmmaTraits<D, kFp8>;
-  auto* kernel = &pw::PrefillWgmmaKernel<D, T, kFp8, kGather>;
+  auto* kernel = &pw::PrefillWgmmaKernel<D, T, kFp8, kPair>;
   RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel),
                                            Traits::kSmemBytes, /*max_carveout=*/true,
                                            absl::StrCat(kWhat, " head dim ", D)));
-  const dim3 grid(static_cast<unsigned>(p.num_kv_heads * args.num_m_tiles),
-                  static_cast<unsigned>(p.num_seqs));
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, k_map, v_map, args);
-  return CudaErrorToStatus(static_cast<int>(cudaGetLastError()),
-                           absl::StrCat(kWhat, " launch (head dim ", D, ")"));
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(p.num_kv_heads * args.num_m_tiles),
+                        static_cast<unsigned>(p.num_seqs));
+  config.blockDim = dim3(Traits::kThreads);
+  config.dynamicSmemBytes = Traits::kSmemBytes;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = kPair ? 1 : 0;
+  return CudaErrorToStatus(
+      static_cast<int>(cudaLaunchKernelEx(&config, kernel, p, k_map, v_map, args)),
+      absl::StrCat(kWhat, " launch (head dim ", D, kPair ? ", CTA pairs)" : ")"));
 }
 
 // Whether TMA boxes of whole pages serve this block size.
@@ -75,28 +87,28 @@ bool TmaTakesBlocks(int block_size) {
 }
 
 // The instantiation of one call: head size 64, 128 or 256 (fp8: 64 or 128) and the query type.
-template <bool kFp8, bool kGather>
+template <bool kFp8, bool kPair>
 absl::Status LaunchForHeadSize(const PagedKernelParams& p, bool bf16, const CUtensorMap& k_map,
                                const CUtensorMap& v_map, const pw::PrefillWgmmaArgs& args,
                                cudaStream_t stream) {
   if (p.head_size == 64) {
-    return bf16 ? LaunchTyped<64, __nv_bfloat16, kFp8, kGather>(p, k_map, v_map, args, stream)
-                : LaunchTyped<64, __half, kFp8, kGather>(p, k_map, v_map, args, stream);
+    return bf16 ? LaunchTyped<64, __nv_bfloat16, kFp8, kPair>(p, k_map, v_map, args, stream)
+                : LaunchTyped<64, __half, kFp8, kPair>(p, k_map, v_map, args, stream);
   }
   if constexpr (!kFp8) {
     if (p.head_size == 256) {
-      return bf16 ? LaunchTyped<256, __nv_bfloat16, false, kGather>(p, k_map, v_map, args, stream)
-                  : LaunchTyped<256, __half, false, kGather>(p, k_map, v_map, args, stream);
+      return bf16 ? LaunchTyped<256, __nv_bfloat16, false, kPair>(p, k_map, v_map, args, stream)
+                  : LaunchTyped<256, __half, false, kPair>(p, k_map, v_map, args, stream);
     }
   }
-  return bf16 ? LaunchTyped<128, __nv_bfloat16, kFp8, kGather>(p, k_map, v_map, args, stream)
-              : LaunchTyped<128, __half, kFp8, kGather>(p, k_map, v_map, args, stream);
+  return bf16 ? LaunchTyped<128, __nv_bfloat16, kFp8, kPair>(p, k_map, v_map, args, stream)
+              : LaunchTyped<128, __half, kFp8, kPair>(p, k_map, v_map, args, stream);
 }
 
 }  // namespace
 
 bool PrefillWgmmaApplies(const PagedKernelParams& p, DType q_dtype, DType out_dtype,
-                         DType cache_dtype, PrefillWgmmaLoads loads, std::string* why) {
+                         DType cache_dtype, std::string* why) {
   auto no = [&](std::string reason) {
     if (why != nullptr) *why = std::move(reason);
     return false;
@@ -110,9 +122,7 @@ bool PrefillWgmmaApplies(const PagedKernelParams& p, DType q_dtype, DType out_dt
     return no(absl::StrCat("head sizes ", p.head_size, "/", p.head_size_v, " are not 64/64, ",
                            "128/128 or (a 16-bit cache) 256/256"));
   }
-  if (loads == PrefillWgmmaLoads::kGather) {
-    if (fp8) return no("fp8 caches load with TMA only");
-  } else if (!TmaTakesBlocks(p.block_size)) {
+  if (!TmaTakesBlocks(p.block_size)) {
     return no(absl::StrCat("block size ", p.block_size,
                            " is not a power of two in [16, 256] (TMA loads)"));
   }
@@ -142,7 +152,7 @@ bool PrefillWgmmaCompiled() {
 }
 
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType cache_dtype,
-                                PrefillWgmmaSchedule schedule, PrefillWgmmaLoads loads,
+                                PrefillWgmmaSchedule schedule, PrefillWgmmaCluster cluster,
                                 cudaStream_t stream) {
   const int block_n = p.head_size == 256 ? pw::PrefillWgmmaTraits<256>::kBlockN
                                          : pw::PrefillWgmmaTraits<128>::kBlockN;
@@ -153,23 +163,33 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
     case PrefillWgmmaSchedule::kPingPong: args.schedule = pw::kPrefillWgmmaPingPong; break;
     default: args.schedule = -1; break;
   }
-  args.num_m_tiles = cuda::ChoosePrefillOptions(p, cache_dtype).num_m_tiles;
+  const bool pair = cluster == PrefillWgmmaCluster::kPair;
+  // Pairs take row tiles two by two (a CTA past the rows of its sequence exits, or, beside
+  // one with rows, only loads).
+  const int m_tiles = cuda::ChoosePrefillOptions(p, cache_dtype).num_m_tiles;
+  args.num_m_tiles = pair ? m_tiles + (m_tiles & 1) : m_tiles;
+  if (static_cast<int64_t>(args.num_m_tiles) * p.num_kv_heads > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": ", args.num_m_tiles,
+                                                   " row tiles x ", p.num_kv_heads,
+                                                   " KV heads do not fit a grid"));
+  }
   args.e4m3 = cache_dtype == DType::kFloat8E4M3;
   args.box_tokens = p.block_size < block_n ? p.block_size : block_n;
   if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens);
   args.block_shift = ptx::Log2IfPowerOfTwo(p.block_size);
-  const bool gather = loads == PrefillWgmmaLoads::kGather;
-  CUtensorMap k_map{}, v_map{};  // gathers read no map
-  if (!gather) {
-    ASSIGN_OR_RETURN(k_map, EncodeMap(p, p.k_cache, p.k_block_stride, p.k_token_stride,
-                                      p.k_head_stride, cache_dtype, args.box_tokens));
-    ASSIGN_OR_RETURN(v_map, EncodeMap(p, p.v_cache, p.v_block_stride, p.v_token_stride,
-                                      p.v_head_stride, cache_dtype, args.box_tokens));
-  }
+  ASSIGN_OR_RETURN(const CUtensorMap k_map,
+                   EncodeMap(p, p.k_cache, p.k_block_stride, p.k_token_stride, p.k_head_stride,
+                             cache_dtype, args.box_tokens));
+  ASSIGN_OR_RETURN(const CUtensorMap v_map,
+                   EncodeMap(p, p.v_cache, p.v_block_stride, p.v_token_stride, p.v_head_stride,
+                             cache_dtype, args.box_tokens));
   const bool bf16 = q_dtype == DType::kBFloat16;
-  if (IsFp8(cache_dtype)) return LaunchForHeadSize<true, false>(p, bf16, k_map, v_map, args, stream);
-  if (gather) return LaunchForHeadSize<false, true>(p, bf16, k_map, v_map, args, stream);
-  return LaunchForHeadSize<false, false>(p, bf16, k_map, v_map, args, stream);
+  if (IsFp8(cache_dtype)) {
+    return pair ? LaunchForHeadSize<true, true>(p, bf16, k_map, v_map, args, stream)
+                : LaunchForHeadSize<true, false>(p, bf16, k_map, v_map, args, stream);
+  }
+  return pair ? LaunchForHeadSize<false, true>(p, bf16, k_map, v_map, args, stream)
+              : LaunchForHeadSize<false, false>(p, bf16, k_map, v_map, args, stream);
 }
 
 }  // namespace internal

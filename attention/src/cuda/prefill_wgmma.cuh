@@ -24,11 +24,6 @@
 //     kBlockN keys one TMA box per (page, 64-column half), the block ids read through the
 //     block table by one lane per box; a slot is reused once both consumers released it
 //     (`empty`, one arrival per consumer warp), and its `full` barrier counts the bytes.
-//     Or, with kGather (16-bit caches, any block size; PrefillWgmmaLoads::kGather): all
-//     128 threads copy the tile's rows in 16-byte cp.async chunks through a table of row
-//     offsets in shared memory looked up one tile ahead (one row per thread), each thread
-//     arriving on `full` once its copies have landed; the consumers then fence the generic
-//     proxy's writes before their products read them.
 //   warpgroups 1 and 2 (consumers; registers raised to kConsumerRegs): 64 packed rows
 //     each. Per tile: wait for K; S = Q K^T (D / 16 wgmma m64nNk16, N = kBlockN, from shared memory);
 //     release K; scores in base 2 (soft cap, ALiBi, mask), online softmax in registers;
@@ -39,6 +34,17 @@
 //     flight together while the softmax of tile n runs (FlashAttention-3's intra-warpgroup
 //     overlap); ping-pong, the overlap with the two consumers issuing their products in
 //     turns, so that one's softmax runs while the other's products do.
+//
+// Pairs (kPair; PrefillWgmmaCluster::kPair): clusters of two CTAs of the same (sequence, KV
+// head) and adjacent row tiles walk the same key tiles (the union of their visible ranges;
+// a tile one CTA's rows do not see is waited for and released, as for a warpgroup) and
+// share their loads: rank 0 copies K and rank 1 V, each box multicast into both CTAs'
+// rings (prefill_wgmma_producer.cuh), so that each tile is read from L2 once per pair and
+// each producer issues half the boxes. Every consumer warp releases a slot on both CTAs'
+// `empty` barriers; the pair meets on cluster barriers after the barriers' initialisation
+// and before either exits (the other's arrivals and copies may still target it). The grid
+// then holds an even number of row tiles per KV head (the last pair of a short sequence
+// may have one CTA without rows: it still loads and releases its half).
 //
 // Shared memory (1024-byte aligned; every panel is [rows][64] 16-bit values in the
 // 128-byte swizzle of wgmma_ptx.cuh, 8 rows per 1024-byte atom):
@@ -104,9 +110,9 @@ using ptx::SmemAddress;
 
 // REQUIRES: PrefillWgmmaApplies (prefill_wgmma.cu) for p; a device of compute capability
 // 9.0 and a build for sm_90a (elsewhere the kernel traps). kFp8: the cache is fp8 (e4m3
-// when a.e4m3), its maps raw byte rows. kGather (16-bit caches only): the producer gathers
-// rows with cp.async, and the maps are not read.
-template <int D, typename T, bool kFp8 = false, bool kGather = false>
+// when a.e4m3), its maps raw byte rows. kPair: launched in clusters of 2 along x, with
+// a.num_m_tiles even.
+template <int D, typename T, bool kFp8 = false, bool kPair = false>
 __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
     PrefillWgmmaKernel(const __grid_constant__ PagedKernelParams p,
                        const __grid_constant__ CUtensorMap k_map,
@@ -138,46 +144,58 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   const int lane = tid & 31;
 
   // ---- Which rows and keys this CTA owns (as prefill_attention.cuh).
+  // Alone: x = m * num_kv_heads + kv_head, the last row tiles first. Pairs: x = 2 (m2 *
+  // num_kv_heads + kv_head) + rank, the row tile 2 m2 + rank from the end.
   const int num_kv_heads = p.num_kv_heads;
-  const int kv_head = static_cast<int>(blockIdx.x) % num_kv_heads;
-  const int m_tile = a.num_m_tiles - 1 - static_cast<int>(blockIdx.x) / num_kv_heads;
+  const uint32_t cta_rank = kPair ? tma_ptx::ClusterCtaRank() : 0;
+  const int unit = static_cast<int>(blockIdx.x) / (kPair ? 2 : 1);
+  const int kv_head = unit % num_kv_heads;
+  const int m_tile = a.num_m_tiles - 1 -
+                     (kPair ? 2 * (unit / num_kv_heads) + static_cast<int>(cta_rank)
+                            : unit / num_kv_heads);
   const int seq = static_cast<int>(blockIdx.y);
   const int group = p.num_heads / num_kv_heads;
   const SequenceBounds bounds = LoadSequenceBounds(p, seq);
   const int rows_total = bounds.query_len * group;
   const int row0 = m_tile * kBlockM;
-  if (row0 >= rows_total) return;
+  // The rows whose keys the CTA loads: its own, or its pair's (both take the same exit).
+  const int load_row0 = kPair ? (m_tile & ~1) * kBlockM : row0;
+  const int load_rows = kPair ? 2 * kBlockM : kBlockM;
+  if (load_row0 >= rows_total) return;
   const int seq_len = bounds.seq_len;
   const int context = seq_len - bounds.query_len;
-  const int last_row = min(rows_total, row0 + kBlockM) - 1;
-  const int kv_lo = VisibleLo(p, context + row0 / group);
+  const int last_row = min(rows_total, load_row0 + load_rows) - 1;
+  const int kv_lo = VisibleLo(p, context + load_row0 / group);
   const int kv_hi = VisibleHi(p, context + last_row / group, seq_len);  // inclusive
   const int n_begin = kv_lo / kBlockN;
   const int n_end = kv_hi / kBlockN + 1;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      // TMA: one arrival that expects the bytes; gathers: one per producer thread.
-      tma_ptx::BarrierInit(full_k(s), kGather ? 128 : 1);
-      tma_ptx::BarrierInit(full_v(s), kGather ? 128 : 1);
-      tma_ptx::BarrierInit(empty_k(s), Traits::kConsumers * 4);
-      tma_ptx::BarrierInit(empty_v(s), Traits::kConsumers * 4);
+      // One arrival that expects the bytes; the releases of every consumer warp of the CTA
+      // (of the pair).
+      tma_ptx::BarrierInit(full_k(s), 1);
+      tma_ptx::BarrierInit(full_v(s), 1);
+      tma_ptx::BarrierInit(empty_k(s), Traits::kConsumers * 4 * (kPair ? 2 : 1));
+      tma_ptx::BarrierInit(empty_v(s), Traits::kConsumers * 4 * (kPair ? 2 : 1));
     }
     tma_ptx::FenceBarrierInit();
   }
-  __syncthreads();
+  if constexpr (kPair) {
+    tma_ptx::ClusterSync();  // the other CTA's barriers exist before anything targets them
+  } else {
+    __syncthreads();
+  }
 
-  static_assert(!(kFp8 && kGather), "fp8 caches load with TMA");
   if (warpgroup == 0) {
     // ---- Producer (prefill_wgmma_producer.cuh).
     wgmma::SetMaxRegisters<Traits::kProducerRegs, false>();
     const ProducerTiles tiles{seq, kv_head, seq_len, n_begin, n_end};
-    if (kGather) {
-      ProduceByGathers<D, T, Traits>(p, a, tiles, smem, k_base, v_base, bars, tid);
-      return;
+    if (tid < 32) {
+      ProduceByTma<D, kFp8, kPair, Traits>(p, k_map, v_map, a, tiles, k_base, v_base, bars,
+                                           cta_rank, lane);
     }
-    if (tid >= 32) return;
-    ProduceByTma<D, kFp8, Traits>(p, k_map, v_map, a, tiles, k_base, v_base, bars, lane);
+    if constexpr (kPair) tma_ptx::ClusterSync();
     return;
   }
 
@@ -267,10 +285,14 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
     return kFp8 ? smem_base + Traits::kConvVOffset + ((n - n_begin) & 1) * Traits::kTileBytes
                 : v_base + stage_of(n) * Traits::kTileBytes;
   };
-  // One arrival per warp on an `empty` barrier, once the warp's products reading it are done.
+  // One arrival per warp on an `empty` barrier (pairs: on both CTAs'), once the warp's
+  // products reading it are done.
   auto release = [&](uint32_t bar) {
     __syncwarp();
-    if (lane == 0) tma_ptx::BarrierArrive(bar);
+    if (lane == 0) {
+      tma_ptx::BarrierArrive(bar);
+      if constexpr (kPair) tma_ptx::BarrierArriveCluster(bar, cta_rank ^ 1);
+    }
   };
   // fp8: this warpgroup's 64 rows of the raw tile at `raw` (ring offset) converted to T into
   // the tile at `tile`; rows past the sequence's end become zeros (they may hold NaN).
@@ -301,9 +323,6 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   // raw slot is released at once.
   auto ready_k = [&](int n) {
     tma_ptx::BarrierWait(full_k(stage_of(n)), parity_of(n));
-    // Gathered rows were written by cp.async (the generic proxy): ordered before the
-    // products' reads by this thread's proxy fence.
-    if constexpr (kGather) wgmma::FenceSharedForAsyncProxy();
     if constexpr (kFp8) {
       convert(k_base + stage_of(n) * Traits::kRingTileBytes, k_tile_of(n), n);
       wgmma::NamedBarrierSync(5, 256);
@@ -312,7 +331,6 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   };
   auto ready_v = [&](int n) {
     tma_ptx::BarrierWait(full_v(stage_of(n)), parity_of(n));
-    if constexpr (kGather) wgmma::FenceSharedForAsyncProxy();
     if constexpr (kFp8) {
       convert(v_base + stage_of(n) * Traits::kRingTileBytes, v_tile_of(n), n);
       wgmma::NamedBarrierSync(6, 256);
@@ -355,7 +373,7 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   auto issue_pv = [&](int n) {
     ready_v(n);
     const int tile_lo = n * kBlockN;
-    if (!kFp8 && !kGather && tile_lo + kBlockN > seq_len) {  // (gathers zero-fill them)
+    if (!kFp8 && tile_lo + kBlockN > seq_len) {
       const int first = seq_len - tile_lo;
       uint8_t* const tile = smem + (v_tile_of(n) - smem_base);
       for (int i = wtid; i < (kBlockN - first) * kPanels * 8; i += 128) {
@@ -550,41 +568,43 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
   for (int n = u_end; n < n_end; ++n) pass_turn(n);
 
   // ---- Epilogue: normalise, fold the V scale, stage in this warpgroup's q panels, write.
-  if (!wg_active) return;
-  const float v_scale = ScaleOfHead(p.v_scale, p.num_scales, kv_head);
-  float inv[2];
+  if (wg_active) {
+    const float v_scale = ScaleOfHead(p.v_scale, p.num_scales, kv_head);
+    float inv[2];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float sum = row_sum[half];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    inv[half] = sum > 0.0f ? v_scale / sum : 0.0f;
-  }
+    for (int half = 0; half < 2; ++half) {
+      float sum = row_sum[half];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      inv[half] = sum > 0.0f ? v_scale / sum : 0.0f;
+    }
 #pragma unroll
-  for (int j = 0; j < D / 2; j += 2) {
-    const int half = (j >> 1) & 1;
-    const int m = 16 * warp_in_group + (lane >> 2) + 8 * half;
-    const int col = 8 * (j >> 2) + quad_col;
-    *reinterpret_cast<uint32_t*>(q_smem + (col >> 6) * Traits::kQPanelBytes +
-                                 wgmma::SwizzledOffset128(m, col & 63)) =
-        PackPair<T>(acc_o[j] * inv[half], acc_o[j + 1] * inv[half]);
+    for (int j = 0; j < D / 2; j += 2) {
+      const int half = (j >> 1) & 1;
+      const int m = 16 * warp_in_group + (lane >> 2) + 8 * half;
+      const int col = 8 * (j >> 2) + quad_col;
+      *reinterpret_cast<uint32_t*>(q_smem + (col >> 6) * Traits::kQPanelBytes +
+                                   wgmma::SwizzledOffset128(m, col & 63)) =
+          PackPair<T>(acc_o[j] * inv[half], acc_o[j + 1] * inv[half]);
+    }
+    wgmma::NamedBarrierSync(1 + consumer, 128);
+    T* const out = static_cast<T*>(p.out);
+    constexpr int kChunks = D / 8;
+    for (int i = wtid; i < 64 * kChunks; i += 128) {
+      const int m = i / kChunks;
+      const int c = i % kChunks;
+      const int r = wg_row0 + m;
+      if (r >= rows_total) continue;
+      const int t = r / group;
+      const int h = kv_head * group + (r - t * group);
+      T* const dst = out + (static_cast<int64_t>(bounds.q_start) + t) * p.o_token_stride +
+                     static_cast<int64_t>(h) * p.o_head_stride + c * 8;
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(
+          q_smem + (c >> 3) * Traits::kQPanelBytes +
+          wgmma::SwizzledOffset128(static_cast<uint32_t>(m), (c & 7) * 8));
+    }
   }
-  wgmma::NamedBarrierSync(1 + consumer, 128);
-  T* const out = static_cast<T*>(p.out);
-  constexpr int kChunks = D / 8;
-  for (int i = wtid; i < 64 * kChunks; i += 128) {
-    const int m = i / kChunks;
-    const int c = i % kChunks;
-    const int r = wg_row0 + m;
-    if (r >= rows_total) continue;
-    const int t = r / group;
-    const int h = kv_head * group + (r - t * group);
-    T* const dst = out + (static_cast<int64_t>(bounds.q_start) + t) * p.o_token_stride +
-                   static_cast<int64_t>(h) * p.o_head_stride + c * 8;
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(
-        q_smem + (c >> 3) * Traits::kQPanelBytes +
-        wgmma::SwizzledOffset128(static_cast<uint32_t>(m), (c & 7) * 8));
-  }
+  if constexpr (kPair) tma_ptx::ClusterSync();  // the other CTA's arrivals here are done
 #else
   (void)p; (void)k_map; (void)v_map; (void)a;
   __trap();

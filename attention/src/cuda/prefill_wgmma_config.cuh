@@ -23,7 +23,7 @@ struct PrefillWgmmaArgs {
   int32_t schedule;     // PrefillWgmmaSchedule
   int32_t num_m_tiles;  // ceil(max_query_len * group / kBlockM)
   int32_t box_tokens;   // keys per TMA box: min(block_size, kBlockN)
-  int32_t block_shift;  // log2(block_size), or -1 where it is not a power of two (gather)
+  int32_t block_shift;  // log2(block_size)
   int32_t e4m3;         // fp8 caches: e4m3 (else e5m2)
 };
 
@@ -55,12 +55,8 @@ struct PrefillWgmmaTraits {
   static constexpr int kConvKOffset = kVOffset + kStages * kRingTileBytes;
   static constexpr int kConvVOffset = kConvKOffset + kConverted * kTileBytes;
   static constexpr int kBarrierOffset = kConvVOffset + kConverted * kTileBytes;
-  // Gathers (16-bit caches): the K and V element offsets of every key row of two tiles,
-  // [2][kBlockN] ptx::RowOffsets of 16 bytes.
-  static constexpr int kLocOffset = kBarrierOffset + 4 * kStages * 8;
-  static constexpr int kLocBytes = kFp8 ? 0 : 2 * kBlockN * 16;
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes inside the kernel.
-  static constexpr int kSmemBytes = kLocOffset + kLocBytes + 1024;
+  static constexpr int kSmemBytes = kBarrierOffset + 4 * kStages * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "an H100/H200 CTA has at most 227 KiB of shared memory");
   // 128 x 40 + 256 x 232 = 64512 of the SM's 65536 registers.
   static constexpr int kProducerRegs = 40;

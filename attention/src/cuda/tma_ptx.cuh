@@ -60,10 +60,35 @@ __device__ __forceinline__ void TmaLoad5(uint32_t dst, const CUtensorMap* map, u
       "r"(c4)
       : "memory");
 }
-// An arrival on `bar` once every cp.async this thread issued before it has completed; the
-// barrier's expected count includes it (noinc).
-__device__ __forceinline__ void CpAsyncArriveNoinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+// The same box into shared memory at `dst` of every CTA of the cluster whose bit is set in
+// `cta_mask`, completing on the barrier at `bar` of each of them (the same offsets in each).
+__device__ __forceinline__ void TmaLoad5Multicast(uint32_t dst, const CUtensorMap* map,
+                                                  uint32_t bar, uint16_t cta_mask, int c0,
+                                                  int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%4, %5, %6, %7, %8}], [%2], %3;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "h"(cta_mask), "r"(c0), "r"(c1), "r"(c2),
+      "r"(c3), "r"(c4)
+      : "memory");
+}
+// One arrival on the barrier at `bar` of the cluster's CTA `cta` (this CTA's offset of it).
+__device__ __forceinline__ void BarrierArriveCluster(uint32_t bar, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+// This CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t ClusterCtaRank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+// Every thread of every CTA of the cluster: returns once all have arrived (their earlier
+// memory operations visible cluster-wide).
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
 }
 // Makes barrier initialisations visible to the asynchronous proxy (TMA completions) before
 // the barrier that follows them.
