@@ -26,12 +26,22 @@ namespace {
 
 namespace pw = prefill_wgmma;
 constexpr char kWhat[] = "cuda prefill attention (wgmma)";
-// PrefillWgmmaSchedule::kDefault, as measured on the H200 (docs/benchmarks.md, 8k causal):
-// with pages of 64 keys or more ping-pong (571 TFLOP/s against 545 serial and 502 overlap
-// at block size 64); with smaller pages, whose 16 TMA boxes per tile and tensor slow the
-// loads, serial (515-520 against 495-504 ping-pong at block size 16).
-int DefaultSchedule(int box_tokens) {
-  return box_tokens >= 64 ? pw::kPrefillWgmmaPingPong : pw::kPrefillWgmmaSerial;
+// PrefillWgmmaCluster::kDefault, as measured on the H100 (docs/benchmarks.md, 8k causal):
+// pairs where pages hold fewer than 64 keys, whose 16 TMA boxes per tile and tensor slow
+// the loads alone (pairs ping-pong 568 TFLOP/s against 521-528 at block size 16), single
+// CTAs from 64 keys up (581 against 572 for pairs at block size 64). Pairs only where their
+// ring is three tiles deep (16-bit caches, head sizes 64 and 128): with two, they measured
+// far slower (390-404 TFLOP/s at block size 16 and 64; fp8 221 against 296).
+bool PairsByDefault(const PagedKernelParams& p, DType cache_dtype, int box_tokens) {
+  return !IsFp8(cache_dtype) && p.head_size <= 128 && box_tokens < 64;
+}
+
+// PrefillWgmmaSchedule::kDefault (docs/benchmarks.md, 8k causal): ping-pong for pairs and
+// from 64-key pages up (H200, single CTAs, block size 64: 571 TFLOP/s against 545 serial and
+// 502 overlap); serial for single CTAs over smaller pages (515-520 against 495-504
+// ping-pong at block size 16).
+int DefaultSchedule(int box_tokens, bool pair) {
+  return pair || box_tokens >= 64 ? pw::kPrefillWgmmaPingPong : pw::kPrefillWgmmaSerial;
 }
 
 absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* cache,
@@ -58,7 +68,7 @@ template <int D, typename T, bool kFp8, bool kPair>
 absl::Status LaunchTyped(const PagedKernelParams& p, const CUtensorMap& k_map,
                          const CUtensorMap& v_map, const pw::PrefillWgmmaArgs& args,
                          cudaStream_t stream) {
-  using Traits = pw::PrefillWgmmaTraits<D, kFp8>;
+  using Traits = pw::PrefillWgmmaTraits<D, kFp8, kPair>;
   auto* kernel = &pw::PrefillWgmmaKernel<D, T, kFp8, kPair>;
   RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel),
                                            Traits::kSmemBytes, /*max_carveout=*/true,
@@ -163,7 +173,10 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
     case PrefillWgmmaSchedule::kPingPong: args.schedule = pw::kPrefillWgmmaPingPong; break;
     default: args.schedule = -1; break;
   }
-  const bool pair = cluster == PrefillWgmmaCluster::kPair;
+  args.box_tokens = p.block_size < block_n ? p.block_size : block_n;
+  const bool pair = cluster == PrefillWgmmaCluster::kPair ||
+                    (cluster == PrefillWgmmaCluster::kDefault &&
+                     PairsByDefault(p, cache_dtype, args.box_tokens));
   // Pairs take row tiles two by two (a CTA past the rows of its sequence exits, or, beside
   // one with rows, only loads).
   const int m_tiles = cuda::ChoosePrefillOptions(p, cache_dtype).num_m_tiles;
@@ -174,8 +187,7 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
                                                    " KV heads do not fit a grid"));
   }
   args.e4m3 = cache_dtype == DType::kFloat8E4M3;
-  args.box_tokens = p.block_size < block_n ? p.block_size : block_n;
-  if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens);
+  if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens, pair);
   args.block_shift = ptx::Log2IfPowerOfTwo(p.block_size);
   ASSIGN_OR_RETURN(const CUtensorMap k_map,
                    EncodeMap(p, p.k_cache, p.k_block_stride, p.k_token_stride, p.k_head_stride,

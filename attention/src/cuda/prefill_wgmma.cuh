@@ -113,12 +113,12 @@ using ptx::SmemAddress;
 // when a.e4m3), its maps raw byte rows. kPair: launched in clusters of 2 along x, with
 // a.num_m_tiles even.
 template <int D, typename T, bool kFp8 = false, bool kPair = false>
-__global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8>::kThreads, 1)
+__global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 1)
     PrefillWgmmaKernel(const __grid_constant__ PagedKernelParams p,
                        const __grid_constant__ CUtensorMap k_map,
                        const __grid_constant__ CUtensorMap v_map, const PrefillWgmmaArgs a) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Traits = PrefillWgmmaTraits<D, kFp8>;
+  using Traits = PrefillWgmmaTraits<D, kFp8, kPair>;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;

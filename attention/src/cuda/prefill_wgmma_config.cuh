@@ -27,7 +27,10 @@ struct PrefillWgmmaArgs {
   int32_t e4m3;         // fp8 caches: e4m3 (else e5m2)
 };
 
-template <int D, bool kFp8 = false>
+// kPair: the layout of a CTA of a pair (PrefillWgmmaCluster::kPair), whose ring is deeper
+// where shared memory allows: a slot there is refilled only after both CTAs released it,
+// one arrival crossing between SMs.
+template <int D, bool kFp8 = false, bool kPair = false>
 struct PrefillWgmmaTraits {
   static_assert(D == 64 || D == 128 || D == 256, "head sizes 64, 128 and 256");
   static constexpr int kBlockM = 128;  // packed rows per CTA (two consumers x 64)
@@ -42,8 +45,9 @@ struct PrefillWgmmaTraits {
   static constexpr int kKvPanelBytes = kBlockN * 128;            // 16 KiB
   static constexpr int kQWarpgroupBytes = kPanels * kQPanelBytes;
   static constexpr int kTileBytes = kPanels * kKvPanelBytes;     // one K or V tile
-  // Two K and V tiles in flight (three measured no faster on the H200, docs/benchmarks.md).
-  static constexpr int kStages = 2;
+  // Two K and V tiles in flight (three measured no faster on the H200, docs/benchmarks.md);
+  // pairs of 16-bit caches at head sizes 64 and 128, three.
+  static constexpr int kStages = kPair && !kFp8 && D <= 128 ? 3 : 2;
   // fp8 caches: the ring holds raw [kBlockN][D] byte tiles (what TMA copies), converted
   // into two alternating 16-bit K and V tiles (kConverted) that the products read.
   static_assert(!kFp8 || D <= 128, "fp8 caches: head sizes 64 and 128");
