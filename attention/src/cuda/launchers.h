@@ -44,9 +44,8 @@ enum class PrefillVariant {
 enum class PrefillWgmmaSchedule { kDefault, kSerial, kOverlap, kPingPong };
 // How the wgmma kernel's CTAs load K and V (prefill_wgmma.cuh): each its own tiles
 // (kSingle), or in clusters of two CTAs with adjacent row tiles of one KV head that share
-// them, each loading half and multicasting it to both (kPair). kDefault: the one measured
-// faster for the call (prefill_wgmma.cu: pairs for 16-bit caches at head sizes 64 and 128
-// with pages of fewer than 64 keys).
+// them, each loading half and multicasting it to both (kPair). kDefault: kSingle
+// (prefill_wgmma.cu says why).
 enum class PrefillWgmmaCluster { kDefault, kSingle, kPair };
 struct PrefillLaunchOptions {
   PrefillVariant variant = PrefillVariant::kAuto;

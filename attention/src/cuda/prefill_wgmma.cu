@@ -26,16 +26,6 @@ namespace {
 
 namespace pw = prefill_wgmma;
 constexpr char kWhat[] = "cuda prefill attention (wgmma)";
-// PrefillWgmmaCluster::kDefault, as measured on the H100 (docs/benchmarks.md, 8k causal):
-// pairs where pages hold fewer than 64 keys, whose 16 TMA boxes per tile and tensor slow
-// the loads alone (pairs ping-pong 568 TFLOP/s against 521-528 at block size 16), single
-// CTAs from 64 keys up (581 against 572 for pairs at block size 64). Pairs only where their
-// ring is three tiles deep (16-bit caches, head sizes 64 and 128): with two, they measured
-// far slower (390-404 TFLOP/s at block size 16 and 64; fp8 221 against 296).
-bool PairsByDefault(const PagedKernelParams& p, DType cache_dtype, int box_tokens) {
-  return !IsFp8(cache_dtype) && p.head_size <= 128 && box_tokens < 64;
-}
-
 // PrefillWgmmaSchedule::kDefault (docs/benchmarks.md, 8k causal): ping-pong for pairs and
 // from 64-key pages up (H200, single CTAs, block size 64: 571 TFLOP/s against 545 serial and
 // 502 overlap); serial for single CTAs over smaller pages (515-520 against 495-504
@@ -174,9 +164,11 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
     default: args.schedule = -1; break;
   }
   args.box_tokens = p.block_size < block_n ? p.block_size : block_n;
-  const bool pair = cluster == PrefillWgmmaCluster::kPair ||
-                    (cluster == PrefillWgmmaCluster::kDefault &&
-                     PairsByDefault(p, cache_dtype, args.box_tokens));
+  // kDefault: single CTAs. Pairs ran block size 16 faster on the H100 (ping-pong 568
+  // TFLOP/s against 521-528, 8k causal; docs/benchmarks.md) with their three-stage ring,
+  // which has not yet run the GPU tests' grids; block size 64 ran no faster (572 against
+  // 581), nor did two-stage pairs (390-404; fp8 221 against 296).
+  const bool pair = cluster == PrefillWgmmaCluster::kPair;
   // Pairs take row tiles two by two (a CTA past the rows of its sequence exits, or, beside
   // one with rows, only loads).
   const int m_tiles = cuda::ChoosePrefillOptions(p, cache_dtype).num_m_tiles;
