@@ -295,14 +295,15 @@ struct PagedBatch {
 
 absl::StatusOr<std::unique_ptr<PagedBatch>> MakePagedBatch(
     Gpu& gpu, int seqs, int seq_len, int query_len, uint32_t seed,
-    DType cache_dtype = DType::kBFloat16, DType act_dtype = DType::kBFloat16) {
+    DType cache_dtype = DType::kBFloat16, DType act_dtype = DType::kBFloat16,
+    int block_size = kBlockSize) {
   auto b = std::make_unique<PagedBatch>();
-  b->spec.block_size = kBlockSize;
+  b->spec.block_size = block_size;
   b->spec.num_kv_heads = kKvHeads;
   b->spec.head_size = b->spec.head_size_v = kHeadSize;
   b->spec.dtype = cache_dtype;
   b->spec.quant_mode = IsFp8(cache_dtype) ? KvQuantMode::kPerTensor : KvQuantMode::kNone;
-  const int blocks_per_seq = (seq_len + kBlockSize - 1) / kBlockSize;
+  const int blocks_per_seq = (seq_len + block_size - 1) / block_size;
   const int64_t num_blocks = int64_t{seqs} * blocks_per_seq;
   ASSIGN_OR_RETURN(b->cache, RandomCache(gpu, b->spec, num_blocks));
   b->block_table = ShuffledBlocks(num_blocks, seed);
@@ -556,21 +557,35 @@ void BM_PagedRead(benchmark::State& state) {
   if (!st.ok()) Fail(state, st);
 }
 
-// Prefill: one sequence of `tokens` tokens, causal, all of them queries.
+// Prefill: one sequence of `tokens` tokens, causal, all of them queries, 32/8 heads, d128,
+// bf16, in pages of `block_size` tokens. `kernel` 0: the mma.sync baseline variant; 1: its
+// fast variant; 2: the wgmma kernel (sm_90a), single CTAs; 3: the wgmma kernel, CTA pairs
+// (PrefillWgmmaCluster); the wgmma kernel with its default schedule for that clustering.
 void BM_Prefill(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
   const int tokens = static_cast<int>(state.range(0));
-  const bool fast = state.range(1) != 0;
+  const int block_size = static_cast<int>(state.range(1));
+  const int64_t kernel = state.range(2);
+  if (kernel >= 2 && !(gpu->compute_major == 9 && internal::PrefillWgmmaCompiled())) {
+    state.SkipWithError("the wgmma kernel needs compute capability 9.0 and a build for sm_90a");
+    return;
+  }
   auto run = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(std::unique_ptr<PagedBatch> batch,
-                     MakePagedBatch(*gpu, 1, tokens, tokens, 8));
+                     MakePagedBatch(*gpu, 1, tokens, tokens, 8, DType::kBFloat16,
+                                    DType::kBFloat16, block_size));
     const PagedAttentionParams& p = batch->params;
     const double n = tokens;
     const double flops = 4.0 * n * n * kHeadSize * kHeads / 2.0;
     ASSIGN_OR_RETURN(const internal::PagedKernelParams kp, internal::MakePagedKernelParams(p));
     internal::PrefillLaunchOptions options;
-    options.variant = fast ? internal::PrefillVariant::kFast : internal::PrefillVariant::kBaseline;
+    options.variant = kernel == 0   ? internal::PrefillVariant::kBaseline
+                      : kernel == 1 ? internal::PrefillVariant::kFast
+                                    : internal::PrefillVariant::kWgmma;
+    options.wgmma = kernel >= 2;
+    options.wgmma_cluster =
+        kernel == 3 ? internal::PrefillWgmmaCluster::kPair : internal::PrefillWgmmaCluster::kSingle;
     const auto enqueue = [&] {
       return internal::LaunchPrefillAttention(kp, DType::kBFloat16, DType::kBFloat16,
                                               DType::kBFloat16, options,
@@ -651,9 +666,17 @@ BENCHMARK(BM_PagedRead)
     ->Iterations(kIterations)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Prefill)
-    ->ArgNames({"tokens", "fast"})
-    ->Args({8192, 0})
-    ->Args({8192, 1})
+    ->ArgNames({"tokens", "block", "kernel"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      b->Args({8192, 16, 0});
+      b->Args({8192, 16, 1});
+      // The wgmma kernel's clusterings side by side, per length and page size.
+      for (const int64_t tokens : {4096, 8192, 16384, 32768}) {
+        for (const int64_t block : {16, 64}) {
+          for (const int64_t kernel : {2, 3}) b->Args({tokens, block, kernel});
+        }
+      }
+    })
     ->UseManualTime()
     ->Iterations(kIterations)
     ->Unit(benchmark::kMillisecond);
