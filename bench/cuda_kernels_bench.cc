@@ -560,13 +560,15 @@ void BM_PagedRead(benchmark::State& state) {
 // Prefill: one sequence of `tokens` tokens, causal, all of them queries, 32/8 heads, d128,
 // bf16, in pages of `block_size` tokens. `kernel` 0: the mma.sync baseline variant; 1: its
 // fast variant; 2: the wgmma kernel (sm_90a), single CTAs; 3: the wgmma kernel, CTA pairs
-// (PrefillWgmmaCluster); the wgmma kernel with its default schedule for that clustering.
+// (PrefillWgmmaCluster); the wgmma kernel with its default schedule for that clustering and,
+// `heads_outer` 0 or 1, its grid's KV heads inner or outer (PrefillWgmmaOrder).
 void BM_Prefill(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
   const int tokens = static_cast<int>(state.range(0));
   const int block_size = static_cast<int>(state.range(1));
   const int64_t kernel = state.range(2);
+  const bool heads_outer = state.range(3) != 0;
   if (kernel >= 2 && !(gpu->compute_major == 9 && internal::PrefillWgmmaCompiled())) {
     state.SkipWithError("the wgmma kernel needs compute capability 9.0 and a build for sm_90a");
     return;
@@ -586,6 +588,8 @@ void BM_Prefill(benchmark::State& state) {
     options.wgmma = kernel >= 2;
     options.wgmma_cluster =
         kernel == 3 ? internal::PrefillWgmmaCluster::kPair : internal::PrefillWgmmaCluster::kSingle;
+    options.wgmma_order =
+        heads_outer ? internal::PrefillWgmmaOrder::kHeadsOuter : internal::PrefillWgmmaOrder::kHeadsInner;
     const auto enqueue = [&] {
       return internal::LaunchPrefillAttention(kp, DType::kBFloat16, DType::kBFloat16,
                                               DType::kBFloat16, options,
@@ -666,14 +670,16 @@ BENCHMARK(BM_PagedRead)
     ->Iterations(kIterations)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Prefill)
-    ->ArgNames({"tokens", "block", "kernel"})
+    ->ArgNames({"tokens", "block", "kernel", "heads_outer"})
     ->Apply([](benchmark::internal::Benchmark* b) {
-      b->Args({8192, 16, 0});
-      b->Args({8192, 16, 1});
-      // The wgmma kernel's clusterings side by side, per length and page size.
+      b->Args({8192, 16, 0, 0});
+      b->Args({8192, 16, 1, 0});
+      // The wgmma kernel's clusterings and grid orders side by side, per length and page size.
       for (const int64_t tokens : {4096, 8192, 16384, 32768}) {
         for (const int64_t block : {16, 64}) {
-          for (const int64_t kernel : {2, 3}) b->Args({tokens, block, kernel});
+          for (const int64_t kernel : {2, 3}) {
+            for (const int64_t outer : {0, 1}) b->Args({tokens, block, kernel, outer});
+          }
         }
       }
     })

@@ -29,10 +29,12 @@ done <<'LIST'
 decode_tma Decode/seqs:64/seq_len:4096/kernel:2/splits:0 DecodeTma
 decode_tc Decode/seqs:64/seq_len:4096/kernel:1/splits:0 DecodeTcKernel
 decode_cuda_cores Decode/seqs:64/seq_len:4096/kernel:0/splits:0 DecodeSplit
-prefill_fast Prefill/tokens:8192/block:16/kernel:1 PrefillAttention
-prefill_wgmma_bs16 Prefill/tokens:8192/block:16/kernel:2 PrefillWgmma
-prefill_wgmma_pairs_bs16 Prefill/tokens:8192/block:16/kernel:3 PrefillWgmma
-prefill_wgmma_bs64 Prefill/tokens:8192/block:64/kernel:2 PrefillWgmma
+prefill_fast Prefill/tokens:8192/block:16/kernel:1/heads_outer:0 PrefillAttention
+prefill_wgmma_bs16 Prefill/tokens:8192/block:16/kernel:2/heads_outer:0 PrefillWgmma
+prefill_wgmma_pairs_bs16 Prefill/tokens:8192/block:16/kernel:3/heads_outer:0 PrefillWgmma
+prefill_wgmma_bs64 Prefill/tokens:8192/block:64/kernel:2/heads_outer:0 PrefillWgmma
+prefill_wgmma_bs64_32k Prefill/tokens:32768/block:64/kernel:2/heads_outer:0 PrefillWgmma
+prefill_wgmma_bs64_32k_outer Prefill/tokens:32768/block:64/kernel:2/heads_outer:1 PrefillWgmma
 cache_update_bf16 CacheUpdate/tokens:65536/fp8:0/method:0 CacheUpdate
 cache_update_fp8 CacheUpdate/tokens:65536/fp8:1/method:0 CacheUpdate
 LIST

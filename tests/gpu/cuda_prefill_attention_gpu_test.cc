@@ -114,9 +114,10 @@ struct GpuIo {
   // kWgmma, where the device cannot run it): RunOnGpu returns Unimplemented and launches
   // nothing.
   internal::PrefillVariant variant = internal::PrefillVariant::kAuto;
-  // The wgmma kernel's schedule and CTA clustering (kWgmma and kAuto).
+  // The wgmma kernel's schedule, CTA clustering and grid order (kWgmma and kAuto).
   internal::PrefillWgmmaSchedule schedule = internal::PrefillWgmmaSchedule::kDefault;
   internal::PrefillWgmmaCluster cluster = internal::PrefillWgmmaCluster::kDefault;
+  internal::PrefillWgmmaOrder order = internal::PrefillWgmmaOrder::kDefault;
 };
 
 using internal::PrefillWgmmaCluster;
@@ -264,6 +265,7 @@ absl::Status RunOnGpu(const PagedAttentionParams& host, std::vector<uint8_t>& ou
   launch_options.wgmma = wgmma;
   launch_options.wgmma_schedule = io.schedule;
   launch_options.wgmma_cluster = io.cluster;
+  launch_options.wgmma_order = io.order;
   cudaEvent_t start = nullptr, stop = nullptr;
   if (milliseconds != nullptr) {
     cudaEventCreate(&start);
@@ -773,8 +775,18 @@ TEST_P(CudaPrefillWgmmaEdgeTest, MatchesReference) {
                 {2 * b + 1, 40}, {5, 0},       {0, 300}};
       c.seed = static_cast<uint32_t>(block_size * 31 + head_size);
       AttnProblem pb(c);
-      ExpectGpuMatchesReference(pb, GpuIo{/*dense=*/true});
-      if (HasFailure()) return;
+      // Both grid orders: every (sequence, KV head, row tile) computed once either way, the
+      // pairs' partners included.
+      for (internal::PrefillWgmmaOrder order :
+           {internal::PrefillWgmmaOrder::kHeadsInner, internal::PrefillWgmmaOrder::kHeadsOuter}) {
+        SCOPED_TRACE(order == internal::PrefillWgmmaOrder::kHeadsOuter ? "KV heads outer"
+                                                                       : "KV heads inner");
+        GpuIo io;
+        io.dense = true;
+        io.order = order;
+        ExpectGpuMatchesReference(pb, io);
+        if (HasFailure()) return;
+      }
     }
   }
 }

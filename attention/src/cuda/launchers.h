@@ -47,10 +47,17 @@ enum class PrefillWgmmaSchedule { kDefault, kSerial, kOverlap, kPingPong };
 // them, each loading half and multicasting it to both (kPair). kDefault: kSingle
 // (prefill_wgmma.cu says why).
 enum class PrefillWgmmaCluster { kDefault, kSingle, kPair };
+// The order of the wgmma kernel's grid, row tiles of a sequence from the last: KV heads
+// inner (the CTAs of every KV head of a row tile together, as the mma.sync kernel) or outer
+// (every row tile of one KV head first, so that the CTAs resident together read one head's
+// K and V: 16 MiB at 32k tokens of d128 bf16, where all 8 heads' 128 MiB exceed an
+// H100's or H200's 50 MiB L2). kDefault: kHeadsInner (outer is not yet measured).
+enum class PrefillWgmmaOrder { kDefault, kHeadsInner, kHeadsOuter };
 struct PrefillLaunchOptions {
   PrefillVariant variant = PrefillVariant::kAuto;
   PrefillWgmmaSchedule wgmma_schedule = PrefillWgmmaSchedule::kDefault;
   PrefillWgmmaCluster wgmma_cluster = PrefillWgmmaCluster::kDefault;
+  PrefillWgmmaOrder wgmma_order = PrefillWgmmaOrder::kDefault;
   // Whether the device the stream runs on has compute capability 9.0 exactly and this
   // build holds sm_90a code (KVSTREAM_HAVE_SM90A): only then may the wgmma kernel run.
   bool wgmma = false;
@@ -77,7 +84,8 @@ bool PrefillWgmmaCompiled();
 // max_query_len > 0, the limits LaunchPrefillAttention checks).
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& params, DType q_dtype,
                                 DType cache_dtype, PrefillWgmmaSchedule schedule,
-                                PrefillWgmmaCluster cluster, cudaStream_t stream);
+                                PrefillWgmmaCluster cluster, PrefillWgmmaOrder order,
+                                cudaStream_t stream);
 
 // As above with a choice of variant. InvalidArgument, in addition, for kFast where
 // PrefillFastVariantApplies is false, and for kWgmma where PrefillWgmmaApplies is false or

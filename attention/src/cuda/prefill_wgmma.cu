@@ -153,7 +153,7 @@ bool PrefillWgmmaCompiled() {
 
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType cache_dtype,
                                 PrefillWgmmaSchedule schedule, PrefillWgmmaCluster cluster,
-                                cudaStream_t stream) {
+                                PrefillWgmmaOrder order, cudaStream_t stream) {
   const int block_n = p.head_size == 256 ? pw::PrefillWgmmaTraits<256>::kBlockN
                                          : pw::PrefillWgmmaTraits<128>::kBlockN;
   pw::PrefillWgmmaArgs args{};
@@ -179,6 +179,7 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
                                                    " KV heads do not fit a grid"));
   }
   args.e4m3 = cache_dtype == DType::kFloat8E4M3;
+  args.heads_outer = order == PrefillWgmmaOrder::kHeadsOuter ? 1 : 0;
   if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens, pair);
   args.block_shift = ptx::Log2IfPowerOfTwo(p.block_size);
   ASSIGN_OR_RETURN(const CUtensorMap k_map,

@@ -17,7 +17,8 @@
 // TMA copies a page of K or V without a single address computed by the warps that compute.
 //
 // Work split (the grid of prefill_attention.cuh: one CTA per 128 packed rows of one
-// (sequence, KV head), the last tiles of a sequence first):
+// (sequence, KV head), the last tiles of a sequence first; the KV heads inner, as there, or
+// outer, so that the CTAs running together read one head's K and V and share them in L2):
 //   grid  = (num_kv_heads * num_m_tiles, num_seqs), block = 384 threads.
 //   warpgroup 0 (producer; its registers lowered to kProducerRegs): warp 0 copies the key
 //     tiles of the CTA's visible range, K then V, into a ring of kStages slots: per tile of
@@ -144,15 +145,18 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
   const int lane = tid & 31;
 
   // ---- Which rows and keys this CTA owns (as prefill_attention.cuh).
-  // Alone: x = m * num_kv_heads + kv_head, the last row tiles first. Pairs: x = 2 (m2 *
-  // num_kv_heads + kv_head) + rank, the row tile 2 m2 + rank from the end.
+  // A unit is a CTA, or a pair's two; units = num_kv_heads x the row tiles (pairs: their
+  // halves). Heads inner: unit = m * num_kv_heads + kv_head; outer: kv_head * tiles + m;
+  // m counts from the last row tile (pair) of the sequence. A pair's rank r takes row tile
+  // 2 m + r from the end.
   const int num_kv_heads = p.num_kv_heads;
   const uint32_t cta_rank = kPair ? tma_ptx::ClusterCtaRank() : 0;
   const int unit = static_cast<int>(blockIdx.x) / (kPair ? 2 : 1);
-  const int kv_head = unit % num_kv_heads;
-  const int m_tile = a.num_m_tiles - 1 -
-                     (kPair ? 2 * (unit / num_kv_heads) + static_cast<int>(cta_rank)
-                            : unit / num_kv_heads);
+  const int unit_tiles = kPair ? a.num_m_tiles / 2 : a.num_m_tiles;
+  const int kv_head = a.heads_outer != 0 ? unit / unit_tiles : unit % num_kv_heads;
+  const int unit_m = a.heads_outer != 0 ? unit % unit_tiles : unit / num_kv_heads;
+  const int m_tile =
+      a.num_m_tiles - 1 - (kPair ? 2 * unit_m + static_cast<int>(cta_rank) : unit_m);
   const int seq = static_cast<int>(blockIdx.y);
   const int group = p.num_heads / num_kv_heads;
   const SequenceBounds bounds = LoadSequenceBounds(p, seq);

@@ -25,6 +25,7 @@ struct PrefillWgmmaArgs {
   int32_t box_tokens;   // keys per TMA box: min(block_size, kBlockN)
   int32_t block_shift;  // log2(block_size)
   int32_t e4m3;         // fp8 caches: e4m3 (else e5m2)
+  int32_t heads_outer;  // the grid's order: KV heads outer (else inner; PrefillWgmmaOrder)
 };
 
 // kPair: the layout of a CTA of a pair (PrefillWgmmaCluster::kPair), whose ring is deeper
