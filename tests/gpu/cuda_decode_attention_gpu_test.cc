@@ -34,6 +34,7 @@ namespace kvstream {
 namespace {
 
 using ::kvstream::gpu_test::DeviceAttnProblem;
+using ::kvstream::internal::DecodeFp8StagingName;
 using ::kvstream::gpu_test::ExpectMatchesReference;
 using ::kvstream::testing_util::AttnCase;
 using ::kvstream::testing_util::AttnProblem;
@@ -173,15 +174,6 @@ class CudaDecodeTest : public ::testing::Test {
            internal::DecodeTmaApplies(*kp, p.q_dtype, p.out_dtype, p.cache.spec.dtype);
   }
 
-  static const char* Fp8StagingName(internal::DecodeFp8Staging staging) {
-    switch (staging) {
-      case internal::DecodeFp8Staging::kAuto: return "automatic";
-      case internal::DecodeFp8Staging::kShared: return "shared";
-      case internal::DecodeFp8Staging::kInRegisters: return "in registers";
-    }
-    return "unknown";
-  }
-
   static const char* KernelName(internal::DecodeKernel kernel) {
     switch (kernel) {
       case internal::DecodeKernel::kCudaCores: return "CUDA cores";
@@ -214,7 +206,7 @@ class CudaDecodeTest : public ::testing::Test {
         const std::string what = absl::StrCat(
             KernelName(kernel), ", ",
             num_splits == 0 ? std::string("automatic splits") : absl::StrCat(num_splits, " splits"),
-            ", fp8 staging ", Fp8StagingName(fp8_staging));
+            ", fp8 staging ", DecodeFp8StagingName(fp8_staging));
         ASSERT_TRUE((*dev)->ResetOut().ok());
         const absl::Status st =
             Launch((*dev)->params(), num_splits, kernel, Merge::kInKernel, fp8_staging);
@@ -600,8 +592,8 @@ TEST_F(CudaDecodeTest, Fp8StagingsMatchTheReference) {
       absl::StatusOr<internal::DecodeFp8Staging> staging =
           PlannedFp8Staging((*dev)->params(), requested);
       ASSERT_TRUE(staging.ok()) << staging.status();
-      EXPECT_STREQ(Fp8StagingName(*staging), Fp8StagingName(planned))
-          << "requested " << Fp8StagingName(requested);
+      EXPECT_STREQ(DecodeFp8StagingName(*staging), DecodeFp8StagingName(planned))
+          << "requested " << DecodeFp8StagingName(requested);
       ExpectMatches(pb, {0, 1, 3}, {internal::DecodeKernel::kTensorCores}, requested);
     }
   }
@@ -637,7 +629,8 @@ TEST_F(CudaDecodeTest, Fp8AutoStagingIsSharedWhereInRegistersDoesNotExist) {
     absl::StatusOr<internal::DecodeFp8Staging> staging =
         PlannedFp8Staging((*dev)->params(), internal::DecodeFp8Staging::kAuto);
     ASSERT_TRUE(staging.ok()) << staging.status();
-    EXPECT_STREQ(Fp8StagingName(*staging), Fp8StagingName(internal::DecodeFp8Staging::kShared));
+    EXPECT_STREQ(DecodeFp8StagingName(*staging),
+                 DecodeFp8StagingName(internal::DecodeFp8Staging::kShared));
     ExpectMatches(pb, {0, 2}, {internal::DecodeKernel::kTensorCores},
                   internal::DecodeFp8Staging::kAuto);
   }

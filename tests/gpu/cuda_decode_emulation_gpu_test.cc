@@ -58,6 +58,7 @@ using EmulationMode = ::kvstream::gpu_test::emulation::Cta::Mode;
 namespace tc = ::kvstream::internal::decode_tc;
 
 using internal::DecodeFp8Staging;
+using internal::DecodeFp8StagingName;
 using internal::PaddedHeadDim;
 
 // Runs every CTA of the split grid for padded head size D and activation type T (and the
@@ -231,15 +232,6 @@ void ExpectEmulationMatchesReference(AttnProblem& pb, int num_splits, EmulationM
   EXPECT_EQ(failures, 0);
 }
 
-const char* Fp8StagingName(DecodeFp8Staging staging) {
-  switch (staging) {
-    case DecodeFp8Staging::kAuto: return "auto";
-    case DecodeFp8Staging::kShared: return "shared";
-    case DecodeFp8Staging::kInRegisters: return "in_registers";
-  }
-  return "unknown";
-}
-
 struct EmuCase {
   const char* name;
   int head_size, head_size_v, kv_heads, group, block_size;
@@ -361,7 +353,7 @@ INSTANTIATE_TEST_SUITE_P(
                           DecodeFp8Staging::kInRegisters)),
     [](const auto& test_info) {
       return absl::StrCat(std::get<0>(test_info.param).name, "_",
-                          Fp8StagingName(std::get<1>(test_info.param)));
+                          DecodeFp8StagingName(std::get<1>(test_info.param)));
     });
 
 // The staging PlanDecodeTc gives each request, without a GPU: kAuto is kInRegisters exactly
@@ -409,20 +401,21 @@ TEST(CudaDecodeFp8StagingPlanTest, AutoTakesInRegistersWhereItExists) {
     };
     absl::StatusOr<internal::DecodeTcPlan> automatic = plan(DecodeFp8Staging::kAuto);
     ASSERT_TRUE(automatic.ok()) << automatic.status();
-    EXPECT_EQ(Fp8StagingName(automatic->fp8_staging),
-              Fp8StagingName(k.in_registers ? DecodeFp8Staging::kInRegisters
-                                            : DecodeFp8Staging::kShared));
+    EXPECT_EQ(DecodeFp8StagingName(automatic->fp8_staging),
+              DecodeFp8StagingName(k.in_registers ? DecodeFp8Staging::kInRegisters
+                                                  : DecodeFp8Staging::kShared));
     absl::StatusOr<internal::DecodeTcPlan> shared = plan(DecodeFp8Staging::kShared);
     ASSERT_TRUE(shared.ok()) << shared.status();
-    EXPECT_EQ(Fp8StagingName(shared->fp8_staging), Fp8StagingName(DecodeFp8Staging::kShared));
+    EXPECT_EQ(DecodeFp8StagingName(shared->fp8_staging),
+              DecodeFp8StagingName(DecodeFp8Staging::kShared));
     // The staging changes neither the split count nor the workspace.
     EXPECT_EQ(automatic->num_splits, shared->num_splits);
     EXPECT_EQ(automatic->workspace_bytes, shared->workspace_bytes);
     absl::StatusOr<internal::DecodeTcPlan> forced = plan(DecodeFp8Staging::kInRegisters);
     if (k.in_registers) {
       ASSERT_TRUE(forced.ok()) << forced.status();
-      EXPECT_EQ(Fp8StagingName(forced->fp8_staging),
-                Fp8StagingName(DecodeFp8Staging::kInRegisters));
+      EXPECT_EQ(DecodeFp8StagingName(forced->fp8_staging),
+                DecodeFp8StagingName(DecodeFp8Staging::kInRegisters));
     } else {
       EXPECT_EQ(forced.status().code(), absl::StatusCode::kInvalidArgument) << forced.status();
       EXPECT_THAT(std::string(forced.status().message()),

@@ -231,5 +231,14 @@ absl::Status LaunchDecodeTcSplit(const PagedKernelParams& p, DType q_dtype, DTyp
                            "cuda decode attention (tensor cores): split kernel launch");
 }
 
+const char* DecodeFp8StagingName(DecodeFp8Staging staging) {
+  switch (staging) {
+    case DecodeFp8Staging::kAuto: return "auto";
+    case DecodeFp8Staging::kShared: return "shared";
+    case DecodeFp8Staging::kInRegisters: return "in_registers";
+  }
+  return "unknown";
+}
+
 }  // namespace internal
 }  // namespace kvstream

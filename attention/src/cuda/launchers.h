@@ -130,6 +130,9 @@ enum class DecodeFp8Staging {
   kInRegisters,  // K's and V's mma fragments converted from the raw tiles in registers (V's
                  // transposed by movmatrix): no 16-bit tile
 };
+// "auto", "shared", "in_registers" (an identifier: tests name cases by it); "unknown" for
+// values outside the enum.
+const char* DecodeFp8StagingName(DecodeFp8Staging staging);
 
 struct DecodeLaunchOptions {
   // SMs of the device the stream runs on; decides how finely keys are split.
