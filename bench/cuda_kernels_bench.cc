@@ -560,8 +560,9 @@ void BM_PagedRead(benchmark::State& state) {
 // Prefill: one sequence of `tokens` tokens, causal, all of them queries, 32/8 heads, d128,
 // bf16, in pages of `block_size` tokens. `kernel` 0: the mma.sync baseline variant; 1: its
 // fast variant; 2: the wgmma kernel (sm_90a), single CTAs; 3: the wgmma kernel, CTA pairs
-// (PrefillWgmmaCluster); the wgmma kernel with its default schedule for that clustering and,
-// `heads_outer` 0 or 1, its grid's KV heads inner or outer (PrefillWgmmaOrder).
+// (PrefillWgmmaCluster); the wgmma kernel with its default schedule for that clustering,
+// `heads_outer` 0 or 1: its grid's KV heads inner or outer (PrefillWgmmaOrder), and
+// `persistent` 0 or 1: a CTA (pair) per unit or persistent CTAs (PrefillWgmmaGrid).
 void BM_Prefill(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
@@ -569,6 +570,7 @@ void BM_Prefill(benchmark::State& state) {
   const int block_size = static_cast<int>(state.range(1));
   const int64_t kernel = state.range(2);
   const bool heads_outer = state.range(3) != 0;
+  const bool persistent = state.range(4) != 0;
   if (kernel >= 2 && !(gpu->compute_major == 9 && internal::PrefillWgmmaCompiled())) {
     state.SkipWithError("the wgmma kernel needs compute capability 9.0 and a build for sm_90a");
     return;
@@ -590,6 +592,8 @@ void BM_Prefill(benchmark::State& state) {
         kernel == 3 ? internal::PrefillWgmmaCluster::kPair : internal::PrefillWgmmaCluster::kSingle;
     options.wgmma_order =
         heads_outer ? internal::PrefillWgmmaOrder::kHeadsOuter : internal::PrefillWgmmaOrder::kHeadsInner;
+    options.wgmma_grid =
+        persistent ? internal::PrefillWgmmaGrid::kPersistent : internal::PrefillWgmmaGrid::kPerUnit;
     const auto enqueue = [&] {
       return internal::LaunchPrefillAttention(kp, DType::kBFloat16, DType::kBFloat16,
                                               DType::kBFloat16, options,
@@ -670,15 +674,20 @@ BENCHMARK(BM_PagedRead)
     ->Iterations(kIterations)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Prefill)
-    ->ArgNames({"tokens", "block", "kernel", "heads_outer"})
+    ->ArgNames({"tokens", "block", "kernel", "heads_outer", "persistent"})
     ->Apply([](benchmark::internal::Benchmark* b) {
-      b->Args({8192, 16, 0, 0});
-      b->Args({8192, 16, 1, 0});
-      // The wgmma kernel's clusterings and grid orders side by side, per length and page size.
+      b->Args({8192, 16, 0, 0, 0});
+      b->Args({8192, 16, 1, 0, 0});
+      // The wgmma kernel's clusterings, grid orders and grids side by side, per length and
+      // page size.
       for (const int64_t tokens : {4096, 8192, 16384, 32768}) {
         for (const int64_t block : {16, 64}) {
           for (const int64_t kernel : {2, 3}) {
-            for (const int64_t outer : {0, 1}) b->Args({tokens, block, kernel, outer});
+            for (const int64_t outer : {0, 1}) {
+              for (const int64_t persistent : {0, 1}) {
+                b->Args({tokens, block, kernel, outer, persistent});
+              }
+            }
           }
         }
       }

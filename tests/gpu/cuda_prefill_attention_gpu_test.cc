@@ -118,6 +118,8 @@ struct GpuIo {
   internal::PrefillWgmmaSchedule schedule = internal::PrefillWgmmaSchedule::kDefault;
   internal::PrefillWgmmaCluster cluster = internal::PrefillWgmmaCluster::kDefault;
   internal::PrefillWgmmaOrder order = internal::PrefillWgmmaOrder::kDefault;
+  internal::PrefillWgmmaGrid grid = internal::PrefillWgmmaGrid::kDefault;
+  int max_ctas = 0;  // persistent grids: at most this many CTAs (pairs); 0: the device's
 };
 
 using internal::PrefillWgmmaCluster;
@@ -266,6 +268,8 @@ absl::Status RunOnGpu(const PagedAttentionParams& host, std::vector<uint8_t>& ou
   launch_options.wgmma_schedule = io.schedule;
   launch_options.wgmma_cluster = io.cluster;
   launch_options.wgmma_order = io.order;
+  launch_options.wgmma_grid = io.grid;
+  launch_options.wgmma_max_ctas = io.max_ctas;
   cudaEvent_t start = nullptr, stop = nullptr;
   if (milliseconds != nullptr) {
     cudaEventCreate(&start);
@@ -775,17 +779,27 @@ TEST_P(CudaPrefillWgmmaEdgeTest, MatchesReference) {
                 {2 * b + 1, 40}, {5, 0},       {0, 300}};
       c.seed = static_cast<uint32_t>(block_size * 31 + head_size);
       AttnProblem pb(c);
-      // Both grid orders: every (sequence, KV head, row tile) computed once either way, the
-      // pairs' partners included.
+      // Both grid orders, a CTA (pair) per unit and persistent grids: every (sequence, KV
+      // head, row tile) computed once either way, the pairs' partners included. Persistent
+      // grids of 3 and 7 CTAs (pairs): each walks many units in both directions of the
+      // serpentine, its ring and barriers carried from unit to unit, and some have none
+      // in the last round.
       for (internal::PrefillWgmmaOrder order :
            {internal::PrefillWgmmaOrder::kHeadsInner, internal::PrefillWgmmaOrder::kHeadsOuter}) {
-        SCOPED_TRACE(order == internal::PrefillWgmmaOrder::kHeadsOuter ? "KV heads outer"
-                                                                       : "KV heads inner");
-        GpuIo io;
-        io.dense = true;
-        io.order = order;
-        ExpectGpuMatchesReference(pb, io);
-        if (HasFailure()) return;
+        for (int max_ctas : {-1, 3, 7}) {
+          SCOPED_TRACE(absl::StrCat(
+              order == internal::PrefillWgmmaOrder::kHeadsOuter ? "KV heads outer, "
+                                                                : "KV heads inner, ",
+              max_ctas < 0 ? "a CTA per unit" : absl::StrCat("persistent, ", max_ctas, " CTAs")));
+          GpuIo io;
+          io.dense = true;
+          io.order = order;
+          io.grid = max_ctas < 0 ? internal::PrefillWgmmaGrid::kPerUnit
+                                 : internal::PrefillWgmmaGrid::kPersistent;
+          io.max_ctas = max_ctas < 0 ? 0 : max_ctas;
+          ExpectGpuMatchesReference(pb, io);
+          if (HasFailure()) return;
+        }
       }
     }
   }

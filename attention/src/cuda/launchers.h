@@ -53,11 +53,20 @@ enum class PrefillWgmmaCluster { kDefault, kSingle, kPair };
 // K and V: 16 MiB at 32k tokens of d128 bf16, where all 8 heads' 128 MiB exceed an
 // H100's or H200's 50 MiB L2). kDefault: kHeadsInner (outer is not yet measured).
 enum class PrefillWgmmaOrder { kDefault, kHeadsInner, kHeadsOuter };
+// How the wgmma kernel's CTAs take their units (prefill_wgmma_units.cuh): one CTA (pair)
+// per unit, started by the hardware as others end (kPerUnit), or as many CTAs as the device
+// holds at once, each taking unit after unit and loading the next unit's keys while it
+// finishes the last (kPersistent). kDefault: kPerUnit (prefill_wgmma.cu says why).
+enum class PrefillWgmmaGrid { kDefault, kPerUnit, kPersistent };
 struct PrefillLaunchOptions {
   PrefillVariant variant = PrefillVariant::kAuto;
   PrefillWgmmaSchedule wgmma_schedule = PrefillWgmmaSchedule::kDefault;
   PrefillWgmmaCluster wgmma_cluster = PrefillWgmmaCluster::kDefault;
   PrefillWgmmaOrder wgmma_order = PrefillWgmmaOrder::kDefault;
+  PrefillWgmmaGrid wgmma_grid = PrefillWgmmaGrid::kDefault;
+  // Persistent grids: at most this many CTAs (pairs count as one); 0: as many as the
+  // device holds at once. For tests that make every CTA walk many units.
+  int wgmma_max_ctas = 0;
   // Whether the device the stream runs on has compute capability 9.0 exactly and this
   // build holds sm_90a code (KVSTREAM_HAVE_SM90A): only then may the wgmma kernel run.
   bool wgmma = false;
@@ -82,10 +91,9 @@ bool PrefillWgmmaCompiled();
 // Enqueues the wgmma kernel. REQUIRES: PrefillWgmmaApplies; PrefillLaunchOptions::wgmma
 // would be true for the stream's device; params with rows to compute (num_seqs and
 // max_query_len > 0, the limits LaunchPrefillAttention checks).
-absl::Status LaunchPrefillWgmma(const PagedKernelParams& params, DType q_dtype,
-                                DType cache_dtype, PrefillWgmmaSchedule schedule,
-                                PrefillWgmmaCluster cluster, PrefillWgmmaOrder order,
-                                cudaStream_t stream);
+// Of `options`, only the wgmma_* fields count.
+absl::Status LaunchPrefillWgmma(const PagedKernelParams& params, DType q_dtype, DType cache_dtype,
+                                const PrefillLaunchOptions& options, cudaStream_t stream);
 
 // As above with a choice of variant. InvalidArgument, in addition, for kFast where
 // PrefillFastVariantApplies is false, and for kWgmma where PrefillWgmmaApplies is false or

@@ -131,9 +131,7 @@ absl::Status LaunchPrefillAttention(const PagedKernelParams& params, DType q_dty
         launch_options.wgmma &&
         PrefillWgmmaApplies(params, q_dtype, out_dtype, cache_dtype, &why);
     if (applies) {
-      return LaunchPrefillWgmma(params, q_dtype, cache_dtype, launch_options.wgmma_schedule,
-                                launch_options.wgmma_cluster, launch_options.wgmma_order,
-                                stream);
+      return LaunchPrefillWgmma(params, q_dtype, cache_dtype, launch_options, stream);
     }
     if (launch_options.variant == PrefillVariant::kWgmma) {
       return Unsupported(absl::StrCat(

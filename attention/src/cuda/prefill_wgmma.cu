@@ -4,6 +4,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -53,19 +54,46 @@ absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* ca
   return EncodeCacheTensorMap(cache, dtype, shape, kWhat);
 }
 
+// How many CTAs (pairs: clusters) of `kernel` the device holds at once.
+absl::StatusOr<int> ResidentUnits(const void* kernel, cudaLaunchConfig_t config, bool pair) {
+  if (pair) {
+    int clusters = 0;
+    RETURN_IF_ERROR(CudaErrorToStatus(
+        static_cast<int>(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config)),
+        absl::StrCat(kWhat, ": resident clusters")));
+    return clusters;
+  }
+  int device = 0;
+  int sms = 0;
+  int per_sm = 0;
+  RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetDevice(&device)),
+                                    absl::StrCat(kWhat, ": current device")));
+  RETURN_IF_ERROR(CudaErrorToStatus(
+      static_cast<int>(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)),
+      absl::StrCat(kWhat, ": SM count")));
+  RETURN_IF_ERROR(CudaErrorToStatus(
+      static_cast<int>(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &per_sm, kernel, static_cast<int>(config.blockDim.x), config.dynamicSmemBytes)),
+      absl::StrCat(kWhat, ": resident CTAs")));
+  return sms * per_sm;
+}
+
 // Pairs: clusters of two CTAs along x over an even number of row tiles per KV head.
+// Persistent (a.persistent): min(units, what the device holds, max_ctas if > 0) CTAs
+// (pairs) along x; else one per unit.
 template <int D, typename T, bool kFp8, bool kPair>
 absl::Status LaunchTyped(const PagedKernelParams& p, const CUtensorMap& k_map,
-                         const CUtensorMap& v_map, const pw::PrefillWgmmaArgs& args,
+                         const CUtensorMap& v_map, const pw::PrefillWgmmaArgs& args, int max_ctas,
                          cudaStream_t stream) {
   using Traits = pw::PrefillWgmmaTraits<D, kFp8, kPair>;
   auto* kernel = &pw::PrefillWgmmaKernel<D, T, kFp8, kPair>;
   RETURN_IF_ERROR(AllowDynamicSharedMemory(reinterpret_cast<const void*>(kernel),
                                            Traits::kSmemBytes, /*max_carveout=*/true,
                                            absl::StrCat(kWhat, " head dim ", D)));
+  constexpr int kCtas = kPair ? 2 : 1;
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.x = kCtas;
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
@@ -76,6 +104,18 @@ absl::Status LaunchTyped(const PagedKernelParams& p, const CUtensorMap& k_map,
   config.stream = stream;
   config.attrs = &cluster;
   config.numAttrs = kPair ? 1 : 0;
+  if (args.persistent != 0) {
+    ASSIGN_OR_RETURN(int resident,
+                     ResidentUnits(reinterpret_cast<const void*>(kernel), config, kPair));
+    if (resident < 1) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(kWhat, ": not one CTA", kPair ? " pair" : "", " fits on the device"));
+    }
+    if (max_ctas > 0 && max_ctas < resident) resident = max_ctas;
+    const int64_t units =
+        static_cast<int64_t>(p.num_kv_heads) * (args.num_m_tiles / kCtas) * p.num_seqs;
+    config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(units, resident) * kCtas), 1);
+  }
   return CudaErrorToStatus(
       static_cast<int>(cudaLaunchKernelEx(&config, kernel, p, k_map, v_map, args)),
       absl::StrCat(kWhat, " launch (head dim ", D, kPair ? ", CTA pairs)" : ")"));
@@ -90,19 +130,22 @@ bool TmaTakesBlocks(int block_size) {
 template <bool kFp8, bool kPair>
 absl::Status LaunchForHeadSize(const PagedKernelParams& p, bool bf16, const CUtensorMap& k_map,
                                const CUtensorMap& v_map, const pw::PrefillWgmmaArgs& args,
-                               cudaStream_t stream) {
+                               int max_ctas, cudaStream_t stream) {
   if (p.head_size == 64) {
-    return bf16 ? LaunchTyped<64, __nv_bfloat16, kFp8, kPair>(p, k_map, v_map, args, stream)
-                : LaunchTyped<64, __half, kFp8, kPair>(p, k_map, v_map, args, stream);
+    return bf16 ? LaunchTyped<64, __nv_bfloat16, kFp8, kPair>(p, k_map, v_map, args, max_ctas,
+                                                              stream)
+                : LaunchTyped<64, __half, kFp8, kPair>(p, k_map, v_map, args, max_ctas, stream);
   }
   if constexpr (!kFp8) {
     if (p.head_size == 256) {
-      return bf16 ? LaunchTyped<256, __nv_bfloat16, false, kPair>(p, k_map, v_map, args, stream)
-                  : LaunchTyped<256, __half, false, kPair>(p, k_map, v_map, args, stream);
+      return bf16 ? LaunchTyped<256, __nv_bfloat16, false, kPair>(p, k_map, v_map, args, max_ctas,
+                                                                  stream)
+                  : LaunchTyped<256, __half, false, kPair>(p, k_map, v_map, args, max_ctas, stream);
     }
   }
-  return bf16 ? LaunchTyped<128, __nv_bfloat16, kFp8, kPair>(p, k_map, v_map, args, stream)
-              : LaunchTyped<128, __half, kFp8, kPair>(p, k_map, v_map, args, stream);
+  return bf16
+             ? LaunchTyped<128, __nv_bfloat16, kFp8, kPair>(p, k_map, v_map, args, max_ctas, stream)
+             : LaunchTyped<128, __half, kFp8, kPair>(p, k_map, v_map, args, max_ctas, stream);
 }
 
 }  // namespace
@@ -152,8 +195,10 @@ bool PrefillWgmmaCompiled() {
 }
 
 absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType cache_dtype,
-                                PrefillWgmmaSchedule schedule, PrefillWgmmaCluster cluster,
-                                PrefillWgmmaOrder order, cudaStream_t stream) {
+                                const PrefillLaunchOptions& options, cudaStream_t stream) {
+  const PrefillWgmmaSchedule schedule = options.wgmma_schedule;
+  const PrefillWgmmaCluster cluster = options.wgmma_cluster;
+  const PrefillWgmmaOrder order = options.wgmma_order;
   const int block_n = p.head_size == 256 ? pw::PrefillWgmmaTraits<256>::kBlockN
                                          : pw::PrefillWgmmaTraits<128>::kBlockN;
   pw::PrefillWgmmaArgs args{};
@@ -173,13 +218,14 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
   // one with rows, only loads).
   const int m_tiles = cuda::ChoosePrefillOptions(p, cache_dtype).num_m_tiles;
   args.num_m_tiles = pair ? m_tiles + (m_tiles & 1) : m_tiles;
-  if (static_cast<int64_t>(args.num_m_tiles) * p.num_kv_heads > INT32_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": ", args.num_m_tiles,
-                                                   " row tiles x ", p.num_kv_heads,
-                                                   " KV heads do not fit a grid"));
+  if (static_cast<int64_t>(args.num_m_tiles) * p.num_kv_heads * p.num_seqs > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": ", args.num_m_tiles, " row tiles x ",
+                                                   p.num_kv_heads, " KV heads x ", p.num_seqs,
+                                                   " sequences do not fit a grid"));
   }
   args.e4m3 = cache_dtype == DType::kFloat8E4M3;
   args.heads_outer = order == PrefillWgmmaOrder::kHeadsOuter ? 1 : 0;
+  args.persistent = options.wgmma_grid == PrefillWgmmaGrid::kPersistent ? 1 : 0;
   if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens, pair);
   args.block_shift = ptx::Log2IfPowerOfTwo(p.block_size);
   ASSIGN_OR_RETURN(const CUtensorMap k_map,
@@ -189,12 +235,13 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
                    EncodeMap(p, p.v_cache, p.v_block_stride, p.v_token_stride, p.v_head_stride,
                              cache_dtype, args.box_tokens));
   const bool bf16 = q_dtype == DType::kBFloat16;
+  const int max_ctas = options.wgmma_max_ctas;
   if (IsFp8(cache_dtype)) {
-    return pair ? LaunchForHeadSize<true, true>(p, bf16, k_map, v_map, args, stream)
-                : LaunchForHeadSize<true, false>(p, bf16, k_map, v_map, args, stream);
+    return pair ? LaunchForHeadSize<true, true>(p, bf16, k_map, v_map, args, max_ctas, stream)
+                : LaunchForHeadSize<true, false>(p, bf16, k_map, v_map, args, max_ctas, stream);
   }
-  return pair ? LaunchForHeadSize<false, true>(p, bf16, k_map, v_map, args, stream)
-              : LaunchForHeadSize<false, false>(p, bf16, k_map, v_map, args, stream);
+  return pair ? LaunchForHeadSize<false, true>(p, bf16, k_map, v_map, args, max_ctas, stream)
+              : LaunchForHeadSize<false, false>(p, bf16, k_map, v_map, args, max_ctas, stream);
 }
 
 }  // namespace internal

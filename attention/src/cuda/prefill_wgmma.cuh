@@ -16,10 +16,11 @@
 // itself, for 64 rows of a warpgroup at once, asynchronously, while the warps go on; and
 // TMA copies a page of K or V without a single address computed by the warps that compute.
 //
-// Work split (the grid of prefill_attention.cuh: one CTA per 128 packed rows of one
-// (sequence, KV head), the last tiles of a sequence first; the KV heads inner, as there, or
-// outer, so that the CTAs running together read one head's K and V and share them in L2):
-//   grid  = (num_kv_heads * num_m_tiles, num_seqs), block = 384 threads.
+// Work split (prefill_wgmma_units.cuh): a unit is 128 packed rows of one (sequence, KV
+// head), the last tiles of a sequence first; the KV heads inner, as in prefill_attention.cuh,
+// or outer, so that the CTAs running together read one head's K and V and share them in L2.
+// A CTA computes one unit (grid = (num_kv_heads * num_m_tiles, num_seqs)) or, persistent,
+// unit after unit (grid = (CTAs the device holds, 1)); block = 384 threads.
 //   warpgroup 0 (producer; its registers lowered to kProducerRegs): warp 0 copies the key
 //     tiles of the CTA's visible range, K then V, into a ring of kStages slots: per tile of
 //     kBlockN keys one TMA box per (page, 64-column half), the block ids read through the
@@ -91,6 +92,7 @@
 #include "cuda/prefill_helpers.cuh"
 #include "cuda/prefill_wgmma_config.cuh"
 #include "cuda/prefill_wgmma_producer.cuh"
+#include "cuda/prefill_wgmma_units.cuh"
 #include "cuda/sequence_bounds.cuh"
 #include "cuda/tma_ptx.cuh"
 #include "cuda/wgmma_ptx.cuh"
@@ -144,35 +146,12 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
   const int warpgroup = tid / 128;
   const int lane = tid & 31;
 
-  // ---- Which rows and keys this CTA owns (as prefill_attention.cuh).
-  // A unit is a CTA, or a pair's two; units = num_kv_heads x the row tiles (pairs: their
-  // halves). Heads inner: unit = m * num_kv_heads + kv_head; outer: kv_head * tiles + m;
-  // m counts from the last row tile (pair) of the sequence. A pair's rank r takes row tile
-  // 2 m + r from the end.
+  // ---- The units this CTA computes (prefill_wgmma_units.cuh): one, or (persistent) one
+  // per round; the ring and its barriers carry over from unit to unit.
   const int num_kv_heads = p.num_kv_heads;
-  const uint32_t cta_rank = kPair ? tma_ptx::ClusterCtaRank() : 0;
-  const int unit = static_cast<int>(blockIdx.x) / (kPair ? 2 : 1);
-  const int unit_tiles = kPair ? a.num_m_tiles / 2 : a.num_m_tiles;
-  const int kv_head = a.heads_outer != 0 ? unit / unit_tiles : unit % num_kv_heads;
-  const int unit_m = a.heads_outer != 0 ? unit % unit_tiles : unit / num_kv_heads;
-  const int m_tile =
-      a.num_m_tiles - 1 - (kPair ? 2 * unit_m + static_cast<int>(cta_rank) : unit_m);
-  const int seq = static_cast<int>(blockIdx.y);
   const int group = p.num_heads / num_kv_heads;
-  const SequenceBounds bounds = LoadSequenceBounds(p, seq);
-  const int rows_total = bounds.query_len * group;
-  const int row0 = m_tile * kBlockM;
-  // The rows whose keys the CTA loads: its own, or its pair's (both take the same exit).
-  const int load_row0 = kPair ? (m_tile & ~1) * kBlockM : row0;
-  const int load_rows = kPair ? 2 * kBlockM : kBlockM;
-  if (load_row0 >= rows_total) return;
-  const int seq_len = bounds.seq_len;
-  const int context = seq_len - bounds.query_len;
-  const int last_row = min(rows_total, load_row0 + load_rows) - 1;
-  const int kv_lo = VisibleLo(p, context + load_row0 / group);
-  const int kv_hi = VisibleHi(p, context + last_row / group, seq_len);  // inclusive
-  const int n_begin = kv_lo / kBlockN;
-  const int n_end = kv_hi / kBlockN + 1;
+  const uint32_t cta_rank = kPair ? tma_ptx::ClusterCtaRank() : 0;
+  const UnitWalk walk = MakeUnitWalk<kPair>(p, a);
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -194,10 +173,18 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
   if (warpgroup == 0) {
     // ---- Producer (prefill_wgmma_producer.cuh).
     wgmma::SetMaxRegisters<Traits::kProducerRegs, false>();
-    const ProducerTiles tiles{seq, kv_head, seq_len, n_begin, n_end};
     if (tid < 32) {
-      ProduceByTma<D, kFp8, kPair, Traits>(p, k_map, v_map, a, tiles, k_base, v_base, bars,
-                                           cta_rank, lane);
+      int ring = 0;  // tiles put into the ring so far, over every unit
+      int u;
+      for (int round = 0; walk.At(round, &u); ++round) {
+        if (u < 0) continue;
+        const Unit unit = LoadUnit<kBlockM, kBlockN, kPair>(p, a, walk, u, cta_rank);
+        if (!unit.loads) continue;
+        const ProducerTiles tiles{unit.seq, unit.kv_head, unit.bounds.seq_len, unit.n_begin,
+                                  unit.n_end};
+        ProduceByTma<D, kFp8, kPair, Traits>(p, k_map, v_map, a, tiles, k_base, v_base, bars,
+                                             cta_rank, lane, ring);
+      }
     }
     if constexpr (kPair) tma_ptx::ClusterSync();
     return;
@@ -210,403 +197,424 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
   const int warp_in_group = wtid / 32;
   const uint32_t q_base = smem_base + consumer * Traits::kQWarpgroupBytes;
   uint8_t* const q_smem = smem + consumer * Traits::kQWarpgroupBytes;
-  const int wg_row0 = row0 + consumer * 64;  // first packed row of this warpgroup
-  const bool wg_active = wg_row0 < rows_total;
+  int ring = 0;  // tiles taken from the ring so far, over every unit
+  int u;
+  for (int round = 0; walk.At(round, &u); ++round) {
+    if (u < 0) continue;
+    const Unit unit = LoadUnit<kBlockM, kBlockN, kPair>(p, a, walk, u, cta_rank);
+    if (!unit.loads) continue;
+    const int kv_head = unit.kv_head;
+    const SequenceBounds bounds = unit.bounds;
+    const int rows_total = unit.rows_total;
+    const int seq_len = bounds.seq_len;
+    const int context = seq_len - bounds.query_len;
+    const int n_begin = unit.n_begin;
+    const int n_end = unit.n_end;
+    const int wg_row0 = unit.row0 + consumer * 64;  // first packed row of this warpgroup
+    const bool wg_active = wg_row0 < rows_total;
 
-  // Q rows of this warpgroup into its panels (rows past the end zero).
-  {
-    const T* const q = static_cast<const T*>(p.q);
-    constexpr int kChunks = D / 8;
-    for (int i = wtid; i < 64 * kChunks; i += 128) {
-      const int m = i / kChunks;
-      const int c = i % kChunks;
-      const int r = wg_row0 + m;
-      const bool valid = r < rows_total;
-      const T* src = q;
-      if (valid) {
-        const int t = r / group;
-        const int h = kv_head * group + (r - t * group);
-        src = q + (static_cast<int64_t>(bounds.q_start) + t) * p.q_token_stride +
-              static_cast<int64_t>(h) * p.q_head_stride + c * 8;
+    // Q rows of this warpgroup into its panels (rows past the end zero).
+    {
+      const T* const q = static_cast<const T*>(p.q);
+      constexpr int kChunks = D / 8;
+      for (int i = wtid; i < 64 * kChunks; i += 128) {
+        const int m = i / kChunks;
+        const int c = i % kChunks;
+        const int r = wg_row0 + m;
+        const bool valid = r < rows_total;
+        const T* src = q;
+        if (valid) {
+          const int t = r / group;
+          const int h = kv_head * group + (r - t * group);
+          src = q + (static_cast<int64_t>(bounds.q_start) + t) * p.q_token_stride +
+                static_cast<int64_t>(h) * p.q_head_stride + c * 8;
+        }
+        CpAsync16(q_base + (c >> 3) * Traits::kQPanelBytes +
+                      wgmma::SwizzledOffset128(static_cast<uint32_t>(m), (c & 7) * 8),
+                  src, valid);
       }
-      CpAsync16(q_base + (c >> 3) * Traits::kQPanelBytes +
-                    wgmma::SwizzledOffset128(static_cast<uint32_t>(m), (c & 7) * 8),
-                src, valid);
-    }
-    CpAsyncCommit();
-    CpAsyncWaitGroup<0>();
-    wgmma::FenceSharedForAsyncProxy();
-    wgmma::NamedBarrierSync(1 + consumer, 128);
-  }
-
-  // Thread rows: rr = 16 warp + lane / 4 + 8 half of the warpgroup's 64.
-  const int wg_last = min(rows_total - 1, wg_row0 + 63);
-  const int wg_qp_first = context + wg_row0 / group;
-  const int wg_qp_last = context + wg_last / group;
-  const int wg_lo_min = VisibleLo(p, wg_qp_first);
-  const int wg_lo_max = VisibleLo(p, wg_qp_last);
-  const int wg_hi_min = VisibleHi(p, wg_qp_first, seq_len);
-  const int wg_hi_max = VisibleHi(p, wg_qp_last, seq_len);
-  auto row_of = [&](int half) {
-    return min(rows_total - 1, wg_row0 + 16 * warp_in_group + (lane >> 2) + 8 * half);
-  };
-  int row_qp[2];
-  float row_slope2[2];
-  const bool alibi = p.alibi_slopes != nullptr;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = row_of(half);
-    row_qp[half] = context + r / group;
-    row_slope2[half] =
-        alibi ? p.alibi_slopes[kv_head * group + (r - (r / group) * group)] * kLog2e : 0.0f;
-  }
-  const float k_scale = ScaleOfHead(p.k_scale, p.num_scales, kv_head);
-  const bool soft_cap = p.logits_soft_cap > 0.0f;
-  const float scale2 = p.scale * k_scale * kLog2e;
-  const float cap2 = soft_cap ? p.logits_soft_cap * kLog2e : 0.0f;
-  const float inv_cap = soft_cap ? p.scale * k_scale / p.logits_soft_cap : 0.0f;
-  const float exp_scale = soft_cap || alibi ? 1.0f : scale2;
-  const int quad_col = 2 * (lane & 3);
-
-  float acc_o[D / 2];
-#pragma unroll
-  for (int j = 0; j < D / 2; ++j) acc_o[j] = 0.0f;
-  float row_max[2] = {kNegInf, kNegInf};
-  float row_sum[2] = {0.0f, 0.0f};
-
-  // The tiles this warpgroup's rows see: [u_begin, u_end) (contiguous: the keys some row
-  // sees are [wg_lo_min, wg_hi_max]).
-  const int u_begin = wg_active ? max(n_begin, wg_lo_min / kBlockN) : n_begin;
-  const int u_end = wg_active ? max(u_begin, min(n_end, wg_hi_max / kBlockN + 1)) : n_begin;
-  auto stage_of = [&](int n) { return (n - n_begin) % kStages; };
-  auto parity_of = [&](int n) { return static_cast<uint32_t>(((n - n_begin) / kStages) & 1); };
-  // The 16-bit tiles the products read: the ring's slot, or (fp8) the converted tile.
-  auto k_tile_of = [&](int n) {
-    return kFp8 ? smem_base + Traits::kConvKOffset + ((n - n_begin) & 1) * Traits::kTileBytes
-                : k_base + stage_of(n) * Traits::kTileBytes;
-  };
-  auto v_tile_of = [&](int n) {
-    return kFp8 ? smem_base + Traits::kConvVOffset + ((n - n_begin) & 1) * Traits::kTileBytes
-                : v_base + stage_of(n) * Traits::kTileBytes;
-  };
-  // One arrival per warp on an `empty` barrier (pairs: on both CTAs'), once the warp's
-  // products reading it are done.
-  auto release = [&](uint32_t bar) {
-    __syncwarp();
-    if (lane == 0) {
-      tma_ptx::BarrierArrive(bar);
-      if constexpr (kPair) tma_ptx::BarrierArriveCluster(bar, cta_rank ^ 1);
-    }
-  };
-  // fp8: this warpgroup's 64 rows of the raw tile at `raw` (ring offset) converted to T into
-  // the tile at `tile`; rows past the sequence's end become zeros (they may hold NaN).
-  auto convert = [&](uint32_t raw, uint32_t tile, int n) {
-    constexpr int kRawChunks = D / 16;
-    const int tile_lo = n * kBlockN;
-    const bool e4m3 = a.e4m3 != 0;
-    for (int i = wtid; i < 64 * kRawChunks; i += 128) {
-      const int r = 64 * consumer + i / kRawChunks;
-      const int c = i % kRawChunks;
-      uint32_t out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      if (tile_lo + r < seq_len) {
-        const uint4 codes =
-            *reinterpret_cast<const uint4*>(smem + (raw - smem_base) + r * D + c * 16);
-        ptx::Fp8ChunkTo<T>(codes, e4m3, out);
-      }
-      const int col = 16 * c;
-      uint8_t* const dst = smem + (tile - smem_base) + (col >> 6) * Traits::kKvPanelBytes;
-      *reinterpret_cast<uint4*>(dst + wgmma::SwizzledOffset128(r, col & 63)) =
-          make_uint4(out[0], out[1], out[2], out[3]);
-      *reinterpret_cast<uint4*>(dst + wgmma::SwizzledOffset128(r, (col & 63) + 8)) =
-          make_uint4(out[4], out[5], out[6], out[7]);
-    }
-    wgmma::FenceSharedForAsyncProxy();
-  };
-  // K (V) of tile n ready for the products: its copy has landed; fp8: both consumers have
-  // converted their halves (hardware barrier 5 for K, 6 for V, of both warpgroups) and the
-  // raw slot is released at once.
-  auto ready_k = [&](int n) {
-    tma_ptx::BarrierWait(full_k(stage_of(n)), parity_of(n));
-    if constexpr (kFp8) {
-      convert(k_base + stage_of(n) * Traits::kRingTileBytes, k_tile_of(n), n);
-      wgmma::NamedBarrierSync(5, 256);
-      release(empty_k(stage_of(n)));
-    }
-  };
-  auto ready_v = [&](int n) {
-    tma_ptx::BarrierWait(full_v(stage_of(n)), parity_of(n));
-    if constexpr (kFp8) {
-      convert(v_base + stage_of(n) * Traits::kRingTileBytes, v_tile_of(n), n);
-      wgmma::NamedBarrierSync(6, 256);
-      release(empty_v(stage_of(n)));
-    }
-  };
-  // The ring slot of K (V) of tile n free again once the products that read it are done
-  // (fp8: already released when converted).
-  auto release_k = [&](int n) {
-    if constexpr (!kFp8) release(empty_k(stage_of(n)));
-  };
-  auto release_v = [&](int n) {
-    if constexpr (!kFp8) release(empty_v(stage_of(n)));
-  };
-  // A tile no row of this warpgroup sees: waited for (fp8: converted) and released, so
-  // that the producer's ring keeps its order.
-  auto pass = [&](int n) {
-    ready_k(n);
-    release_k(n);
-    ready_v(n);
-    release_v(n);
-  };
-
-  float acc_s[kBlockN / 2];
-  uint32_t pa[kBlockN / 16][4];
-  // S = Q K^T of tile n, issued and committed (not waited for).
-  auto issue_s = [&](int n) {
-    ready_k(n);
-    wgmma::Fence();
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-      wgmma::WgmmaSS<kBlockN, T>(acc_s, wgmma::KMajorStep(q_base, Traits::kQPanelBytes, k),
-                                 wgmma::KMajorStep(k_tile_of(n), Traits::kKvPanelBytes, k),
-                                 k > 0);
-    }
-    wgmma::Commit();
-  };
-  // O += P V of tile n (P in pa), issued and committed. V rows past the sequence's end are
-  // zeroed first (they may hold NaN; their P is 0).
-  auto issue_pv = [&](int n) {
-    ready_v(n);
-    const int tile_lo = n * kBlockN;
-    if (!kFp8 && tile_lo + kBlockN > seq_len) {
-      const int first = seq_len - tile_lo;
-      uint8_t* const tile = smem + (v_tile_of(n) - smem_base);
-      for (int i = wtid; i < (kBlockN - first) * kPanels * 8; i += 128) {
-        const int r = first + i / (kPanels * 8);
-        const int c = i % (kPanels * 8);
-        *reinterpret_cast<uint4*>(tile + (c >> 3) * Traits::kKvPanelBytes + r * 128 +
-                                  (((c & 7) ^ (r & 7)) << 4)) = make_uint4(0, 0, 0, 0);
-      }
+      CpAsyncCommit();
+      CpAsyncWaitGroup<0>();
       wgmma::FenceSharedForAsyncProxy();
       wgmma::NamedBarrierSync(1 + consumer, 128);
     }
-    wgmma::Fence();
-#pragma unroll
-    for (int kc = 0; kc < kBlockN / 16; ++kc) {
-      wgmma::WgmmaRS<D, T, true>(acc_o, pa[kc],
-                                 wgmma::MnMajorStep(v_tile_of(n), Traits::kKvPanelBytes, kc),
-                                 true);
-    }
-    wgmma::Commit();
-  };
-  // Scores of tile n in acc_s to base 2 (soft cap, ALiBi, mask, as prefill_attention.cuh),
-  // then the online softmax step: acc_s becomes P (not yet rounded), the running max and
-  // sum move on, alpha is the factor O must be rescaled by; returns whether any row of the
-  // warp has alpha != 1.
-  auto softmax = [&](int n, float (&alpha)[2]) {
-    const int tile_lo = n * kBlockN;
-    if (soft_cap) {
-#pragma unroll
-      for (int j = 0; j < kBlockN / 2; ++j) {
-        const float x = acc_s[j] * inv_cap;
-        const float t = 1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f);
-        acc_s[j] = cap2 * t;
-      }
-    } else if (alibi) {
-#pragma unroll
-      for (int j = 0; j < kBlockN / 2; ++j) acc_s[j] *= scale2;
-    }
-    if (alibi) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float base = static_cast<float>(tile_lo + quad_col - row_qp[half]);
-#pragma unroll
-        for (int nb = 0; nb < kBlockN / 8; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            acc_s[4 * nb + 2 * half + e] +=
-                row_slope2[half] * (base + static_cast<float>(nb * 8 + e));
-          }
-        }
-      }
-    }
-    if (tile_lo < wg_lo_max || tile_lo + kBlockN - 1 > wg_hi_min) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int lo = VisibleLo(p, row_qp[half]) - tile_lo - quad_col;
-        const int hi = VisibleHi(p, row_qp[half], seq_len) - tile_lo - quad_col;
-#pragma unroll
-        for (int nb = 0; nb < kBlockN / 8; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int col = nb * 8 + e;
-            if (col < lo || col > hi) acc_s[4 * nb + 2 * half + e] = kNegInf;
-          }
-        }
-      }
-    }
-    bool rescale = false;
+
+    // Thread rows: rr = 16 warp + lane / 4 + 8 half of the warpgroup's 64.
+    const int wg_last = min(rows_total - 1, wg_row0 + 63);
+    const int wg_qp_first = context + wg_row0 / group;
+    const int wg_qp_last = context + wg_last / group;
+    const int wg_lo_min = VisibleLo(p, wg_qp_first);
+    const int wg_lo_max = VisibleLo(p, wg_qp_last);
+    const int wg_hi_min = VisibleHi(p, wg_qp_first, seq_len);
+    const int wg_hi_max = VisibleHi(p, wg_qp_last, seq_len);
+    auto row_of = [&](int half) {
+      return min(rows_total - 1, wg_row0 + 16 * warp_in_group + (lane >> 2) + 8 * half);
+    };
+    int row_qp[2];
+    float row_slope2[2];
+    const bool alibi = p.alibi_slopes != nullptr;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float tile_max = kNegInf;
-#pragma unroll
-      for (int nb = 0; nb < kBlockN / 8; ++nb) {
-        tile_max = fmaxf(tile_max, fmaxf(acc_s[4 * nb + 2 * half], acc_s[4 * nb + 2 * half + 1]));
-      }
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float new_max = fmaxf(row_max[half], tile_max);
-      // A row with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
-      const float use_max = new_max == kNegInf ? 0.0f : new_max;
-      alpha[half] = FastExp2((row_max[half] - use_max) * exp_scale);
-      rescale = rescale || alpha[half] != 1.0f;
-      row_max[half] = new_max;
-      const float neg_max_scaled = -use_max * exp_scale;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nb = 0; nb < kBlockN / 8; ++nb) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = 4 * nb + 2 * half + e;
-          const float pe = FastExp2(fmaf(acc_s[j], exp_scale, neg_max_scaled));
-          acc_s[j] = pe;
-          sum += pe;
-        }
-      }
-      row_sum[half] = row_sum[half] * alpha[half] + sum;
+      const int r = row_of(half);
+      row_qp[half] = context + r / group;
+      row_slope2[half] =
+          alibi ? p.alibi_slopes[kv_head * group + (r - (r / group) * group)] * kLog2e : 0.0f;
     }
-    return __any_sync(0xffffffffu, rescale);
-  };
-  auto pack_p = [&]() {
-#pragma unroll
-    for (int kc = 0; kc < kBlockN / 16; ++kc) wgmma::PackA<T>(acc_s, kc, pa[kc]);
-  };
+    const float k_scale = ScaleOfHead(p.k_scale, p.num_scales, kv_head);
+    const bool soft_cap = p.logits_soft_cap > 0.0f;
+    const float scale2 = p.scale * k_scale * kLog2e;
+    const float cap2 = soft_cap ? p.logits_soft_cap * kLog2e : 0.0f;
+    const float inv_cap = soft_cap ? p.scale * k_scale / p.logits_soft_cap : 0.0f;
+    const float exp_scale = soft_cap || alibi ? 1.0f : scale2;
+    const int quad_col = 2 * (lane & 3);
 
-  // Ping-pong (kPrefillWgmmaPingPong): the two consumers take turns to issue their
-  // products, on two hardware barriers of both warpgroups (3: consumer 0's turn, 4:
-  // consumer 1's), so that one's softmax runs while the other's products do. Every
-  // consumer takes the same number of turns, (n_end - n_begin) + 1, a tile it does not
-  // see included; consumer 1 hands the first turn to consumer 0 and skips the hand-over
-  // after its last, so that every arrival is matched by a wait.
-  // fp8 caches run the serial schedule: both consumers convert every tile together.
-  const int schedule = kFp8 ? static_cast<int>(kPrefillWgmmaSerial) : a.schedule;
-  const bool ping_pong = schedule == kPrefillWgmmaPingPong;
-  const int turns = n_end - n_begin + 1;
-  int turn = 0;
-  auto turn_begin = [&]() {
-    if (ping_pong) wgmma::NamedBarrierSync(3 + consumer, 256);
-  };
-  auto turn_end = [&]() {
-    ++turn;
-    if (ping_pong && (consumer == 0 || turn < turns)) wgmma::NamedBarrierArrive(4 - consumer, 256);
-  };
-  if (ping_pong && consumer == 1) wgmma::NamedBarrierArrive(3, 256);
-  auto pass_turn = [&](int n) {
-    pass(n);
-    turn_begin();
-    turn_end();
-  };
-
-  // The tiles before this warpgroup's first, then its own, then those after its last.
-  for (int n = n_begin; n < u_begin; ++n) pass_turn(n);
-  if (u_begin < u_end && schedule == kPrefillWgmmaSerial) {
-    // Per tile: S, softmax, O += P V, each waited for before the next.
-    for (int n = u_begin; n < u_end; ++n) {
-      float alpha[2];
-      issue_s(n);
-      wgmma::Wait<0>();
-      wgmma::FenceOperands(acc_s);
-      release_k(n);
-      if (softmax(n, alpha)) {
+    float acc_o[D / 2];
 #pragma unroll
-        for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
+    for (int j = 0; j < D / 2; ++j) acc_o[j] = 0.0f;
+    float row_max[2] = {kNegInf, kNegInf};
+    float row_sum[2] = {0.0f, 0.0f};
+
+    // The tiles this warpgroup's rows see: [u_begin, u_end) (contiguous: the keys some row
+    // sees are [wg_lo_min, wg_hi_max]).
+    const int u_begin = wg_active ? max(n_begin, wg_lo_min / kBlockN) : n_begin;
+    const int u_end = wg_active ? max(u_begin, min(n_end, wg_hi_max / kBlockN + 1)) : n_begin;
+    // Tile n's place in the ring's sequence (every unit's tiles before this unit's counted).
+    auto ring_pos = [&](int n) { return ring + n - n_begin; };
+    auto stage_of = [&](int n) { return ring_pos(n) % kStages; };
+    auto parity_of = [&](int n) { return static_cast<uint32_t>((ring_pos(n) / kStages) & 1); };
+    // The 16-bit tiles the products read: the ring's slot, or (fp8) the converted tile.
+    auto k_tile_of = [&](int n) {
+      return kFp8 ? smem_base + Traits::kConvKOffset + (ring_pos(n) & 1) * Traits::kTileBytes
+                  : k_base + stage_of(n) * Traits::kTileBytes;
+    };
+    auto v_tile_of = [&](int n) {
+      return kFp8 ? smem_base + Traits::kConvVOffset + (ring_pos(n) & 1) * Traits::kTileBytes
+                  : v_base + stage_of(n) * Traits::kTileBytes;
+    };
+    // One arrival per warp on an `empty` barrier (pairs: on both CTAs'), once the warp's
+    // products reading it are done.
+    auto release = [&](uint32_t bar) {
+      __syncwarp();
+      if (lane == 0) {
+        tma_ptx::BarrierArrive(bar);
+        if constexpr (kPair) tma_ptx::BarrierArriveCluster(bar, cta_rank ^ 1);
       }
-      pack_p();
-      issue_pv(n);
-      wgmma::Wait<0>();
-      wgmma::FenceOperands(acc_o);
+    };
+    // fp8: this warpgroup's 64 rows of the raw tile at `raw` (ring offset) converted to T into
+    // the tile at `tile`; rows past the sequence's end become zeros (they may hold NaN).
+    auto convert = [&](uint32_t raw, uint32_t tile, int n) {
+      constexpr int kRawChunks = D / 16;
+      const int tile_lo = n * kBlockN;
+      const bool e4m3 = a.e4m3 != 0;
+      for (int i = wtid; i < 64 * kRawChunks; i += 128) {
+        const int r = 64 * consumer + i / kRawChunks;
+        const int c = i % kRawChunks;
+        uint32_t out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (tile_lo + r < seq_len) {
+          const uint4 codes =
+              *reinterpret_cast<const uint4*>(smem + (raw - smem_base) + r * D + c * 16);
+          ptx::Fp8ChunkTo<T>(codes, e4m3, out);
+        }
+        const int col = 16 * c;
+        uint8_t* const dst = smem + (tile - smem_base) + (col >> 6) * Traits::kKvPanelBytes;
+        *reinterpret_cast<uint4*>(dst + wgmma::SwizzledOffset128(r, col & 63)) =
+            make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(dst + wgmma::SwizzledOffset128(r, (col & 63) + 8)) =
+            make_uint4(out[4], out[5], out[6], out[7]);
+      }
+      wgmma::FenceSharedForAsyncProxy();
+    };
+    // K (V) of tile n ready for the products: its copy has landed; fp8: both consumers have
+    // converted their halves (hardware barrier 5 for K, 6 for V, of both warpgroups) and the
+    // raw slot is released at once.
+    auto ready_k = [&](int n) {
+      tma_ptx::BarrierWait(full_k(stage_of(n)), parity_of(n));
+      if constexpr (kFp8) {
+        convert(k_base + stage_of(n) * Traits::kRingTileBytes, k_tile_of(n), n);
+        wgmma::NamedBarrierSync(5, 256);
+        release(empty_k(stage_of(n)));
+      }
+    };
+    auto ready_v = [&](int n) {
+      tma_ptx::BarrierWait(full_v(stage_of(n)), parity_of(n));
+      if constexpr (kFp8) {
+        convert(v_base + stage_of(n) * Traits::kRingTileBytes, v_tile_of(n), n);
+        wgmma::NamedBarrierSync(6, 256);
+        release(empty_v(stage_of(n)));
+      }
+    };
+    // The ring slot of K (V) of tile n free again once the products that read it are done
+    // (fp8: already released when converted).
+    auto release_k = [&](int n) {
+      if constexpr (!kFp8) release(empty_k(stage_of(n)));
+    };
+    auto release_v = [&](int n) {
+      if constexpr (!kFp8) release(empty_v(stage_of(n)));
+    };
+    // A tile no row of this warpgroup sees: waited for (fp8: converted) and released, so
+    // that the producer's ring keeps its order.
+    auto pass = [&](int n) {
+      ready_k(n);
+      release_k(n);
+      ready_v(n);
       release_v(n);
-    }
-  } else if (u_begin < u_end) {
-    // The products of one tile overlap the softmax of the next: per tile n, S_n = Q K_n^T
-    // and O += P_{n-1} V_{n-1} are issued together, the softmax of S_n runs while the
-    // second is in flight, and O is rescaled (by tile n's alpha) once it is done.
-    float alpha[2];
-    turn_begin();
-    issue_s(u_begin);
-    turn_end();
-    wgmma::Wait<0>();
-    wgmma::FenceOperands(acc_s);
-    release_k(u_begin);
-    softmax(u_begin, alpha);  // O is still zero: nothing to rescale
-    pack_p();
-    for (int n = u_begin + 1; n < u_end; ++n) {
+    };
+
+    float acc_s[kBlockN / 2];
+    uint32_t pa[kBlockN / 16][4];
+    // S = Q K^T of tile n, issued and committed (not waited for).
+    auto issue_s = [&](int n) {
+      ready_k(n);
+      wgmma::Fence();
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k) {
+        wgmma::WgmmaSS<kBlockN, T>(acc_s, wgmma::KMajorStep(q_base, Traits::kQPanelBytes, k),
+                                   wgmma::KMajorStep(k_tile_of(n), Traits::kKvPanelBytes, k),
+                                   k > 0);
+      }
+      wgmma::Commit();
+    };
+    // O += P V of tile n (P in pa), issued and committed. V rows past the sequence's end are
+    // zeroed first (they may hold NaN; their P is 0).
+    auto issue_pv = [&](int n) {
+      ready_v(n);
+      const int tile_lo = n * kBlockN;
+      if (!kFp8 && tile_lo + kBlockN > seq_len) {
+        const int first = seq_len - tile_lo;
+        uint8_t* const tile = smem + (v_tile_of(n) - smem_base);
+        for (int i = wtid; i < (kBlockN - first) * kPanels * 8; i += 128) {
+          const int r = first + i / (kPanels * 8);
+          const int c = i % (kPanels * 8);
+          *reinterpret_cast<uint4*>(tile + (c >> 3) * Traits::kKvPanelBytes + r * 128 +
+                                    (((c & 7) ^ (r & 7)) << 4)) = make_uint4(0, 0, 0, 0);
+        }
+        wgmma::FenceSharedForAsyncProxy();
+        wgmma::NamedBarrierSync(1 + consumer, 128);
+      }
+      wgmma::Fence();
+#pragma unroll
+      for (int kc = 0; kc < kBlockN / 16; ++kc) {
+        wgmma::WgmmaRS<D, T, true>(
+            acc_o, pa[kc], wgmma::MnMajorStep(v_tile_of(n), Traits::kKvPanelBytes, kc), true);
+      }
+      wgmma::Commit();
+    };
+    // Scores of tile n in acc_s to base 2 (soft cap, ALiBi, mask, as prefill_attention.cuh),
+    // then the online softmax step: acc_s becomes P (not yet rounded), the running max and
+    // sum move on, alpha is the factor O must be rescaled by; returns whether any row of the
+    // warp has alpha != 1.
+    auto softmax = [&](int n, float(&alpha)[2]) {
+      const int tile_lo = n * kBlockN;
+      if (soft_cap) {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 2; ++j) {
+          const float x = acc_s[j] * inv_cap;
+          const float t = 1.0f - __fdividef(2.0f, FastExp2(x * (2.0f * kLog2e)) + 1.0f);
+          acc_s[j] = cap2 * t;
+        }
+      } else if (alibi) {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 2; ++j) acc_s[j] *= scale2;
+      }
+      if (alibi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float base = static_cast<float>(tile_lo + quad_col - row_qp[half]);
+#pragma unroll
+          for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              acc_s[4 * nb + 2 * half + e] +=
+                  row_slope2[half] * (base + static_cast<float>(nb * 8 + e));
+            }
+          }
+        }
+      }
+      if (tile_lo < wg_lo_max || tile_lo + kBlockN - 1 > wg_hi_min) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int lo = VisibleLo(p, row_qp[half]) - tile_lo - quad_col;
+          const int hi = VisibleHi(p, row_qp[half], seq_len) - tile_lo - quad_col;
+#pragma unroll
+          for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = nb * 8 + e;
+              if (col < lo || col > hi) acc_s[4 * nb + 2 * half + e] = kNegInf;
+            }
+          }
+        }
+      }
+      bool rescale = false;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = kNegInf;
+#pragma unroll
+        for (int nb = 0; nb < kBlockN / 8; ++nb) {
+          tile_max = fmaxf(tile_max, fmaxf(acc_s[4 * nb + 2 * half], acc_s[4 * nb + 2 * half + 1]));
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float new_max = fmaxf(row_max[half], tile_max);
+        // A row with no visible key so far keeps max -inf; subtract 0 so that exp2 gives 0.
+        const float use_max = new_max == kNegInf ? 0.0f : new_max;
+        alpha[half] = FastExp2((row_max[half] - use_max) * exp_scale);
+        rescale = rescale || alpha[half] != 1.0f;
+        row_max[half] = new_max;
+        const float neg_max_scaled = -use_max * exp_scale;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = 4 * nb + 2 * half + e;
+            const float pe = FastExp2(fmaf(acc_s[j], exp_scale, neg_max_scaled));
+            acc_s[j] = pe;
+            sum += pe;
+          }
+        }
+        row_sum[half] = row_sum[half] * alpha[half] + sum;
+      }
+      return __any_sync(0xffffffffu, rescale);
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+      for (int kc = 0; kc < kBlockN / 16; ++kc) wgmma::PackA<T>(acc_s, kc, pa[kc]);
+    };
+
+    // Ping-pong (kPrefillWgmmaPingPong): the two consumers take turns to issue their
+    // products, on two hardware barriers of both warpgroups (3: consumer 0's turn, 4:
+    // consumer 1's), so that one's softmax runs while the other's products do. Every
+    // consumer takes the same number of turns, (n_end - n_begin) + 1, a tile it does not
+    // see included; consumer 1 hands the first turn to consumer 0 and skips the hand-over
+    // after its last, so that every arrival is matched by a wait.
+    // fp8 caches run the serial schedule: both consumers convert every tile together.
+    const int schedule = kFp8 ? static_cast<int>(kPrefillWgmmaSerial) : a.schedule;
+    const bool ping_pong = schedule == kPrefillWgmmaPingPong;
+    const int turns = n_end - n_begin + 1;
+    int turn = 0;
+    auto turn_begin = [&]() {
+      if (ping_pong) wgmma::NamedBarrierSync(3 + consumer, 256);
+    };
+    auto turn_end = [&]() {
+      ++turn;
+      if (ping_pong && (consumer == 0 || turn < turns)) {
+        wgmma::NamedBarrierArrive(4 - consumer, 256);
+      }
+    };
+    if (ping_pong && consumer == 1) wgmma::NamedBarrierArrive(3, 256);
+    auto pass_turn = [&](int n) {
+      pass(n);
       turn_begin();
-      issue_s(n);
-      issue_pv(n - 1);
       turn_end();
-      wgmma::Wait<1>();
+    };
+
+    // The tiles before this warpgroup's first, then its own, then those after its last.
+    for (int n = n_begin; n < u_begin; ++n) pass_turn(n);
+    if (u_begin < u_end && schedule == kPrefillWgmmaSerial) {
+      // Per tile: S, softmax, O += P V, each waited for before the next.
+      for (int n = u_begin; n < u_end; ++n) {
+        float alpha[2];
+        issue_s(n);
+        wgmma::Wait<0>();
+        wgmma::FenceOperands(acc_s);
+        release_k(n);
+        if (softmax(n, alpha)) {
+#pragma unroll
+          for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
+        }
+        pack_p();
+        issue_pv(n);
+        wgmma::Wait<0>();
+        wgmma::FenceOperands(acc_o);
+        release_v(n);
+      }
+    } else if (u_begin < u_end) {
+      // The products of one tile overlap the softmax of the next: per tile n, S_n = Q K_n^T
+      // and O += P_{n-1} V_{n-1} are issued together, the softmax of S_n runs while the
+      // second is in flight, and O is rescaled (by tile n's alpha) once it is done.
+      float alpha[2];
+      turn_begin();
+      issue_s(u_begin);
+      turn_end();
+      wgmma::Wait<0>();
       wgmma::FenceOperands(acc_s);
-      release_k(n);
-      const bool rescale = softmax(n, alpha);
+      release_k(u_begin);
+      softmax(u_begin, alpha);  // O is still zero: nothing to rescale
+      pack_p();
+      for (int n = u_begin + 1; n < u_end; ++n) {
+        turn_begin();
+        issue_s(n);
+        issue_pv(n - 1);
+        turn_end();
+        wgmma::Wait<1>();
+        wgmma::FenceOperands(acc_s);
+        release_k(n);
+        const bool rescale = softmax(n, alpha);
+        wgmma::Wait<0>();
+        wgmma::FenceOperands(acc_o);
+        wgmma::FenceOperands(pa);
+        release_v(n - 1);
+        if (rescale) {
+#pragma unroll
+          for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
+        }
+        pack_p();
+      }
+      turn_begin();
+      issue_pv(u_end - 1);
+      turn_end();
       wgmma::Wait<0>();
       wgmma::FenceOperands(acc_o);
-      wgmma::FenceOperands(pa);
-      release_v(n - 1);
-      if (rescale) {
-#pragma unroll
-        for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
-      }
-      pack_p();
+      release_v(u_end - 1);
+    } else {
+      // No tile of its own: the extra turn the others take.
+      turn_begin();
+      turn_end();
     }
-    turn_begin();
-    issue_pv(u_end - 1);
-    turn_end();
-    wgmma::Wait<0>();
-    wgmma::FenceOperands(acc_o);
-    release_v(u_end - 1);
-  } else {
-    // No tile of its own: the extra turn the others take.
-    turn_begin();
-    turn_end();
-  }
-  for (int n = u_end; n < n_end; ++n) pass_turn(n);
+    for (int n = u_end; n < n_end; ++n) pass_turn(n);
 
-  // ---- Epilogue: normalise, fold the V scale, stage in this warpgroup's q panels, write.
-  if (wg_active) {
-    const float v_scale = ScaleOfHead(p.v_scale, p.num_scales, kv_head);
-    float inv[2];
+    // ---- Epilogue: normalise, fold the V scale, stage in this warpgroup's q panels, write.
+    if (wg_active) {
+      const float v_scale = ScaleOfHead(p.v_scale, p.num_scales, kv_head);
+      float inv[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float sum = row_sum[half];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      inv[half] = sum > 0.0f ? v_scale / sum : 0.0f;
-    }
+      for (int half = 0; half < 2; ++half) {
+        float sum = row_sum[half];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv[half] = sum > 0.0f ? v_scale / sum : 0.0f;
+      }
 #pragma unroll
-    for (int j = 0; j < D / 2; j += 2) {
-      const int half = (j >> 1) & 1;
-      const int m = 16 * warp_in_group + (lane >> 2) + 8 * half;
-      const int col = 8 * (j >> 2) + quad_col;
-      *reinterpret_cast<uint32_t*>(q_smem + (col >> 6) * Traits::kQPanelBytes +
-                                   wgmma::SwizzledOffset128(m, col & 63)) =
-          PackPair<T>(acc_o[j] * inv[half], acc_o[j + 1] * inv[half]);
+      for (int j = 0; j < D / 2; j += 2) {
+        const int half = (j >> 1) & 1;
+        const int m = 16 * warp_in_group + (lane >> 2) + 8 * half;
+        const int col = 8 * (j >> 2) + quad_col;
+        *reinterpret_cast<uint32_t*>(q_smem + (col >> 6) * Traits::kQPanelBytes +
+                                     wgmma::SwizzledOffset128(m, col & 63)) =
+            PackPair<T>(acc_o[j] * inv[half], acc_o[j + 1] * inv[half]);
+      }
+      wgmma::NamedBarrierSync(1 + consumer, 128);
+      T* const out = static_cast<T*>(p.out);
+      constexpr int kChunks = D / 8;
+      for (int i = wtid; i < 64 * kChunks; i += 128) {
+        const int m = i / kChunks;
+        const int c = i % kChunks;
+        const int r = wg_row0 + m;
+        if (r >= rows_total) continue;
+        const int t = r / group;
+        const int h = kv_head * group + (r - t * group);
+        T* const dst = out + (static_cast<int64_t>(bounds.q_start) + t) * p.o_token_stride +
+                       static_cast<int64_t>(h) * p.o_head_stride + c * 8;
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(
+            q_smem + (c >> 3) * Traits::kQPanelBytes +
+            wgmma::SwizzledOffset128(static_cast<uint32_t>(m), (c & 7) * 8));
+      }
     }
+    ring += n_end - n_begin;
+    // The q panels staged this unit's output: read by every thread of the warpgroup before
+    // the next unit's Q lands there.
     wgmma::NamedBarrierSync(1 + consumer, 128);
-    T* const out = static_cast<T*>(p.out);
-    constexpr int kChunks = D / 8;
-    for (int i = wtid; i < 64 * kChunks; i += 128) {
-      const int m = i / kChunks;
-      const int c = i % kChunks;
-      const int r = wg_row0 + m;
-      if (r >= rows_total) continue;
-      const int t = r / group;
-      const int h = kv_head * group + (r - t * group);
-      T* const dst = out + (static_cast<int64_t>(bounds.q_start) + t) * p.o_token_stride +
-                     static_cast<int64_t>(h) * p.o_head_stride + c * 8;
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(
-          q_smem + (c >> 3) * Traits::kQPanelBytes +
-          wgmma::SwizzledOffset128(static_cast<uint32_t>(m), (c & 7) * 8));
-    }
   }
   if constexpr (kPair) tma_ptx::ClusterSync();  // the other CTA's arrivals here are done
 #else

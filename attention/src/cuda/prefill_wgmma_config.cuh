@@ -26,6 +26,7 @@ struct PrefillWgmmaArgs {
   int32_t block_shift;  // log2(block_size)
   int32_t e4m3;         // fp8 caches: e4m3 (else e5m2)
   int32_t heads_outer;  // the grid's order: KV heads outer (else inner; PrefillWgmmaOrder)
+  int32_t persistent;   // CTAs that take unit after unit (else one each; PrefillWgmmaGrid)
 };
 
 // kPair: the layout of a CTA of a pair (PrefillWgmmaCluster::kPair), whose ring is deeper

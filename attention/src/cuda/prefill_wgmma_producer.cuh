@@ -43,7 +43,9 @@ struct ProducerTiles {
 };
 
 // Lane `lane` of warp 0 of the producer warpgroup (every lane of that warp calls it), after
-// the warpgroup lowered its registers (kProducerRegs). One TMA box per (page, 64-column
+// the warpgroup lowered its registers (kProducerRegs), for one unit; `ring` counts the
+// tiles put into the ring before it (the slot and its barriers' phase) and moves on by the
+// unit's. One TMA box per (page, 64-column
 // panel) of 16-bit rows, per page of whole raw fp8 rows.
 //
 // kPair (a cluster of two CTAs whose rows share the key tiles [n_begin, n_end)): CTA rank 0
@@ -54,11 +56,11 @@ struct ProducerTiles {
 // reads it.
 template <int D, bool kFp8, bool kPair, typename Traits>
 __device__ __forceinline__ void ProduceByTma(const PagedKernelParams& p, const CUtensorMap& k_map,
-                                             const CUtensorMap& v_map,
-                                             const PrefillWgmmaArgs& a, const ProducerTiles& t,
-                                             uint32_t k_base, uint32_t v_base,
+                                             const CUtensorMap& v_map, const PrefillWgmmaArgs& a,
+                                             const ProducerTiles& t, uint32_t k_base,
+                                             uint32_t v_base,
                                              const RingBarriers<Traits::kStages>& bars,
-                                             uint32_t cta_rank, int lane) {
+                                             uint32_t cta_rank, int lane, int& ring) {
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
   constexpr int kPanels = Traits::kPanels;
@@ -100,9 +102,9 @@ __device__ __forceinline__ void ProduceByTma(const PagedKernelParams& p, const C
   };
   int token = 0;
   int block = n_begin < n_end ? box_of(n_begin, &token) : 0;
-  for (int n = n_begin, it = 0; n < n_end; ++n, ++it) {
-    const int stage = it % kStages;
-    const uint32_t parity = ((it / kStages) & 1) ^ 1;
+  for (int n = n_begin; n < n_end; ++n, ++ring) {
+    const int stage = ring % kStages;
+    const uint32_t parity = ((ring / kStages) & 1) ^ 1;
     const int this_block = block;
     const int this_token = token;
     if (n + 1 < n_end) block = box_of(n + 1, &token);  // in flight during the waits
