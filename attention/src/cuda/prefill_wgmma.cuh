@@ -151,7 +151,9 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
   const int num_kv_heads = p.num_kv_heads;
   const int group = p.num_heads / num_kv_heads;
   const uint32_t cta_rank = kPair ? tma_ptx::ClusterCtaRank() : 0;
-  const UnitWalk walk = MakeUnitWalk<kPair>(p, a);
+  const UnitWalk walk =
+      MakeUnitWalk<kPair>(p, a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x),
+                          static_cast<int>(blockIdx.y));
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {

@@ -36,15 +36,16 @@ namespace prefill_wgmma {
 struct UnitWalk {
   int cluster;        // the CTA's index along x (pairs: its pair's)
   int clusters;       // persistent: CTAs (pairs) along x
+  int seq_y;          // one per CTA: the CTA's index along y (its sequence)
   int units_per_seq;  // num_kv_heads x row tiles (pairs: pairs of row tiles)
   int total;          // units_per_seq x num_seqs
   bool persistent;
 
   // false past this CTA's last round; else *u is the unit of round r, or -1 when the last
   // round has none for this CTA.
-  __device__ __forceinline__ bool At(int r, int* u) const {
+  __host__ __device__ __forceinline__ bool At(int r, int* u) const {
     if (!persistent) {
-      *u = static_cast<int>(blockIdx.y) * units_per_seq + cluster;
+      *u = seq_y * units_per_seq + cluster;
       return r == 0;
     }
     const int64_t base = static_cast<int64_t>(r) * clusters;
@@ -55,13 +56,17 @@ struct UnitWalk {
   }
 };
 
+// The walk of the CTA at (block_x, block_y) of a grid `grid_x` CTAs wide.
 template <bool kPair>
-__device__ __forceinline__ UnitWalk MakeUnitWalk(const PagedKernelParams& p,
-                                                 const PrefillWgmmaArgs& a) {
+__host__ __device__ __forceinline__ UnitWalk MakeUnitWalk(const PagedKernelParams& p,
+                                                          const PrefillWgmmaArgs& a,
+                                                          int block_x, int grid_x,
+                                                          int block_y) {
   constexpr int kCtas = kPair ? 2 : 1;
   UnitWalk w;
-  w.cluster = static_cast<int>(blockIdx.x) / kCtas;
-  w.clusters = static_cast<int>(gridDim.x) / kCtas;
+  w.cluster = block_x / kCtas;
+  w.clusters = grid_x / kCtas;
+  w.seq_y = block_y;
   w.units_per_seq = p.num_kv_heads * (a.num_m_tiles / kCtas);
   w.total = w.units_per_seq * p.num_seqs;  // the launcher checked that it fits
   w.persistent = a.persistent != 0;
