@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "gpu_test_util.h"
 #include "kvstream/attention/attention.h"
 #include "kvstream/attention/layer_registry.h"
 #include "kvstream/attention/metadata.h"
@@ -26,12 +27,6 @@ namespace kvstream {
 namespace {
 
 using ::testing::HasSubstr;
-
-#define SKIP_WITHOUT_GPU()                                          \
-  do {                                                              \
-    absl::Status gpu = CudaAvailability();                          \
-    if (!gpu.ok()) GTEST_SKIP() << "no usable GPU: " << gpu.message(); \
-  } while (0)
 
 Tensor Random(std::vector<int64_t> shape, DType dtype, uint32_t seed) {
   Tensor t = Tensor::Zeros(std::move(shape), dtype);
@@ -71,7 +66,7 @@ struct LayerCase {
 class CudaAttentionLayerTest : public ::testing::TestWithParam<LayerCase> {};
 
 TEST_P(CudaAttentionLayerTest, MatchesTheCpuLayer) {
-  SKIP_WITHOUT_GPU();
+  KVSTREAM_SKIP_WITHOUT_GPU();
   const LayerCase& c = GetParam();
   AttentionOptions o;
   o.num_heads = 8;

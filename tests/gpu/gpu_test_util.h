@@ -1,7 +1,8 @@
 // Helpers for the CUDA kernel tests: host <-> device copies into DeviceBuffers, and
 // DeviceAttnProblem, a device copy of one attention test problem (AttnProblem from
 // tests/unit/attention_test_util.h) with the host mirrors the CUDA path validates through,
-// plus the comparison of a device output with the golden CPU reference.
+// plus the comparison of a device output with the golden CPU reference, and
+// KVSTREAM_SKIP_WITHOUT_GPU().
 //
 // Copies use the legacy default stream (cudaMemcpy). Streams made by CudaStream::Create
 // synchronise with it, so uploads are ordered before kernels enqueued there, and a
@@ -30,6 +31,16 @@
 #include "kvstream/common/numeric.h"
 #include "kvstream/common/status_macros.h"
 #include "tests/unit/attention_test_util.h"
+
+// Skips the current test (GTEST_SKIP, so from a test body or SetUp) where no GPU can be
+// used, saying why: "no usable GPU: " and the message of CudaAvailability().
+#define KVSTREAM_SKIP_WITHOUT_GPU()                                             \
+  do {                                                                          \
+    const ::absl::Status kvstream_gpu_status_ = ::kvstream::CudaAvailability(); \
+    if (!kvstream_gpu_status_.ok()) {                                           \
+      GTEST_SKIP() << "no usable GPU: " << kvstream_gpu_status_.message();      \
+    }                                                                           \
+  } while (0)
 
 namespace kvstream {
 namespace gpu_test {

@@ -24,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
+#include "gpu_test_util.h"
 #include "gtest/gtest.h"
 #include "kvstream/common/cuda_resources.h"
 #include "kvstream/common/cuda_status.h"
@@ -51,12 +52,6 @@ UcxTransportOptions Options(const std::string& tls) {
   options.staged_slots = kSlots;
   return options;
 }
-
-#define SKIP_WITHOUT_GPU()                                                    \
-  do {                                                                        \
-    absl::Status available = CudaAvailability();                              \
-    if (!available.ok()) GTEST_SKIP() << "no usable GPU: " << available;     \
-  } while (0)
 
 // Blocks of `block` bytes from shuffled source slots to shuffled destination slots.
 std::vector<Segment> Scattered(size_t count, uint64_t block, size_t pool_blocks, uint32_t seed) {
@@ -112,7 +107,7 @@ class UcxStagedPairTest : public ::testing::TestWithParam<std::string> {
   static constexpr uint64_t kBytes = kBlock * kPoolBlocks;
 
   void SetUp() override {
-    SKIP_WITHOUT_GPU();
+    KVSTREAM_SKIP_WITHOUT_GPU();
     auto p = CreateUcxTransport(Options(GetParam()));
     auto d = CreateUcxTransport(Options(GetParam()));
     ASSERT_TRUE(p.ok()) << p.status();
@@ -361,7 +356,7 @@ class UcxStagedProcessTest : public ::testing::TestWithParam<std::string> {
   static constexpr uint64_t kBytes = kBlock * kPoolBlocks;
 
   void SetUp() override {
-    SKIP_WITHOUT_GPU();
+    KVSTREAM_SKIP_WITHOUT_GPU();
     auto child = test::ChildProcess::Spawn(
         {KVSTREAM_UCX_STAGED_PEER_BINARY, "--tls=" + GetParam(), absl::StrCat("--bytes=", kBytes),
          absl::StrCat("--chunk=", kChunk), absl::StrCat("--slots=", kSlots)});
