@@ -37,7 +37,8 @@ namespace {
 using ::kvstream::gpu_test::AbsTolerance;
 using ::kvstream::gpu_test::ClusterName;
 using ::kvstream::gpu_test::DeviceRunsWgmma;
-using ::kvstream::gpu_test::ExpectGpuMatchesReference;
+using ::kvstream::gpu_test::ExpectAllVariantsMatchReference;
+using ::kvstream::gpu_test::ExpectWgmmaMatchesReference;
 using ::kvstream::gpu_test::GpuIo;
 using ::kvstream::gpu_test::kClusters;
 using ::kvstream::gpu_test::kSchedules;
@@ -93,11 +94,21 @@ TEST_P(CudaPrefillWgmmaEdgeTest, MatchesReference) {
                 {2 * b + 1, 40}, {5, 0},       {0, 300}};
       c.seed = static_cast<uint32_t>(block_size * 31 + head_size);
       AttnProblem pb(c);
-      // Both grid orders, a CTA (pair) per unit and persistent grids: every (sequence, KV
-      // head, row tile) computed once either way, the pairs' partners included. Persistent
-      // grids of 3 and 7 CTAs (pairs): each walks many units in both directions of the
+      // The reference once; every variant in the default grid, then the wgmma kernel in both
+      // grid orders, a CTA (pair) per unit and persistent grids: every (sequence, KV head,
+      // row tile) computed once either way, the pairs' partners included. Persistent grids
+      // of 3 and 7 CTAs (pairs): each walks many units in both directions of the
       // serpentine, its ring and barriers carried from unit to unit, and some have none
       // in the last round.
+      std::vector<uint8_t> ref_out = pb.NewOut();
+      const absl::Status ref_status = RunAttentionReference(pb.params(ref_out));
+      ASSERT_TRUE(ref_status.ok()) << ref_status;
+      {
+        GpuIo io;
+        io.dense = true;
+        ExpectAllVariantsMatchReference(pb, ref_out, io);
+        if (HasFailure()) return;
+      }
       for (internal::PrefillWgmmaOrder order :
            {internal::PrefillWgmmaOrder::kHeadsInner, internal::PrefillWgmmaOrder::kHeadsOuter}) {
         for (int max_ctas : {-1, 3, 7}) {
@@ -111,7 +122,7 @@ TEST_P(CudaPrefillWgmmaEdgeTest, MatchesReference) {
           io.grid = max_ctas < 0 ? internal::PrefillWgmmaGrid::kPerUnit
                                  : internal::PrefillWgmmaGrid::kPersistent;
           io.max_ctas = max_ctas < 0 ? 0 : max_ctas;
-          ExpectGpuMatchesReference(pb, io);
+          ExpectWgmmaMatchesReference(pb, ref_out, io);
           if (HasFailure()) return;
         }
       }

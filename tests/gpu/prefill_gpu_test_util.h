@@ -285,28 +285,44 @@ inline void ExpectVariantMatchesReference(testing_util::AttnProblem& pb,
 // it applies, failing if it does not where FastVariantExpected says it must; the wgmma
 // kernel likewise, in every schedule and clustering) and compares every output element;
 // checks that nothing outside the batch's rows was written and that no NaN appeared.
+// The wgmma kernel on `pb` in every clustering and schedule, with io's grid order and grid,
+// against the reference output `ref_out`.
+inline void ExpectWgmmaMatchesReference(testing_util::AttnProblem& pb,
+                                        const std::vector<uint8_t>& ref_out, const GpuIo& io) {
+  GpuIo variant_io = io;
+  variant_io.variant = internal::PrefillVariant::kWgmma;
+  for (internal::PrefillWgmmaCluster cluster : kClusters) {  // every schedule and clustering
+    for (internal::PrefillWgmmaSchedule schedule : kSchedules) {
+      SCOPED_TRACE(absl::StrCat("wgmma variant, ", ClusterName(cluster), ", ",
+                                ScheduleName(schedule), " schedule"));
+      variant_io.schedule = schedule;
+      variant_io.cluster = cluster;
+      ExpectVariantMatchesReference(pb, ref_out, variant_io);
+    }
+  }
+}
+
+// Every variant (AllVariants) on `pb` against the reference output `ref_out`.
+inline void ExpectAllVariantsMatchReference(testing_util::AttnProblem& pb,
+                                            const std::vector<uint8_t>& ref_out,
+                                            const GpuIo& io) {
+  for (internal::PrefillVariant variant : AllVariants()) {
+    if (variant == internal::PrefillVariant::kWgmma) {
+      ExpectWgmmaMatchesReference(pb, ref_out, io);
+      continue;
+    }
+    GpuIo variant_io = io;
+    variant_io.variant = variant;
+    SCOPED_TRACE(absl::StrCat(VariantName(variant), " variant"));
+    ExpectVariantMatchesReference(pb, ref_out, variant_io);
+  }
+}
+
 inline void ExpectGpuMatchesReference(testing_util::AttnProblem& pb, const GpuIo& io = {}) {
   std::vector<uint8_t> ref_out = pb.NewOut();
   const absl::Status ref_status = RunAttentionReference(pb.params(ref_out));
   ASSERT_TRUE(ref_status.ok()) << ref_status;
-  for (internal::PrefillVariant variant : AllVariants()) {
-    GpuIo variant_io = io;
-    variant_io.variant = variant;
-    if (variant != internal::PrefillVariant::kWgmma) {
-      SCOPED_TRACE(absl::StrCat(VariantName(variant), " variant"));
-      ExpectVariantMatchesReference(pb, ref_out, variant_io);
-      continue;
-    }
-    for (internal::PrefillWgmmaCluster cluster : kClusters) {  // every schedule and clustering
-      for (internal::PrefillWgmmaSchedule schedule : kSchedules) {
-        SCOPED_TRACE(absl::StrCat("wgmma variant, ", ClusterName(cluster), ", ",
-                                  ScheduleName(schedule), " schedule"));
-        variant_io.schedule = schedule;
-        variant_io.cluster = cluster;
-        ExpectVariantMatchesReference(pb, ref_out, variant_io);
-      }
-    }
-  }
+  ExpectAllVariantsMatchReference(pb, ref_out, io);
 }
 
 }  // namespace gpu_test

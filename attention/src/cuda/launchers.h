@@ -44,14 +44,15 @@ enum class PrefillVariant {
 enum class PrefillWgmmaSchedule { kDefault, kSerial, kOverlap, kPingPong };
 // How the wgmma kernel's CTAs load K and V (prefill_wgmma.cuh): each its own tiles
 // (kSingle), or in clusters of two CTAs with adjacent row tiles of one KV head that share
-// them, each loading half and multicasting it to both (kPair). kDefault: kSingle
+// them, each loading half and multicasting it to both (kPair). kDefault: kPair for 16-bit
+// caches of head size 64 or 128 in pages of fewer than 64 keys, else kSingle
 // (prefill_wgmma.cu says why).
 enum class PrefillWgmmaCluster { kDefault, kSingle, kPair };
 // The order of the wgmma kernel's grid, row tiles of a sequence from the last: KV heads
 // inner (the CTAs of every KV head of a row tile together, as the mma.sync kernel) or outer
 // (every row tile of one KV head first, so that the CTAs resident together read one head's
 // K and V: 16 MiB at 32k tokens of d128 bf16, where all 8 heads' 128 MiB exceed an
-// H100's or H200's 50 MiB L2). kDefault: kHeadsInner (outer is not yet measured).
+// H100's or H200's 50 MiB L2). kDefault: kHeadsOuter (prefill_wgmma.cu says why).
 enum class PrefillWgmmaOrder { kDefault, kHeadsInner, kHeadsOuter };
 // How the wgmma kernel's CTAs take their units (prefill_wgmma_units.cuh): one CTA (pair)
 // per unit, started by the hardware as others end (kPerUnit), or as many CTAs as the device

@@ -209,11 +209,15 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
     default: args.schedule = -1; break;
   }
   args.box_tokens = p.block_size < block_n ? p.block_size : block_n;
-  // kDefault: single CTAs. Pairs ran block size 16 faster on the H100 (ping-pong 568
-  // TFLOP/s against 521-528, 8k causal; docs/benchmarks.md) with their three-stage ring,
-  // which has not yet run the GPU tests' grids; block size 64 ran no faster (572 against
-  // 581), nor did two-stage pairs (390-404; fp8 221 against 296).
-  const bool pair = cluster == PrefillWgmmaCluster::kPair;
+  // kDefault (BM_Prefill on the H100, docs/benchmarks.md): pairs where their three-stage
+  // ring fits (16-bit caches, head sizes 64 and 128) over pages of fewer than 64 keys,
+  // whose many small boxes they halve per producer (block size 16: 7-10% faster, 4k-32k);
+  // single CTAs elsewhere (block size 64: pairs 0-5% slower; fp8 and two-stage pairs
+  // slower still).
+  const bool fp8 = IsFp8(cache_dtype);
+  const bool pair = cluster == PrefillWgmmaCluster::kPair ||
+                    (cluster == PrefillWgmmaCluster::kDefault && !fp8 && p.head_size <= 128 &&
+                     p.block_size < 64);
   // Pairs take row tiles two by two (a CTA past the rows of its sequence exits, or, beside
   // one with rows, only loads).
   const int m_tiles = cuda::ChoosePrefillOptions(p, cache_dtype).num_m_tiles;
@@ -224,7 +228,11 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
                                                    " sequences do not fit a grid"));
   }
   args.e4m3 = cache_dtype == DType::kFloat8E4M3;
-  args.heads_outer = order == PrefillWgmmaOrder::kHeadsOuter ? 1 : 0;
+  // kDefault: KV heads outer (0-2% faster than inner at every length and page size, 2% at
+  // 32k tokens) and a CTA per unit (persistent CTAs gain 1-3% up to 8k tokens with the
+  // heads inner but walk units of one head from long to short in every round with the
+  // heads outer, which their fixed order cannot balance: 0.6x).
+  args.heads_outer = order != PrefillWgmmaOrder::kHeadsInner ? 1 : 0;
   args.persistent = options.wgmma_grid == PrefillWgmmaGrid::kPersistent ? 1 : 0;
   if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens, pair);
   args.block_shift = ptx::Log2IfPowerOfTwo(p.block_size);
@@ -236,7 +244,7 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
                              cache_dtype, args.box_tokens));
   const bool bf16 = q_dtype == DType::kBFloat16;
   const int max_ctas = options.wgmma_max_ctas;
-  if (IsFp8(cache_dtype)) {
+  if (fp8) {
     return pair ? LaunchForHeadSize<true, true>(p, bf16, k_map, v_map, args, max_ctas, stream)
                 : LaunchForHeadSize<true, false>(p, bf16, k_map, v_map, args, max_ctas, stream);
   }
