@@ -211,7 +211,8 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
   args.box_tokens = p.block_size < block_n ? p.block_size : block_n;
   // kDefault (BM_Prefill on the H100, docs/benchmarks.md): pairs where their three-stage
   // ring fits (16-bit caches, head sizes 64 and 128) over pages of fewer than 64 keys,
-  // whose many small boxes they halve per producer (block size 16: 7-10% faster, 4k-32k);
+  // whose many small boxes they halve per producer (block size 16: 7-10% faster from 8k
+  // tokens up, 2-3% at 4k);
   // single CTAs elsewhere (block size 64: pairs 0-5% slower; fp8 and two-stage pairs
   // slower still).
   const bool fp8 = IsFp8(cache_dtype);
