@@ -45,8 +45,8 @@ struct ProducerTiles {
 // Lane `lane` of warp 0 of the producer warpgroup (every lane of that warp calls it), after
 // the warpgroup lowered its registers (kProducerRegs), for one unit; `ring` counts the
 // tiles put into the ring before it (the slot and its barriers' phase) and moves on by the
-// unit's. One TMA box per (page, 64-column
-// panel) of 16-bit rows, per page of whole raw fp8 rows.
+// unit's. One TMA box per (page, 64-column panel) of 16-bit rows, per page of whole raw
+// fp8 rows.
 //
 // kPair (a cluster of two CTAs whose rows share the key tiles [n_begin, n_end)): CTA rank 0
 // copies every K tile and rank 1 every V tile, each box multicast into the same slot of
