@@ -143,7 +143,10 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
   auto empty_v = [&](int s) { return bars.empty_v(s); };
 
   const int tid = static_cast<int>(threadIdx.x);
-  const int warpgroup = tid / 128;
+  // Broadcast from lane 0 so that the compiler knows it is the same in every lane of a warp:
+  // what derives from it (the consumer's Q panels and its products' descriptors) can then
+  // live in uniform registers.
+  const int warpgroup = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int lane = tid & 31;
 
   // ---- The units this CTA computes (prefill_wgmma_units.cuh): one, or (persistent) one
@@ -364,15 +367,19 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
 
     float acc_s[kBlockN / 2];
     uint32_t pa[kBlockN / 16][4];
+    // The products' shared-memory descriptors: built once (Q) or once per tile (K, V), each
+    // k16 step a constant added to the start address (DescriptorPlus).
+    const uint64_t q_desc = wgmma::KMajorDescriptor(q_base);
     // S = Q K^T of tile n, issued and committed (not waited for).
     auto issue_s = [&](int n) {
       ready_k(n);
+      const uint64_t k_desc = wgmma::KMajorDescriptor(k_tile_of(n));
       wgmma::Fence();
 #pragma unroll
       for (int k = 0; k < D / 16; ++k) {
-        wgmma::WgmmaSS<kBlockN, T>(acc_s, wgmma::KMajorStep(q_base, Traits::kQPanelBytes, k),
-                                   wgmma::KMajorStep(k_tile_of(n), Traits::kKvPanelBytes, k),
-                                   k > 0);
+        wgmma::WgmmaSS<kBlockN, T>(
+            acc_s, wgmma::DescriptorPlus(q_desc, wgmma::KMajorStepBytes(Traits::kQPanelBytes, k)),
+            wgmma::DescriptorPlus(k_desc, wgmma::KMajorStepBytes(Traits::kKvPanelBytes, k)), k > 0);
       }
       wgmma::Commit();
     };
@@ -393,19 +400,22 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
         wgmma::FenceSharedForAsyncProxy();
         wgmma::NamedBarrierSync(1 + consumer, 128);
       }
+      const uint64_t v_desc = wgmma::MnMajorDescriptor(v_tile_of(n), Traits::kKvPanelBytes);
       wgmma::Fence();
 #pragma unroll
       for (int kc = 0; kc < kBlockN / 16; ++kc) {
         wgmma::WgmmaRS<D, T, true>(
-            acc_o, pa[kc], wgmma::MnMajorStep(v_tile_of(n), Traits::kKvPanelBytes, kc), true);
+            acc_o, pa[kc], wgmma::DescriptorPlus(v_desc, wgmma::MnMajorStepBytes(kc)), true);
       }
       wgmma::Commit();
     };
-    // Scores of tile n in acc_s to base 2 (soft cap, ALiBi, mask, as prefill_attention.cuh),
-    // then the online softmax step: acc_s becomes P (not yet rounded), the running max and
-    // sum move on, alpha is the factor O must be rescaled by; returns whether any row of the
-    // warp has alpha != 1.
-    auto softmax = [&](int n, float(&alpha)[2]) {
+    // The online softmax of tile n in two steps. scores_max: the scores in acc_s to base 2
+    // (soft cap, ALiBi, mask, as prefill_attention.cuh), the rows' new running max, and
+    // alpha, the factor O and the sums must be rescaled by; returns whether any row of the
+    // warp has alpha != 1. scores_exp: acc_s becomes P (not yet rounded) and the sums move
+    // on.
+    float neg_max_scaled[2];
+    auto scores_max = [&](int n, float(&alpha)[2]) {
       const int tile_lo = n * kBlockN;
       if (soft_cap) {
 #pragma unroll
@@ -450,11 +460,15 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
       bool rescale = false;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float tile_max = kNegInf;
+        // Four chains of maxima, not one of kBlockN / 4 dependent steps (fmaxf is exact: the
+        // order does not change the result).
+        float m[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
 #pragma unroll
         for (int nb = 0; nb < kBlockN / 8; ++nb) {
-          tile_max = fmaxf(tile_max, fmaxf(acc_s[4 * nb + 2 * half], acc_s[4 * nb + 2 * half + 1]));
+          m[nb & 3] =
+              fmaxf(m[nb & 3], fmaxf(acc_s[4 * nb + 2 * half], acc_s[4 * nb + 2 * half + 1]));
         }
+        float tile_max = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
         const float new_max = fmaxf(row_max[half], tile_max);
@@ -463,33 +477,42 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
         alpha[half] = FastExp2((row_max[half] - use_max) * exp_scale);
         rescale = rescale || alpha[half] != 1.0f;
         row_max[half] = new_max;
-        const float neg_max_scaled = -use_max * exp_scale;
+        neg_max_scaled[half] = -use_max * exp_scale;
+      }
+      return __any_sync(0xffffffffu, rescale);
+    };
+    auto scores_exp = [&](const float(&alpha)[2]) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
         float sum = 0.0f;
 #pragma unroll
         for (int nb = 0; nb < kBlockN / 8; ++nb) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int j = 4 * nb + 2 * half + e;
-            const float pe = FastExp2(fmaf(acc_s[j], exp_scale, neg_max_scaled));
+            const float pe = FastExp2(fmaf(acc_s[j], exp_scale, neg_max_scaled[half]));
             acc_s[j] = pe;
             sum += pe;
           }
         }
         row_sum[half] = row_sum[half] * alpha[half] + sum;
       }
-      return __any_sync(0xffffffffu, rescale);
+    };
+    auto rescale_o = [&](const float(&alpha)[2]) {
+#pragma unroll
+      for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
     };
     auto pack_p = [&]() {
 #pragma unroll
       for (int kc = 0; kc < kBlockN / 16; ++kc) wgmma::PackA<T>(acc_s, kc, pa[kc]);
     };
 
-    // Ping-pong (kPrefillWgmmaPingPong): the two consumers take turns to issue their
-    // products, on two hardware barriers of both warpgroups (3: consumer 0's turn, 4:
-    // consumer 1's), so that one's softmax runs while the other's products do. Every
-    // consumer takes the same number of turns, (n_end - n_begin) + 1, a tile it does not
-    // see included; consumer 1 hands the first turn to consumer 0 and skips the hand-over
-    // after its last, so that every arrival is matched by a wait.
+    // Ping-pong (kPrefillWgmmaPingPong): the overlap schedule with the two consumers taking
+    // turns to issue their products, on two hardware barriers of both warpgroups (3:
+    // consumer 0's turn, 4: consumer 1's), so that one's softmax runs while the other's
+    // products do. Every consumer takes the same number of turns, (n_end - n_begin) + 1, a
+    // tile it does not see included; consumer 1 hands the first turn to consumer 0 and skips
+    // the hand-over after its last, so that every arrival is matched by a wait.
     // fp8 caches run the serial schedule: both consumers convert every tile together.
     const int schedule = kFp8 ? static_cast<int>(kPrefillWgmmaSerial) : a.schedule;
     const bool ping_pong = schedule == kPrefillWgmmaPingPong;
@@ -521,10 +544,9 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
         wgmma::Wait<0>();
         wgmma::FenceOperands(acc_s);
         release_k(n);
-        if (softmax(n, alpha)) {
-#pragma unroll
-          for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
-        }
+        const bool rescale = scores_max(n, alpha);
+        scores_exp(alpha);
+        if (rescale) rescale_o(alpha);
         pack_p();
         issue_pv(n);
         wgmma::Wait<0>();
@@ -532,9 +554,12 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
         release_v(n);
       }
     } else if (u_begin < u_end) {
-      // The products of one tile overlap the softmax of the next: per tile n, S_n = Q K_n^T
-      // and O += P_{n-1} V_{n-1} are issued together, the softmax of S_n runs while the
-      // second is in flight, and O is rescaled (by tile n's alpha) once it is done.
+      // Overlap and ping-pong: per tile n, S_n = Q K_n^T and O += P_{n-1} V_{n-1} are issued
+      // together, the softmax of S_n follows, and O is rescaled (by tile n's alpha) once the
+      // second product is done. (FlashAttention-3 runs the softmax while P V is in flight;
+      // here ptxas places the wait for both products before the softmax, because it gives the
+      // softmax's temporaries the registers that P V still reads, so the two products are
+      // queued together but the softmax does not overlap them.)
       float alpha[2];
       turn_begin();
       issue_s(u_begin);
@@ -542,7 +567,8 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
       wgmma::Wait<0>();
       wgmma::FenceOperands(acc_s);
       release_k(u_begin);
-      softmax(u_begin, alpha);  // O is still zero: nothing to rescale
+      scores_max(u_begin, alpha);
+      scores_exp(alpha);  // O is still zero: nothing to rescale
       pack_p();
       for (int n = u_begin + 1; n < u_end; ++n) {
         turn_begin();
@@ -552,15 +578,13 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
         wgmma::Wait<1>();
         wgmma::FenceOperands(acc_s);
         release_k(n);
-        const bool rescale = softmax(n, alpha);
+        const bool rescale = scores_max(n, alpha);
+        scores_exp(alpha);
         wgmma::Wait<0>();
         wgmma::FenceOperands(acc_o);
         wgmma::FenceOperands(pa);
         release_v(n - 1);
-        if (rescale) {
-#pragma unroll
-          for (int j = 0; j < D / 2; ++j) acc_o[j] *= alpha[(j >> 1) & 1];
-        }
+        if (rescale) rescale_o(alpha);
         pack_p();
       }
       turn_begin();

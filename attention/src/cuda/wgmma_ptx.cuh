@@ -55,18 +55,46 @@ __device__ __forceinline__ uint64_t Descriptor128(uint32_t start, uint32_t leadi
   return desc;
 }
 
+// The byte offset of k16 step `k` of a K-major operand whose 64-column panels lie
+// `panel_bytes` apart: 32 bytes a step within a panel, the next panel after 4 steps.
+__host__ __device__ constexpr uint32_t KMajorStepBytes(uint32_t panel_bytes, int k) {
+  return static_cast<uint32_t>(k >> 2) * panel_bytes + static_cast<uint32_t>(k & 3) * 32;
+}
+// The byte offset of k16 step `k` (rows 16 k .. 16 k + 15) of an MN-major operand.
+__host__ __device__ constexpr uint32_t MnMajorStepBytes(int k) {
+  return static_cast<uint32_t>(k) * 2048;
+}
+
+// The descriptor of k16 step 0 of a K-major operand whose 64-column panels start at `base`
+// (shared address, 1024-byte aligned); DescriptorPlus(it, KMajorStepBytes(...)) is step k.
+__device__ __forceinline__ uint64_t KMajorDescriptor(uint32_t base) {
+  return Descriptor128(base, 16, 1024);
+}
+// The descriptor of k16 step 0 of an MN-major operand whose 64-column panels start at
+// `base` and lie `panel_bytes` apart; DescriptorPlus(it, MnMajorStepBytes(k)) is step k.
+__device__ __forceinline__ uint64_t MnMajorDescriptor(uint32_t base, uint32_t panel_bytes) {
+  return Descriptor128(base, panel_bytes, 1024);
+}
+
+// `desc` with its start address `bytes` further (a multiple of 16, the result still a
+// shared address below 256 KiB, as every shared address of a CTA is): the start-address
+// field (bits 0-13) holds the address / 16, so the sum stays inside it and only the low word
+// changes; one integer add where the step is a constant, instead of rebuilding every field.
+__device__ __forceinline__ uint64_t DescriptorPlus(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // The descriptor of k16 step `k` of a K-major operand whose 64-column panels start at
 // `base` (shared address, 1024-byte aligned) and lie `panel_bytes` apart.
 __device__ __forceinline__ uint64_t KMajorStep(uint32_t base, uint32_t panel_bytes, int k) {
-  return Descriptor128(base + static_cast<uint32_t>(k >> 2) * panel_bytes +
-                           static_cast<uint32_t>(k & 3) * 32,
-                       16, 1024);
+  return Descriptor128(base + KMajorStepBytes(panel_bytes, k), 16, 1024);
 }
 
 // The descriptor of k16 step `k` (rows 16 k .. 16 k + 15) of an MN-major operand whose
 // 64-column panels start at `base` and lie `panel_bytes` apart.
 __device__ __forceinline__ uint64_t MnMajorStep(uint32_t base, uint32_t panel_bytes, int k) {
-  return Descriptor128(base + static_cast<uint32_t>(k) * 2048, panel_bytes, 1024);
+  return Descriptor128(base + MnMajorStepBytes(k), panel_bytes, 1024);
 }
 
 // Orders the warpgroup's earlier register writes (accumulators, A fragments) before the
