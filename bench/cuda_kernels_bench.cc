@@ -562,7 +562,9 @@ void BM_PagedRead(benchmark::State& state) {
 // fast variant; 2: the wgmma kernel (sm_90a), single CTAs; 3: the wgmma kernel, CTA pairs
 // (PrefillWgmmaCluster); the wgmma kernel with its default schedule for that clustering,
 // `heads_outer` 0 or 1: its grid's KV heads inner or outer (PrefillWgmmaOrder), and
-// `persistent` 0 or 1: a CTA (pair) per unit or persistent CTAs (PrefillWgmmaGrid).
+// `persistent` 0 or 1: a CTA (pair) per unit or persistent CTAs (PrefillWgmmaGrid), and
+// `schedule` 0 for the launcher's default or 1, 2, 3 for serial, overlap and ping-pong
+// (PrefillWgmmaSchedule, in the enum's order).
 void BM_Prefill(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
@@ -571,6 +573,7 @@ void BM_Prefill(benchmark::State& state) {
   const int64_t kernel = state.range(2);
   const bool heads_outer = state.range(3) != 0;
   const bool persistent = state.range(4) != 0;
+  const auto schedule = static_cast<internal::PrefillWgmmaSchedule>(state.range(5));
   if (kernel >= 2 && !(gpu->compute_major == 9 && internal::PrefillWgmmaCompiled())) {
     state.SkipWithError("the wgmma kernel needs compute capability 9.0 and a build for sm_90a");
     return;
@@ -594,6 +597,7 @@ void BM_Prefill(benchmark::State& state) {
         heads_outer ? internal::PrefillWgmmaOrder::kHeadsOuter : internal::PrefillWgmmaOrder::kHeadsInner;
     options.wgmma_grid =
         persistent ? internal::PrefillWgmmaGrid::kPersistent : internal::PrefillWgmmaGrid::kPerUnit;
+    options.wgmma_schedule = schedule;
     const auto enqueue = [&] {
       return internal::LaunchPrefillAttention(kp, DType::kBFloat16, DType::kBFloat16,
                                               DType::kBFloat16, options,
@@ -674,20 +678,22 @@ BENCHMARK(BM_PagedRead)
     ->Iterations(kIterations)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Prefill)
-    ->ArgNames({"tokens", "block", "kernel", "heads_outer", "persistent"})
+    ->ArgNames({"tokens", "block", "kernel", "heads_outer", "persistent", "schedule"})
     ->Apply([](benchmark::internal::Benchmark* b) {
-      b->Args({8192, 16, 0, 0, 0});
-      b->Args({8192, 16, 1, 0, 0});
-      // The wgmma kernel's clusterings, grid orders and grids side by side, per length and
-      // page size.
+      b->Args({8192, 16, 0, 0, 0, 0});
+      b->Args({8192, 16, 1, 0, 0, 0});
+      // The wgmma kernel's clusterings, grid orders, grids and schedules side by side, per
+      // length and page size.
       for (const int64_t tokens : {4096, 8192, 16384, 32768}) {
         for (const int64_t block : {16, 64}) {
           for (const int64_t kernel : {2, 3}) {
             for (const int64_t outer : {0, 1}) {
               for (const int64_t persistent : {0, 1}) {
-                b->Args({tokens, block, kernel, outer, persistent});
+                b->Args({tokens, block, kernel, outer, persistent, 0});
               }
             }
+            for (const int64_t schedule : {1, 2, 3})
+              b->Args({tokens, block, kernel, 1, 0, schedule});
           }
         }
       }

@@ -27,12 +27,10 @@ namespace {
 
 namespace pw = prefill_wgmma;
 constexpr char kWhat[] = "cuda prefill attention (wgmma)";
-// PrefillWgmmaSchedule::kDefault (docs/benchmarks.md, 8k causal): ping-pong for pairs and
-// from 64-key pages up (H200, single CTAs, block size 64: 571 TFLOP/s against 545 serial and
-// 502 overlap); serial for single CTAs over smaller pages (515-520 against 495-504
-// ping-pong at block size 16).
-int DefaultSchedule(int box_tokens, bool pair) {
-  return pair || box_tokens >= 64 ? pw::kPrefillWgmmaPingPong : pw::kPrefillWgmmaSerial;
+// PrefillWgmmaSchedule::kDefault (docs/benchmarks.md, "The softmax and the products'
+// descriptors"): overlap for single CTAs, ping-pong for pairs.
+int DefaultSchedule(bool pair) {
+  return pair ? pw::kPrefillWgmmaPingPong : pw::kPrefillWgmmaOverlap;
 }
 
 absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* cache,
@@ -235,7 +233,7 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
   // to short, which their fixed order cannot balance: 0.6x).
   args.heads_outer = order != PrefillWgmmaOrder::kHeadsInner ? 1 : 0;
   args.persistent = options.wgmma_grid == PrefillWgmmaGrid::kPersistent ? 1 : 0;
-  if (args.schedule < 0) args.schedule = DefaultSchedule(args.box_tokens, pair);
+  if (args.schedule < 0) args.schedule = DefaultSchedule(pair);
   args.block_shift = ptx::Log2IfPowerOfTwo(p.block_size);
   ASSIGN_OR_RETURN(const CUtensorMap k_map,
                    EncodeMap(p, p.k_cache, p.k_block_stride, p.k_token_stride, p.k_head_stride,
