@@ -32,10 +32,11 @@
 //     P to A fragments in registers; wait for V; O += P V (kBlockN / 16 wgmma with A from
 //     registers, V MN-major); release V. A consumer whose rows see none of a tile's keys
 //     only waits and releases. Three schedules (PrefillWgmmaSchedule, chosen per launch):
-//     serial, as just said; overlap, where S of tile n and P V of tile n - 1 are in
-//     flight together while the softmax of tile n runs (FlashAttention-3's intra-warpgroup
-//     overlap); ping-pong, the overlap with the two consumers issuing their products in
-//     turns, so that one's softmax runs while the other's products do.
+//     serial, as just said; overlap, where S of tile n and P V of tile n - 1 are issued
+//     together (FlashAttention-3's intra-warpgroup overlap, except that ptxas waits for both
+//     before the softmax of tile n: see the loop); ping-pong, the overlap with the two
+//     consumers issuing their products in turns, so that one's softmax runs while the
+//     other's products do.
 //
 // Pairs (kPair; PrefillWgmmaCluster::kPair): clusters of two CTAs of the same (sequence, KV
 // head) and adjacent row tiles walk the same key tiles (the union of their visible ranges;
