@@ -33,11 +33,9 @@ int DefaultSchedule(bool pair) {
   return pair ? pw::kPrefillWgmmaPingPong : pw::kPrefillWgmmaOverlap;
 }
 
-// `whole_rows`: a box takes every 64-column half of its tokens (V's boxes; K's take one).
 absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* cache,
                                       int64_t block_stride, int64_t token_stride,
-                                      int64_t head_stride, DType dtype, int box_tokens,
-                                      bool whole_rows) {
+                                      int64_t head_stride, DType dtype, int box_tokens) {
   CacheMapShape shape{};
   shape.raw_fp8_rows = IsFp8(dtype);
   shape.row_bytes = p.head_size;
@@ -49,7 +47,7 @@ absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* ca
   shape.token_stride = token_stride;
   shape.head_stride = head_stride;
   shape.box_tokens = static_cast<uint32_t>(box_tokens);
-  shape.box_halves = whole_rows ? static_cast<uint32_t>(shape.halves) : 1;
+  shape.box_halves = 1;
   shape.box_heads = 1;
   return EncodeCacheTensorMap(cache, dtype, shape, kWhat);
 }
@@ -239,10 +237,10 @@ absl::Status LaunchPrefillWgmma(const PagedKernelParams& p, DType q_dtype, DType
   args.block_shift = ptx::Log2IfPowerOfTwo(p.block_size);
   ASSIGN_OR_RETURN(const CUtensorMap k_map,
                    EncodeMap(p, p.k_cache, p.k_block_stride, p.k_token_stride, p.k_head_stride,
-                             cache_dtype, args.box_tokens, /*whole_rows=*/false));
+                             cache_dtype, args.box_tokens));
   ASSIGN_OR_RETURN(const CUtensorMap v_map,
                    EncodeMap(p, p.v_cache, p.v_block_stride, p.v_token_stride, p.v_head_stride,
-                             cache_dtype, args.box_tokens, /*whole_rows=*/true));
+                             cache_dtype, args.box_tokens));
   const bool bf16 = q_dtype == DType::kBFloat16;
   const int max_ctas = options.wgmma_max_ctas;
   if (fp8) {

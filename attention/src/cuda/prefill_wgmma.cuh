@@ -53,9 +53,7 @@
 // 128-byte swizzle of wgmma_ptx.cuh, 8 rows per 1024-byte atom):
 //   q:  [2 consumers][D / 64 panels][64 rows][64]   reused to stage the output rows
 //   k:  [kStages][D / 64 panels][kBlockN keys][64]  a page of box_tokens keys lands at
-//                                                   key row page * box_tokens of each panel
-//   v:  [kStages][pages][D / 64 panels][box_tokens keys][64]   a page per box, every panel
-//                                                   (VTileOffset, prefill_wgmma_producer.cuh)
+//   v:  [kStages][D / 64 panels][kBlockN keys][64]  key row page * box_tokens of each panel
 //   barriers: full_k, full_v, empty_k, empty_v [kStages]
 //
 // fp8 caches (kFp8): TMA copies raw byte rows ([kBlockN][D], unswizzled) into the ring;
@@ -373,9 +371,6 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
     // The products' shared-memory descriptors: built once (Q) or once per tile (K, V), each
     // k16 step a constant added to the start address (DescriptorPlus).
     const uint64_t q_desc = wgmma::KMajorDescriptor(q_base);
-    // V tiles as P V reads them (VTileOffset): 16-bit, in the ring's layout of pages of
-    // box_tokens keys; fp8, the converted tile, one page of kBlockN keys.
-    const int v_box_tokens = kFp8 ? kBlockN : a.box_tokens;
     // S = Q K^T of tile n, issued and committed (not waited for).
     auto issue_s = [&](int n) {
       ready_k(n);
@@ -400,20 +395,18 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
         for (int i = wtid; i < (kBlockN - first) * kPanels * 8; i += 128) {
           const int r = first + i / (kPanels * 8);
           const int c = i % (kPanels * 8);
-          *reinterpret_cast<uint4*>(tile + VTileOffset<D, false, Traits>(r, c >> 3, a.box_tokens) +
+          *reinterpret_cast<uint4*>(tile + (c >> 3) * Traits::kKvPanelBytes + r * 128 +
                                     (((c & 7) ^ (r & 7)) << 4)) = make_uint4(0, 0, 0, 0);
         }
         wgmma::FenceSharedForAsyncProxy();
         wgmma::NamedBarrierSync(1 + consumer, 128);
       }
-      const uint64_t v_desc = wgmma::MnMajorDescriptor(v_tile_of(n), v_box_tokens * 128);
+      const uint64_t v_desc = wgmma::MnMajorDescriptor(v_tile_of(n), Traits::kKvPanelBytes);
       wgmma::Fence();
 #pragma unroll
       for (int kc = 0; kc < kBlockN / 16; ++kc) {
         wgmma::WgmmaRS<D, T, true>(
-            acc_o, pa[kc],
-            wgmma::DescriptorPlus(v_desc, VTileOffset<D, false, Traits>(16 * kc, 0, v_box_tokens)),
-            true);
+            acc_o, pa[kc], wgmma::DescriptorPlus(v_desc, wgmma::MnMajorStepBytes(kc)), true);
       }
       wgmma::Commit();
     };
