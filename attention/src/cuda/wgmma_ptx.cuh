@@ -45,8 +45,8 @@ __host__ __device__ constexpr uint32_t SwizzledOffset128(uint32_t row, uint32_t 
 
 // A shared-memory matrix descriptor for the 128-byte swizzle: start address (a shared
 // address), leading and stride byte offsets (multiples of 16 below 2^18).
-__device__ __forceinline__ uint64_t Descriptor128(uint32_t start, uint32_t leading_bytes,
-                                                  uint32_t stride_bytes) {
+__host__ __device__ __forceinline__ uint64_t Descriptor128(uint32_t start, uint32_t leading_bytes,
+                                                           uint32_t stride_bytes) {
   uint64_t desc = 0;
   desc |= static_cast<uint64_t>((start & 0x3FFFF) >> 4);
   desc |= static_cast<uint64_t>((leading_bytes & 0x3FFFF) >> 4) << 16;
@@ -67,12 +67,13 @@ __host__ __device__ constexpr uint32_t MnMajorStepBytes(int k) {
 
 // The descriptor of k16 step 0 of a K-major operand whose 64-column panels start at `base`
 // (shared address, 1024-byte aligned); DescriptorPlus(it, KMajorStepBytes(...)) is step k.
-__device__ __forceinline__ uint64_t KMajorDescriptor(uint32_t base) {
+__host__ __device__ __forceinline__ uint64_t KMajorDescriptor(uint32_t base) {
   return Descriptor128(base, 16, 1024);
 }
 // The descriptor of k16 step 0 of an MN-major operand whose 64-column panels start at
 // `base` and lie `panel_bytes` apart; DescriptorPlus(it, MnMajorStepBytes(k)) is step k.
-__device__ __forceinline__ uint64_t MnMajorDescriptor(uint32_t base, uint32_t panel_bytes) {
+__host__ __device__ __forceinline__ uint64_t MnMajorDescriptor(uint32_t base,
+                                                               uint32_t panel_bytes) {
   return Descriptor128(base, panel_bytes, 1024);
 }
 
@@ -80,20 +81,22 @@ __device__ __forceinline__ uint64_t MnMajorDescriptor(uint32_t base, uint32_t pa
 // shared address below 256 KiB, as every shared address of a CTA is): the start-address
 // field (bits 0-13) holds the address / 16, so the sum stays inside it and only the low word
 // changes; one integer add where the step is a constant, instead of rebuilding every field.
-__device__ __forceinline__ uint64_t DescriptorPlus(uint64_t desc, uint32_t bytes) {
+__host__ __device__ __forceinline__ uint64_t DescriptorPlus(uint64_t desc, uint32_t bytes) {
   const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
   return (desc & 0xFFFFFFFF00000000ull) | lo;
 }
 
 // The descriptor of k16 step `k` of a K-major operand whose 64-column panels start at
 // `base` (shared address, 1024-byte aligned) and lie `panel_bytes` apart.
-__device__ __forceinline__ uint64_t KMajorStep(uint32_t base, uint32_t panel_bytes, int k) {
+__host__ __device__ __forceinline__ uint64_t KMajorStep(uint32_t base, uint32_t panel_bytes,
+                                                        int k) {
   return Descriptor128(base + KMajorStepBytes(panel_bytes, k), 16, 1024);
 }
 
 // The descriptor of k16 step `k` (rows 16 k .. 16 k + 15) of an MN-major operand whose
 // 64-column panels start at `base` and lie `panel_bytes` apart.
-__device__ __forceinline__ uint64_t MnMajorStep(uint32_t base, uint32_t panel_bytes, int k) {
+__host__ __device__ __forceinline__ uint64_t MnMajorStep(uint32_t base, uint32_t panel_bytes,
+                                                         int k) {
   return Descriptor128(base + MnMajorStepBytes(k), panel_bytes, 1024);
 }
 
