@@ -36,25 +36,6 @@ Tensor Random(std::vector<int64_t> shape, DType dtype, uint32_t seed) {
   return t;
 }
 
-// A host tensor's bytes in a fresh device buffer.
-DeviceBuffer Upload(const void* data, size_t bytes) {
-  absl::StatusOr<DeviceBuffer> buffer = DeviceBuffer::Create(bytes, MemoryKind::kDevice);
-  EXPECT_TRUE(buffer.ok()) << buffer.status();
-  EXPECT_EQ(cudaMemcpy(buffer->data(), data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  return std::move(buffer).value();
-}
-
-template <typename T>
-DeviceBuffer UploadVector(const std::vector<T>& v) {
-  return Upload(v.data(), v.size() * sizeof(T));
-}
-
-std::vector<char> Download(const void* device, size_t bytes) {
-  std::vector<char> host(bytes);
-  EXPECT_EQ(cudaMemcpy(host.data(), device, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-  return host;
-}
-
 struct LayerCase {
   std::string name;
   DType dtype;
@@ -136,25 +117,27 @@ TEST_P(CudaAttentionLayerTest, MatchesTheCpuLayer) {
     ASSERT_TRUE((*cpu_layer)->Forward(q.view(), k.view(), v.view(), cpu_out.view()).ok());
 
     const size_t es = DTypeSize(c.dtype);
-    DeviceBuffer dq = Upload(q.view().data(), q.numel() * es);
-    DeviceBuffer dk = Upload(k.view().data(), k.numel() * es);
-    DeviceBuffer dv = Upload(v.view().data(), v.numel() * es);
+    absl::StatusOr<DeviceBuffer> dq = gpu_test::ToDevice(q.view().data(), q.numel() * es);
+    absl::StatusOr<DeviceBuffer> dk = gpu_test::ToDevice(k.view().data(), k.numel() * es);
+    absl::StatusOr<DeviceBuffer> dv = gpu_test::ToDevice(v.view().data(), v.numel() * es);
+    ASSERT_TRUE(dq.ok() && dk.ok() && dv.ok());
     absl::StatusOr<DeviceBuffer> dout =
         DeviceBuffer::CreateZeroed(cpu_out.numel() * es, MemoryKind::kDevice);
     ASSERT_TRUE(dout.ok()) << dout.status();
-    DeviceBuffer qsl = UploadVector(md->query_start_loc);
-    DeviceBuffer lens = UploadVector(md->seq_lens);
-    DeviceBuffer table = UploadVector(md->block_table);
-    DeviceBuffer slots = UploadVector(md->slot_mapping);
+    absl::StatusOr<DeviceBuffer> qsl = gpu_test::ToDevice(md->query_start_loc);
+    absl::StatusOr<DeviceBuffer> lens = gpu_test::ToDevice(md->seq_lens);
+    absl::StatusOr<DeviceBuffer> table = gpu_test::ToDevice(md->block_table);
+    absl::StatusOr<DeviceBuffer> slots = gpu_test::ToDevice(md->slot_mapping);
+    ASSERT_TRUE(qsl.ok() && lens.ok() && table.ok() && slots.ok());
     DeviceAttentionMetadata dmd;
-    dmd.query_start_loc = qsl.data_as<int32_t>();
-    dmd.seq_lens = lens.data_as<int32_t>();
-    dmd.block_table = table.data_as<int32_t>();
-    dmd.slot_mapping = slots.data_as<int64_t>();
+    dmd.query_start_loc = qsl->data_as<int32_t>();
+    dmd.seq_lens = lens->data_as<int32_t>();
+    dmd.block_table = table->data_as<int32_t>();
+    dmd.slot_mapping = slots->data_as<int64_t>();
 
-    TensorView gq(dq.data(), c.dtype, {tokens, 8 * 128}, MemoryKind::kDevice);
-    TensorView gk(dk.data(), c.dtype, {tokens, 2 * 128}, MemoryKind::kDevice);
-    TensorView gv(dv.data(), c.dtype, {tokens, 2 * 128}, MemoryKind::kDevice);
+    TensorView gq(dq->data(), c.dtype, {tokens, 8 * 128}, MemoryKind::kDevice);
+    TensorView gk(dk->data(), c.dtype, {tokens, 2 * 128}, MemoryKind::kDevice);
+    TensorView gv(dv->data(), c.dtype, {tokens, 2 * 128}, MemoryKind::kDevice);
     TensorView gout(dout->data(), c.dtype, {tokens, 8 * 128}, MemoryKind::kDevice);
 
     // Without the device metadata the layer refuses, naming what is missing.
@@ -175,14 +158,15 @@ TEST_P(CudaAttentionLayerTest, MatchesTheCpuLayer) {
     const KvCacheView hv = (*host_cache)->view(), dvw = (*device_cache)->view();
     const size_t k_bytes = static_cast<size_t>(num_blocks) * spec.KBytesPerBlock();
     const size_t v_bytes = static_cast<size_t>(num_blocks) * spec.VBytesPerBlock();
-    std::vector<char> k_back = Download(dvw.k, k_bytes), v_back = Download(dvw.v, v_bytes);
+    std::vector<char> k_back(k_bytes), v_back(v_bytes);
+    ASSERT_TRUE(gpu_test::ToHost(dvw.k, k_bytes, k_back.data()).ok());
+    ASSERT_TRUE(gpu_test::ToHost(dvw.v, v_bytes, v_back.data()).ok());
     EXPECT_EQ(std::memcmp(k_back.data(), hv.k, k_bytes), 0) << "K cache differs";
     EXPECT_EQ(std::memcmp(v_back.data(), hv.v, v_bytes), 0) << "V cache differs";
 
     // The outputs agree within the tolerance of 16-bit arithmetic.
     Tensor got = Tensor::Zeros({tokens, 8 * 128}, c.dtype);
-    ASSERT_EQ(cudaMemcpy(got.view().data(), dout->data(), got.nbytes(), cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    ASSERT_TRUE(gpu_test::ToHost(dout->data(), got.nbytes(), got.view().data()).ok());
     double worst = 0;
     for (int64_t i = 0; i < cpu_out.numel(); ++i) {
       const double a = got.GetFloat(i), b = cpu_out.GetFloat(i);
