@@ -27,11 +27,13 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "tests/chaos/chaos_peer.h"
@@ -121,30 +123,69 @@ std::vector<pid_t> ChildPids() {
   return out;
 }
 
-// System V shared memory segments (/proc/sysvipc/shm) created by one of `pids`.
-std::vector<std::string> SysvSegmentsOf(const std::set<pid_t>& pids) {
-  std::vector<std::string> out;
+// The shared memory that exists before the soak starts: System V segments by shmid, /dev/shm
+// entries by name. Left out of what the soak's peers may have left behind, since a pid of
+// the soak's may be the reused pid of a process that left them long before.
+struct SharedMemoryBefore {
+  std::set<std::string> sysv_ids;
+  std::set<std::string> posix_names;
+};
+
+// Every System V segment's line of /proc/sysvipc/shm, split into fields.
+std::vector<std::vector<std::string>> SysvSegments() {
+  std::vector<std::vector<std::string>> out;
   std::ifstream f("/proc/sysvipc/shm");
   std::string line;
   std::getline(f, line);  // header: key shmid perms size cpid lpid nattch ...
   while (std::getline(f, line)) {
     std::vector<std::string> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (fields.size() > 4) out.push_back(std::move(fields));
+  }
+  return out;
+}
+
+// Every entry of /dev/shm.
+std::vector<std::string> PosixSegments() {
+  std::vector<std::string> out;
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return out;
+  while (dirent* e = ::readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") out.push_back(name);
+  }
+  ::closedir(dir);
+  return out;
+}
+
+SharedMemoryBefore SnapshotSharedMemory() {
+  SharedMemoryBefore s;
+  for (const std::vector<std::string>& fields : SysvSegments()) s.sysv_ids.insert(fields[1]);
+  for (std::string& name : PosixSegments()) s.posix_names.insert(std::move(name));
+  return s;
+}
+
+// System V shared memory segments (/proc/sysvipc/shm) created by one of `pids` and not there
+// `before`.
+std::vector<std::string> SysvSegmentsOf(const std::set<pid_t>& pids,
+                                        const SharedMemoryBefore& before) {
+  std::vector<std::string> out;
+  for (const std::vector<std::string>& fields : SysvSegments()) {
     pid_t cpid = 0;
-    if (fields.size() > 4 && absl::SimpleAtoi(fields[4], &cpid) && pids.count(cpid) > 0) {
-      out.push_back(line);
+    if (before.sysv_ids.count(fields[1]) == 0 && absl::SimpleAtoi(fields[4], &cpid) &&
+        pids.count(cpid) > 0) {
+      out.push_back(absl::StrJoin(fields, " "));
     }
   }
   return out;
 }
 
 // /dev/shm entries named after one of `pids` (UCX's and kvstream's posix segments carry
-// their creator's pid).
-std::vector<std::string> PosixSegmentsOf(const std::set<pid_t>& pids) {
+// their creator's pid) and not there `before`.
+std::vector<std::string> PosixSegmentsOf(const std::set<pid_t>& pids,
+                                         const SharedMemoryBefore& before) {
   std::vector<std::string> out;
-  DIR* dir = ::opendir("/dev/shm");
-  if (dir == nullptr) return out;
-  while (dirent* e = ::readdir(dir)) {
-    const std::string name = e->d_name;
+  for (const std::string& name : PosixSegments()) {
+    if (before.posix_names.count(name) > 0) continue;
     for (pid_t pid : pids) {
       const std::string p = absl::StrCat(pid);
       size_t at = name.find(p);
@@ -161,7 +202,6 @@ std::vector<std::string> PosixSegmentsOf(const std::set<pid_t>& pids) {
       }
     }
   }
-  ::closedir(dir);
   return out;
 }
 
@@ -216,6 +256,7 @@ int RunSoak(const Flags& flags) {
     std::cerr << "chaos soak: unknown --fault=" << flags.fault << "\n";
     return 2;
   }
+  const SharedMemoryBefore shared_before = SnapshotSharedMemory();
   auto soak = Soak::Create(so);
   if (!soak.ok()) {
     std::cerr << "chaos soak: " << soak.status() << "\n";
@@ -257,11 +298,11 @@ int RunSoak(const Flags& flags) {
     rc = 1;
   }
   const std::set<pid_t> pids = AllPidsEverStarted();
-  for (const std::string& seg : SysvSegmentsOf(pids)) {
+  for (const std::string& seg : SysvSegmentsOf(pids, shared_before)) {
     std::cout << "chaos soak FAILED: System V shared memory left by a peer: " << seg << "\n";
     rc = 1;
   }
-  for (const std::string& seg : PosixSegmentsOf(pids)) {
+  for (const std::string& seg : PosixSegmentsOf(pids, shared_before)) {
     std::cout << "chaos soak FAILED: /dev/shm/" << seg << " left by a peer\n";
     rc = 1;
   }
