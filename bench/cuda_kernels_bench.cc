@@ -560,10 +560,10 @@ void BM_PagedRead(benchmark::State& state) {
 // Prefill: one sequence of `tokens` tokens, causal, all of them queries, 32/8 heads, d128,
 // bf16, in pages of `block_size` tokens. `kernel` 0: the mma.sync baseline variant; 1: its
 // fast variant; 2: the wgmma kernel (sm_90a), single CTAs; 3: the wgmma kernel, CTA pairs
-// (PrefillWgmmaCluster); `heads_outer` 0 or 1: its grid's KV heads inner or outer (PrefillWgmmaOrder), and
-// `persistent` 0 or 1: a CTA (pair) per unit or persistent CTAs (PrefillWgmmaGrid), and
-// `schedule` 0 for the launcher's default or 1, 2, 3 for serial, overlap and ping-pong
-// (PrefillWgmmaSchedule, in the enum's order).
+// (PrefillWgmmaCluster); `heads_outer` 0 or 1: its grid's KV heads inner or outer
+// (PrefillWgmmaOrder); `persistent` 0 or 1: a CTA (pair) per unit or persistent CTAs
+// (PrefillWgmmaGrid); `schedule` 0 for the launcher's default or 1, 2, 3 for serial,
+// overlap and ping-pong (PrefillWgmmaSchedule, in the enum's order).
 void BM_Prefill(benchmark::State& state) {
   Gpu* gpu = nullptr;
   if (SkipWithoutGpu(state, &gpu)) return;
