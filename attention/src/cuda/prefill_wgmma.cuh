@@ -558,9 +558,9 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
       // Overlap and ping-pong: per tile n, S_n = Q K_n^T and O += P_{n-1} V_{n-1} are issued
       // together, the softmax of S_n follows, and O is rescaled (by tile n's alpha) once the
       // second product is done. (FlashAttention-3 runs the softmax while P V is in flight;
-      // here ptxas places the wait for both products before the softmax, because it gives the
-      // softmax's temporaries the registers that P V still reads, so the two products are
-      // queued together but the softmax does not overlap them.)
+      // here ptxas schedules the wait for both products at the start of the softmax, as
+      // early as the code's ordering allows, so the two products are queued together but
+      // the softmax does not overlap them: docs/benchmarks.md, "Written, not yet measured".)
       float alpha[2];
       turn_begin();
       issue_s(u_begin);
