@@ -22,11 +22,14 @@
 // copies the current one, so that no warp waits at a barrier or on a table read between
 // entries (the transport's kernel shares each entry through shared memory behind a barrier
 // per entry); TMA bulk copies (`bulk<S>x<C>`); and a grid-stride copy of the contiguous
-// bytes (`gridstride`) as what a plain SM copy reaches. GB/s are of layer bytes (1e9 per
+// bytes (`gridstride`) as what a plain SM copy reaches; and one cudaMemcpyBatchAsync of the
+// whole table (`batch`, and `batch/ce` with the copy engines preferred), its host time per
+// call on a line of its own. GB/s are of layer bytes (1e9 per
 // second); ratio = memcpy time / kernel time.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -411,6 +414,45 @@ int Run(int device, int reps) {
                 }));
           }
         };
+        // The copy engines' way: one cudaMemcpyBatchAsync of every entry (pointer arrays on
+        // the host), with no flag and with cudaMemcpyFlagPreferOverlapWithCompute (copy
+        // engines rather than SMs). The host time of the call is printed beside it.
+        std::vector<void*> batch_dst(host.size());
+        std::vector<const void*> batch_src(host.size());
+        std::vector<size_t> batch_len(host.size());
+        for (size_t i = 0; i < host.size(); ++i) {
+          batch_dst[i] = reinterpret_cast<void*>(host[i].dst);
+          batch_src[i] = reinterpret_cast<const void*>(host[i].src);
+          batch_len[i] = host[i].length;
+        }
+        for (const unsigned flags :
+             {0u, static_cast<unsigned>(cudaMemcpyFlagPreferOverlapWithCompute)}) {
+          cudaMemcpyAttributes attr{};
+          attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+          attr.flags = flags;
+          size_t attr_index = 0;
+          double host_us = 0.0;
+          int calls = 0;
+          auto launch = [&](int r) {
+            const size_t first = static_cast<size_t>(r % kRegions) * n;
+            const auto t0 = std::chrono::steady_clock::now();
+            CHECK_CUDA(cudaMemcpyBatchAsync(batch_dst.data() + first, batch_src.data() + first,
+                                            batch_len.data() + first, n, &attr, &attr_index, 1,
+                                            stream));
+            host_us +=
+                std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                    .count();
+            ++calls;
+          };
+          const std::string name = flags == 0 ? "batch" : "batch/ce";
+          check(name, [&] { launch(0); });
+          host_us = 0.0;
+          calls = 0;
+          const float ms = MedianMs(reps, stream, launch);
+          row(p.name, name, ms);
+          std::printf("%-6zu %-5zu %-14s %-13s host %.1f us per call\n", block_tokens, layer_mib,
+                      p.name.c_str(), name.c_str(), host_us / calls);
+        }
         bulk("bulk4x32k", BulkCopy<4>, 4, 32 << 10);
         bulk("bulk3x32k", BulkCopy<3>, 3, 32 << 10);
         bulk("bulk6x16k", BulkCopy<6>, 6, 16 << 10);
