@@ -560,7 +560,9 @@ __global__ void __launch_bounds__(PrefillWgmmaTraits<D, kFp8, kPair>::kThreads, 
       // second product is done. (FlashAttention-3 runs the softmax while P V is in flight;
       // here ptxas schedules the wait for both products at the start of the softmax, as
       // early as the code's ordering allows, so the two products are queued together but
-      // the softmax does not overlap them: docs/benchmarks.md, "Written, not yet measured".)
+      // the softmax does not overlap them; pinning the wait after the softmax by moving
+      // K_n's release there was measured slower: docs/benchmarks.md, "The softmax between
+      // the two waits".)
       float alpha[2];
       turn_begin();
       issue_s(u_begin);
