@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -52,8 +54,9 @@ absl::StatusOr<CUtensorMap> EncodeMap(const PagedKernelParams& p, const void* ca
   return EncodeCacheTensorMap(cache, dtype, shape, kWhat);
 }
 
-// How many CTAs (pairs: clusters) of `kernel` the device holds at once.
-absl::StatusOr<int> ResidentUnits(const void* kernel, cudaLaunchConfig_t config, bool pair) {
+// How many CTAs (pairs: clusters) of `kernel` `device` (the current one) holds at once.
+absl::StatusOr<int> QueryResidentUnits(const void* kernel, cudaLaunchConfig_t config, bool pair,
+                                       int device) {
   if (pair) {
     int clusters = 0;
     RETURN_IF_ERROR(CudaErrorToStatus(
@@ -61,11 +64,8 @@ absl::StatusOr<int> ResidentUnits(const void* kernel, cudaLaunchConfig_t config,
         absl::StrCat(kWhat, ": resident clusters")));
     return clusters;
   }
-  int device = 0;
   int sms = 0;
   int per_sm = 0;
-  RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetDevice(&device)),
-                                    absl::StrCat(kWhat, ": current device")));
   RETURN_IF_ERROR(CudaErrorToStatus(
       static_cast<int>(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)),
       absl::StrCat(kWhat, ": SM count")));
@@ -74,6 +74,26 @@ absl::StatusOr<int> ResidentUnits(const void* kernel, cudaLaunchConfig_t config,
           &per_sm, kernel, static_cast<int>(config.blockDim.x), config.dynamicSmemBytes)),
       absl::StrCat(kWhat, ": resident CTAs")));
   return sms * per_sm;
+}
+
+// QueryResidentUnits, asked once per (device, kernel): the answer depends only on the
+// kernel, its fixed launch shape (threads, shared memory, cluster) and the device, and the
+// occupancy queries are not free on a launch path. Thread-safe.
+absl::StatusOr<int> ResidentUnits(const void* kernel, const cudaLaunchConfig_t& config, bool pair) {
+  static std::mutex mu;
+  static auto* known = new std::map<std::pair<int, const void*>, int>();
+  int device = 0;
+  RETURN_IF_ERROR(CudaErrorToStatus(static_cast<int>(cudaGetDevice(&device)),
+                                    absl::StrCat(kWhat, ": current device")));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = known->find({device, kernel});
+    if (it != known->end()) return it->second;
+  }
+  ASSIGN_OR_RETURN(const int units, QueryResidentUnits(kernel, config, pair, device));
+  std::lock_guard<std::mutex> lock(mu);
+  known->emplace(std::make_pair(device, kernel), units);
+  return units;
 }
 
 // Pairs: clusters of two CTAs along x over an even number of row tiles per KV head.
