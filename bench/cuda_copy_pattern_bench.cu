@@ -24,8 +24,8 @@
 // per entry); TMA bulk copies (`bulk<S>x<C>`); and a grid-stride copy of the contiguous
 // bytes (`gridstride`) as what a plain SM copy reaches; and one cudaMemcpyBatchAsync of the
 // whole table (`batch`, and `batch/ce` with the copy engines preferred), its host time per
-// call on a line of its own. GB/s are of layer bytes (1e9 per
-// second); ratio = memcpy time / kernel time.
+// call on a line of its own. GB/s are of layer bytes (1e9 per second); ratio = memcpy time /
+// kernel time.
 #include <cuda_runtime.h>
 
 #include <algorithm>
