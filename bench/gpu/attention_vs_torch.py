@@ -15,13 +15,15 @@ the same inputs in one process, on torch's current stream.
          side has a NaN.
 --bench  prefill (bf16, causal, d128, 4k/8k/16k/32k tokens, 32/8 heads, block size 16 and
          64): kvstream TFLOP/s beside SDPA's flash and cuDNN backends (medians of
-         PREFILL_ROUNDS interleaved rounds); decode (bf16, 32/8 heads, d128, block size 16, 64 x 4k and
-         16 x 32k): TB/s of KV read beside SDPA (enable_gqa, not paged), each backend forced
-         and the plain call (torch's own backend choice), with ratios to the fastest backend
-         and to the plain call. Decode is timed in DECODE_ROUNDS interleaved rounds (kvstream,
-         then each torch variant) and reports each side's median, with the range of the
-         per-round ratios to the plain call, so that a drift of the GPU's clocks or memory
-         during the run does not decide the ratio.
+         PREFILL_ROUNDS interleaved rounds, each led by another side, at least 10 launches
+         per timing, with the range of the per-round ratios to cuDNN); decode (bf16, 32/8
+         heads, d128, block size 16, 64 x 4k and 16 x 32k): TB/s of KV read beside SDPA
+         (enable_gqa, not paged), each backend forced and the plain call (torch's own
+         backend choice), with ratios to the fastest backend and to the plain call. Decode
+         is timed in DECODE_ROUNDS interleaved rounds (kvstream, then each torch variant)
+         and reports each side's median, with the range of the per-round ratios to the
+         plain call, so that a drift of the GPU's clocks or memory during the run does not
+         decide the ratio.
 Neither flag: both.
 """
 import argparse
@@ -304,7 +306,9 @@ def bench(lib, report):
         for bs in (16, 64):
             p = Problem([(0, n)], h, kvh, d, block_size=bs, seed=1)
             flops = 4.0 * n * n * d * h / 2
-            iters = max(3, int(20 * (8192 / n) ** 2))
+            # At least 10 launches per timing: a few launches of 15 ms right after another
+            # backend's run mostly time the clock's recovery from it.
+            iters = max(10, int(20 * (8192 / n) ** 2))
             a = p.args(scale, stream, iterations=1)
             k, v = p.gathered(0)
             qq = p.q.transpose(0, 1).unsqueeze(0).contiguous()
@@ -312,16 +316,24 @@ def bench(lib, report):
             vv = v.to(torch.bfloat16).repeat_interleave(h // kvh, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
             row = {"shape": f"prefill b1 h{h} kv{kvh} n{n} d{d} causal bf16 bs{bs}"}
             ms = {"kvstream": [], "flash": [], "cudnn": []}
-            for _ in range(PREFILL_ROUNDS):  # interleaved, so that clock drift picks no side
-                ms["kvstream"].append(time_ms(lambda: run_kvstream(lib, a), iters))
-                for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                                      ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+
+            def timed(backend):
+                if backend is None:
+                    return time_ms(lambda: run_kvstream(lib, a), iters)
+                with sdpa_kernel(backend):
+                    return time_ms(lambda: F.scaled_dot_product_attention(
+                        qq, kk, vv, is_causal=True, scale=scale), iters)
+
+            sides = [("kvstream", None), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("cudnn", SDPBackend.CUDNN_ATTENTION)]
+            # Interleaved rounds, each starting with the next side, so that neither a drift of
+            # the clock nor the side run just before (a hotter or cooler GPU) picks a winner.
+            for r in range(PREFILL_ROUNDS):
+                for name, backend in sides[r % len(sides):] + sides[:r % len(sides)]:
                     if ms[name] is None:
                         continue
                     try:
-                        with sdpa_kernel(backend):
-                            ms[name].append(time_ms(lambda: F.scaled_dot_product_attention(
-                                qq, kk, vv, is_causal=True, scale=scale), iters))
+                        ms[name].append(timed(backend))
                     except RuntimeError as e:  # backend not available for this shape or build
                         ms[name] = None
                         print(f"  torch {name}: unavailable ({str(e).splitlines()[0]})")
@@ -330,10 +342,15 @@ def bench(lib, report):
             row["torch_flash_tflops"] = tf["flash"]
             row["torch_cudnn_tflops"] = tf["cudnn"]
             fl, cd = tf["flash"], tf["cudnn"]
+            per_round_text = ""
+            if ms["cudnn"]:
+                per_round = [cd_ms / kv_ms for kv_ms, cd_ms in zip(ms["kvstream"], ms["cudnn"])]
+                row["ratio_vs_cudnn_per_round"] = per_round
+                per_round_text = f"; cudnn ratio per round {min(per_round):.2f}-{max(per_round):.2f}"
             print(f"{row['shape']}: kvstream {tf['kvstream']:.1f} TFLOP/s | torch flash "
                   f"{fl or float('nan'):.1f} (ratio {tf['kvstream'] / fl if fl else float('nan'):.2f}) | "
                   f"torch cudnn {cd or float('nan'):.1f} (ratio {tf['kvstream'] / cd if cd else float('nan'):.2f})"
-                  f" (medians of {PREFILL_ROUNDS} rounds)", flush=True)
+                  f" (medians of {PREFILL_ROUNDS} rounds{per_round_text})", flush=True)
             report.setdefault("bench", []).append(row)
             del p, k, v, qq, kk, vv
             torch.cuda.empty_cache()
