@@ -302,14 +302,7 @@ def time_sustained_ms(fn, min_ms=100.0):
     that sizes the run, about min_ms / 2 of untimed calls that bring the clocks to where such
     a load keeps them (a GPU at its power cap runs a short burst faster than a long one),
     then time_ms over at least min_ms (and at least 10 calls)."""
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    stop.record()
-    torch.cuda.synchronize()
-    once = max(start.elapsed_time(stop), 1e-3)
+    once = max(time_ms(fn, 1), 1e-3)
     for _ in range(math.ceil(min_ms / 2 / once)):
         fn()
     return time_ms(fn, max(10, math.ceil(min_ms / once)))

@@ -24,10 +24,21 @@ shift
 # math libraries (hundreds of MiB).
 base='^(linux-vdso|ld-linux-x86-64|libc|libm|libdl|libpthread|librt|libutil|libresolv|libgcc_s|libstdc\+\+|libcuda|libnvidia-[a-z0-9-]+|libnccl|libcublas|libcublasLt|libcufft|libcurand|libcusparse|libcusolver|libnvrtc|libnvJitLink)\.so'
 
-# Copies every library that ELF file $1 loads (ldd's closure) into $dest/lib, under the name
-# it is loaded by, and prints those names.
+# "name path" of each library in ldd's listing $1 that is neither the base system's nor the
+# host's.
+packable() {
+  local name arrow path rest
+  while read -r name arrow path rest; do
+    [ "$arrow" = "=>" ] || continue
+    [[ $name =~ $base ]] && continue
+    echo "$name $path"
+  done <<< "$1"
+}
+
+# Copies every packable library that ELF file $1 loads (ldd's closure) into $dest/lib, under
+# the name it is loaded by, and prints "name path" of each.
 pack_libraries() {
-  local listing name arrow path rest
+  local listing name path
   if ! listing=$(ldd "$1" 2>&1) || ! grep -q "=>" <<< "$listing"; then
     echo "pack_for_gpu_host: $1 is not a dynamic ELF file: $listing" >&2
     return 1
@@ -37,12 +48,11 @@ pack_libraries() {
     grep "not found" <<< "$listing" >&2
     return 1
   fi
-  while read -r name arrow path rest; do
-    [ "$arrow" = "=>" ] || continue
-    [[ $name =~ $base ]] && continue
+  while read -r name path; do
+    [ -n "$name" ] || continue
     cp -L "$path" "$dest/lib/$name" || return 1
-    echo "$name"
-  done <<< "$listing"
+    echo "$name $path"
+  done < <(packable "$listing")
 }
 
 mkdir -p "$dest/bin" "$dest/lib" || exit 1
@@ -51,8 +61,8 @@ for file in "$@"; do
   cp -L "$file" "$dest/bin/" || exit 1
   packed=$(pack_libraries "$file") || exit 1
   # UCX finds its transports (shared memory, TCP, ...) as modules in ucx/ beside libucs.
-  if grep -q '^libucs\.so' <<< "$packed" && [ ! -d "$dest/lib/ucx" ]; then
-    ucs=$(ldd "$file" | awk '$1 ~ /^libucs\.so/ {print $3}')
+  ucs=$(awk '$1 ~ /^libucs\.so/ {print $2}' <<< "$packed")
+  if [ -n "$ucs" ] && [ ! -d "$dest/lib/ucx" ]; then
     modules=$(dirname "$(readlink -f "$ucs")")/ucx
     mkdir -p "$dest/lib/ucx"
     for module in "$modules"/*.so*; do
@@ -74,14 +84,13 @@ EOF
 lib_dir=$(cd "$dest/lib" && pwd)
 status=0
 for program in "$dest"/bin/*; do
-  while read -r name arrow path rest; do
-    [ "$arrow" = "=>" ] || continue
-    [[ $name =~ $base ]] && continue
+  while read -r name path; do
+    [ -n "$name" ] || continue
     if [ "$(dirname "$path")" != "$lib_dir" ]; then
       echo "pack_for_gpu_host: $(basename "$program") loads $name from $path, not from the pack" >&2
       status=1
     fi
-  done < <(LD_LIBRARY_PATH=$lib_dir ldd "$program")
+  done < <(packable "$(LD_LIBRARY_PATH=$lib_dir ldd "$program")")
 done
 [ "$status" = 0 ] || exit 1
 echo "pack_for_gpu_host: $# program(s), $(find "$dest/lib" -name '*.so*' | wc -l) libraries in $dest ($(du -sh "$dest" | cut -f1))"
